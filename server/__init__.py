@@ -1,0 +1,1 @@
+"""tierps.server: the shard, its gRPC servicers, the daemon and the CLI."""

@@ -1,0 +1,30 @@
+"""tierps.storage: table configs, the tiers, the cascade and the store of one shard."""
+
+from tierps.storage import init, optim
+from tierps.storage.config import Eviction, TableConfig, WritePolicy
+from tierps.storage.errors import (
+    BackendError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    TableNotFoundError,
+    TierpsError,
+)
+from tierps.storage.hash_table import HashTable
+from tierps.storage.store import EmbeddingStore
+from tierps.storage.table import EmbeddingTable
+
+__all__ = [
+    "BackendError",
+    "EmbeddingStore",
+    "EmbeddingTable",
+    "Eviction",
+    "FailedPreconditionError",
+    "HashTable",
+    "InvalidArgumentError",
+    "TableConfig",
+    "TableNotFoundError",
+    "TierpsError",
+    "WritePolicy",
+    "init",
+    "optim",
+]

@@ -1,0 +1,197 @@
+"""Open-addressing hash table from int64 keys to int64 values, vectorised over batches.
+
+Written once against the array module `xp` (numpy on the host; the GPU tier runs the same
+code on cupy). Linear probing over a power-of-two slot array; every probe round handles all
+keys still searching at once, so there is no per-key Python loop on any path.
+
+New keys are placed by a claim round: every key that reached a free slot scatters its batch
+index into that slot, reads it back, and the one whose index survived wins (whichever write
+won, on numpy or cupy). Keys that lost move on; copies of the winner's key inside the same
+batch find their key in the slot and share it. Duplicates in a batch and distinct new keys
+that hash to the same empty slot are therefore both resolved without sorting.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from tierps.storage.config import Eviction
+from tierps.storage.hashing import hash_keys
+
+EMPTY = np.iinfo(np.int64).min  # a slot never used since the last rehash
+TOMBSTONE = EMPTY + 1  # a slot whose key was erased: probing continues past it
+_MIN_SLOTS = 16
+
+
+def _slots_for(n: int, max_load: float) -> int:
+    """The power-of-two slot count that holds n keys at or below max_load."""
+    return max(_MIN_SLOTS, 1 << max(0, int(np.ceil(n / max_load)) - 1).bit_length())
+
+
+class HashTable:
+    """int64 key -> int64 value (a row id in the tier that owns the table), with an eviction
+    score per key. Keys may be any int64 except EMPTY and TOMBSTONE (the two lowest)."""
+
+    def __init__(
+        self,
+        capacity: int = 1024,
+        *,
+        eviction: Eviction | str = Eviction.LRU,
+        max_load: float = 0.5,
+        xp: ModuleType = np,
+    ) -> None:
+        if not 0.0 < max_load < 1.0:
+            raise ValueError(f"HashTable: field 'max_load' expected in (0, 1), got {max_load}")
+        self.xp = xp
+        self.eviction = Eviction(eviction)
+        self.max_load = max_load
+        self._size = 0  # live keys
+        self._used = 0  # live keys + tombstones: what probing sees as occupied
+        self._tick = 0  # LRU clock, one tick per touch call
+        self._allocate(_slots_for(capacity, max_load))
+
+    def _allocate(self, slots: int) -> None:
+        xp = self.xp
+        self._keys = xp.full(slots, EMPTY, dtype=xp.int64)
+        self.values = xp.zeros(slots, dtype=xp.int64)  # the value of each slot's key
+        self._scores = xp.zeros(slots, dtype=xp.int64)  # LRU: last touch tick; LFU: touches
+        self._mask = slots - 1
+
+    @property
+    def size(self) -> int:
+        """Number of live keys."""
+        return self._size
+
+    @property
+    def slots(self) -> int:
+        return self._mask + 1
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._keys.nbytes + self.values.nbytes + self._scores.nbytes)
+
+    @staticmethod
+    def nbytes_for(capacity: int, max_load: float = 0.5) -> int:
+        """Bytes a table sized for `capacity` keys takes (for budgets planned in advance)."""
+        return 24 * _slots_for(capacity, max_load)
+
+    def _home(self, keys: Any) -> Any:
+        return (hash_keys(keys) & self.xp.uint64(self._mask)).astype(self.xp.int64)
+
+    def find(self, keys: Any) -> Any:
+        """Slot of each key, -1 where absent. Slots stay valid until the next insert/erase."""
+        xp = self.xp
+        slots = xp.full(keys.shape[0], -1, dtype=xp.int64)
+        active = xp.nonzero(keys > TOMBSTONE)[0]
+        probe_keys = keys[active]
+        pos = self._home(probe_keys)
+        while active.size:
+            seen = self._keys[pos]
+            hit = seen == probe_keys
+            slots[active[hit]] = pos[hit]
+            going = ~hit & (seen != EMPTY)
+            active, probe_keys = active[going], probe_keys[going]
+            pos = (pos[going] + 1) & self._mask
+        return slots
+
+    def insert(self, keys: Any) -> tuple[Any, Any]:
+        """Make every key present. Returns (slots, inserted): inserted[i] is True for exactly
+        one occurrence of each key that was absent. The caller then sets
+        `values[slots[inserted]]`. Growth may rehash: slots from earlier calls become stale."""
+        xp = self.xp
+        if keys.size and bool(xp.any(keys <= TOMBSTONE)):
+            raise ValueError(
+                f"HashTable: field 'keys' expected values > {TOMBSTONE} (the two lowest int64 "
+                f"are reserved), got {int(keys.min())}"
+            )
+        slots = self.find(keys)
+        missing = xp.nonzero(slots < 0)[0]
+        inserted = xp.zeros(keys.shape[0], dtype=bool)
+        if missing.size == 0:
+            return slots, inserted
+        if self._used + missing.size > self.max_load * self.slots:
+            self._rehash(_slots_for(self._size + missing.size, self.max_load))
+            slots = self.find(keys)
+        self._claim(keys, missing, slots, inserted)
+        fresh = slots[inserted]
+        self._scores[fresh] = self._tick if self.eviction is Eviction.LRU else 0
+        return slots, inserted
+
+    def _claim(self, keys: Any, todo: Any, slots: Any, inserted: Any) -> None:
+        """Place keys[todo] (all absent) in free slots; fill slots[todo] and inserted."""
+        xp = self.xp
+        probe_keys = keys[todo]
+        pos = self._home(probe_keys)
+        while todo.size:
+            seen = self._keys[pos]
+            free = seen <= TOMBSTONE
+            free_pos, free_idx = pos[free], todo[free]
+            self.values[free_pos] = free_idx  # scratch: the slot's value is set by the caller
+            won = self.values[free_pos] == free_idx
+            won_pos, won_idx = free_pos[won], free_idx[won]
+            self._used += int(xp.count_nonzero(self._keys[won_pos] == EMPTY))
+            self._size += int(won_pos.size)
+            self._keys[won_pos] = keys[won_idx]
+            inserted[won_idx] = True
+            placed = self._keys[pos] == probe_keys  # winners and their in-batch duplicates
+            slots[todo[placed]] = pos[placed]
+            going = ~placed
+            todo, probe_keys = todo[going], probe_keys[going]
+            pos = (pos[going] + 1) & self._mask
+
+    def _rehash(self, slots: int) -> None:
+        xp = self.xp
+        live = xp.nonzero(self._keys > TOMBSTONE)[0]
+        keys, values, scores = self._keys[live], self.values[live], self._scores[live]
+        self._allocate(slots)
+        self._size = self._used = 0
+        new_slots = xp.full(keys.shape[0], -1, dtype=xp.int64)
+        self._claim(keys, xp.arange(keys.shape[0]), new_slots, xp.zeros(keys.shape[0], bool))
+        self.values[new_slots] = values
+        self._scores[new_slots] = scores
+
+    def remove_slots(self, slots: Any) -> None:
+        """Erase the keys in these (unique, live) slots."""
+        self._keys[slots] = TOMBSTONE
+        self._size -= int(slots.shape[0])
+
+    def erase(self, keys: Any) -> int:
+        """Erase the keys present; returns how many distinct keys were erased."""
+        slots = self.find(keys)
+        slots = self.xp.unique(slots[slots >= 0])
+        self.remove_slots(slots)
+        return int(slots.shape[0])
+
+    def touch(self, slots: Any) -> None:
+        """Record an access of each slot for the eviction score (repeats count for LFU)."""
+        if self.eviction is Eviction.LRU:
+            self._tick += 1
+            self._scores[slots] = self._tick
+        else:
+            self.xp.add.at(self._scores, slots, 1)
+
+    def eviction_candidates(self, count: int, protect: Any = None) -> Any:
+        """Slots of the `count` live keys with the lowest score (least recent for LRU, least
+        frequent for LFU), never one of the `protect` slots. Fewer if fewer are eligible."""
+        xp = self.xp
+        live = xp.nonzero(self._keys > TOMBSTONE)[0]
+        scores = self._scores[live]
+        if protect is not None and protect.size:
+            eligible = ~xp.isin(live, protect)
+            live, scores = live[eligible], scores[eligible]
+        if count >= live.size:
+            return live
+        if count <= 0:
+            return live[:0]
+        return live[xp.argpartition(scores, count - 1)[:count]]
+
+    def export(self) -> tuple[Any, Any]:
+        """(keys, values) of every live key, in slot order."""
+        live = self.xp.nonzero(self._keys > TOMBSTONE)[0]
+        return self._keys[live], self.values[live]
+
+    def keys_at(self, slots: Any) -> Any:
+        return self._keys[slots]

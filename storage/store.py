@@ -1,0 +1,182 @@
+"""EmbeddingStore: the tables of one shard, over one RocksDB database.
+
+Each table has a column family for its rows; the table configs live in the default column
+family, so a reopened store knows its tables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rocksdict import Checkpoint, Options, Rdict
+
+from tierps.storage.config import TableConfig
+from tierps.storage.errors import (
+    BackendError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    TableNotFoundError,
+)
+from tierps.storage.rocksdb_tier import RocksDBTier
+from tierps.storage.table import EmbeddingTable
+from tierps.storage.tiers import HostTier
+
+FORMAT_VERSION = 1
+_FORMAT_KEY = b"tierps/format_version"
+_CONFIG_PREFIX = b"tierps/table/"
+_CF_PREFIX = "table."
+
+
+def _options() -> Options:
+    options = Options(raw_mode=True)
+    options.create_if_missing(True)
+    options.create_missing_column_families(True)
+    return options
+
+
+class EmbeddingStore:
+    """Tables of one shard: host tier over RocksDB at `path` (created if missing).
+
+    Use as a context manager, or call close(): it flushes dirty rows and releases RocksDB.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, shard_id: int = 0) -> None:
+        self.path = Path(path)
+        self.shard_id = shard_id
+        self._lock = threading.Lock()
+        self.path.mkdir(parents=True, exist_ok=True)
+        families = Rdict.list_cf(str(self.path)) if (self.path / "CURRENT").exists() else []
+        try:
+            self._db = Rdict(
+                str(self.path),
+                _options(),
+                column_families={cf: _options() for cf in families if cf != "default"},
+            )
+        except Exception as error:
+            raise BackendError(
+                f"rocksdb backend failed to open {self.path} for shard {shard_id}: {error}"
+            ) from error
+        version = self._db.get(_FORMAT_KEY)
+        if version is None:
+            self._db[_FORMAT_KEY] = str(FORMAT_VERSION).encode()
+        elif int(version) != FORMAT_VERSION:
+            raise FailedPreconditionError(
+                f"shard {shard_id}: store at {self.path} has format version {int(version)}, "
+                f"expected {FORMAT_VERSION}"
+            )
+        self._tables: dict[str, EmbeddingTable] = {}
+        for key, raw in list(self._db.items(from_key=_CONFIG_PREFIX)):
+            if not key.startswith(_CONFIG_PREFIX):
+                break
+            self._open_table(TableConfig.from_dict(json.loads(raw)))
+
+    def _where(self, name: str) -> str:
+        return f"table '{name}' on shard {self.shard_id}"
+
+    def _open_table(self, config: TableConfig) -> EmbeddingTable:
+        where = self._where(config.name)
+        family = _CF_PREFIX + config.name
+        try:
+            self._db.get_column_family(family).close()
+        except Exception:
+            self._db.create_column_family(family, _options()).close()
+        tiers = [
+            HostTier(config, config.host_cache_bytes),
+            RocksDBTier(self._db, family, config.row_width, where=where),
+        ]
+        table = EmbeddingTable(config, tiers, where=where)
+        self._tables[config.name] = table
+        return table
+
+    def create_table(self, config: TableConfig) -> EmbeddingTable:
+        """Create a table; the same config again is a no-op, a different one is refused."""
+        if not isinstance(config, TableConfig):
+            raise InvalidArgumentError(
+                f"shard {self.shard_id}: create_table expected a TableConfig, "
+                f"got {type(config).__name__}"
+            )
+        with self._lock:
+            existing = self._tables.get(config.name)
+            if existing is not None:
+                if existing.config != config:
+                    raise FailedPreconditionError(
+                        f"{self._where(config.name)} exists with another config: "
+                        f"existing {existing.config.to_dict()}, requested {config.to_dict()}"
+                    )
+                return existing
+            self._db[_CONFIG_PREFIX + config.name.encode()] = json.dumps(config.to_dict()).encode()
+            return self._open_table(config)
+
+    def drop_table(self, name: str) -> None:
+        """Delete a table and all its rows."""
+        with self._lock:
+            table = self.table(name)
+            table.close()
+            del self._tables[name]
+            self._db.drop_column_family(_CF_PREFIX + name)
+            del self._db[_CONFIG_PREFIX + name.encode()]
+
+    def table(self, name: str) -> EmbeddingTable:
+        try:
+            return self._tables[name]
+        except KeyError:
+            raise TableNotFoundError(
+                f"shard {self.shard_id}: table {name!r} not found; tables: {sorted(self._tables)}"
+            ) from None
+
+    def tables(self) -> list[TableConfig]:
+        return [table.config for table in self._tables.values()]
+
+    def lookup(self, name: str, keys: Any, *, create: bool = True) -> np.ndarray:
+        return self.table(name).lookup(keys, create=create)
+
+    def apply_gradients(self, name: str, keys: Any, grads: Any, step: int) -> None:
+        self.table(name).apply_gradients(keys, grads, step)
+
+    def assign(self, name: str, keys: Any, values: Any) -> None:
+        self.table(name).assign(keys, values)
+
+    def flush(self) -> None:
+        """Write every dirty row of every table to RocksDB."""
+        for table in list(self._tables.values()):
+            table.flush()
+        self._db.flush_wal(True)
+
+    def checkpoint(self, directory: str | os.PathLike[str]) -> Path:
+        """Flush, then write a RocksDB checkpoint (hard links where possible) to a new
+        directory, which EmbeddingStore can open as it is."""
+        target = Path(directory)
+        if target.exists():
+            raise FailedPreconditionError(
+                f"shard {self.shard_id}: checkpoint directory {target} already exists"
+            )
+        self.flush()
+        try:
+            Checkpoint(self._db).create_checkpoint(str(target))
+        except Exception as error:
+            raise BackendError(
+                f"rocksdb backend failed to checkpoint shard {self.shard_id} to {target}: {error}"
+            ) from error
+        return target
+
+    def close(self) -> None:
+        """Flush dirty rows and release RocksDB. Idempotent."""
+        if self._db is None:
+            return
+        self.flush()
+        for table in self._tables.values():
+            table.close()
+        self._tables.clear()
+        self._db.close()
+        self._db = None
+
+    def __enter__(self) -> EmbeddingStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

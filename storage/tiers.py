@@ -1,0 +1,194 @@
+"""The tier interface and the host-memory tier.
+
+Every tier speaks the same batched calls over arrays (HugeCTR's parameter server keeps one
+backend interface the same way). Rows are full width: weights and optimizer state together.
+
+- find(keys) -> (hit, rows, dirty): indices into keys of the hits, their rows, and whether
+  each is newer than RocksDB. A miss is not an error; a backend failure is.
+- insert(keys, rows, dirty) -> Spill: store (or overwrite) rows; return what the tier could
+  not keep - rows it evicted and rows that did not fit - for the tier below.
+- drain_dirty() -> (keys, rows): the rows newer than the tier below, now marked clean.
+- export(chunk_rows) -> iterator of (keys, rows).
+- contains(keys) -> bool mask; stats() -> dict.
+
+"Dirty" means "newer than the copy in RocksDB": a clean row may be dropped by any cache tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from tierps.storage.config import TableConfig
+from tierps.storage.hash_table import HashTable
+
+_INITIAL_ROWS = 1024
+_DIRTY_FLAG_BYTES = 1
+_FREE_LIST_BYTES = 8
+
+
+@dataclass
+class Spill:
+    """Rows a tier hands to the tier below: evicted or not fitting."""
+
+    keys: np.ndarray
+    rows: np.ndarray
+    dirty: np.ndarray
+
+    @classmethod
+    def empty(cls, width: int) -> Spill:
+        return cls(np.empty(0, np.int64), np.empty((0, width), np.float32), np.empty(0, bool))
+
+    @classmethod
+    def concat(cls, parts: list[Spill]) -> Spill:
+        return cls(
+            np.concatenate([p.keys for p in parts]),
+            np.concatenate([p.rows for p in parts]),
+            np.concatenate([p.dirty for p in parts]),
+        )
+
+
+class Tier(Protocol):
+    name: str
+
+    def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+    def insert(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> Spill: ...
+    def drain_dirty(self) -> tuple[np.ndarray, np.ndarray]: ...
+    def export(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
+    def contains(self, keys: np.ndarray) -> np.ndarray: ...
+    def stats(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+
+def host_rows_for_budget(budget_bytes: int, row_bytes: int, max_load: float = 0.5) -> int:
+    """The most rows whose arena, dirty flags, free list and hash index fit in the budget."""
+
+    def cost(rows: int) -> int:
+        per_row = row_bytes + _DIRTY_FLAG_BYTES + _FREE_LIST_BYTES
+        return rows * per_row + HashTable.nbytes_for(rows, max_load)
+
+    low, high = 0, budget_bytes // row_bytes + 1  # cost(low) <= budget < cost(high)
+    if cost(low) > budget_bytes:
+        return 0
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if cost(mid) <= budget_bytes else (low, mid)
+    return low
+
+
+class HostTier:
+    """Rows in one numpy arena [rows, row_width], addressed through a HashTable.
+
+    The arena grows by doubling with ndarray.resize, which reallocates in place (large blocks
+    move by mremap, without a second copy in memory), and never beyond the rows the budget
+    allows. Freed rows are reused first. When full, the rows with the lowest LRU/LFU score
+    spill to the tier below; rows of the batch being stored are never chosen.
+    """
+
+    name = "host"
+
+    def __init__(self, config: TableConfig, budget_bytes: int) -> None:
+        self.width = config.row_width
+        self.max_rows = host_rows_for_budget(budget_bytes, config.row_bytes)
+        start = min(_INITIAL_ROWS, self.max_rows)
+        self.index = HashTable(start, eviction=config.eviction)
+        self.arena = np.empty((start, self.width), dtype=np.float32)
+        self.dirty = np.zeros(start, dtype=bool)
+        self._free = np.empty(0, dtype=np.int64)  # row ids released by eviction
+        self._high = 0  # row ids >= _high were never used
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def rows(self) -> int:
+        return self.index.size
+
+    def _allocate(self, count: int) -> np.ndarray:
+        reused, self._free = self._free[:count], self._free[count:]
+        fresh = count - reused.size
+        if self._high + fresh > self.arena.shape[0]:
+            grown = min(self.max_rows, max(self._high + fresh, 2 * self.arena.shape[0]))
+            self.arena.resize((grown, self.width), refcheck=False)  # no views are ever kept
+            self.dirty.resize(grown, refcheck=False)
+        ids = np.concatenate([reused, np.arange(self._high, self._high + fresh)])
+        self._high += fresh
+        return ids
+
+    def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        slots = self.index.find(keys)
+        hit = np.flatnonzero(slots >= 0)
+        self.hits += hit.size
+        self.misses += keys.size - hit.size
+        hit_slots = slots[hit]
+        self.index.touch(hit_slots)
+        ids = self.index.values[hit_slots]
+        return hit, np.take(self.arena, ids, axis=0), self.dirty[ids]
+
+    def insert(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> Spill:
+        """keys must be unique. Present keys are overwritten in place."""
+        slots = self.index.find(keys)
+        present = slots >= 0
+        old_slots = slots[present]
+        ids = self.index.values[old_slots]
+        self.arena[ids] = rows[present]
+        self.dirty[ids] = dirty[present]
+        self.index.touch(old_slots)
+
+        new = np.flatnonzero(~present)
+        spills = []
+        shortfall = new.size - (self.max_rows - self.index.size)
+        if shortfall > 0:
+            spills.append(self._evict(self.index.eviction_candidates(shortfall, old_slots)))
+        fits = min(new.size, self.max_rows - self.index.size)
+        placed, overflow = new[:fits], new[fits:]
+        if overflow.size:
+            spills.append(Spill(keys[overflow], rows[overflow], dirty[overflow]))
+        if fits:
+            ids = self._allocate(fits)
+            new_slots, _ = self.index.insert(keys[placed])
+            self.index.values[new_slots] = ids
+            self.index.touch(new_slots)
+            self.arena[ids] = rows[placed]
+            self.dirty[ids] = dirty[placed]
+        return Spill.concat(spills) if spills else Spill.empty(self.width)
+
+    def _evict(self, slots: np.ndarray) -> Spill:
+        ids = self.index.values[slots]
+        spill = Spill(self.index.keys_at(slots), np.take(self.arena, ids, axis=0), self.dirty[ids])
+        self.index.remove_slots(slots)
+        self.dirty[ids] = False
+        self._free = np.concatenate([self._free, ids])
+        return spill
+
+    def drain_dirty(self) -> tuple[np.ndarray, np.ndarray]:
+        keys, ids = self.index.export()
+        dirty = self.dirty[ids]
+        keys, ids = keys[dirty], ids[dirty]
+        self.dirty[ids] = False
+        return keys, np.take(self.arena, ids, axis=0)
+
+    def export(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        keys, ids = self.index.export()
+        for start in range(0, keys.size, chunk_rows):
+            end = start + chunk_rows
+            yield keys[start:end], np.take(self.arena, ids[start:end], axis=0)
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        return self.index.find(keys) >= 0
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "rows": self.rows,
+            "capacity_rows": self.max_rows,
+            "bytes": int(self.arena.nbytes + self.dirty.nbytes + self._free.nbytes)
+            + self.index.nbytes,
+            "dirty_rows": int(np.count_nonzero(self.dirty[: self._high])),
+            "hits": self.hits,
+            "misses": self.misses,
+        }
+
+    def close(self) -> None:
+        """Nothing to release: the arena is ordinary memory."""

@@ -1,0 +1,94 @@
+"""Checks shared by configs and batched calls. Every message names where the value came
+from, the field, what was expected and what came instead."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from tierps.storage.errors import InvalidArgumentError
+
+
+def check_finite(owner: str, field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{owner}: field '{field}' expected a finite number, got {value!r}")
+
+
+def check_positive(owner: str, field: str, value: Any) -> None:
+    check_finite(owner, field, value)
+    if not value > 0:
+        raise ValueError(f"{owner}: field '{field}' expected > 0, got {value!r}")
+
+
+def check_range(
+    owner: str,
+    field: str,
+    value: Any,
+    low: float,
+    high: float,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    """low <= value <= high, with either end open on request."""
+    check_finite(owner, field, value)
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (above and below):
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{owner}: field '{field}' expected in {interval}, got {value!r}")
+
+
+def check_int(owner: str, field: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"{owner}: field '{field}' expected an int, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{owner}: field '{field}' expected in [{low}, {high}], got {value!r}")
+
+
+def as_keys(where: str, keys: Any) -> np.ndarray:
+    """Keys as a 1-D int64 array; any integer dtype that fits is accepted."""
+    if not isinstance(keys, np.ndarray):
+        raise InvalidArgumentError(
+            f"{where}: field 'keys' expected a 1-D numpy integer array, got {type(keys).__name__}"
+        )
+    if keys.ndim != 1:
+        raise InvalidArgumentError(
+            f"{where}: field 'keys' expected a 1-D array, got shape {keys.shape}"
+        )
+    if keys.dtype.kind not in "iu":
+        raise InvalidArgumentError(
+            f"{where}: field 'keys' expected an integer dtype (int64), got {keys.dtype}"
+        )
+    if keys.dtype == np.uint64 and keys.size and int(keys.max()) > np.iinfo(np.int64).max:
+        raise InvalidArgumentError(
+            f"{where}: field 'keys' expected values <= 2**63-1, got {int(keys.max())}"
+        )
+    return np.ascontiguousarray(keys, dtype=np.int64)
+
+
+def as_rows(where: str, field: str, rows: Any, n: int, dim: int) -> np.ndarray:
+    """A float32 [n, dim] array of finite values, matching n keys."""
+    if not isinstance(rows, np.ndarray):
+        raise InvalidArgumentError(
+            f"{where}: field '{field}' expected a numpy float32 array, got {type(rows).__name__}"
+        )
+    if rows.dtype != np.float32:
+        raise InvalidArgumentError(
+            f"{where}: field '{field}' expected dtype float32, got {rows.dtype}"
+        )
+    if rows.shape != (n, dim):
+        raise InvalidArgumentError(
+            f"{where}: field '{field}' expected shape ({n}, {dim}) for {n} keys of dim {dim}, "
+            f"got {rows.shape}"
+        )
+    finite = np.isfinite(rows)
+    if not finite.all():
+        bad_row, bad_col = np.argwhere(~finite)[0]
+        raise InvalidArgumentError(
+            f"{where}: field '{field}' expected finite values, got {rows[bad_row, bad_col]} "
+            f"at [{bad_row}, {bad_col}]"
+        )
+    return np.ascontiguousarray(rows)

@@ -24,7 +24,7 @@ from tierps.storage.errors import (
 )
 from tierps.storage.rocksdb_tier import RocksDBTier
 from tierps.storage.table import EmbeddingTable
-from tierps.storage.tiers import HostTier
+from tierps.storage.tiers import HostTier, Tier, host_rows_for_budget
 
 FORMAT_VERSION = 1
 _FORMAT_KEY = b"tierps/format_version"
@@ -85,10 +85,10 @@ class EmbeddingStore:
             self._db.get_column_family(family).close()
         except Exception:
             self._db.create_column_family(family, _options()).close()
-        tiers = [
-            HostTier(config, config.host_cache_bytes),
-            RocksDBTier(self._db, family, config.row_width, where=where),
-        ]
+        tiers: list[Tier] = []
+        if host_rows_for_budget(config.host_cache_bytes, config.row_bytes) > 0:
+            tiers.append(HostTier(config, config.host_cache_bytes))
+        tiers.append(RocksDBTier(self._db, family, config.row_width, where=where))
         table = EmbeddingTable(config, tiers, where=where)
         self._tables[config.name] = table
         return table

@@ -1,0 +1,211 @@
+"""One contract suite, run against every tier set-up: all must hold the same rows and
+optimizer state as an unbounded in-memory reference written here with per-key loops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import export_dict
+from tierps.storage import EmbeddingStore, TableConfig, init, optim
+from tierps.storage.tiers import host_rows_for_budget
+
+DIM = 8
+UNIVERSE = 300  # distinct keys the trace draws from
+BATCH = 40
+STEPS = 300
+
+
+class ReferenceTable:
+    """Unbounded dict model: key -> full row (weights | optimizer state)."""
+
+    def __init__(self, config: TableConfig) -> None:
+        self.config = config
+        self.rows: dict[int, np.ndarray] = {}
+
+    def _row(self, key: int) -> np.ndarray:
+        if key in self.rows:
+            return self.rows[key].copy()
+        return self.config.initial_rows(np.array([key], dtype=np.int64))[0]
+
+    def lookup(self, keys: np.ndarray, create: bool) -> np.ndarray:
+        out = np.zeros((keys.size, self.config.dim), dtype=np.float32)
+        for i, key in enumerate(keys.tolist()):
+            if key < 0:
+                continue
+            row = self._row(key)
+            if create:
+                self.rows.setdefault(key, row)
+            out[i] = row[: self.config.dim]
+        return out
+
+    def apply_gradients(self, keys: np.ndarray, grads: np.ndarray, step: int) -> None:
+        summed: dict[int, np.ndarray] = {}
+        for key, grad in zip(keys.tolist(), grads, strict=True):
+            if key >= 0:
+                summed[key] = summed.get(key, np.zeros(self.config.dim, np.float32)) + grad
+        for key, grad in summed.items():
+            row = self._row(key)[None, :]
+            self.config.optimizer.apply(row, grad[None, :], step)
+            self.rows[key] = row[0]
+
+    def assign(self, keys: np.ndarray, values: np.ndarray) -> None:
+        for key, value in zip(keys.tolist(), values, strict=True):
+            if key >= 0:
+                self.rows[key] = self.config.initial_rows(np.array([key]), value[None, :])[0]
+
+
+def row_bytes(optimizer: optim.Optimizer) -> int:
+    return 4 * DIM * optimizer.size_factor
+
+
+SETUPS = {
+    # every row fits in the host tier
+    "roomy": dict(host_cache_bytes=64 << 20),
+    # a budget for ~6 rows: every batch of 40 spills to RocksDB
+    "tiny": dict(host_cache_bytes=-6),
+    # no host tier at all
+    "no_host": dict(host_cache_bytes=0),
+    "tiny_lfu": dict(host_cache_bytes=-6, eviction="lfu"),
+    "write_through": dict(host_cache_bytes=-50, write_policy="write_through"),
+}
+OPTIMIZERS = [
+    optim.SGD(lr=0.1),
+    optim.Momentum(lr=0.05, momentum=0.8),
+    optim.Nesterov(lr=0.05, momentum=0.8),
+    optim.Adagrad(lr=0.1, initial_accumulator_value=0.01),
+    optim.Adam(lr=0.01),
+    optim.FTRL(lr=0.1, l1=0.001, l2=0.01),
+]
+
+
+def make_config(setup: str, optimizer: optim.Optimizer) -> TableConfig:
+    options = dict(SETUPS[setup])
+    if options["host_cache_bytes"] < 0:  # a budget in rows: find the bytes that hold them
+        want = -options["host_cache_bytes"]
+        budget = want * row_bytes(optimizer)
+        while host_rows_for_budget(budget, row_bytes(optimizer)) < want:
+            budget += 64
+        options["host_cache_bytes"] = budget
+    return TableConfig(
+        "t", DIM, initializer=init.Normal(0.0, 0.1), optimizer=optimizer, seed=7, **options
+    )
+
+
+def run_trace(table, reference: ReferenceTable, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    step = 0
+    for i in range(STEPS):
+        keys = rng.zipf(1.3, BATCH).astype(np.int64) % UNIVERSE
+        keys[rng.random(BATCH) < 0.05] = -1  # padding
+        op = rng.choice(["lookup", "eval", "apply", "apply", "assign"])
+        if op in ("lookup", "eval"):
+            create = op == "lookup"
+            got = table.lookup(keys, create=create)
+            np.testing.assert_allclose(
+                got, reference.lookup(keys, create), atol=1e-6, err_msg=f"step {i} {op}"
+            )
+        elif op == "apply":
+            step += 1
+            grads = rng.normal(size=(BATCH, DIM)).astype(np.float32)
+            table.apply_gradients(keys, grads, step)
+            reference.apply_gradients(keys, grads, step)
+        else:
+            values = rng.normal(size=(BATCH, DIM)).astype(np.float32)
+            table.assign(keys, values)
+            reference.assign(keys, values)
+        if i % 97 == 0:
+            table.flush()
+
+
+def assert_same_rows(table, reference: ReferenceTable) -> None:
+    stored = export_dict(table)
+    assert sorted(stored) == sorted(reference.rows)
+    for key, row in reference.rows.items():
+        np.testing.assert_allclose(stored[key], row, atol=1e-6, err_msg=f"key {key}")
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.kind)
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_setup_matches_unbounded_reference(
+    tmp_path: Path, setup: str, optimizer: optim.Optimizer
+) -> None:
+    config = make_config(setup, optimizer)
+    reference = ReferenceTable(config)
+    with EmbeddingStore(tmp_path / "db") as store:
+        table = store.create_table(config)
+        run_trace(table, reference, seed=hash(setup) % 1000)
+        tiers = table.stats()["tiers"]
+        if config.host_cache_bytes == 0:
+            assert list(tiers) == ["rocksdb"]
+        else:
+            assert tiers["host"]["rows"] <= tiers["host"]["capacity_rows"]
+            assert tiers["host"]["bytes"] <= config.host_cache_bytes
+        assert_same_rows(table, reference)
+        probe = np.arange(-2, UNIVERSE + 20, dtype=np.int64)
+        before = table.lookup(probe, create=False)
+    with EmbeddingStore(tmp_path / "db") as reopened:
+        table = reopened.table("t")
+        assert table.config == config
+        np.testing.assert_array_equal(table.lookup(probe, create=False), before)
+        assert_same_rows(table, reference)
+
+
+def test_tiny_budget_spills_every_batch(tmp_path: Path) -> None:
+    config = make_config("tiny", optim.SGD(lr=0.1))
+    with EmbeddingStore(tmp_path / "db") as store:
+        table = store.create_table(config)
+        keys = np.arange(BATCH, dtype=np.int64)
+        table.lookup(keys)
+        stats = table.stats()
+        assert stats["tiers"]["host"]["rows"] == 6
+        assert stats["tiers"]["rocksdb"]["rows_written"] == BATCH - 6
+        table.lookup(keys + BATCH)
+        assert table.stats()["tiers"]["rocksdb"]["rows_written"] == 2 * BATCH - 6
+
+
+def test_write_through_reaches_rocksdb_before_returning(tmp_path: Path) -> None:
+    config = make_config("write_through", optim.Adagrad())
+    with EmbeddingStore(tmp_path / "db") as store:
+        table = store.create_table(config)
+        keys = np.array([3, 5, 5, 9], dtype=np.int64)
+        table.apply_gradients(keys, np.ones((4, DIM), np.float32), step=1)
+        rocks = table.tiers[-1]
+        present = rocks.contains(np.array([3, 5, 9, 11], dtype=np.int64))
+        np.testing.assert_array_equal(present, [True, True, True, False])
+        assert table.stats()["tiers"]["host"]["dirty_rows"] == 0
+        _, rows, _ = rocks.find(np.array([5], dtype=np.int64))
+        np.testing.assert_array_equal(rows[0, :DIM], table.lookup(np.array([5]))[0])
+
+
+def test_export_is_a_snapshot_of_the_call(tmp_path: Path) -> None:
+    with EmbeddingStore(tmp_path / "db") as store:
+        table = store.create_table(make_config("tiny", optim.SGD(lr=1.0)))
+        keys = np.arange(100, dtype=np.int64)
+        table.assign(keys, np.zeros((100, DIM), np.float32))
+        chunks = table.export(chunk_rows=10)
+        table.apply_gradients(keys, np.ones((100, DIM), np.float32), step=1)
+        table.lookup(np.arange(100, 150, dtype=np.int64))
+        exported = dict(
+            (int(k), row) for ks, rows in chunks for k, row in zip(ks, rows, strict=True)
+        )
+        assert sorted(exported) == list(range(100))
+        assert all(not row[:DIM].any() for row in exported.values())
+
+
+def test_checkpoint_opens_as_a_store(tmp_path: Path) -> None:
+    config = make_config("tiny", optim.Adam())
+    with EmbeddingStore(tmp_path / "db") as store:
+        table = store.create_table(config)
+        keys = np.arange(50, dtype=np.int64)
+        table.apply_gradients(keys, np.full((50, DIM), 0.5, np.float32), step=1)
+        expected = export_dict(table)
+        store.checkpoint(tmp_path / "ckpt")
+        table.apply_gradients(keys, np.ones((50, DIM), np.float32), step=2)
+    with EmbeddingStore(tmp_path / "ckpt") as restored:
+        got = export_dict(restored.table("t"))
+    assert sorted(got) == sorted(expected)
+    for key, row in expected.items():
+        np.testing.assert_array_equal(got[key], row)

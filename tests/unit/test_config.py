@@ -1,0 +1,82 @@
+"""TableConfig validates itself and round-trips through its dict form."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierps.storage import Eviction, TableConfig, WritePolicy, init, optim
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragments"),
+    [
+        ({"name": ""}, ["'name'", "''"]),
+        ({"name": "a/b"}, ["'name'", "'a/b'"]),
+        ({"name": "x" * 65}, ["'name'"]),
+        ({"dim": 0}, ["'dim'", "[1, 65536]", "0"]),
+        ({"dim": 2.0}, ["'dim'", "int", "2.0"]),
+        ({"dtype": "float16"}, ["'dtype'", "'float32'", "'float16'"]),
+        ({"initializer": "normal"}, ["'initializer'", "init.", "'normal'"]),
+        ({"optimizer": optim}, ["'optimizer'", "optim."]),
+        ({"seed": -1}, ["'seed'", "-1"]),
+        ({"host_cache_bytes": -5}, ["'host_cache_bytes'", "-5"]),
+        ({"gpu_cache_bytes": True}, ["'gpu_cache_bytes'", "True"]),
+        ({"eviction": "fifo"}, ["'eviction'", "['lru', 'lfu']", "'fifo'"]),
+        ({"write_policy": "sometimes"}, ["'write_policy'", "'write_back'", "'sometimes'"]),
+    ],
+)
+def test_invalid_fields_name_field_expected_and_given(kwargs: dict, fragments: list[str]) -> None:
+    args = {"name": "t", "dim": 8, **kwargs}
+    with pytest.raises(ValueError) as raised:
+        TableConfig(**args)
+    for fragment in fragments:
+        assert fragment in str(raised.value), (fragment, str(raised.value))
+
+
+def test_strings_become_enums_and_config_is_frozen() -> None:
+    config = TableConfig("t", 8, eviction="lfu", write_policy="write_through")
+    assert config.eviction is Eviction.LFU
+    assert config.write_policy is WritePolicy.WRITE_THROUGH
+    with pytest.raises(AttributeError):
+        config.dim = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        optim.SGD(0.5),
+        optim.Momentum(0.1, 0.5),
+        optim.Nesterov(),
+        optim.Adagrad(initial_accumulator_value=0.2),
+        optim.Adam(beta1=0.5),
+        optim.FTRL(l1=0.1),
+    ],
+)
+@pytest.mark.parametrize(
+    "initializer",
+    [
+        init.Uniform(-1, 1),
+        init.Normal(0, 2),
+        init.TruncatedNormal(1, 0.5),
+        init.Constant(3),
+        init.Zeros(),
+    ],
+)
+def test_dict_round_trip(optimizer, initializer) -> None:
+    config = TableConfig("t", 8, initializer=initializer, optimizer=optimizer, seed=2**64 - 1)
+    again = TableConfig.from_dict(config.to_dict())
+    assert again == config
+    assert type(again.optimizer) is type(optimizer)
+
+
+def test_row_width_follows_size_factor() -> None:
+    expected = {"sgd": 1, "momentum": 2, "nesterov": 2, "adagrad": 2, "adam": 3, "ftrl": 3}
+    for kind, cls in optim.OPTIMIZERS.items():
+        assert TableConfig("t", 16, optimizer=cls()).row_width == 16 * expected[kind]
+
+
+def test_unknown_kind_in_dict_is_refused() -> None:
+    data = TableConfig("t", 8).to_dict()
+    data["optimizer"] = {"kind": "rmsprop", "lr": 0.1}
+    with pytest.raises(ValueError, match=r"'optimizer.kind' expected one of .*'rmsprop'"):
+        TableConfig.from_dict(data)

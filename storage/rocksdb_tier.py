@@ -20,6 +20,7 @@ from tierps.storage.errors import BackendError
 from tierps.storage.tiers import Spill
 
 KEY_DTYPE = np.dtype(">i8")
+WRITE_BATCH_ROWS = 65536  # bounds the Python-side copies a large write makes at once
 
 
 def encode_keys(keys: np.ndarray) -> list[bytes]:
@@ -83,23 +84,29 @@ class RocksDBTier:
         return hit, rows
 
     def write(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Put rows in one write batch (atomic)."""
-        if keys.size == 0:
-            return
-        batch = WriteBatch(raw_mode=True)
-        deque(map(batch.put, encode_keys(keys), encode_rows(rows), repeat(self._handle)), 0)
-        try:
-            self._db.write(batch, self._write_options)
-        except Exception as error:
-            raise self._fail("write rows", error) from error
-        self.rows_written += keys.size
+        """Put rows, in write batches of at most WRITE_BATCH_ROWS (each atomic)."""
+        for start in range(0, keys.size, WRITE_BATCH_ROWS):
+            end = start + WRITE_BATCH_ROWS
+            batch = WriteBatch(raw_mode=True)
+            puts = map(
+                batch.put,
+                encode_keys(keys[start:end]),
+                encode_rows(rows[start:end]),
+                repeat(self._handle),
+            )
+            deque(puts, 0)
+            try:
+                self._db.write(batch, self._write_options)
+            except Exception as error:
+                raise self._fail("write rows", error) from error
+            self.rows_written += min(end, keys.size) - start
 
     def insert(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> Spill:
         self.write(keys[dirty], rows[dirty])
         return Spill.empty(self.width)
 
-    def drain_dirty(self) -> tuple[np.ndarray, np.ndarray]:
-        return np.empty(0, np.int64), np.empty((0, self.width), np.float32)
+    def drain_dirty(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return iter(())
 
     def export(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Chunks in key order from a RocksDB iterator opened now (an implicit snapshot)."""

@@ -32,10 +32,17 @@ _CONFIG_PREFIX = b"tierps/table/"
 _CF_PREFIX = "table."
 
 
+MEMTABLE_BYTES = 16 << 20  # per column family; RocksDB's default (64 MiB) is large per table
+DB_MEMTABLE_BYTES = 64 << 20  # all memtables of the store together
+
+
 def _options() -> Options:
     options = Options(raw_mode=True)
     options.create_if_missing(True)
     options.create_missing_column_families(True)
+    options.set_write_buffer_size(MEMTABLE_BYTES)
+    options.set_max_write_buffer_number(2)
+    options.set_db_write_buffer_size(DB_MEMTABLE_BYTES)
     return options
 
 

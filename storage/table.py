@@ -133,8 +133,8 @@ class EmbeddingTable:
         """Write every row newer than RocksDB down to it."""
         with self._lock:
             for level, tier in enumerate(self.tiers[:-1]):
-                keys, rows = tier.drain_dirty()
-                self._place(Spill(keys, rows, np.ones(keys.size, dtype=bool)), start=level + 1)
+                for keys, rows in tier.drain_dirty(DEFAULT_CHUNK_ROWS):
+                    self._place(Spill(keys, rows, np.ones(keys.size, dtype=bool)), level + 1)
 
     def export(
         self, chunk_rows: int = DEFAULT_CHUNK_ROWS

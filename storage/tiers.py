@@ -7,7 +7,8 @@ backend interface the same way). Rows are full width: weights and optimizer stat
   each is newer than RocksDB. A miss is not an error; a backend failure is.
 - insert(keys, rows, dirty) -> Spill: store (or overwrite) rows; return what the tier could
   not keep - rows it evicted and rows that did not fit - for the tier below.
-- drain_dirty() -> (keys, rows): the rows newer than the tier below, now marked clean.
+- drain_dirty(chunk_rows) -> iterator of (keys, rows): the rows newer than the tier below,
+  each chunk marked clean as it is handed out.
 - export(chunk_rows) -> iterator of (keys, rows).
 - contains(keys) -> bool mask; stats() -> dict.
 
@@ -56,7 +57,7 @@ class Tier(Protocol):
 
     def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
     def insert(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> Spill: ...
-    def drain_dirty(self) -> tuple[np.ndarray, np.ndarray]: ...
+    def drain_dirty(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
     def export(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
     def contains(self, keys: np.ndarray) -> np.ndarray: ...
     def stats(self) -> dict[str, int]: ...
@@ -163,12 +164,14 @@ class HostTier:
         self._free = np.concatenate([self._free, ids])
         return spill
 
-    def drain_dirty(self) -> tuple[np.ndarray, np.ndarray]:
+    def drain_dirty(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         keys, ids = self.index.export()
         dirty = self.dirty[ids]
         keys, ids = keys[dirty], ids[dirty]
-        self.dirty[ids] = False
-        return keys, np.take(self.arena, ids, axis=0)
+        for start in range(0, keys.size, chunk_rows):  # chunks bound the memory a flush takes
+            chunk = ids[start : start + chunk_rows]
+            self.dirty[chunk] = False
+            yield keys[start : start + chunk_rows], np.take(self.arena, chunk, axis=0)
 
     def export(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         keys, ids = self.index.export()

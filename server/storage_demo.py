@@ -20,6 +20,16 @@ from tierps.storage import EmbeddingStore, TableConfig, optim
 from tierps.storage.tiers import host_rows_for_budget
 
 
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process image. VmHWM starts afresh at exec, unlike
+    getrusage's ru_maxrss, which a child inherits from the process that forked it."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(status.split("VmHWM:")[1].split()[0]) / 1024
+    except (OSError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def run_storage_demo(
     data_dir: Path,
     *,
@@ -70,7 +80,7 @@ def run_storage_demo(
         "host_rows": host["rows"],
         "rows_spilled": stats["spilled"],
         "rows_written_to_rocksdb": rocks["rows_written"],
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_rss_mb(),
     }
     print(
         f"{steps * batch:,} keys in {elapsed:.1f} s: {summary['keys_per_s']:,.0f} keys/s "

@@ -84,10 +84,15 @@ class HashTable:
     def find(self, keys: Any) -> Any:
         """Slot of each key, -1 where absent. Slots stay valid until the next insert/erase."""
         xp = self.xp
-        slots = xp.full(keys.shape[0], -1, dtype=xp.int64)
-        active = xp.nonzero(keys > TOMBSTONE)[0]
+        # The first round runs over the whole batch without an index array: at load factor
+        # 0.5 most keys end here, and the later rounds see only the rest.
+        pos = self._home(keys)
+        seen = self._keys[pos]
+        hit = (seen == keys) & (keys > TOMBSTONE)
+        slots = xp.where(hit, pos, -1)
+        active = xp.nonzero(~hit & (seen != EMPTY) & (keys > TOMBSTONE))[0]
         probe_keys = keys[active]
-        pos = self._home(probe_keys)
+        pos = (pos[active] + 1) & self._mask
         while active.size:
             seen = self._keys[pos]
             hit = seen == probe_keys

@@ -20,7 +20,8 @@ from tierps.storage.errors import BackendError
 from tierps.storage.tiers import Spill
 
 KEY_DTYPE = np.dtype(">i8")
-WRITE_BATCH_ROWS = 65536  # bounds the Python-side copies a large write makes at once
+WRITE_BATCH_BYTES = 4 << 20  # a large write goes in batches of this size: each is copied
+# about four times on its way in (rows, bytes objects, write batch, memtable)
 
 
 def encode_keys(keys: np.ndarray) -> list[bytes]:
@@ -84,9 +85,10 @@ class RocksDBTier:
         return hit, rows
 
     def write(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Put rows, in write batches of at most WRITE_BATCH_ROWS (each atomic)."""
-        for start in range(0, keys.size, WRITE_BATCH_ROWS):
-            end = start + WRITE_BATCH_ROWS
+        """Put rows, in write batches of at most WRITE_BATCH_BYTES (each atomic)."""
+        step = max(1, WRITE_BATCH_BYTES // (4 * self.width))
+        for start in range(0, keys.size, step):
+            end = start + step
             batch = WriteBatch(raw_mode=True)
             puts = map(
                 batch.put,

@@ -20,6 +20,7 @@ from tierps.storage.tiers import Spill, Tier
 from tierps.storage.validation import as_keys, as_rows
 
 DEFAULT_CHUNK_ROWS = 65536
+FLUSH_CHUNK_BYTES = 4 << 20  # a flush moves dirty rows down in chunks of this size
 Chunk = tuple[np.ndarray, np.ndarray]  # (keys [c], rows [c, row_width])
 
 
@@ -133,7 +134,8 @@ class EmbeddingTable:
         """Write every row newer than RocksDB down to it."""
         with self._lock:
             for level, tier in enumerate(self.tiers[:-1]):
-                for keys, rows in tier.drain_dirty(DEFAULT_CHUNK_ROWS):
+                chunk_rows = max(1, FLUSH_CHUNK_BYTES // self.config.row_bytes)
+                for keys, rows in tier.drain_dirty(chunk_rows):
                     self._place(Spill(keys, rows, np.ones(keys.size, dtype=bool)), level + 1)
 
     def export(

@@ -123,7 +123,7 @@ class HostTier:
         hit = np.flatnonzero(slots >= 0)
         self.hits += hit.size
         self.misses += keys.size - hit.size
-        hit_slots = slots[hit]
+        hit_slots = slots if hit.size == keys.size else slots[hit]
         self.index.touch(hit_slots)
         ids = self.index.values[hit_slots]
         return hit, np.take(self.arena, ids, axis=0), self.dirty[ids]

@@ -1,0 +1,227 @@
+"""Storage-engine benchmarks, each a ratio against a baseline measured in the same run.
+
+    python -m tests.bench.bench_storage [--out bench-results/storage.json] [--quick]
+
+Prints a table and writes the figures as JSON. Not part of the test run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from tierps.storage import EmbeddingStore, TableConfig, optim
+from tierps.storage.rocksdb_tier import encode_keys
+
+REPEATS = 5
+
+
+def best_and_median(fn: Callable[[], object], repeats: int = REPEATS) -> tuple[float, float]:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times), statistics.median(times)
+
+
+def interleaved(ours: Callable[[], object], base: Callable[[], object]) -> dict[str, float]:
+    """Median seconds of each, run alternately so drift hits both alike."""
+    ours_t, base_t = [], []
+    for _ in range(REPEATS):
+        for fn, sink in ((base, base_t), (ours, ours_t)):
+            started = time.perf_counter()
+            fn()
+            sink.append(time.perf_counter() - started)
+    ours_s, base_s = statistics.median(ours_t), statistics.median(base_t)
+    return {"ours_s": ours_s, "baseline_s": base_s, "ratio": base_s / ours_s}
+
+
+def bench_host_lookup(root: Path, n: int, dim: int = 64) -> dict:
+    """lookup() of n unique resident keys vs np.take on the same arena, precomputed ids."""
+    rng = np.random.default_rng(0)
+    config = TableConfig(
+        "host", dim, optimizer=optim.SGD(), host_cache_bytes=(n * 400) + (64 << 20)
+    )
+    with EmbeddingStore(root / "host") as store:
+        table = store.create_table(config)
+        keys = rng.choice(2**40, n, replace=False).astype(np.int64)
+        table.assign(keys, rng.standard_normal((n, dim), dtype=np.float32))
+        host = table.tiers[0]
+        probe = rng.permutation(keys)
+        ids = host.index.values[host.index.find(probe)]
+        assert table.stats()["tiers"]["host"]["rows"] == n
+        np.testing.assert_array_equal(table.lookup(probe), np.take(host.arena, ids, axis=0))
+        result = interleaved(lambda: table.lookup(probe), lambda: np.take(host.arena, ids, axis=0))
+    result.update(keys=n, dim=dim, target=0.5, baseline="np.take(arena, precomputed ids)")
+    result["ours_keys_per_s"] = n / result["ours_s"]
+    return result
+
+
+def bench_rocksdb_cold(root: Path, n: int, dim: int = 64) -> dict:
+    """Lookup of n keys that live only in RocksDB vs raw rocksdict multi-get of the same
+    keys in the same column family. Two variants: no host tier (a pure read), and a host
+    tier after a restart (rows are read and promoted: each repeat reopens the store)."""
+    rng = np.random.default_rng(1)
+    keys = rng.choice(2**40, n, replace=False).astype(np.int64)
+    probe = rng.permutation(keys)
+    raw_keys = encode_keys(probe)
+    out = {}
+    for variant, budget in (("read_only", 0), ("read_and_promote", n * 400 + (64 << 20))):
+        path = root / f"rocks-{variant}"
+        config = TableConfig("cold", dim, optimizer=optim.SGD(), host_cache_bytes=budget)
+        with EmbeddingStore(path) as store:
+            store.create_table(config).assign(keys, rng.standard_normal((n, dim), np.float32))
+        ours_t, base_t = [], []
+        for _ in range(REPEATS):
+            with EmbeddingStore(path) as store:
+                table = store.table("cold")
+                family = table.tiers[-1]._cf
+                started = time.perf_counter()
+                values = family.get(raw_keys)
+                base_t.append(time.perf_counter() - started)
+                assert all(v is not None for v in values)
+                started = time.perf_counter()
+                table.lookup(probe, create=variant == "read_and_promote")
+                ours_t.append(time.perf_counter() - started)
+                store_stats = table.stats()["tiers"]["rocksdb"]
+                assert store_stats["hits"] == n, store_stats
+        ours_s, base_s = statistics.median(ours_t), statistics.median(base_t)
+        out[variant] = {
+            "ours_s": ours_s,
+            "baseline_s": base_s,
+            "ratio": base_s / ours_s,
+            "ours_keys_per_s": n / ours_s,
+            "baseline_keys_per_s": n / base_s,
+        }
+    return {
+        "keys": n,
+        "dim": dim,
+        "target": 0.7,
+        "baseline": "rocksdict cf.get(list of encoded keys)",
+        **out,
+    }
+
+
+def bench_apply_adam(root: Path, rows: int, batch: int, dim: int = 64) -> dict:
+    """apply_gradients (Adam) of `batch` unique resident keys vs a plain numpy Adam update of
+    the same rows of the same arena with precomputed row ids."""
+    rng = np.random.default_rng(2)
+    adam = optim.Adam()
+    config = TableConfig("adam", dim, optimizer=adam, host_cache_bytes=rows * 1000 + (64 << 20))
+    with EmbeddingStore(root / "adam") as store:
+        table = store.create_table(config)
+        keys = np.arange(rows, dtype=np.int64)
+        table.assign(keys, rng.standard_normal((rows, dim), dtype=np.float32))
+        host = table.tiers[0]
+        batch_keys = rng.choice(rows, batch, replace=False).astype(np.int64)
+        grads = rng.standard_normal((batch, dim), dtype=np.float32)
+        ids = host.index.values[host.index.find(batch_keys)]
+        step = [0]
+
+        def ours() -> None:
+            step[0] += 1
+            table.apply_gradients(batch_keys, grads, step[0])
+
+        def baseline() -> None:
+            block = host.arena[ids]
+            w, m, v = block[:, :dim], block[:, dim : 2 * dim], block[:, 2 * dim :]
+            m += (1 - adam.beta1) * (grads - m)
+            v += (1 - adam.beta2) * (grads * grads - v)
+            w -= adam.lr * 0.5 * (m / (np.sqrt(v) + adam.eps))
+            host.arena[ids] = block
+
+        result = interleaved(ours, baseline)
+    result.update(rows=rows, batch=batch, dim=dim, baseline="numpy Adam on arena[ids]")
+    result["ours_keys_per_s"] = batch / result["ours_s"]
+    return result
+
+
+def bench_zipf(root: Path, host_mb: int, steps: int, dim: int = 64) -> dict:
+    """The storage demo's Zipf(1.05) trace over a key space 4x the host budget, in a
+    subprocess so that its peak RSS is the workload's own."""
+    code = (
+        "import json, sys; from pathlib import Path; "
+        "from tierps.server.storage_demo import run_storage_demo; "
+        f"s = run_storage_demo(Path({str(root)!r}), dim={dim}, host_mb={host_mb}, "
+        f"steps={steps}, batch=16384); print('RESULT' + json.dumps(s))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
+    summary = json.loads(line[len("RESULT") :])
+    limit = host_mb * 1.15 + 200
+    summary.update(
+        host_mb=host_mb,
+        dim=dim,
+        steps=steps,
+        oversubscription=4,
+        rss_limit_mb=limit,
+        rss_within_limit=summary["peak_rss_mb"] <= limit,
+    )
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench-results/storage.json"))
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    args = parser.parse_args()
+    scale = 10 if args.quick else 1
+    root = Path(tempfile.mkdtemp(prefix="tierps-bench-"))
+    try:
+        results = {
+            "machine": {"python": platform.python_version(), "cpus": __import__("os").cpu_count()},
+            "host_lookup": bench_host_lookup(root, 1_000_000 // scale),
+            "rocksdb_cold_lookup": bench_rocksdb_cold(root, 200_000 // scale),
+            "apply_gradients_adam": bench_apply_adam(root, 1_000_000 // scale, 65536 // scale),
+            "zipf_trace": bench_zipf(root, 256 // scale, 300 // scale),
+        }
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    h, r, a, z = (
+        results[k]
+        for k in ("host_lookup", "rocksdb_cold_lookup", "apply_gradients_adam", "zipf_trace")
+    )
+    print("| benchmark | tierps | baseline | ratio (target) |")
+    print("| --- | --- | --- | --- |")
+    print(
+        f"| host lookup, {h['keys']:,} unique keys, dim {h['dim']} | {h['ours_s'] * 1e3:.0f} ms "
+        f"| np.take {h['baseline_s'] * 1e3:.0f} ms | {h['ratio']:.2f}x (>= 0.5x) |"
+    )
+    for variant in ("read_only", "read_and_promote"):
+        v = r[variant]
+        print(
+            f"| RocksDB-tier lookup ({variant}), {r['keys']:,} keys | {v['ours_keys_per_s']:,.0f} "
+            f"keys/s | multi-get {v['baseline_keys_per_s']:,.0f} keys/s | {v['ratio']:.2f}x "
+            f"(>= 0.7x) |"
+        )
+    print(
+        f"| apply_gradients Adam, {a['batch']:,} of {a['rows']:,} rows | "
+        f"{a['ours_s'] * 1e3:.0f} ms "
+        f"| numpy Adam {a['baseline_s'] * 1e3:.0f} ms | {a['ratio']:.2f}x |"
+    )
+    print(
+        f"| Zipf(1.05), key space 4x a {z['host_mb']} MiB host budget | "
+        f"{z['keys_per_s']:,.0f} keys/s, host hit {z['host_hit_rate']:.1%} | peak RSS "
+        f"{z['peak_rss_mb']:.0f} MB (limit {z['rss_limit_mb']:.0f}) | "
+        f"{'within' if z['rss_within_limit'] else 'OVER'} |"
+    )
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

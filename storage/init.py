@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+
 from tierps.storage.hashing import counter_bits
 from tierps.storage.validation import check_finite, check_positive
 from tierps.storage.xp import array_module
@@ -53,7 +55,11 @@ class Uniform:
     def generate(self, keys: Any, dim: int, seed: int) -> Any:
         xp = array_module(keys)
         u = _uniform01(counter_bits(keys, dim, seed))
-        return (self.low + (self.high - self.low) * u).astype(xp.float32)
+        values = (self.low + (self.high - self.low) * u).astype(xp.float32)
+        # Rounding to float32 can reach `high` itself when the range is narrow for its
+        # magnitude; keep the interval half-open.
+        below_high = np.nextafter(np.float32(self.high), np.float32(self.low))
+        return xp.minimum(values, below_high)
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,16 @@ import numpy as np
 from tierps.storage.errors import InvalidArgumentError
 
 
-def check_finite(owner: str, field: str, value: Any) -> None:
+def check_finite(owner: str, field: str, value: Any, expected: str = "") -> None:
+    """A real number (not bool, not NaN or infinite); `expected` adds the range wanted."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{owner}: field '{field}' expected a finite number, got {value!r}")
+        raise ValueError(
+            f"{owner}: field '{field}' expected a finite number{expected}, got {value!r}"
+        )
 
 
 def check_positive(owner: str, field: str, value: Any) -> None:
-    check_finite(owner, field, value)
+    check_finite(owner, field, value, " > 0")
     if not value > 0:
         raise ValueError(f"{owner}: field '{field}' expected > 0, got {value!r}")
 
@@ -33,11 +36,11 @@ def check_range(
     high_open: bool = False,
 ) -> None:
     """low <= value <= high, with either end open on request."""
-    check_finite(owner, field, value)
+    interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    check_finite(owner, field, value, f" in {interval}")
     above = value > low if low_open else value >= low
     below = value < high if high_open else value <= high
     if not (above and below):
-        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
         raise ValueError(f"{owner}: field '{field}' expected in {interval}, got {value!r}")
 
 

@@ -118,8 +118,11 @@ class HashTable:
         if missing.size == 0:
             return slots, inserted
         if self._used + missing.size > self.max_load * self.slots:
-            self._rehash(_slots_for(self._size + missing.size, self.max_load))
-            slots = self.find(keys)
+            # Only now count distinct new keys (a sort): repeats must not inflate growth.
+            new_keys = int(xp.unique(keys[missing]).size)
+            if self._used + new_keys > self.max_load * self.slots:
+                self._rehash(_slots_for(self._size + new_keys, self.max_load))
+                slots = self.find(keys)
         self._claim(keys, missing, slots, inserted)
         fresh = slots[inserted]
         self._scores[fresh] = self._tick if self.eviction is Eviction.LRU else 0

@@ -119,14 +119,31 @@ class HashTable:
             return slots, inserted
         if self._used + missing.size > self.max_load * self.slots:
             # Only now count distinct new keys (a sort): repeats must not inflate growth.
-            new_keys = int(xp.unique(keys[missing]).size)
-            if self._used + new_keys > self.max_load * self.slots:
-                self._rehash(_slots_for(self._size + new_keys, self.max_load))
+            if self._make_room(int(xp.unique(keys[missing]).size)):
                 slots = self.find(keys)
         self._claim(keys, missing, slots, inserted)
-        fresh = slots[inserted]
-        self._scores[fresh] = self._tick if self.eviction is Eviction.LRU else 0
+        self._reset_scores(slots[inserted])
         return slots, inserted
+
+    def insert_absent(self, keys: Any) -> Any:
+        """Slots for keys known to be absent and unique (a find since the last change said
+        so): insert without searching for them again. Returns their slots."""
+        xp = self.xp
+        self._make_room(keys.shape[0])
+        slots = xp.full(keys.shape[0], -1, dtype=xp.int64)
+        self._claim(keys, xp.arange(keys.shape[0]), slots, xp.zeros(keys.shape[0], bool))
+        self._reset_scores(slots)
+        return slots
+
+    def _make_room(self, new_keys: int) -> bool:
+        """Rehash (growing if needed) so new_keys more fit under max_load; True if it did."""
+        if self._used + new_keys <= self.max_load * self.slots:
+            return False
+        self._rehash(_slots_for(self._size + new_keys, self.max_load))
+        return True
+
+    def _reset_scores(self, slots: Any) -> None:
+        self._scores[slots] = self._tick if self.eviction is Eviction.LRU else 0
 
     def _claim(self, keys: Any, todo: Any, slots: Any, inserted: Any) -> None:
         """Place keys[todo] (all absent) in free slots; fill slots[todo] and inserted."""

@@ -9,8 +9,9 @@ backend interface the same way). Rows are full width: weights and optimizer stat
   not keep - rows it evicted and rows that did not fit - for the tier below.
 - drain_dirty(chunk_rows) -> iterator of (keys, rows): the rows newer than the tier below,
   each chunk marked clean as it is handed out.
-- export(chunk_rows) -> iterator of (keys, rows).
-- contains(keys) -> bool mask; stats() -> dict.
+- stats() -> dict; close().
+
+The last tier is durable (DurableTier): it also writes rows directly and exports them all.
 
 "Dirty" means "newer than the copy in RocksDB": a clean row may be dropped by any cache tier.
 """
@@ -58,10 +59,15 @@ class Tier(Protocol):
     def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
     def insert(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> Spill: ...
     def drain_dirty(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
-    def export(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
-    def contains(self, keys: np.ndarray) -> np.ndarray: ...
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None: ...
+
+
+class DurableTier(Tier, Protocol):
+    """The bottom tier: holds every row after a flush."""
+
+    def write(self, keys: np.ndarray, rows: np.ndarray) -> None: ...
+    def export(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
 
 
 def host_rows_for_budget(budget_bytes: int, row_bytes: int, max_load: float = 0.5) -> int:
@@ -149,7 +155,7 @@ class HostTier:
             spills.append(Spill(keys[overflow], rows[overflow], dirty[overflow]))
         if fits:
             ids = self._allocate(fits)
-            new_slots, _ = self.index.insert(keys[placed])
+            new_slots = self.index.insert_absent(keys[placed])  # the find above missed them
             self.index.values[new_slots] = ids
             self.index.touch(new_slots)
             self.arena[ids] = rows[placed]
@@ -172,15 +178,6 @@ class HostTier:
             chunk = ids[start : start + chunk_rows]
             self.dirty[chunk] = False
             yield keys[start : start + chunk_rows], np.take(self.arena, chunk, axis=0)
-
-    def export(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        keys, ids = self.index.export()
-        for start in range(0, keys.size, chunk_rows):
-            end = start + chunk_rows
-            yield keys[start:end], np.take(self.arena, ids[start:end], axis=0)
-
-    def contains(self, keys: np.ndarray) -> np.ndarray:
-        return self.index.find(keys) >= 0
 
     def stats(self) -> dict[str, int]:
         return {

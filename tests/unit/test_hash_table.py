@@ -680,3 +680,20 @@ def test_empty_batches(policy) -> None:
         assert keys.dtype == np.int64 and values.dtype == np.int64
         assert table.slots == slots_before
         assert_matches(table, model)
+
+
+def test_insert_absent_agrees_with_dict_model_through_growth() -> None:
+    rng = np.random.default_rng(11)
+    table = HashTable(1)
+    model: dict[int, int] = {}
+    for round_ in range(20):
+        fresh = rng.choice(2**50, 700, replace=False).astype(np.int64)
+        fresh = fresh[table.find(fresh) < 0]
+        slots = table.insert_absent(fresh)
+        assert len(set(slots.tolist())) == fresh.size
+        table.values[slots] = fresh * 3 + round_
+        model.update(zip(fresh.tolist(), (fresh * 3 + round_).tolist(), strict=True))
+        assert table.size == len(model)
+        assert table.size <= table.max_load * table.slots
+    keys = np.array(list(model), dtype=np.int64)
+    np.testing.assert_array_equal(table.values[table.find(keys)], [model[k] for k in keys.tolist()])

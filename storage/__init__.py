@@ -6,8 +6,11 @@ from tierps.storage.errors import (
     BackendError,
     FailedPreconditionError,
     InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
     TableNotFoundError,
     TierpsError,
+    UnavailableError,
 )
 from tierps.storage.hash_table import HashTable
 from tierps.storage.store import EmbeddingStore
@@ -21,9 +24,12 @@ __all__ = [
     "FailedPreconditionError",
     "HashTable",
     "InvalidArgumentError",
+    "NotFoundError",
+    "ResourceExhaustedError",
     "TableConfig",
     "TableNotFoundError",
     "TierpsError",
+    "UnavailableError",
     "WritePolicy",
     "init",
     "optim",

@@ -11,13 +11,25 @@ class InvalidArgumentError(TierpsError, ValueError):
     """Bad input (shape, dtype, size, non-finite values): nothing was changed. INVALID_ARGUMENT."""
 
 
-class TableNotFoundError(TierpsError, LookupError):
+class NotFoundError(TierpsError, LookupError):
+    """The named thing (table, snapshot) does not exist. NOT_FOUND."""
+
+
+class TableNotFoundError(NotFoundError):
     """The named table does not exist. NOT_FOUND."""
 
 
 class FailedPreconditionError(TierpsError):
     """The call conflicts with the current state (a table exists with another config).
     FAILED_PRECONDITION."""
+
+
+class ResourceExhaustedError(TierpsError):
+    """A request over a size limit. RESOURCE_EXHAUSTED."""
+
+
+class UnavailableError(TierpsError):
+    """The service cannot take the call now (shutting down). UNAVAILABLE; retry later."""
 
 
 class BackendError(TierpsError, RuntimeError):

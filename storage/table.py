@@ -131,6 +131,17 @@ class EmbeddingTable:
         with self._lock:
             self._store(unique, rows, np.ones(unique.size, dtype=bool))
 
+    def restore(self, keys: Any, rows: Any) -> None:
+        """Store full rows (weights and optimizer state, [n, row_width]) of distinct keys as
+        they are: how a snapshot is loaded."""
+        where = f"{self.where}: restore"
+        keys = as_keys(where, keys)
+        rows = as_rows(where, "rows", rows, keys.size, self.config.row_width)
+        if np.unique(keys).size != keys.size or (keys.size and keys.min() < 0):
+            raise InvalidArgumentError(f"{where}: keys expected distinct and >= 0")
+        with self._lock:
+            self._store(keys, rows, np.ones(keys.size, dtype=bool))
+
     def flush(self) -> None:
         """Write every row newer than RocksDB down to it."""
         with self._lock:

@@ -1,0 +1,265 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SavePhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SAVE_PHASE_UNSPECIFIED: _ClassVar[SavePhase]
+    SAVE_PHASE_WRITE_PART: _ClassVar[SavePhase]
+    SAVE_PHASE_COMMIT: _ClassVar[SavePhase]
+SAVE_PHASE_UNSPECIFIED: SavePhase
+SAVE_PHASE_WRITE_PART: SavePhase
+SAVE_PHASE_COMMIT: SavePhase
+
+class LookupRequest(_message.Message):
+    __slots__ = ("table", "dim", "create", "keys")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    CREATE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    dim: int
+    create: bool
+    keys: bytes
+    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., create: _Optional[bool] = ..., keys: _Optional[bytes] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("values", "num_rows")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    values: bytes
+    num_rows: int
+    def __init__(self, values: _Optional[bytes] = ..., num_rows: _Optional[int] = ...) -> None: ...
+
+class PushGradientsRequest(_message.Message):
+    __slots__ = ("table", "dim", "step", "keys", "grads")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    dim: int
+    step: int
+    keys: bytes
+    grads: bytes
+    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., step: _Optional[int] = ..., keys: _Optional[bytes] = ..., grads: _Optional[bytes] = ...) -> None: ...
+
+class PushGradientsResponse(_message.Message):
+    __slots__ = ("num_keys",)
+    NUM_KEYS_FIELD_NUMBER: _ClassVar[int]
+    num_keys: int
+    def __init__(self, num_keys: _Optional[int] = ...) -> None: ...
+
+class AssignRequest(_message.Message):
+    __slots__ = ("table", "dim", "keys", "values")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    dim: int
+    keys: bytes
+    values: bytes
+    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
+
+class AssignResponse(_message.Message):
+    __slots__ = ("num_keys",)
+    NUM_KEYS_FIELD_NUMBER: _ClassVar[int]
+    num_keys: int
+    def __init__(self, num_keys: _Optional[int] = ...) -> None: ...
+
+class Component(_message.Message):
+    __slots__ = ("kind", "params")
+    class ParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    params: _containers.ScalarMap[str, float]
+    def __init__(self, kind: _Optional[str] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class TableConfig(_message.Message):
+    __slots__ = ("name", "dim", "dtype", "initializer", "optimizer", "seed", "host_cache_bytes", "gpu_cache_bytes", "eviction", "write_policy")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZER_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GPU_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_FIELD_NUMBER: _ClassVar[int]
+    WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dim: int
+    dtype: str
+    initializer: Component
+    optimizer: Component
+    seed: int
+    host_cache_bytes: int
+    gpu_cache_bytes: int
+    eviction: str
+    write_policy: str
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., initializer: _Optional[_Union[Component, _Mapping]] = ..., optimizer: _Optional[_Union[Component, _Mapping]] = ..., seed: _Optional[int] = ..., host_cache_bytes: _Optional[int] = ..., gpu_cache_bytes: _Optional[int] = ..., eviction: _Optional[str] = ..., write_policy: _Optional[str] = ...) -> None: ...
+
+class CreateTableRequest(_message.Message):
+    __slots__ = ("config",)
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    config: TableConfig
+    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ...) -> None: ...
+
+class CreateTableResponse(_message.Message):
+    __slots__ = ("created",)
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    created: bool
+    def __init__(self, created: _Optional[bool] = ...) -> None: ...
+
+class DropTableRequest(_message.Message):
+    __slots__ = ("table",)
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    def __init__(self, table: _Optional[str] = ...) -> None: ...
+
+class DropTableResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTablesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTablesResponse(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableConfig]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableConfig, _Mapping]]] = ...) -> None: ...
+
+class DescribeTableRequest(_message.Message):
+    __slots__ = ("table",)
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    def __init__(self, table: _Optional[str] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("name", "rows", "bytes", "hits", "misses", "hit_rate")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rows: int
+    bytes: int
+    hits: int
+    misses: int
+    hit_rate: float
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., hit_rate: _Optional[float] = ...) -> None: ...
+
+class TableDescription(_message.Message):
+    __slots__ = ("config", "shard_id", "num_shards", "tiers", "initialized", "created")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    config: TableConfig
+    shard_id: int
+    num_shards: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    initialized: int
+    created: int
+    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., initialized: _Optional[int] = ..., created: _Optional[int] = ...) -> None: ...
+
+class SaveSnapshotRequest(_message.Message):
+    __slots__ = ("name", "phase", "save_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    phase: SavePhase
+    save_id: str
+    def __init__(self, name: _Optional[str] = ..., phase: _Optional[_Union[SavePhase, str]] = ..., save_id: _Optional[str] = ...) -> None: ...
+
+class LoadSnapshotRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class SnapshotProgress(_message.Message):
+    __slots__ = ("rows_done", "rows_total", "rows_kept", "done", "path")
+    ROWS_DONE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ROWS_KEPT_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    rows_done: int
+    rows_total: int
+    rows_kept: int
+    done: bool
+    path: str
+    def __init__(self, rows_done: _Optional[int] = ..., rows_total: _Optional[int] = ..., rows_kept: _Optional[int] = ..., done: _Optional[bool] = ..., path: _Optional[str] = ...) -> None: ...
+
+class ListSnapshotsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SnapshotInfo(_message.Message):
+    __slots__ = ("name", "complete", "num_shards", "created_unix", "table_rows")
+    class TableRowsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    TABLE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    complete: bool
+    num_shards: int
+    created_unix: float
+    table_rows: _containers.ScalarMap[str, int]
+    def __init__(self, name: _Optional[str] = ..., complete: _Optional[bool] = ..., num_shards: _Optional[int] = ..., created_unix: _Optional[float] = ..., table_rows: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class ListSnapshotsResponse(_message.Message):
+    __slots__ = ("snapshots",)
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotInfo]
+    def __init__(self, snapshots: _Optional[_Iterable[_Union[SnapshotInfo, _Mapping]]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("shard_id", "num_shards", "tables", "rss_bytes", "peak_rss_bytes", "uptime_s")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    num_shards: int
+    tables: _containers.RepeatedCompositeFieldContainer[TableDescription]
+    rss_bytes: int
+    peak_rss_bytes: int
+    uptime_s: float
+    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableDescription, _Mapping]]] = ..., rss_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,89 @@
+"""ServerConfig: everything one shard daemon needs, from flags or a TOML file."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tierps.storage import TableConfig
+from tierps.storage.validation import check_int
+
+CHUNK_BYTES = 4 << 20  # bulk bytes per stream message: "a few MiB"
+MAX_MESSAGE_BYTES = 16 << 20  # gRPC send/receive limit on both ends (a chunk plus headroom)
+MAX_BATCH_BYTES = 2 << 30  # one call's keys and values together, buffered by the shard
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One shard daemon.
+
+    shard_id / num_shards: this shard holds the keys k with k % num_shards == shard_id.
+    data_dir: this shard's RocksDB and identity (one directory per shard).
+    snapshot_dir: where snapshots are written and read; may be shared by every shard (and by
+    several clusters). host / port: the gRPC bind address (port 0: any free port).
+    metrics_port: Prometheus metrics over HTTP on host, off when None (0: any free port).
+    max_workers: gRPC worker threads (each streaming call holds one while it runs).
+    grace_s: on stop, how long in-flight calls may take before they are cancelled.
+    tables: tables created at start (an identical existing table is kept as it is).
+    """
+
+    shard_id: int
+    num_shards: int
+    data_dir: Path
+    snapshot_dir: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int | None = None
+    max_workers: int = 16
+    grace_s: float = 10.0
+    chunk_bytes: int = CHUNK_BYTES
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    max_batch_bytes: int = MAX_BATCH_BYTES
+    tables: tuple[TableConfig, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        owner = "ServerConfig"
+        check_int(owner, "num_shards", self.num_shards, 1, 1 << 16)
+        check_int(owner, "shard_id", self.shard_id, 0, self.num_shards - 1)
+        check_int(owner, "port", self.port, 0, 65535)
+        if self.metrics_port is not None:
+            check_int(owner, "metrics_port", self.metrics_port, 0, 65535)
+        check_int(owner, "max_workers", self.max_workers, 1, 1024)
+        check_int(owner, "chunk_bytes", self.chunk_bytes, 1 << 12, 1 << 30)
+        check_int(owner, "max_message_bytes", self.max_message_bytes, self.chunk_bytes + 4096,
+                  1 << 31)
+        check_int(owner, "max_batch_bytes", self.max_batch_bytes, 1, 1 << 40)
+        if not self.grace_s >= 0:
+            raise ValueError(f"{owner}: field 'grace_s' expected >= 0, got {self.grace_s!r}")
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"{owner}: field 'host' expected a host name, got {self.host!r}")
+        object.__setattr__(self, "data_dir", Path(self.data_dir))
+        if self.snapshot_dir is not None:
+            object.__setattr__(self, "snapshot_dir", Path(self.snapshot_dir))
+        object.__setattr__(self, "tables", tuple(self.tables))
+        for table in self.tables:
+            if not isinstance(table, TableConfig):
+                raise ValueError(
+                    f"{owner}: field 'tables' expected TableConfigs, got {type(table).__name__}"
+                )
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> ServerConfig:
+        """Read a TOML file whose top-level keys are this class's fields, with [[tables]]
+        entries as TableConfig.to_dict gives them; `overrides` (flags given on the command
+        line) win over the file."""
+        with open(path, "rb") as source:
+            data = tomllib.load(source)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"ServerConfig file {path}: unknown keys {unknown}; "
+                f"expected some of {sorted(known)}"
+            )
+        data["tables"] = tuple(TableConfig.from_dict(t) for t in data.get("tables", ()))
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**data)

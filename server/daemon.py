@@ -1,0 +1,180 @@
+"""The shard daemon: one Shard behind a gRPC server with health, reflection and metrics.
+
+`create_server(config) -> (server, port)` builds it for in-process use (tests, notebooks);
+`serve(config)` runs it until SIGTERM or SIGINT, then shuts down gracefully.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tierps.proto import tierps_service_pb2 as pb
+from tierps.proto import tierps_service_pb2_grpc as pb_grpc
+from tierps.server.config import ServerConfig
+from tierps.server.metrics import ShardMetrics
+from tierps.server.servicers import AdminServicer, EmbeddingServicer
+from tierps.server.shard import Shard
+
+log = logging.getLogger("tierps.server")
+
+OUR_SERVICES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by_name.values())
+PARENT_PID_ENV = "TIERPS_PARENT_PID"  # set by LocalCluster: the daemon exits with its parent
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Message size limits, set explicitly (gRPC's default receive limit is 4 MiB)."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+class ShardServer:
+    """A shard served over gRPC. start() begins serving; stop() stops taking calls, lets
+    in-flight ones finish (up to grace_s), flushes dirty rows and closes RocksDB."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.shard = Shard(config)
+        try:
+            self.metrics = ShardMetrics(self.shard)
+            self.health = health.HealthServicer(experimental_non_blocking=True)
+            # so_reuseport off: a port in use is an error, never two servers on one port.
+            options = [*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)]
+            self._server = grpc.server(
+                ThreadPoolExecutor(config.max_workers, thread_name_prefix="tierps-rpc"),
+                options=options,
+            )
+            pb_grpc.add_EmbeddingServiceServicer_to_server(
+                EmbeddingServicer(self.shard, self._observe), self._server
+            )
+            pb_grpc.add_AdminServiceServicer_to_server(
+                AdminServicer(self.shard, self._observe), self._server
+            )
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+            reflection.enable_server_reflection(
+                (*OUR_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+            )
+            self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+            if self.port == 0:
+                raise OSError(f"could not bind {config.host}:{config.port}")
+        except BaseException:
+            self.shard.close()
+            raise
+        self._set_serving(False)
+        self.shard.on_serving_change = self._set_serving
+        self.metrics_port: int | None = None
+        self._stopped = False
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    def _observe(self, method: str, code: str, seconds: float) -> None:
+        self.metrics.rpc_seconds.labels(method, code).observe(seconds)
+
+    def _set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", *OUR_SERVICES):
+            self.health.set(service, status)
+        log.info("health %s", "SERVING" if serving else "NOT_SERVING", extra=self._fields())
+
+    def _fields(self) -> dict[str, Any]:
+        return {"shard_id": self.config.shard_id, "num_shards": self.config.num_shards}
+
+    def start(self) -> ShardServer:
+        self._server.start()
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
+        self._set_serving(True)
+        log.info(
+            "serving",
+            extra={
+                **self._fields(),
+                "address": self.address,
+                "metrics_port": self.metrics_port,
+                "data_dir": str(self.config.data_dir),
+                "snapshot_dir": str(self.config.snapshot_dir),
+                "tables": [c.name for c in self.shard.list_tables()],
+            },
+        )
+        return self
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Idempotent graceful stop."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.config.grace_s if grace_s is None else grace_s
+        log.info("stopping", extra={**self._fields(), "grace_s": grace})
+        self.health.enter_graceful_shutdown()
+        self._server.stop(grace).wait()
+        self.shard.close()
+        self.metrics.stop()
+        log.info("stopped", extra=self._fields())
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return self._server.wait_for_termination(timeout)
+
+    def __enter__(self) -> ShardServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def create_server(config: ServerConfig) -> tuple[ShardServer, int]:
+    """A shard server bound to config.host:config.port (0: a free port), not yet started;
+    returns it and the bound port."""
+    server = ShardServer(config)
+    return server, server.port
+
+
+def _exit_with_parent() -> None:
+    """Under LocalCluster, die when the launching thread's process goes (Linux prctl)."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the parent already went before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def serve(config: ServerConfig, *, port_file: Path | None = None) -> int:
+    """Run a shard until SIGTERM or SIGINT; then stop gracefully and return 0. The bound
+    ports are written to port_file (JSON) once serving."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    _exit_with_parent()
+    server, port = create_server(config)
+    server.start()
+    if port_file is not None:
+        tmp = port_file.with_name(port_file.name + ".tmp")
+        tmp.write_text(json.dumps({"port": port, "metrics_port": server.metrics_port,
+                                   "pid": os.getpid()}))
+        os.replace(tmp, port_file)
+    while not stop.wait(0.5):
+        pass
+    server.stop()
+    return 0

@@ -1,0 +1,288 @@
+"""The shard: the tables of one shard over the storage cascade, behind the checks the wire
+needs (key ownership, dims, sizes) and the locking that makes snapshots consistent."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tierps.server.config import ServerConfig
+from tierps.storage import (
+    EmbeddingStore,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    TableConfig,
+    snapshot,
+)
+from tierps.storage.snapshot import Progress
+
+SNAPSHOT_CHUNK_ROWS = 65536
+
+
+class Gate:
+    """Many data calls at once, or one exclusive section (a snapshot cut, a load, a drop).
+    An exclusive waiter blocks new data calls, so it is never starved."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._exclusive = False
+        self._waiting = 0
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive or self._waiting:
+                self._cond.wait()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                if self._active == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            while self._exclusive or self._active:
+                self._cond.wait()
+            self._waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+def _hit_rate(hits: int, misses: int) -> float:
+    return hits / (hits + misses) if hits + misses else 0.0
+
+
+class Shard:
+    """Tables of shard `shard_id` of `num_shards`, stored under data_dir.
+
+    The data dir remembers which shard it belongs to: opening it as another shard, or with
+    another shard count, is refused (its keys would be on the wrong shard; load a snapshot to
+    reshard instead).
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.shard_id = config.shard_id
+        self.num_shards = config.num_shards
+        self.where = f"shard {self.shard_id} of {self.num_shards}"
+        self.started = time.time()
+        self._check_identity(Path(config.data_dir))
+        self.store = EmbeddingStore(Path(config.data_dir) / "rocksdb", shard_id=self.shard_id)
+        self._gate = Gate()
+        self._admin = threading.Lock()  # one table or snapshot change at a time
+        # Told False while a snapshot loads and True after; the server wires it to health.
+        self.on_serving_change: Callable[[bool], None] = lambda serving: None
+        for table in config.tables:
+            self.store.create_table(table)
+
+    def _check_identity(self, data_dir: Path) -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        identity_file = data_dir / "SHARD.json"
+        identity = {"shard_id": self.shard_id, "num_shards": self.num_shards}
+        if identity_file.exists():
+            stored = json.loads(identity_file.read_text())
+            if stored != identity:
+                raise FailedPreconditionError(
+                    f"data dir {data_dir} holds shard {stored['shard_id']} of "
+                    f"{stored['num_shards']}, but this daemon was started as {self.where}; "
+                    f"start it with those flags, or load a snapshot into a new data dir to "
+                    f"reshard"
+                )
+        else:
+            identity_file.write_text(json.dumps(identity))
+
+    # -- checks ------------------------------------------------------------------------------
+
+    def _table(self, name: str, dim: int | None = None) -> Any:
+        table = self.store.table(name)
+        if dim is not None and dim != table.config.dim:
+            raise InvalidArgumentError(
+                f"table {name!r} on {self.where}: field 'dim' expected {table.config.dim} "
+                f"(the table's), got {dim}"
+            )
+        return table
+
+    def check_keys(self, table: str, keys: np.ndarray) -> None:
+        """Refuse keys >= 0 that belong to another shard, naming the first."""
+        if self.num_shards == 1:
+            return
+        wrong = (keys >= 0) & (keys % self.num_shards != self.shard_id)
+        if wrong.any():
+            index = int(np.argmax(wrong))
+            key = int(keys[index])
+            raise InvalidArgumentError(
+                f"table {table!r}: key {key} at index {index} belongs to shard "
+                f"{key % self.num_shards}, not to {self.where} (a key k lives on shard "
+                f"k % {self.num_shards})"
+            )
+
+    # -- data calls --------------------------------------------------------------------------
+
+    def lookup(self, table: str, dim: int, keys: np.ndarray, *, create: bool) -> np.ndarray:
+        with self._gate.shared():
+            target = self._table(table, dim)
+            self.check_keys(table, keys)
+            return target.lookup(keys, create=create)
+
+    def push_gradients(
+        self, table: str, dim: int, keys: np.ndarray, grads: np.ndarray, step: int
+    ) -> int:
+        with self._gate.shared():
+            target = self._table(table, dim)
+            self.check_keys(table, keys)
+            target.apply_gradients(keys, grads, step)
+        return int(np.unique(keys[keys >= 0]).size)
+
+    def assign(self, table: str, dim: int, keys: np.ndarray, values: np.ndarray) -> int:
+        with self._gate.shared():
+            target = self._table(table, dim)
+            self.check_keys(table, keys)
+            target.assign(keys, values)
+        return int(np.unique(keys[keys >= 0]).size)
+
+    # -- tables ------------------------------------------------------------------------------
+
+    def create_table(self, config: TableConfig) -> bool:
+        """True if created, False if it existed with this config."""
+        with self._admin:
+            existed = config.name in {t.name for t in self.store.tables()}
+            self.store.create_table(config)
+            return not existed
+
+    def drop_table(self, name: str) -> None:
+        with self._admin, self._gate.exclusive():
+            self.store.drop_table(name)
+
+    def list_tables(self) -> list[TableConfig]:
+        return sorted(self.store.tables(), key=lambda config: config.name)
+
+    def describe(self, name: str) -> dict[str, Any]:
+        stats = self.store.table(name).stats()
+        return {
+            "config": self.store.table(name).config,
+            "shard_id": self.shard_id,
+            "num_shards": self.num_shards,
+            "tiers": [
+                {
+                    "name": tier,
+                    "rows": figures["rows"],
+                    "bytes": figures["bytes"],
+                    "hits": figures["hits"],
+                    "misses": figures["misses"],
+                    "hit_rate": _hit_rate(figures["hits"], figures["misses"]),
+                }
+                for tier, figures in stats["tiers"].items()
+            ],
+            "initialized": stats["initialized"],
+            "created": stats["created"],
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "shard_id": self.shard_id,
+            "num_shards": self.num_shards,
+            "tables": [self.describe(config.name) for config in self.list_tables()],
+            "rss_bytes": _proc_status_bytes("VmRSS"),
+            "peak_rss_bytes": _proc_status_bytes("VmHWM"),
+            "uptime_s": time.time() - self.started,
+        }
+
+    # -- snapshots ---------------------------------------------------------------------------
+
+    def _snapshot_root(self) -> Path:
+        if self.config.snapshot_dir is None:
+            raise FailedPreconditionError(
+                f"{self.where} has no snapshot directory: start it with --snapshot-dir"
+            )
+        return Path(self.config.snapshot_dir)
+
+    def save_part(self, name: str, save_id: str) -> Iterator[Progress]:
+        """Write this shard's part of snapshot `name`. Data calls wait while every table is
+        flushed and a RocksDB snapshot of each is taken (the cut); the files are written from
+        those snapshots afterwards, while the shard serves again."""
+        root = self._snapshot_root()
+        snapshot.check_name(name)
+        with self._admin:
+            with self._gate.exclusive():
+                tables = [self.store.table(config.name) for config in self.list_tables()]
+                exports = [(t.config, t.export(SNAPSHOT_CHUNK_ROWS)) for t in tables]
+            estimate = sum(t.durable.stats()["rows"] for t in tables)
+            yield from snapshot.write_part(
+                root, name, save_id, self.shard_id, self.num_shards, exports, estimate
+            )
+
+    def commit_snapshot(self, name: str, save_id: str) -> Iterator[Progress]:
+        root = self._snapshot_root()
+        manifest = snapshot.commit(root, name, save_id)
+        rows = sum(entry["rows"] for entry in manifest["tables"].values())
+        yield Progress(rows, rows, str(root / name), done=True)
+
+    def load_snapshot(self, name: str) -> Iterator[Progress]:
+        """Replace the snapshot's tables with its rows of this shard's keys. Everything is
+        checked before anything changes; data calls wait and health is NOT_SERVING meanwhile."""
+        root = self._snapshot_root()
+        opened = snapshot.Snapshot(root, name)
+        opened.verify()
+        total = sum(entry["rows"] for entry in opened.tables.values())
+        done = kept = 0
+        with self._admin, self._gate.exclusive():
+            self.on_serving_change(False)
+            try:
+                for table_name, config in opened.configs.items():
+                    if table_name in {t.name for t in self.store.tables()}:
+                        self.store.drop_table(table_name)
+                    table = self.store.create_table(config)
+                    for keys, rows, scanned in opened.rows_for_shard(
+                        table_name, self.shard_id, self.num_shards, SNAPSHOT_CHUNK_ROWS
+                    ):
+                        table.restore(keys, rows)
+                        done += scanned
+                        kept += keys.size
+                        yield Progress(done, total, str(opened.path), rows_kept=kept)
+                self.store.flush()
+            finally:
+                self.on_serving_change(True)
+        yield Progress(done, total, str(opened.path), rows_kept=kept, done=True)
+
+    def list_snapshots(self) -> list[dict[str, Any]]:
+        return snapshot.list_snapshots(self._snapshot_root())
+
+    def close(self) -> None:
+        """Flush dirty rows and close RocksDB (waits for running data calls)."""
+        with self._gate.exclusive():
+            self.store.close()
+
+
+def new_save_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _proc_status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (0 where there is none)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

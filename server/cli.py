@@ -1,20 +1,106 @@
-"""The `tierps` command."""
+"""The `tierps` command: serve one shard, run a local cluster, administer a cluster, demo."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import signal
+import sys
+import threading
 from pathlib import Path
 
-from tierps.server.storage_demo import run_storage_demo
+log = logging.getLogger("tierps.server")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tierps", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve", help="run one shard daemon",
+        description="Run one shard. Flags win over the --config file. SIGTERM or SIGINT: "
+        "stop taking calls, finish in-flight ones, flush, close RocksDB, exit 0.",
+    )  # fmt: skip
+    serve.add_argument("--shard-id", type=int, help="this shard's id, 0..num-shards-1")
+    serve.add_argument("--num-shards", type=int, help="shards in the cluster")
+    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="gRPC port (default 0: any free port)")
+    serve.add_argument("--data-dir", type=Path, help="this shard's RocksDB directory")
+    serve.add_argument("--snapshot-dir", type=Path, help="snapshot directory (may be shared)")
+    serve.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    serve.add_argument("--config", type=Path, help="TOML file of ServerConfig fields")
+    serve.add_argument("--port-file", type=Path, help="write the bound ports here (JSON)")
+    serve.add_argument("--log-level", default="info", help="debug, info, warning, error")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tierps.server import logs
+    from tierps.server.config import ServerConfig
+    from tierps.server.daemon import serve
+    from tierps.storage import TierpsError
+
+    logs.configure(args.log_level)
+    flags = {
+        "shard_id": args.shard_id, "num_shards": args.num_shards, "host": args.host,
+        "port": args.port, "data_dir": args.data_dir, "snapshot_dir": args.snapshot_dir,
+        "metrics_port": args.metrics_port,
+    }  # fmt: skip
+    try:
+        if args.config is not None:
+            config = ServerConfig.from_file(args.config, **flags)
+        else:
+            missing = [f"--{k.replace('_', '-')}" for k in ("shard_id", "num_shards", "data_dir")
+                       if flags[k] is None]  # fmt: skip
+            if missing:
+                print(f"tierps serve: {', '.join(missing)} required (or --config)", file=sys.stderr)
+                return 2
+            config = ServerConfig(**{k: v for k, v in flags.items() if v is not None})
+        return serve(config, port_file=args.port_file)
+    except (TierpsError, ValueError, OSError) as error:
+        log.error("cannot serve: %s", error)
+        print(f"tierps serve: {error}", file=sys.stderr)
+        return 1
+
+
+def _add_cluster(commands: argparse._SubParsersAction) -> None:
+    cluster = commands.add_parser(
+        "cluster", help="run N shards on this machine until Ctrl-C",
+        description="Start N shard daemons as subprocesses, wait until each is SERVING, print "
+        "their addresses, and stop them all gracefully on Ctrl-C or SIGTERM.",
+    )  # fmt: skip
+    cluster.add_argument("--shards", type=int, required=True, help="number of shards")
+    cluster.add_argument(
+        "--base-port", type=int, help="shard i binds base-port + i (default: free)"
+    )
+    cluster.add_argument("--data-dir", type=Path, required=True, help="shard-<i>/ per shard here")
+    cluster.add_argument("--snapshot-dir", type=Path, help="shared snapshot directory")
+    cluster.add_argument("--metrics", action="store_true", help="each shard serves /metrics")
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    from tierps.server.cluster import LocalCluster
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    with LocalCluster(
+        args.shards, args.data_dir, args.snapshot_dir, base_port=args.base_port,
+        metrics=args.metrics,
+    ) as cluster:  # fmt: skip
+        print(f"{args.shards} shards serving (logs in {args.data_dir}/shard-<i>.log):")
+        for shard_id, address in enumerate(cluster.addresses):
+            metrics = cluster.metrics_ports[shard_id]
+            extra = f"  metrics http://{cluster.host}:{metrics}/metrics" if metrics else ""
+            print(f"  shard {shard_id}: {address}{extra}")
+        print(f"addresses: {','.join(cluster.addresses)}", flush=True)
+        while not stop.wait(0.5):
+            pass
+        print("stopping...", flush=True)
+    return 0
+
+
+def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser(
         "demo",
         help="stream a Zipf trace through a table 4x larger than its host budget "
-        "(the storage demo, until the shard service and client land)",
+        "(the storage demo, until the client lands)",
     )
     demo.add_argument("--data-dir", type=Path, default=Path("tierps-data"))
     demo.add_argument("--dim", type=int, default=32)
@@ -22,16 +108,31 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=150, help="batches to stream")
     demo.add_argument("--batch", type=int, default=16384, help="keys per batch")
     demo.add_argument("--keep", action="store_true", help="continue from the last run's rows")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tierps", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_serve(commands)
+    _add_cluster(commands)
+    # The admin command is a client of the cluster: it lives with the client.
+    from tierps.client import admin_cli
+
+    admin_cli.add_arguments(commands.add_parser("admin", help="administer a running cluster"))
+    _add_demo(commands)
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        run_storage_demo(
-            args.data_dir,
-            dim=args.dim,
-            host_mb=args.host_mb,
-            steps=args.steps,
-            batch=args.batch,
-            keep=args.keep,
-        )
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "cluster":
+        return _cluster(args)
+    if args.command == "admin":
+        return admin_cli.run(args)
+    from tierps.server.storage_demo import run_storage_demo
+
+    run_storage_demo(
+        args.data_dir, dim=args.dim, host_mb=args.host_mb, steps=args.steps,
+        batch=args.batch, keep=args.keep,
+    )  # fmt: skip
     return 0
 
 

@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierps.proto.wire import CHUNK_BYTES, MAX_MESSAGE_BYTES
 from tierps.storage import TableConfig
 from tierps.storage.validation import check_int
 
-CHUNK_BYTES = 4 << 20  # bulk bytes per stream message: "a few MiB"
-MAX_MESSAGE_BYTES = 16 << 20  # gRPC send/receive limit on both ends (a chunk plus headroom)
 MAX_BATCH_BYTES = 2 << 30  # one call's keys and values together, buffered by the shard
 
 
@@ -53,8 +52,9 @@ class ServerConfig:
             check_int(owner, "metrics_port", self.metrics_port, 0, 65535)
         check_int(owner, "max_workers", self.max_workers, 1, 1024)
         check_int(owner, "chunk_bytes", self.chunk_bytes, 1 << 12, 1 << 30)
-        check_int(owner, "max_message_bytes", self.max_message_bytes, self.chunk_bytes + 4096,
-                  1 << 31)
+        check_int(
+            owner, "max_message_bytes", self.max_message_bytes, self.chunk_bytes + 4096, 1 << 31
+        )
         check_int(owner, "max_batch_bytes", self.max_batch_bytes, 1, 1 << 40)
         if not self.grace_s >= 0:
             raise ValueError(f"{owner}: field 'grace_s' expected >= 0, got {self.grace_s!r}")

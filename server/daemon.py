@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
+from tierps.proto.wire import channel_options
 from tierps.server.config import ServerConfig
 from tierps.server.metrics import ShardMetrics
 from tierps.server.servicers import AdminServicer, EmbeddingServicer
@@ -31,14 +32,6 @@ log = logging.getLogger("tierps.server")
 
 OUR_SERVICES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by_name.values())
 PARENT_PID_ENV = "TIERPS_PARENT_PID"  # set by LocalCluster: the daemon exits with its parent
-
-
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Message size limits, set explicitly (gRPC's default receive limit is 4 MiB)."""
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-    ]
 
 
 class ShardServer:
@@ -171,8 +164,9 @@ def serve(config: ServerConfig, *, port_file: Path | None = None) -> int:
     server.start()
     if port_file is not None:
         tmp = port_file.with_name(port_file.name + ".tmp")
-        tmp.write_text(json.dumps({"port": port, "metrics_port": server.metrics_port,
-                                   "pid": os.getpid()}))
+        tmp.write_text(
+            json.dumps({"port": port, "metrics_port": server.metrics_port, "pid": os.getpid()})
+        )
         os.replace(tmp, port_file)
     while not stop.wait(0.5):
         pass

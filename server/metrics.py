@@ -28,14 +28,16 @@ class _TableCollector(Collector):
             "tierps_table_rows", "Rows held, per table and tier", labels=labels
         )
         size = GaugeMetricFamily(
-            "tierps_table_bytes", "Bytes held (rows, state, index), per table and tier",
+            "tierps_table_bytes",
+            "Bytes held (rows, state, index), per table and tier",
             labels=labels,
         )
         hits = CounterMetricFamily(
             "tierps_table_hits", "Keys looked for and found, per table and tier", labels=labels
         )
         misses = CounterMetricFamily(
-            "tierps_table_misses", "Keys looked for and not found, per table and tier",
+            "tierps_table_misses",
+            "Keys looked for and not found, per table and tier",
             labels=labels,
         )
         try:

@@ -1,0 +1,181 @@
+"""ClusterAdmin: cluster-wide admin calls, each sent to every shard at once."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+
+from tierps.proto import tierps_service_pb2 as pb
+from tierps.proto import tierps_service_pb2_grpc as pb_grpc
+from tierps.proto.convert import table_config_to_dict, table_config_to_proto
+from tierps.proto.wire import channel_options
+from tierps.storage.config import TableConfig
+
+T = TypeVar("T")
+Progress = Callable[[int, int], None]  # (rows done, rows in all) across the cluster
+
+
+class ShardError(RuntimeError):
+    """A shard refused a call or could not be reached; names the shard and its address.
+    `code` is the gRPC status code."""
+
+    def __init__(self, shard_id: int, address: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"shard {shard_id} at {address}: {code.name}: {details}")
+        self.shard_id = shard_id
+        self.address = address
+        self.code = code
+        self.details = details
+
+
+class ClusterAdmin:
+    """Admin of the cluster whose shard i listens at addresses[i]. A context manager."""
+
+    def __init__(self, addresses: list[str], *, timeout_s: float = 30.0) -> None:
+        if not addresses:
+            raise ValueError("ClusterAdmin: addresses expected at least one 'host:port', got []")
+        self.addresses = list(addresses)
+        self.timeout_s = timeout_s
+        self._channels = [grpc.insecure_channel(a, options=channel_options()) for a in addresses]
+        self._stubs = [pb_grpc.AdminServiceStub(channel) for channel in self._channels]
+        self._pool = ThreadPoolExecutor(len(addresses), thread_name_prefix="tierps-admin")
+
+    def _each(self, call: Callable[[int, pb_grpc.AdminServiceStub], T]) -> list[T]:
+        """call(shard_id, stub) on every shard at once; the first failure is raised as a
+        ShardError naming the shard."""
+
+        def guarded(shard_id: int) -> T:
+            try:
+                return call(shard_id, self._stubs[shard_id])
+            except grpc.RpcError as error:
+                raise ShardError(
+                    shard_id, self.addresses[shard_id], error.code(), error.details() or ""
+                ) from None
+
+        return list(self._pool.map(guarded, range(len(self.addresses))))
+
+    def check_topology(self) -> None:
+        """Every shard says it is shard i of len(addresses), at position i."""
+        stats = self._each(lambda i, stub: stub.Stats(pb.StatsRequest(), timeout=self.timeout_s))
+        for shard_id, reply in enumerate(stats):
+            if (reply.shard_id, reply.num_shards) != (shard_id, len(self.addresses)):
+                raise ShardError(
+                    shard_id, self.addresses[shard_id], grpc.StatusCode.FAILED_PRECONDITION,
+                    f"expected shard {shard_id} of {len(self.addresses)} (its position in the "
+                    f"address list), but it is shard {reply.shard_id} of {reply.num_shards}",
+                )  # fmt: skip
+
+    # -- tables ------------------------------------------------------------------------------
+
+    def create_table(self, config: TableConfig) -> bool:
+        """Create on every shard; True if any shard created it, False if all had it."""
+        request = pb.CreateTableRequest(config=table_config_to_proto(config.to_dict()))
+        replies = self._each(lambda i, stub: stub.CreateTable(request, timeout=self.timeout_s))
+        return any(reply.created for reply in replies)
+
+    def drop_table(self, name: str) -> None:
+        request = pb.DropTableRequest(table=name)
+        self._each(lambda i, stub: stub.DropTable(request, timeout=self.timeout_s))
+
+    def list_tables(self) -> list[TableConfig]:
+        """The tables of shard 0 (every shard has the same ones when created through here)."""
+        reply = self._each(lambda i, stub: stub.ListTables(pb.ListTablesRequest(),
+                                                           timeout=self.timeout_s))[0]  # fmt: skip
+        return [TableConfig.from_dict(table_config_to_dict(t)) for t in reply.tables]
+
+    def describe(self, name: str) -> list[dict[str, Any]]:
+        """Each shard's description of a table (config, tiers with rows, bytes, hit rates)."""
+        request = pb.DescribeTableRequest(table=name)
+        replies = self._each(lambda i, stub: stub.DescribeTable(request, timeout=self.timeout_s))
+        return [_as_dict(reply) for reply in replies]
+
+    def stats(self) -> list[dict[str, Any]]:
+        replies = self._each(lambda i, stub: stub.Stats(pb.StatsRequest(), timeout=self.timeout_s))
+        return [_as_dict(reply) for reply in replies]
+
+    # -- snapshots ---------------------------------------------------------------------------
+
+    def _stream(
+        self,
+        calls: Callable[[int, pb_grpc.AdminServiceStub], Iterator[pb.SnapshotProgress]],
+        progress: Progress | None,
+    ) -> list[pb.SnapshotProgress]:
+        """Run a progress-streaming call on every shard; report summed progress; return each
+        shard's last message."""
+        lock = threading.Lock()
+        figures = [(0, 0)] * len(self.addresses)
+
+        def follow(shard_id: int, stub: pb_grpc.AdminServiceStub) -> pb.SnapshotProgress:
+            last = None
+            for last in calls(shard_id, stub):
+                with lock:
+                    figures[shard_id] = (last.rows_done, last.rows_total)
+                    if progress is not None:
+                        progress(sum(f[0] for f in figures), sum(f[1] for f in figures))
+            if last is None or not last.done:
+                raise ShardError(
+                    shard_id, self.addresses[shard_id], grpc.StatusCode.UNKNOWN,
+                    "the progress stream ended before it said done",
+                )  # fmt: skip
+            return last
+
+        return self._each(follow)
+
+    def save_snapshot(self, name: str, *, progress: Progress | None = None) -> dict[str, Any]:
+        """Every shard writes its part (pushes each shard receives while it cuts its part
+        wait); then shard 0 checks the parts and writes the manifest."""
+        self.check_topology()
+        save_id = uuid.uuid4().hex
+        part = pb.SaveSnapshotRequest(name=name, phase=pb.SAVE_PHASE_WRITE_PART, save_id=save_id)
+        parts = self._stream(lambda i, stub: stub.SaveSnapshot(part), progress)
+        commit = pb.SaveSnapshotRequest(name=name, phase=pb.SAVE_PHASE_COMMIT, save_id=save_id)
+        try:
+            last = list(self._stubs[0].SaveSnapshot(commit, timeout=self.timeout_s))[-1]
+        except grpc.RpcError as error:
+            raise ShardError(0, self.addresses[0], error.code(), error.details() or "") from None
+        return {"name": name, "rows": sum(p.rows_done for p in parts), "path": last.path}
+
+    def load_snapshot(self, name: str, *, progress: Progress | None = None) -> dict[str, Any]:
+        """Every shard takes the snapshot's rows of its keys, from every part."""
+        self.check_topology()
+        request = pb.LoadSnapshotRequest(name=name)
+        shards = self._stream(lambda i, stub: stub.LoadSnapshot(request), progress)
+        return {"name": name, "rows": sum(s.rows_kept for s in shards), "path": shards[0].path}
+
+    def list_snapshots(self) -> list[dict[str, Any]]:
+        reply = self._stubs[0].ListSnapshots(pb.ListSnapshotsRequest(), timeout=self.timeout_s)
+        return [_as_dict(info) for info in reply.snapshots]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        for channel in self._channels:
+            channel.close()
+
+    def __enter__(self) -> ClusterAdmin:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _as_dict(message: Any) -> dict[str, Any]:
+    """A reply as plain Python values (ints stay ints; a table config comes back as
+    TableConfig.to_dict gives it, defaults filled in)."""
+    if isinstance(message, pb.TableConfig):
+        return TableConfig.from_dict(table_config_to_dict(message)).to_dict()
+    out: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            out[field.name] = dict(value)
+        elif field.is_repeated:
+            out[field.name] = [_as_dict(v) if field.message_type else v for v in value]
+        elif field.message_type is not None:
+            out[field.name] = _as_dict(value)
+        else:
+            out[field.name] = value
+    return out

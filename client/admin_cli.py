@@ -1,0 +1,136 @@
+"""`tierps admin`: tables, describe, stats and snapshots of a running cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from tqdm import tqdm
+
+from tierps.client.admin import ClusterAdmin, ShardError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--addresses", required=True,
+        help="the shards' host:port, comma-separated, in shard order (shard 0 first)",
+    )  # fmt: skip
+    parser.add_argument("--timeout-s", type=float, default=30.0, help="deadline of each call")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    actions = parser.add_subparsers(dest="action", required=True)
+    actions.add_parser("tables", help="list the tables and their configs")
+    describe = actions.add_parser("describe", help="rows, bytes and hit rates of a table per tier")
+    describe.add_argument("table")
+    actions.add_parser("stats", help="every shard's tables, memory and uptime")
+    snapshot = actions.add_parser("snapshot", help="save, load or list snapshots")
+    verbs = snapshot.add_subparsers(dest="verb", required=True)
+    verbs.add_parser("save", help="save a consistent snapshot of every table").add_argument("name")
+    verbs.add_parser("load", help="load a snapshot (any shard count)").add_argument("name")
+    verbs.add_parser("list", help="the snapshots in the snapshot directory")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _print_rows(header: list[str], rows: list[list[Any]]) -> None:
+    cells = [header] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for row in cells:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+
+
+def _component(data: dict[str, Any]) -> str:
+    params = ", ".join(f"{k}={v:g}" for k, v in data.items() if k != "kind")
+    return f"{data['kind']}({params})"
+
+
+def _with_bar(action: Any, label: str) -> dict[str, Any]:
+    with tqdm(total=0, unit="row", unit_scale=True, desc=label, file=sys.stderr) as bar:
+
+        def progress(done: int, total: int) -> None:
+            bar.total = max(total, done)
+            bar.n = done
+            bar.refresh()
+
+        return action(progress=progress)
+
+
+def run(args: argparse.Namespace) -> int:
+    addresses = [a.strip() for a in args.addresses.split(",") if a.strip()]
+    try:
+        with ClusterAdmin(addresses, timeout_s=args.timeout_s) as admin:
+            result = _act(admin, args)
+    except ShardError as error:
+        print(f"tierps admin: {error}", file=sys.stderr)
+        return 1
+    if args.json and result is not None:
+        print(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+def _act(admin: ClusterAdmin, args: argparse.Namespace) -> Any:
+    if args.action == "tables":
+        configs = [c.to_dict() for c in admin.list_tables()]
+        if not args.json:
+            _print_rows(
+                ["table", "dim", "optimizer", "initializer", "host cache", "write policy"],
+                [
+                    [c["name"], c["dim"], _component(c["optimizer"]),
+                     _component(c["initializer"]), _mb(c["host_cache_bytes"]), c["write_policy"]]
+                    for c in configs
+                ],
+            )  # fmt: skip
+        return configs
+    if args.action == "describe":
+        shards = admin.describe(args.table)
+        if not args.json:
+            print(f"table {args.table!r}: {_component(shards[0]['config']['optimizer'])}, "
+                  f"dim {shards[0]['config']['dim']}")  # fmt: skip
+            _print_rows(
+                ["shard", "tier", "rows", "bytes", "hits", "misses", "hit rate"],
+                [
+                    [s["shard_id"], t["name"], f"{t['rows']:,}", _mb(t["bytes"]), f"{t['hits']:,}",
+                     f"{t['misses']:,}", f"{t['hit_rate']:.1%}"]
+                    for s in shards for t in s["tiers"]
+                ],
+            )  # fmt: skip
+        return shards
+    if args.action == "stats":
+        shards = admin.stats()
+        if not args.json:
+            _print_rows(
+                ["shard", "address", "tables", "rows (durable)", "rss", "peak rss", "uptime"],
+                [
+                    [s["shard_id"], address, len(s["tables"]),
+                     f"{sum(t['tiers'][-1]['rows'] for t in s['tables']):,}",
+                     _mb(s["rss_bytes"]), _mb(s["peak_rss_bytes"]), f"{s['uptime_s']:.0f} s"]
+                    for s, address in zip(shards, admin.addresses, strict=True)
+                ],
+            )  # fmt: skip
+        return shards
+    if args.verb == "save":
+        result = _with_bar(lambda progress: admin.save_snapshot(args.name, progress=progress),
+                           f"save {args.name}")  # fmt: skip
+        if not args.json:
+            print(f"saved snapshot {args.name!r}: {result['rows']:,} rows in {result['path']}")
+        return result
+    if args.verb == "load":
+        result = _with_bar(lambda progress: admin.load_snapshot(args.name, progress=progress),
+                           f"load {args.name}")  # fmt: skip
+        if not args.json:
+            print(f"loaded snapshot {args.name!r}: {result['rows']:,} rows from {result['path']}")
+        return result
+    snapshots = admin.list_snapshots()
+    if not args.json:
+        _print_rows(
+            ["snapshot", "complete", "shards", "tables (rows)"],
+            [
+                [s["name"], "yes" if s["complete"] else "NO", s["num_shards"] or "-",
+                 ", ".join(f"{t} ({n:,})" for t, n in sorted(s["table_rows"].items()))]
+                for s in snapshots
+            ],
+        )  # fmt: skip
+    return snapshots

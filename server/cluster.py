@@ -1,0 +1,175 @@
+"""LocalCluster: N shard daemons as subprocesses of this one, on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tierps.server.daemon import PARENT_PID_ENV
+
+
+def wait_until_serving(address: str, timeout_s: float) -> None:
+    """Block until the gRPC health service at address says SERVING; TimeoutError if not
+    within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+            except grpc.RpcError as error:
+                last = f"{error.code().name}: {error.details()}"
+            time.sleep(0.05)
+    raise TimeoutError(f"shard at {address} not SERVING after {timeout_s:.0f} s (last: {last})")
+
+
+class LocalCluster:
+    """N shards, each a `tierps serve` subprocess with its data under data_dir/shard-<i>
+    and its JSON logs in data_dir/shard-<i>.log, sharing snapshot_dir.
+
+        with LocalCluster(num_shards=2, data_dir=d, snapshot_dir=s) as cluster:
+            cluster.addresses  # ["127.0.0.1:41234", "127.0.0.1:41235"]
+
+    base_port None binds free ports; otherwise shard i binds base_port + i. The daemons exit
+    with the thread that started them (Linux), so none outlives a crashed parent.
+    """
+
+    def __init__(
+        self,
+        num_shards: int,
+        data_dir: str | os.PathLike[str],
+        snapshot_dir: str | os.PathLike[str] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        base_port: int | None = None,
+        metrics: bool = False,
+        start_timeout_s: float = 60.0,
+        stop_timeout_s: float = 30.0,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        if not isinstance(num_shards, int) or num_shards < 1:
+            raise ValueError(f"LocalCluster: num_shards expected an int >= 1, got {num_shards!r}")
+        self.num_shards = num_shards
+        self.data_dir = Path(data_dir)
+        self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
+        self.host = host
+        self.base_port = base_port
+        self.metrics = metrics
+        self.start_timeout_s = start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.extra_args = extra_args
+        self.addresses: list[str] = []
+        self.metrics_ports: list[int | None] = []
+        self._processes: list[subprocess.Popen[bytes] | None] = [None] * num_shards
+        self._logs: list[IO[bytes] | None] = [None] * num_shards
+
+    def _paths(self, shard_id: int) -> tuple[Path, Path, Path]:
+        stem = self.data_dir / f"shard-{shard_id}"
+        return stem, stem.with_suffix(".port"), stem.with_suffix(".log")
+
+    def _command(self, shard_id: int) -> list[str]:
+        data, port_file, _ = self._paths(shard_id)
+        port = 0 if self.base_port is None else self.base_port + shard_id
+        command = [
+            sys.executable, "-m", "tierps.server.cli", "serve",
+            "--shard-id", str(shard_id), "--num-shards", str(self.num_shards),
+            "--host", self.host, "--port", str(port), "--data-dir", str(data),
+            "--port-file", str(port_file),
+        ]  # fmt: skip
+        if self.snapshot_dir is not None:
+            command += ["--snapshot-dir", str(self.snapshot_dir)]
+        if self.metrics:
+            command += ["--metrics-port", "0"]
+        return command + list(self.extra_args)
+
+    def start_shard(self, shard_id: int) -> None:
+        """Start one shard's daemon (again, after stop_shard) and wait until it serves."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        _, port_file, log_file = self._paths(shard_id)
+        port_file.unlink(missing_ok=True)
+        log = open(log_file, "ab")  # noqa: SIM115 - closed in stop_shard
+        self._logs[shard_id] = log
+        self._processes[shard_id] = subprocess.Popen(
+            self._command(shard_id),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env={**os.environ, PARENT_PID_ENV: str(os.getpid())},
+        )
+        deadline = time.monotonic() + self.start_timeout_s
+        while not port_file.exists():
+            if self._processes[shard_id].poll() is not None:
+                raise RuntimeError(self._failure(shard_id, "exited while starting"))
+            if time.monotonic() > deadline:
+                raise TimeoutError(self._failure(shard_id, "did not start in time"))
+            time.sleep(0.05)
+        ports = json.loads(port_file.read_text())
+        address = f"{self.host}:{ports['port']}"
+        wait_until_serving(address, max(1.0, deadline - time.monotonic()))
+        while len(self.addresses) <= shard_id:
+            self.addresses.append("")
+            self.metrics_ports.append(None)
+        self.addresses[shard_id] = address
+        self.metrics_ports[shard_id] = ports["metrics_port"]
+
+    def _failure(self, shard_id: int, what: str) -> str:
+        _, _, log_file = self._paths(shard_id)
+        process = self._processes[shard_id]
+        tail = log_file.read_text(errors="replace")[-3000:] if log_file.exists() else ""
+        code = process.poll() if process is not None else None
+        return f"shard {shard_id} {what} (exit code {code}); log {log_file}:\n{tail}"
+
+    def stop_shard(self, shard_id: int, *, sig: int = signal.SIGTERM) -> int | None:
+        """Stop one shard (SIGTERM: graceful; SIGKILL: a crash) and return its exit code;
+        one that does not stop within stop_timeout_s is killed."""
+        process = self._processes[shard_id]
+        if process is None:
+            return None
+        if process.poll() is None:
+            process.send_signal(sig)
+            try:
+                process.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self._processes[shard_id] = None
+        log = self._logs[shard_id]
+        if log is not None:
+            log.close()
+            self._logs[shard_id] = None
+        return process.returncode
+
+    def start(self) -> LocalCluster:
+        try:
+            for shard_id in range(self.num_shards):
+                self.start_shard(shard_id)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> list[int | None]:
+        """Stop every shard gracefully (all signalled first, then awaited); exit codes."""
+        for process in self._processes:
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        return [self.stop_shard(shard_id) for shard_id in range(self.num_shards)]
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -149,15 +149,13 @@ class Shard:
         with self._gate.shared():
             target = self._table(table, dim)
             self.check_keys(table, keys)
-            target.apply_gradients(keys, grads, step)
-        return int(np.unique(keys[keys >= 0]).size)
+            return target.apply_gradients(keys, grads, step)
 
     def assign(self, table: str, dim: int, keys: np.ndarray, values: np.ndarray) -> int:
         with self._gate.shared():
             target = self._table(table, dim)
             self.check_keys(table, keys)
-            target.assign(keys, values)
-        return int(np.unique(keys[keys >= 0]).size)
+            return target.assign(keys, values)
 
     # -- tables ------------------------------------------------------------------------------
 

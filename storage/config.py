@@ -120,8 +120,9 @@ class TableConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TableConfig:
         data = dict(data)
-        data["initializer"] = _from_kind("initializer", init.INITIALIZERS, data["initializer"])
-        data["optimizer"] = _from_kind("optimizer", optim.OPTIMIZERS, data["optimizer"])
+        for name, registry in (("initializer", init.INITIALIZERS), ("optimizer", optim.OPTIMIZERS)):
+            if name in data:  # left out: the field's default
+                data[name] = _from_kind(name, registry, data[name])
         return cls(**data)
 
 

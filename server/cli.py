@@ -25,6 +25,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--data-dir", type=Path, help="this shard's RocksDB directory")
     serve.add_argument("--snapshot-dir", type=Path, help="snapshot directory (may be shared)")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    serve.add_argument("--grace-s", type=float, help="on stop, seconds in-flight calls may take")
     serve.add_argument("--config", type=Path, help="TOML file of ServerConfig fields")
     serve.add_argument("--port-file", type=Path, help="write the bound ports here (JSON)")
     serve.add_argument("--log-level", default="info", help="debug, info, warning, error")
@@ -40,7 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
     flags = {
         "shard_id": args.shard_id, "num_shards": args.num_shards, "host": args.host,
         "port": args.port, "data_dir": args.data_dir, "snapshot_dir": args.snapshot_dir,
-        "metrics_port": args.metrics_port,
+        "metrics_port": args.metrics_port, "grace_s": args.grace_s,
     }  # fmt: skip
     try:
         if args.config is not None:

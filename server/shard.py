@@ -91,8 +91,12 @@ class Shard:
         self._admin = threading.Lock()  # one table or snapshot change at a time
         # Told False while a snapshot loads and True after; the server wires it to health.
         self.on_serving_change: Callable[[bool], None] = lambda serving: None
-        for table in config.tables:
-            self.store.create_table(table)
+        try:
+            for table in config.tables:
+                self.store.create_table(table)
+        except BaseException:
+            self.store.close()  # release RocksDB's lock: the data dir can be opened again
+            raise
 
     def _check_identity(self, data_dir: Path) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)

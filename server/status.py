@@ -52,6 +52,15 @@ def rpc(method: F) -> F:
     log failures, and report (method, code, seconds) to the servicer's `observe`."""
     name = method.__name__
 
+    def ended(servicer: Any, started: float) -> None:
+        # The request stream broke: the client cancelled, its deadline passed, or a message
+        # was over max_message_bytes. gRPC has already told the client why; nothing to send.
+        servicer.observe(name, grpc.StatusCode.CANCELLED.name, time.perf_counter() - started)
+        log.info(
+            "rpc %s ended by the transport (client cancel, deadline, or a message over the "
+            "size limit)", name, extra={"method": name, "code": "CANCELLED"},
+        )  # fmt: skip
+
     def finish(servicer: Any, context: grpc.ServicerContext, started: float, error: Any) -> None:
         code = grpc.StatusCode.OK if error is None else status_of(error)
         servicer.observe(name, code.name, time.perf_counter() - started)
@@ -70,6 +79,8 @@ def rpc(method: F) -> F:
             started = time.perf_counter()
             try:
                 yield from method(servicer, request, context)
+            except grpc.RpcError:
+                ended(servicer, started)
             except Exception as error:  # noqa: BLE001 - every error becomes a status
                 finish(servicer, context, started, error)
             else:
@@ -82,6 +93,9 @@ def rpc(method: F) -> F:
         started = time.perf_counter()
         try:
             response = method(servicer, request, context)
+        except grpc.RpcError:
+            ended(servicer, started)
+            return None
         except Exception as error:  # noqa: BLE001 - every error becomes a status
             finish(servicer, context, started, error)
         finish(servicer, context, started, None)

@@ -245,10 +245,34 @@ class Snapshot:
                 table_name: TableConfig.from_dict(entry["config"])
                 for table_name, entry in self.manifest["tables"].items()
             }
+            for table_name, entry in self.tables.items():
+                self._check_sizes(table_name, entry)
         except (KeyError, TypeError, ValueError) as error:
             raise FailedPreconditionError(
                 f"snapshot {name!r}: {MANIFEST} is corrupted: {error!r}"
             ) from None
+
+    def _check_sizes(self, table_name: str, entry: dict[str, Any]) -> None:
+        """The manifest's row counts and config must agree with its file sizes, or a load
+        would read past the end or misread rows."""
+        width = self.configs[table_name].row_width
+        for part in entry["parts"]:
+            rows = int(part["rows"])
+            for file, expected in (
+                (part["keys_file"], 8 * rows),
+                (part["rows_file"], 4 * width * rows),
+            ):
+                if file["bytes"] != expected:
+                    raise FailedPreconditionError(
+                        f"snapshot {self.name!r}: {MANIFEST} is corrupted: table {table_name!r} "
+                        f"lists {rows} rows of {width} floats in {file['path']}, which needs "
+                        f"{expected} bytes, but the manifest gives {file['bytes']}"
+                    )
+        if sum(int(part["rows"]) for part in entry["parts"]) != int(entry["rows"]):
+            raise FailedPreconditionError(
+                f"snapshot {self.name!r}: {MANIFEST} is corrupted: table {table_name!r} has "
+                f"{entry['rows']} rows in all but its parts sum to another count"
+            )
 
     @property
     def tables(self) -> dict[str, Any]:

@@ -269,8 +269,9 @@ class Shard:
         return snapshot.list_snapshots(self._snapshot_root())
 
     def close(self) -> None:
-        """Flush dirty rows and close RocksDB (waits for running data calls)."""
-        with self._gate.exclusive():
+        """Flush dirty rows and close RocksDB, after running data calls and any snapshot
+        save or load (which read RocksDB until they finish)."""
+        with self._admin, self._gate.exclusive():
             self.store.close()
 
 

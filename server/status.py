@@ -62,6 +62,9 @@ def rpc(method: F) -> F:
         )  # fmt: skip
 
     def finish(servicer: Any, context: grpc.ServicerContext, started: float, error: Any) -> None:
+        if error is not None and not context.is_active():
+            ended(servicer, started)  # the transport ended the call first
+            return
         code = grpc.StatusCode.OK if error is None else status_of(error)
         servicer.observe(name, code.name, time.perf_counter() - started)
         if error is None:

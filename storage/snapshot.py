@@ -154,6 +154,8 @@ def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
     snapshot = snapshot_path(root, name)
     if not snapshot.is_dir():
         raise NotFoundError(f"snapshot {name!r} not found in {root}")
+    if (snapshot / MANIFEST).exists():
+        raise FailedPreconditionError(f"snapshot {name!r} already exists in {root}")
     parts: dict[int, dict[str, Any]] = {}
     num_shards = None
     for path in sorted(snapshot.glob("part-*-of-*.json")):

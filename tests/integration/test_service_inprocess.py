@@ -773,9 +773,12 @@ def test_an_oversized_message_is_counted_as_ended_by_the_transport_not_internal(
     refused(CODE.RESOURCE_EXHAUSTED, lambda: call_raw(stubs, "Lookup", [message]))
     counts = rpc_counts(scrape(server))
     # The servicer cannot tell a message over the limit from a client cancel (gRPC ends the
-    # request stream either way, and has told the client why): it counts CANCELLED.
-    assert counts.get(("Lookup", "INTERNAL"), 0) == 0
-    assert counts.get(("Lookup", "CANCELLED")) == 1
+    # request stream either way, and has told the client why): it counts CANCELLED. When
+    # gRPC ends the stream cleanly before it marks the call inactive, the servicer sees an
+    # empty stream and counts INVALID_ARGUMENT - a race inside gRPC; never INTERNAL.
+    lookups = {code: n for (method, code), n in counts.items() if method == "Lookup"}
+    assert sum(lookups.values()) == 1
+    assert set(lookups) <= {"CANCELLED", "INVALID_ARGUMENT"}, lookups
 
 
 def test_a_call_over_max_batch_bytes_is_resource_exhausted(

@@ -60,9 +60,15 @@ class ShardServer:
             reflection.enable_server_reflection(
                 (*OUR_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
             )
-            self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+            try:
+                self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+            except RuntimeError:  # grpc's "Failed to bind"
+                self.port = 0
             if self.port == 0:
-                raise OSError(f"could not bind {config.host}:{config.port}")
+                raise OSError(
+                    f"shard {config.shard_id}: cannot bind {config.host}:{config.port} (in use, "
+                    f"or not an address of this machine)"
+                )
         except BaseException:
             self.shard.close()
             raise

@@ -147,7 +147,10 @@ class ClusterAdmin:
         return {"name": name, "rows": sum(s.rows_kept for s in shards), "path": shards[0].path}
 
     def list_snapshots(self) -> list[dict[str, Any]]:
-        reply = self._stubs[0].ListSnapshots(pb.ListSnapshotsRequest(), timeout=self.timeout_s)
+        try:
+            reply = self._stubs[0].ListSnapshots(pb.ListSnapshotsRequest(), timeout=self.timeout_s)
+        except grpc.RpcError as error:
+            raise ShardError(0, self.addresses[0], error.code(), error.details() or "") from None
         return [_as_dict(info) for info in reply.snapshots]
 
     def close(self) -> None:

@@ -111,17 +111,15 @@ def _act(admin: ClusterAdmin, args: argparse.Namespace) -> Any:
                 ],
             )  # fmt: skip
         return shards
-    if args.verb == "save":
-        result = _with_bar(lambda progress: admin.save_snapshot(args.name, progress=progress),
-                           f"save {args.name}")  # fmt: skip
+    if args.verb in ("save", "load"):
+        action, done = {
+            "save": (admin.save_snapshot, "saved snapshot {!r}: {:,} rows in {}"),
+            "load": (admin.load_snapshot, "loaded snapshot {!r}: {:,} rows from {}"),
+        }[args.verb]
+        result = _with_bar(lambda progress: action(args.name, progress=progress),
+                           f"{args.verb} {args.name}")  # fmt: skip
         if not args.json:
-            print(f"saved snapshot {args.name!r}: {result['rows']:,} rows in {result['path']}")
-        return result
-    if args.verb == "load":
-        result = _with_bar(lambda progress: admin.load_snapshot(args.name, progress=progress),
-                           f"load {args.name}")  # fmt: skip
-        if not args.json:
-            print(f"loaded snapshot {args.name!r}: {result['rows']:,} rows from {result['path']}")
+            print(done.format(args.name, result["rows"], result["path"]))
         return result
     snapshots = admin.list_snapshots()
     if not args.json:

@@ -3,7 +3,8 @@ the split of a batch into a stream of chunks (tierps_service.proto, "Chunking").
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from tierps.proto import tierps_service_pb2 as pb
 
@@ -32,31 +33,31 @@ def lookup_requests(
         yield pb.LookupRequest(table=table, dim=dim, create=create, keys=keys[8 * start : 8 * end])
 
 
+def _with_rows(
+    make: Callable[[bytes, bytes], Any], dim: int, keys: bytes, rows: bytes, chunk_bytes: int
+) -> Iterator[Any]:
+    """make(keys, rows) for chunks of whole keys with their rows."""
+    row = 4 * dim
+    for start, end in _row_spans(len(keys) // 8, 8 + row, chunk_bytes):
+        yield make(keys[8 * start : 8 * end], rows[row * start : row * end])
+
+
 def push_requests(
     table: str, dim: int, step: int, keys: bytes, grads: bytes, chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[pb.PushGradientsRequest]:
-    row = 4 * dim
-    for start, end in _row_spans(len(keys) // 8, 8 + row, chunk_bytes):
-        yield pb.PushGradientsRequest(
-            table=table,
-            dim=dim,
-            step=step,
-            keys=keys[8 * start : 8 * end],
-            grads=grads[row * start : row * end],
-        )
+    def make(keys: bytes, grads: bytes) -> pb.PushGradientsRequest:
+        return pb.PushGradientsRequest(table=table, dim=dim, step=step, keys=keys, grads=grads)
+
+    return _with_rows(make, dim, keys, grads, chunk_bytes)
 
 
 def assign_requests(
     table: str, dim: int, keys: bytes, values: bytes, chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[pb.AssignRequest]:
-    row = 4 * dim
-    for start, end in _row_spans(len(keys) // 8, 8 + row, chunk_bytes):
-        yield pb.AssignRequest(
-            table=table,
-            dim=dim,
-            keys=keys[8 * start : 8 * end],
-            values=values[row * start : row * end],
-        )
+    def make(keys: bytes, values: bytes) -> pb.AssignRequest:
+        return pb.AssignRequest(table=table, dim=dim, keys=keys, values=values)
+
+    return _with_rows(make, dim, keys, values, chunk_bytes)
 
 
 def join_values(responses: Iterable[pb.LookupResponse]) -> bytes:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger("tierps.server")
@@ -77,10 +76,9 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
 
 def _cluster(args: argparse.Namespace) -> int:
     from tierps.server.cluster import LocalCluster
+    from tierps.server.daemon import on_stop_signal
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
+    stop = on_stop_signal()
     with LocalCluster(
         args.shards, args.data_dir, args.snapshot_dir, base_port=args.base_port,
         metrics=args.metrics,
@@ -91,8 +89,8 @@ def _cluster(args: argparse.Namespace) -> int:
             extra = f"  metrics http://{cluster.host}:{metrics}/metrics" if metrics else ""
             print(f"  shard {shard_id}: {address}{extra}")
         print(f"addresses: {','.join(cluster.addresses)}", flush=True)
-        while not stop.wait(0.5):
-            pass
+        while not stop:
+            time.sleep(0.2)
         print("stopping...", flush=True)
     return 0
 

@@ -132,14 +132,18 @@ class LocalCluster:
         code = process.poll() if process is not None else None
         return f"shard {shard_id} {what} (exit code {code}); log {log_file}:\n{tail}"
 
-    def stop_shard(self, shard_id: int, *, sig: int = signal.SIGTERM) -> int | None:
+    def stop_shard(
+        self, shard_id: int, *, sig: int = signal.SIGTERM, signalled: bool = False
+    ) -> int | None:
         """Stop one shard (SIGTERM: graceful; SIGKILL: a crash) and return its exit code;
-        one that does not stop within stop_timeout_s is killed."""
+        one that does not stop within stop_timeout_s is killed. signalled: it was sent
+        `sig` already; only wait."""
         process = self._processes[shard_id]
         if process is None:
             return None
         if process.poll() is None:
-            process.send_signal(sig)
+            if not signalled:
+                process.send_signal(sig)
             try:
                 process.wait(self.stop_timeout_s)
             except subprocess.TimeoutExpired:
@@ -165,8 +169,8 @@ class LocalCluster:
         """Stop every shard gracefully (all signalled first, then awaited); exit codes."""
         for process in self._processes:
             if process is not None and process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        return [self.stop_shard(shard_id) for shard_id in range(self.num_shards)]
+                process.send_signal(signal.SIGTERM)  # all at once: they flush in parallel
+        return [self.stop_shard(i, signalled=True) for i in range(self.num_shards)]
 
     def __enter__(self) -> LocalCluster:
         return self.start()

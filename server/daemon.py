@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import signal
-import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -162,9 +162,7 @@ def _exit_with_parent() -> None:
 def serve(config: ServerConfig, *, port_file: Path | None = None) -> int:
     """Run a shard until SIGTERM or SIGINT; then stop gracefully and return 0. The bound
     ports are written to port_file (JSON) once serving."""
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
+    stop = on_stop_signal()
     _exit_with_parent()
     server, port = create_server(config)
     server.start()
@@ -174,7 +172,25 @@ def serve(config: ServerConfig, *, port_file: Path | None = None) -> int:
             json.dumps({"port": port, "metrics_port": server.metrics_port, "pid": os.getpid()})
         )
         os.replace(tmp, port_file)
-    while not stop.wait(0.5):
-        pass
+    while not stop:
+        time.sleep(0.2)
     server.stop()
     return 0
+
+
+def on_stop_signal() -> list[int]:
+    """Make SIGTERM and SIGINT append to the returned list; the caller polls it. The handler
+    only appends (taking no lock: a handler that sets a threading.Event can deadlock with
+    the main thread inside Event.wait), and after the first signal the others are ignored,
+    so a second Ctrl-C or SIGTERM neither interrupts the flush nor kills the process at
+    interpreter exit."""
+    received: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        received.append(signum)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    return received

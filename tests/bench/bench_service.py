@@ -104,13 +104,21 @@ def _call(
 
 def measure(fn: Callable[[], object]) -> float:
     """Median seconds per call over >= 3 calls and >= MIN_SECONDS."""
-    fn()  # warm up
-    times: list[float] = []
-    while len(times) < 3 or sum(times) < MIN_SECONDS:
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return measure_together({"fn": fn})["fn"]
+
+
+def measure_together(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Median seconds per call of each, their calls alternated (so drift on this shared
+    machine hits all alike), >= 5 calls each and >= MIN_SECONDS each."""
+    for fn in fns.values():
+        fn()  # warm up
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    while min(len(t) for t in times.values()) < 5 or min(map(sum, times.values())) < MIN_SECONDS:
+        for name, fn in fns.items():
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 class EchoServers:
@@ -231,8 +239,13 @@ def run(quick: bool) -> dict:
                                 "push": batch * (8 + 4 * dim) / 1e6,
                             }
                             for op in ("lookup", "push"):
-                                for name, router in routers.items():
-                                    seconds = measure(_call(router, op, table, dim, keys, grads))
+                                seconds_of = measure_together(
+                                    {
+                                        name: _call(router, op, table, dim, keys, grads)
+                                        for name, router in routers.items()
+                                    }
+                                )
+                                for name, seconds in seconds_of.items():
                                     row[f"{op}_{name}_keys_per_s"] = batch / seconds
                                     row[f"{op}_{name}_mb_per_s"] = payload_mb[op] / seconds
                                 row[f"{op}_vs_echo"] = (

@@ -100,15 +100,21 @@ class LocalCluster:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         _, port_file, log_file = self._paths(shard_id)
         port_file.unlink(missing_ok=True)
+        if self._processes[shard_id] is not None:
+            raise RuntimeError(f"LocalCluster: shard {shard_id} is running; stop_shard it first")
         log = open(log_file, "ab")  # noqa: SIM115 - closed in stop_shard
+        try:
+            self._processes[shard_id] = subprocess.Popen(
+                self._command(shard_id),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env={**os.environ, PARENT_PID_ENV: str(os.getpid())},
+            )
+        except BaseException:
+            log.close()
+            raise
         self._logs[shard_id] = log
-        self._processes[shard_id] = subprocess.Popen(
-            self._command(shard_id),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            env={**os.environ, PARENT_PID_ENV: str(os.getpid())},
-        )
         deadline = time.monotonic() + self.start_timeout_s
         while not port_file.exists():
             if self._processes[shard_id].poll() is not None:

@@ -12,7 +12,7 @@ from tierps.proto.wire import CHUNK_BYTES, MAX_MESSAGE_BYTES
 from tierps.storage import TableConfig
 from tierps.storage.validation import check_int
 
-MAX_BATCH_BYTES = 2 << 30  # one call's keys and values together, buffered by the shard
+MAX_BATCH_BYTES = 1 << 30  # one call's request, or a lookup's reply, held whole by the shard
 
 
 @dataclass(frozen=True)

@@ -46,10 +46,8 @@ class ShardServer:
             self.health = health.HealthServicer(experimental_non_blocking=True)
             # so_reuseport off: a port in use is an error, never two servers on one port.
             options = [*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)]
-            self._server = grpc.server(
-                ThreadPoolExecutor(config.max_workers, thread_name_prefix="tierps-rpc"),
-                options=options,
-            )
+            self._executor = ThreadPoolExecutor(config.max_workers, thread_name_prefix="tierps-rpc")
+            self._server = grpc.server(self._executor, options=options)
             pb_grpc.add_EmbeddingServiceServicer_to_server(
                 EmbeddingServicer(self.shard, self._observe), self._server
             )
@@ -124,8 +122,11 @@ class ShardServer:
         log.info("stopping", extra={**self._fields(), "grace_s": grace})
         self.health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
-        self.shard.close()
-        self.metrics.stop()
+        self._executor.shutdown(wait=False)
+        try:
+            self.shard.close()
+        finally:
+            self.metrics.stop()
         log.info("stopped", extra=self._fields())
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:

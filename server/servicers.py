@@ -118,6 +118,12 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
     def Lookup(self, requests: Iterator[pb.LookupRequest], context: Any) -> Iterator:
         first, bulk = gather(requests, ("table", "dim", "create"), ("keys",), self.max_batch_bytes)
         keys = decode_keys(bulk["keys"], first.table)
+        if 4 * keys.size * first.dim > self.max_batch_bytes:
+            raise ResourceExhaustedError(
+                f"table {first.table!r}: a lookup of {keys.size} keys of dim {first.dim} "
+                f"answers {4 * keys.size * first.dim} bytes, expected at most "
+                f"{self.max_batch_bytes} per call; split the batch"
+            )
         rows = self.shard.lookup(first.table, first.dim, keys, create=first.create)
         per_chunk = max(1, self.chunk_bytes // (4 * first.dim))
         for start in range(0, keys.size, per_chunk):

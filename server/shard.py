@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -178,9 +177,14 @@ class Shard:
         return sorted(self.store.tables(), key=lambda config: config.name)
 
     def describe(self, name: str) -> dict[str, Any]:
-        stats = self.store.table(name).stats()
+        with self._gate.shared():  # not while a load or drop replaces tables
+            return self._describe(name)
+
+    def _describe(self, name: str) -> dict[str, Any]:
+        table = self.store.table(name)
+        stats = table.stats()
         return {
-            "config": self.store.table(name).config,
+            "config": table.config,
             "shard_id": self.shard_id,
             "num_shards": self.num_shards,
             "tiers": [
@@ -199,10 +203,12 @@ class Shard:
         }
 
     def stats(self) -> dict[str, Any]:
+        with self._gate.shared():
+            tables = [self._describe(config.name) for config in self.list_tables()]
         return {
             "shard_id": self.shard_id,
             "num_shards": self.num_shards,
-            "tables": [self.describe(config.name) for config in self.list_tables()],
+            "tables": tables,
             "rss_bytes": _proc_status_bytes("VmRSS"),
             "peak_rss_bytes": _proc_status_bytes("VmHWM"),
             "uptime_s": time.time() - self.started,
@@ -269,14 +275,12 @@ class Shard:
         return snapshot.list_snapshots(self._snapshot_root())
 
     def close(self) -> None:
-        """Flush dirty rows and close RocksDB, after running data calls and any snapshot
-        save or load (which read RocksDB until they finish)."""
+        """Flush dirty rows at once; then, after running data calls and any snapshot save
+        or load (which read RocksDB until they finish), close RocksDB."""
+        with self._gate.exclusive():
+            self.store.flush()  # durable now, even if the process is killed while it waits
         with self._admin, self._gate.exclusive():
             self.store.close()
-
-
-def new_save_id() -> str:
-    return uuid.uuid4().hex
 
 
 def _proc_status_bytes(field: str) -> int:

@@ -20,7 +20,6 @@ from tierps.storage.errors import (
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
-    UnavailableError,
 )
 
 log = logging.getLogger("tierps.server")
@@ -31,7 +30,6 @@ STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (UnavailableError, grpc.StatusCode.UNAVAILABLE),
     (BackendError, grpc.StatusCode.UNAVAILABLE),
 )
 
@@ -100,7 +98,8 @@ def rpc(method: F) -> F:
             ended(servicer, started)
             return None
         except Exception as error:  # noqa: BLE001 - every error becomes a status
-            finish(servicer, context, started, error)
+            finish(servicer, context, started, error)  # aborts, unless the call has ended
+            return None
         finish(servicer, context, started, None)
         return response
 

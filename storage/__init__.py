@@ -10,7 +10,6 @@ from tierps.storage.errors import (
     ResourceExhaustedError,
     TableNotFoundError,
     TierpsError,
-    UnavailableError,
 )
 from tierps.storage.hash_table import HashTable
 from tierps.storage.store import EmbeddingStore
@@ -29,7 +28,6 @@ __all__ = [
     "TableConfig",
     "TableNotFoundError",
     "TierpsError",
-    "UnavailableError",
     "WritePolicy",
     "init",
     "optim",

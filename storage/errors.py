@@ -28,9 +28,5 @@ class ResourceExhaustedError(TierpsError):
     """A request over a size limit. RESOURCE_EXHAUSTED."""
 
 
-class UnavailableError(TierpsError):
-    """The service cannot take the call now (shutting down). UNAVAILABLE; retry later."""
-
-
 class BackendError(TierpsError, RuntimeError):
     """A storage backend failed; the message names the backend, table and shard. UNAVAILABLE."""

@@ -1,18 +1,18 @@
 """The snapshot format: the part each shard writes, and the manifest that completes them.
 
     <snapshot-dir>/<name>/
-      part-00000-of-00002/<table>.keys   int64 little-endian keys, ascending
-      part-00000-of-00002/<table>.rows   float32 little-endian [n, row_width] rows: weights and
-                                         optimizer state side by side, in the keys' order
-      part-00000-of-00002.json           the part's summary: save id, tables, rows, checksums
-      MANIFEST.json                      written last and exclusively; a snapshot without it is
-                                         incomplete and is never loaded
+      <save-id>/part-00000-of-00002/<table>.keys  int64 little-endian keys, ascending
+      <save-id>/part-00000-of-00002/<table>.rows  float32 little-endian [n, row_width] rows:
+                                                  weights and optimizer state side by side
+      <save-id>/part-00000-of-00002.json          the part's summary: tables, rows, checksums
+      MANIFEST.json                               written last and exclusively; a snapshot
+                                                  without it is incomplete, never loaded
 
 A load into a cluster of M shards makes shard i read the keys with key % M == i from every
 part, so a snapshot loads into any shard count. Every file's size and SHA-256 are in the
-manifest and are checked before a load changes anything. Parts carry the id of the save that
-wrote them, so parts of two saves under one name (two clusters sharing a snapshot directory)
-are never mixed into one manifest.
+manifest and are checked before a load changes anything. Each save writes under its own
+save id, so two saves under one name (two clusters sharing a snapshot directory) never touch
+each other's files, and only one of them can commit the manifest.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from tierps.storage.errors import FailedPreconditionError, InvalidArgumentError,
 FORMAT_VERSION = 1
 MANIFEST = "MANIFEST.json"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
-_PART = re.compile(r"part-(\d{5})-of-(\d{5})\.json")
+_SAVE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 Chunk = tuple[np.ndarray, np.ndarray]
 
 
@@ -60,6 +60,14 @@ def check_name(name: Any) -> str:
             f"name, not a path), got {name!r}"
         )
     return name
+
+
+def check_save_id(save_id: Any) -> str:
+    if not isinstance(save_id, str) or not _SAVE_ID.fullmatch(save_id):
+        raise InvalidArgumentError(
+            f"snapshot save_id expected to match {_SAVE_ID.pattern}, got {save_id!r}"
+        )
+    return save_id
 
 
 def part_name(shard_id: int, num_shards: int) -> str:
@@ -99,13 +107,12 @@ def write_part(
     """Write one shard's part from each table's export (chunks in key order), yielding
     progress after every chunk; the last Progress has done=True."""
     snapshot = snapshot_path(root, name)
-    if not save_id:
-        raise InvalidArgumentError(f"snapshot {name!r}: save_id expected non-empty, got ''")
+    staging = snapshot / check_save_id(save_id)
     if (snapshot / MANIFEST).exists():
         raise FailedPreconditionError(f"snapshot {name!r} already exists in {root}")
     part = part_name(shard_id, num_shards)
-    part_dir = snapshot / part
-    if part_dir.exists():  # left by a save that never committed
+    part_dir = staging / part
+    if part_dir.exists():  # this save's part, written before by a call that failed
         shutil.rmtree(part_dir)
     part_dir.mkdir(parents=True)
     tables: dict[str, Any] = {}
@@ -132,7 +139,7 @@ def write_part(
                 os.fsync(out.fileno())
         for kind, path in paths.items():
             files[f"{kind}_file"] = {
-                "path": f"{part}/{path.name}",
+                "path": f"{save_id}/{part}/{path.name}",
                 "bytes": path.stat().st_size,
                 "sha256": digests[kind].hexdigest(),
             }
@@ -144,7 +151,7 @@ def write_part(
         "num_shards": num_shards,
         "tables": tables,
     }
-    _write_json_atomic(snapshot / f"{part}.json", summary)
+    _write_json_atomic(staging / f"{part}.json", summary)
     yield Progress(done, done, str(part_dir), done=True)
 
 
@@ -158,10 +165,12 @@ def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
         raise FailedPreconditionError(f"snapshot {name!r} already exists in {root}")
     parts: dict[int, dict[str, Any]] = {}
     num_shards = None
-    for path in sorted(snapshot.glob("part-*-of-*.json")):
+    for path in sorted((snapshot / check_save_id(save_id)).glob("part-*-of-*.json")):
         summary = _read_json(path, f"snapshot {name!r}: part summary {path.name}")
         if summary.get("save_id") != save_id:
-            continue  # a part of another save under the same name
+            raise FailedPreconditionError(
+                f"snapshot {name!r}: part summary {path} names save {summary.get('save_id')!r}"
+            )
         if num_shards is None:
             num_shards = summary["num_shards"]
         elif summary["num_shards"] != num_shards:
@@ -235,7 +244,7 @@ class Snapshot:
         if not self.path.is_dir():
             raise NotFoundError(f"snapshot {name!r} not found in {root}")
         if not (self.path / MANIFEST).exists():
-            parts = sorted(p.name for p in self.path.glob("part-*-of-*.json"))
+            parts = sorted(str(p.relative_to(self.path)) for p in self.path.glob("*/part-*.json"))
             raise FailedPreconditionError(
                 f"snapshot {name!r} in {root} is incomplete: no {MANIFEST} (parts written: "
                 f"{parts or 'none'}); it was never committed and cannot be loaded"

@@ -120,6 +120,11 @@ def assert_bits_equal(actual: np.ndarray, expected: np.ndarray, what: str) -> No
     )
 
 
+def part_dir(snapshot: Path, part: str) -> Path:
+    """A part's directory in a committed snapshot: under the id of the save that wrote it."""
+    return snapshot / json.loads((snapshot / "MANIFEST.json").read_text())["save_id"] / part
+
+
 def read_snapshot(path: Path, table: TableConfig) -> tuple[np.ndarray, np.ndarray]:
     """(keys, rows) of a table over every part of a snapshot, read from the raw files the
     manifest names, sorted by key."""
@@ -625,7 +630,7 @@ def test_cli_load_of_corrupted_snapshot_is_refused(cli_cluster: CliCluster) -> N
     cli_cluster.admin.save_snapshot("corrupt")
     data.push(CLI_TABLE, 3, CLI_KEYS, np.ones((CLI_KEYS.size, 8), np.float32))
     live = data.lookup(CLI_TABLE, CLI_KEYS)
-    rows_file = cli_cluster.snapshots / "corrupt" / "part-00001-of-00002" / "items.rows"
+    rows_file = part_dir(cli_cluster.snapshots / "corrupt", "part-00001-of-00002") / "items.rows"
     raw = bytearray(rows_file.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     rows_file.write_bytes(bytes(raw))
@@ -649,7 +654,7 @@ def test_cli_load_of_partial_snapshot_is_refused(cli_cluster: CliCluster, damage
     live = data.lookup(CLI_TABLE, CLI_KEYS)
     path = cli_cluster.snapshots / name
     if damage == "part-deleted":
-        shutil.rmtree(path / "part-00001-of-00002")
+        shutil.rmtree(part_dir(path, "part-00001-of-00002"))
         expected = "part-00001-of-00002/items."
     else:
         (path / "MANIFEST.json").unlink()

@@ -802,6 +802,29 @@ def test_a_call_over_max_batch_bytes_is_resource_exhausted(
     assert push(stubs, "items", keys[:2000], grads[:2000], step=1) == 2000
 
 
+def test_a_lookup_whose_reply_is_over_max_batch_bytes_is_resource_exhausted(
+    shard_server: ServerFactory, connect: Connect
+) -> None:
+    server = shard_server(max_batch_bytes=100_000)
+    stubs = connect(server)
+    create_table(stubs, TableConfig("items", BAD_DIM, optimizer=optim.SGD(lr=0.1)))
+    before = shard_state(server)
+    keys = np.arange(10_000, dtype=np.int64)  # 80 KB of keys ask for a 160 KB reply
+
+    refused(
+        CODE.RESOURCE_EXHAUSTED,
+        lambda: lookup(stubs, "items", keys, BAD_DIM, create=True),
+        "at most 100000",
+        "split the batch",
+    )
+
+    assert_same_state(before, shard_state(server))  # nothing created
+    np.testing.assert_array_equal(
+        lookup(stubs, "items", keys[:100], BAD_DIM),
+        TableConfig("items", BAD_DIM).initial_rows(keys[:100])[:, :BAD_DIM],
+    )
+
+
 # -- admin: bad input ---------------------------------------------------------------------------
 
 
@@ -1269,7 +1292,7 @@ def test_save_then_load_restores_weights_and_optimizer_state_bit_exactly(
         assert [(s["name"], s["complete"], s["num_shards"]) for s in listed] == [("snap", True, 1)]
         assert listed[0]["table_rows"] == {"adam": keys.size, "ada": keys.size, "empty": 0}
         # What the format says is on disk: keys ascending, full rows in their order.
-        part = tmp_path / "snapshots" / "snap" / "part-00000-of-00001"
+        part = part_of(tmp_path / "snapshots" / "snap")
         for name, (config, stored_keys, stored_rows) in saved.items():
             on_disk = np.fromfile(part / f"{name}.keys", dtype="<i8")
             rows = np.fromfile(part / f"{name}.rows", dtype="<f4").reshape(-1, config.row_width)
@@ -1398,21 +1421,31 @@ def _sgd_config(manifest: dict[str, Any]) -> None:
 
 
 PART = "part-00000-of-00001"
+
+
+def part_of(snapshot: Path) -> Path:
+    """The part directory of a committed snapshot: under the id of the save that wrote it."""
+    save_id = json.loads((snapshot / "MANIFEST.json").read_text())["save_id"]
+    return snapshot / save_id / PART
+
+
 CORRUPTIONS: dict[str, tuple[Callable[[Path], None], list[str]]] = {
     "flipped byte in a rows file": (
-        lambda s: flip_byte(s / PART / "adam.rows", 100),
+        lambda s: flip_byte(part_of(s) / "adam.rows", 100),
         [f"{PART}/adam.rows", "corrupted", "sha256"],
     ),
     "flipped byte in a keys file": (
-        lambda s: flip_byte(s / PART / "ada.keys"),
+        lambda s: flip_byte(part_of(s) / "ada.keys"),
         [f"{PART}/ada.keys", "corrupted", "sha256"],
     ),
     "truncated keys file": (
-        lambda s: (s / PART / "adam.keys").write_bytes((s / PART / "adam.keys").read_bytes()[:-8]),
+        lambda s: (part_of(s) / "adam.keys").write_bytes(
+            (part_of(s) / "adam.keys").read_bytes()[:-8]
+        ),
         [f"{PART}/adam.keys", "corrupted", "bytes"],
     ),
     "missing rows file": (
-        lambda s: (s / PART / "ada.rows").unlink(),
+        lambda s: (part_of(s) / "ada.rows").unlink(),
         [f"{PART}/ada.rows", "missing"],
     ),
     "no manifest (incomplete)": (

@@ -114,9 +114,8 @@ class EmbeddingTable:
         if not valid.all():
             keys, grads = keys[valid], grads[valid]
         unique, inverse = np.unique(keys, return_inverse=True)
-        if unique.size == keys.size:  # no repeats (the client dedups): a permutation
-            summed = np.empty_like(grads)
-            summed[inverse] = grads
+        if unique.size == keys.size:  # no repeats (the client dedups): keep the given order
+            unique, summed = keys, grads
         else:  # sum in order of arrival; 1-D np.add.at has a fast path that 2-D lacks (4x)
             dim = self.config.dim
             summed = np.zeros((unique.size, dim), dtype=np.float32)

@@ -44,19 +44,18 @@ class ClusterAdmin:
         self._stubs = [pb_grpc.AdminServiceStub(channel) for channel in self._channels]
         self._pool = ThreadPoolExecutor(len(addresses), thread_name_prefix="tierps-admin")
 
+    def _on(self, shard_id: int, call: Callable[[int, pb_grpc.AdminServiceStub], T]) -> T:
+        """call(shard_id, stub); a gRPC failure is raised as a ShardError naming the shard."""
+        try:
+            return call(shard_id, self._stubs[shard_id])
+        except grpc.RpcError as error:
+            raise ShardError(
+                shard_id, self.addresses[shard_id], error.code(), error.details() or ""
+            ) from None
+
     def _each(self, call: Callable[[int, pb_grpc.AdminServiceStub], T]) -> list[T]:
-        """call(shard_id, stub) on every shard at once; the first failure is raised as a
-        ShardError naming the shard."""
-
-        def guarded(shard_id: int) -> T:
-            try:
-                return call(shard_id, self._stubs[shard_id])
-            except grpc.RpcError as error:
-                raise ShardError(
-                    shard_id, self.addresses[shard_id], error.code(), error.details() or ""
-                ) from None
-
-        return list(self._pool.map(guarded, range(len(self.addresses))))
+        """call(shard_id, stub) on every shard at once; the first failure is raised."""
+        return list(self._pool.map(lambda i: self._on(i, call), range(len(self.addresses))))
 
     def check_topology(self) -> None:
         """Every shard says it is shard i of len(addresses), at position i."""
@@ -83,8 +82,8 @@ class ClusterAdmin:
 
     def list_tables(self) -> list[TableConfig]:
         """The tables of shard 0 (every shard has the same ones when created through here)."""
-        reply = self._each(lambda i, stub: stub.ListTables(pb.ListTablesRequest(),
-                                                           timeout=self.timeout_s))[0]  # fmt: skip
+        request = pb.ListTablesRequest()
+        reply = self._on(0, lambda i, stub: stub.ListTables(request, timeout=self.timeout_s))
         return [TableConfig.from_dict(table_config_to_dict(t)) for t in reply.tables]
 
     def describe(self, name: str) -> list[dict[str, Any]]:
@@ -133,10 +132,9 @@ class ClusterAdmin:
         part = pb.SaveSnapshotRequest(name=name, phase=pb.SAVE_PHASE_WRITE_PART, save_id=save_id)
         parts = self._stream(lambda i, stub: stub.SaveSnapshot(part), progress)
         commit = pb.SaveSnapshotRequest(name=name, phase=pb.SAVE_PHASE_COMMIT, save_id=save_id)
-        try:
-            last = list(self._stubs[0].SaveSnapshot(commit, timeout=self.timeout_s))[-1]
-        except grpc.RpcError as error:
-            raise ShardError(0, self.addresses[0], error.code(), error.details() or "") from None
+        last = self._on(0, lambda i, stub: list(stub.SaveSnapshot(commit, timeout=self.timeout_s)))[
+            -1
+        ]
         return {"name": name, "rows": sum(p.rows_done for p in parts), "path": last.path}
 
     def load_snapshot(self, name: str, *, progress: Progress | None = None) -> dict[str, Any]:
@@ -147,10 +145,8 @@ class ClusterAdmin:
         return {"name": name, "rows": sum(s.rows_kept for s in shards), "path": shards[0].path}
 
     def list_snapshots(self) -> list[dict[str, Any]]:
-        try:
-            reply = self._stubs[0].ListSnapshots(pb.ListSnapshotsRequest(), timeout=self.timeout_s)
-        except grpc.RpcError as error:
-            raise ShardError(0, self.addresses[0], error.code(), error.details() or "") from None
+        request = pb.ListSnapshotsRequest()
+        reply = self._on(0, lambda i, stub: stub.ListSnapshots(request, timeout=self.timeout_s))
         return [_as_dict(info) for info in reply.snapshots]
 
     def close(self) -> None:

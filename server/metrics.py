@@ -41,7 +41,7 @@ class _TableCollector(Collector):
             labels=labels,
         )
         try:
-            tables = [self.shard.describe(c.name) for c in self.shard.list_tables()]
+            tables = self.shard.stats()["tables"]
         except Exception:  # closing, or a table dropped mid-scrape: report nothing this time
             tables = []
         for table in tables:

@@ -11,7 +11,7 @@ import numpy as np
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto.convert import table_config_to_dict, table_config_to_proto
-from tierps.server.shard import Shard
+from tierps.server.shard import AssignBatch, LookupBatch, PushBatch, Shard
 from tierps.server.status import Observe, rpc, run_to_completion
 from tierps.storage import InvalidArgumentError, ResourceExhaustedError, TableConfig
 from tierps.storage.snapshot import Progress
@@ -21,35 +21,46 @@ from tierps.storage.snapshot import Progress
 
 def gather(
     requests: Iterable[Any], header: tuple[str, ...], bulk: tuple[str, ...], max_bytes: int
-) -> tuple[Any, dict[str, bytes]]:
-    """The first message of a request stream (its header fields apply to the whole call) and
-    each bulk field joined over all messages."""
-    first = None
-    parts: dict[str, list[bytes]] = {field: [] for field in bulk}
+) -> list[tuple[Any, dict[str, bytes]]]:
+    """The batches of a request stream, one per table: each batch's first message (its
+    header fields apply to the whole batch) and each bulk field joined over the batch's
+    messages. A message whose 'table' is set and differs from the current batch's begins the
+    next batch (tierps_service.proto, "Several tables in one call")."""
+    batches: list[tuple[Any, dict[str, list[bytes]]]] = []
     total = 0
     for index, message in enumerate(requests):
-        if first is None:
-            first = message
+        if not batches or (message.table and message.table != batches[-1][0].table):
+            if any(first.table == message.table for first, _ in batches):
+                raise InvalidArgumentError(
+                    f"message {index} of the stream: table {message.table!r} expected in one "
+                    f"batch per call, but it begins a second batch; send its keys together"
+                )
+            batches.append((message, {field: [] for field in bulk}))
         else:
+            first = batches[-1][0]
             for field in header:
                 value, expected = getattr(message, field), getattr(first, field)
                 if value and value != expected:
                     raise InvalidArgumentError(
                         f"message {index} of the stream: field '{field}' expected "
-                        f"{expected!r} (as in message 0) or unset, got {value!r}"
+                        f"{expected!r} (as in the first message of table {first.table!r}) or "
+                        f"unset, got {value!r}"
                     )
         for field in bulk:
             data = getattr(message, field)
-            parts[field].append(data)
+            batches[-1][1][field].append(data)
             total += len(data)
         if total > max_bytes:
             raise ResourceExhaustedError(
                 f"request of {total}+ bulk bytes expected at most {max_bytes} bytes per call; "
                 f"split the batch"
             )
-    if first is None:
+    if not batches:
         raise InvalidArgumentError("request stream expected at least one message, got none")
-    return first, {field: b"".join(chunks) for field, chunks in parts.items()}
+    return [
+        (first, {field: b"".join(chunks) for field, chunks in parts.items()})
+        for first, parts in batches
+    ]
 
 
 def decode_keys(raw: bytes, table: str) -> np.ndarray:
@@ -116,36 +127,47 @@ class _Servicer:
 class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
     @rpc
     def Lookup(self, requests: Iterator[pb.LookupRequest], context: Any) -> Iterator:
-        first, bulk = gather(requests, ("table", "dim", "create"), ("keys",), self.max_batch_bytes)
-        keys = decode_keys(bulk["keys"], first.table)
-        if 4 * keys.size * first.dim > self.max_batch_bytes:
-            raise ResourceExhaustedError(
-                f"table {first.table!r}: a lookup of {keys.size} keys of dim {first.dim} "
-                f"answers {4 * keys.size * first.dim} bytes, expected at most "
-                f"{self.max_batch_bytes} per call; split the batch"
+        batches = [
+            LookupBatch(first.table, first.dim, decode_keys(bulk["keys"], first.table),
+                        first.create)
+            for first, bulk in gather(
+                requests, ("table", "dim", "create"), ("keys",), self.max_batch_bytes
             )
-        rows = self.shard.lookup(first.table, first.dim, keys, create=first.create)
-        per_chunk = max(1, self.chunk_bytes // (4 * first.dim))
-        for start in range(0, keys.size, per_chunk):
-            chunk = rows[start : start + per_chunk]
-            yield pb.LookupResponse(values=chunk.tobytes(), num_rows=chunk.shape[0])
+        ]  # fmt: skip
+        reply_bytes = sum(4 * batch.keys.size * batch.dim for batch in batches)
+        if reply_bytes > self.max_batch_bytes:
+            raise ResourceExhaustedError(
+                f"table {batches[0].table!r}: a lookup of "
+                f"{sum(batch.keys.size for batch in batches)} keys answers {reply_bytes} "
+                f"bytes, expected at most {self.max_batch_bytes} per call; split the batch"
+            )
+        for rows in self.shard.lookup(batches):
+            per_chunk = max(1, self.chunk_bytes // (4 * rows.shape[1]))
+            for start in range(0, rows.shape[0], per_chunk):
+                chunk = rows[start : start + per_chunk]
+                yield pb.LookupResponse(values=chunk.tobytes(), num_rows=chunk.shape[0])
 
     @rpc
     def PushGradients(self, requests: Iterator[pb.PushGradientsRequest], context: Any) -> Any:
-        first, bulk = gather(
+        batches = []
+        for first, bulk in gather(
             requests, ("table", "dim", "step"), ("keys", "grads"), self.max_batch_bytes
-        )
-        keys = decode_keys(bulk["keys"], first.table)
-        grads = decode_rows(bulk["grads"], "grads", first.table, keys.size, first.dim)
-        updated = self.shard.push_gradients(first.table, first.dim, keys, grads, first.step)
-        return pb.PushGradientsResponse(num_keys=updated)
+        ):
+            keys = decode_keys(bulk["keys"], first.table)
+            grads = decode_rows(bulk["grads"], "grads", first.table, keys.size, first.dim)
+            batches.append(PushBatch(first.table, first.dim, keys, grads, first.step))
+        return pb.PushGradientsResponse(num_keys=self.shard.push_gradients(batches))
 
     @rpc
     def Assign(self, requests: Iterator[pb.AssignRequest], context: Any) -> Any:
-        first, bulk = gather(requests, ("table", "dim"), ("keys", "values"), self.max_batch_bytes)
-        keys = decode_keys(bulk["keys"], first.table)
-        values = decode_rows(bulk["values"], "values", first.table, keys.size, first.dim)
-        return pb.AssignResponse(num_keys=self.shard.assign(first.table, first.dim, keys, values))
+        batches = []
+        for first, bulk in gather(
+            requests, ("table", "dim"), ("keys", "values"), self.max_batch_bytes
+        ):
+            keys = decode_keys(bulk["keys"], first.table)
+            values = decode_rows(bulk["values"], "values", first.table, keys.size, first.dim)
+            batches.append(AssignBatch(first.table, first.dim, keys, values))
+        return pb.AssignResponse(num_keys=self.shard.assign(batches))
 
 
 class AdminServicer(_Servicer, pb_grpc.AdminServiceServicer):

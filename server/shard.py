@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,37 @@ from tierps.storage import (
 from tierps.storage.snapshot import Progress
 
 SNAPSHOT_CHUNK_ROWS = 65536
+
+
+@dataclass(frozen=True)
+class LookupBatch:
+    """One table's keys of a Lookup call."""
+
+    table: str
+    dim: int
+    keys: np.ndarray
+    create: bool
+
+
+@dataclass(frozen=True)
+class PushBatch:
+    """One table's gradients of a PushGradients call."""
+
+    table: str
+    dim: int
+    keys: np.ndarray
+    grads: np.ndarray
+    step: int
+
+
+@dataclass(frozen=True)
+class AssignBatch:
+    """One table's values of an Assign call."""
+
+    table: str
+    dim: int
+    keys: np.ndarray
+    values: np.ndarray
 
 
 class Gate:
@@ -124,6 +156,12 @@ class Shard:
             )
         return table
 
+    def _checked(self, name: str, dim: int, keys: np.ndarray) -> Any:
+        """The table, after checking the caller's dim and that every key is this shard's."""
+        table = self._table(name, dim)
+        self.check_keys(name, keys)
+        return table
+
     def check_keys(self, table: str, keys: np.ndarray) -> None:
         """Refuse keys >= 0 that belong to another shard, naming the first."""
         if self.num_shards == 1:
@@ -140,25 +178,34 @@ class Shard:
 
     # -- data calls --------------------------------------------------------------------------
 
-    def lookup(self, table: str, dim: int, keys: np.ndarray, *, create: bool) -> np.ndarray:
+    def lookup(self, batches: list[LookupBatch]) -> list[np.ndarray]:
+        """Weights of each batch's keys; every batch is checked before any is looked up."""
         with self._gate.shared():
-            target = self._table(table, dim)
-            self.check_keys(table, keys)
-            return target.lookup(keys, create=create)
+            targets = [self._checked(batch.table, batch.dim, batch.keys) for batch in batches]
+            return [
+                target.lookup(batch.keys, create=batch.create)
+                for target, batch in zip(targets, batches, strict=True)
+            ]
 
-    def push_gradients(
-        self, table: str, dim: int, keys: np.ndarray, grads: np.ndarray, step: int
-    ) -> int:
+    def push_gradients(self, batches: list[PushBatch]) -> int:
+        """Apply each table's gradients; every batch (its gradients and step included) is
+        checked before any is applied. Returns the distinct keys updated, over all batches."""
         with self._gate.shared():
-            target = self._table(table, dim)
-            self.check_keys(table, keys)
-            return target.apply_gradients(keys, grads, step)
+            checked = []
+            for batch in batches:
+                target = self._checked(batch.table, batch.dim, batch.keys)
+                checked.append((target, *target.check_gradients(batch.keys, batch.grads,
+                                                                 batch.step)))  # fmt: skip
+            return sum(target.apply_gradients(*args) for target, *args in checked)
 
-    def assign(self, table: str, dim: int, keys: np.ndarray, values: np.ndarray) -> int:
+    def assign(self, batches: list[AssignBatch]) -> int:
+        """Set each table's rows; every batch is checked before any is set."""
         with self._gate.shared():
-            target = self._table(table, dim)
-            self.check_keys(table, keys)
-            return target.assign(keys, values)
+            checked = []
+            for batch in batches:
+                target = self._checked(batch.table, batch.dim, batch.keys)
+                checked.append((target, *target.check_values(batch.keys, batch.values)))
+            return sum(target.assign(*args) for target, *args in checked)
 
     # -- tables ------------------------------------------------------------------------------
 

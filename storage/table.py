@@ -100,16 +100,23 @@ class EmbeddingTable:
         out[valid] = rows[:, :dim]
         return out
 
-    def apply_gradients(self, keys: Any, grads: Any, step: int) -> int:
-        """Run the table's optimizer on the rows of keys, wherever they live. Gradients of
-        duplicate keys are summed first; keys < 0 are ignored; unseen keys are created.
-        `step` (from 1) is the optimizer step, used by Adam's bias correction. Returns the
-        number of distinct keys updated."""
+    def check_gradients(
+        self, keys: Any, grads: Any, step: Any
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """(keys, grads, step) as apply_gradients takes them, or InvalidArgumentError."""
         where = f"{self.where}: apply_gradients"
         keys = as_keys(where, keys)
         grads = as_rows(where, "grads", grads, keys.size, self.config.dim)
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 1:
             raise InvalidArgumentError(f"{where}: field 'step' expected an int >= 1, got {step!r}")
+        return keys, grads, int(step)
+
+    def apply_gradients(self, keys: Any, grads: Any, step: int) -> int:
+        """Run the table's optimizer on the rows of keys, wherever they live. Gradients of
+        duplicate keys are summed first; keys < 0 are ignored; unseen keys are created.
+        `step` (from 1) is the optimizer step, used by Adam's bias correction. Returns the
+        number of distinct keys updated."""
+        keys, grads, step = self.check_gradients(keys, grads, step)
         valid = keys >= 0
         if not valid.all():
             keys, grads = keys[valid], grads[valid]
@@ -124,17 +131,21 @@ class EmbeddingTable:
         with self._lock:
             rows, depth, _ = self._gather(unique)
             self.created += int(np.count_nonzero(depth == len(self.tiers)))
-            self.config.optimizer.apply(rows, summed, int(step))
+            self.config.optimizer.apply(rows, summed, step)
             self._store(unique, rows, np.ones(unique.size, dtype=bool))
         return int(unique.size)
+
+    def check_values(self, keys: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, values) as assign takes them, or InvalidArgumentError."""
+        where = f"{self.where}: assign"
+        keys = as_keys(where, keys)
+        return keys, as_rows(where, "values", values, keys.size, self.config.dim)
 
     def assign(self, keys: Any, values: Any) -> int:
         """Set the weights of keys and reset their optimizer state to its initial value.
         Where a key repeats, its last value wins; keys < 0 are ignored. Returns the number
         of distinct keys set."""
-        where = f"{self.where}: assign"
-        keys = as_keys(where, keys)
-        values = as_rows(where, "values", values, keys.size, self.config.dim)
+        keys, values = self.check_values(keys, values)
         valid = np.flatnonzero(keys >= 0)[::-1]  # reversed: np.unique keeps the last
         unique, first = np.unique(keys[valid], return_index=True)
         rows = self.config.initial_rows(unique, weights=values[valid[first]])

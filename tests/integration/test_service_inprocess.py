@@ -433,14 +433,6 @@ def test_bulk_fields_may_be_split_anywhere_across_messages(
 KEYS_3 = as_keys([1, 2, 3]).tobytes()
 GRADS_3 = np.ones((3, DIM), np.float32).tobytes()
 MISMATCHED_HEADERS = {
-    "lookup table": (
-        "Lookup",
-        [
-            pb.LookupRequest(table="t", dim=DIM, create=True, keys=KEYS_3),
-            pb.LookupRequest(table="other", keys=KEYS_3),
-        ],
-        "'table'",
-    ),
     "lookup dim": (
         "Lookup",
         [
@@ -472,22 +464,6 @@ MISMATCHED_HEADERS = {
             pb.PushGradientsRequest(dim=DIM * 2, keys=KEYS_3, grads=GRADS_3),
         ],
         "'dim'",
-    ),
-    "push table": (
-        "PushGradients",
-        [
-            pb.PushGradientsRequest(table="t", dim=DIM, step=1, keys=KEYS_3, grads=GRADS_3),
-            pb.PushGradientsRequest(table="u", keys=KEYS_3, grads=GRADS_3),
-        ],
-        "'table'",
-    ),
-    "assign table": (
-        "Assign",
-        [
-            pb.AssignRequest(table="t", dim=DIM, keys=KEYS_3, values=GRADS_3),
-            pb.AssignRequest(table="u", dim=DIM, keys=KEYS_3, values=GRADS_3),
-        ],
-        "'table'",
     ),
     "assign dim": (
         "Assign",
@@ -528,6 +504,75 @@ def test_header_fields_that_disagree_between_messages_are_refused(
             if header in message.DESCRIPTOR.fields_by_name:
                 message.ClearField(header)
     call_raw(stubs, method, messages)
+
+
+# -- several tables in one call ---------------------------------------------------------------
+
+
+def two_tables(stubs: Stubs) -> None:
+    create_table(stubs, TableConfig("t", DIM, optimizer=optim.SGD(lr=0.1)))
+    create_table(stubs, TableConfig("w", 2 * DIM, optimizer=optim.Adagrad(lr=0.1)))
+
+
+def test_a_call_carrying_several_tables_answers_what_separate_calls_answer(
+    shard_server: ServerFactory, connect: Connect
+) -> None:
+    together, apart = connect(shard_server()), connect(shard_server())
+    generator = rng(3)
+    keys_t, keys_w = as_keys([5, 1, 9]), as_keys([2, 5, 7, 11])
+    grads_t = normal(generator, (3, DIM))
+    grads_w = normal(generator, (4, 2 * DIM))
+    for stubs in (together, apart):
+        two_tables(stubs)
+    lookups = [*wire.lookup_requests("t", DIM, keys_t.tobytes(), create=True),
+               *wire.lookup_requests("w", 2 * DIM, keys_w.tobytes(), create=False)]  # fmt: skip
+    rows = np.frombuffer(wire.join_values(together.embedding.Lookup(iter(lookups), timeout=T)),
+                         "<f4")  # fmt: skip
+    np.testing.assert_array_equal(rows[: 3 * DIM].reshape(3, DIM), lookup(apart, "t", keys_t))
+    np.testing.assert_array_equal(
+        rows[3 * DIM :].reshape(4, 2 * DIM), lookup(apart, "w", keys_w, 2 * DIM, create=False)
+    )
+    pushes = [*wire.push_requests("t", DIM, 1, keys_t.tobytes(), grads_t.tobytes()),
+              *wire.push_requests("w", 2 * DIM, 4, keys_w.tobytes(), grads_w.tobytes())]  # fmt: skip
+    assert together.embedding.PushGradients(iter(pushes), timeout=T).num_keys == 7
+    push(apart, "t", keys_t, grads_t, step=1)
+    push(apart, "w", keys_w, grads_w, step=4)
+    np.testing.assert_array_equal(lookup(together, "t", keys_t), lookup(apart, "t", keys_t))
+    np.testing.assert_array_equal(
+        lookup(together, "w", keys_w, 2 * DIM), lookup(apart, "w", keys_w, 2 * DIM)
+    )
+
+
+def test_a_bad_batch_of_a_later_table_refuses_the_whole_call_and_changes_nothing(
+    shard_server: ServerFactory, connect: Connect
+) -> None:
+    server = shard_server()
+    stubs = connect(server)
+    two_tables(stubs)
+    push(stubs, "t", [1, 2], np.ones((2, DIM), np.float32), step=1)
+    before = shard_state(server)
+    good = list(wire.push_requests("t", DIM, 2, KEYS_3, GRADS_3))
+    nan = np.ones((3, 2 * DIM), np.float32)
+    nan[2, 1] = np.nan
+    cases = {
+        "NaN in the second table": (good + list(wire.push_requests(
+            "w", 2 * DIM, 2, KEYS_3, nan.tobytes())), CODE.INVALID_ARGUMENT, "finite"),
+        "unknown second table": (good + list(wire.push_requests(
+            "nope", DIM, 2, KEYS_3, GRADS_3)), CODE.NOT_FOUND, "nope"),
+        "a table in two batches": (good + list(wire.push_requests(
+            "w", 2 * DIM, 2, KEYS_3, np.ones((3, 2 * DIM), np.float32).tobytes())) + good,
+            CODE.INVALID_ARGUMENT, "one batch per call"),
+    }  # fmt: skip
+    for name, (messages, code, needle) in cases.items():
+        refused(code, lambda m=messages: call_raw(stubs, "PushGradients", m), needle)
+        assert_same_state(before, shard_state(server))
+        if "NaN" in name:
+            continue  # lookups carry no values
+        # The same batches as a training lookup: refused before any row is created.
+        lookups = [pb.LookupRequest(table=m.table, dim=m.dim, create=True, keys=m.keys)
+                   for m in messages]  # fmt: skip
+        refused(code, lambda m=lookups: call_raw(stubs, "Lookup", m), needle)
+        assert_same_state(before, shard_state(server))
 
 
 # -- bad input --------------------------------------------------------------------------------

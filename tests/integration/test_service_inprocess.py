@@ -532,8 +532,10 @@ def test_a_call_carrying_several_tables_answers_what_separate_calls_answer(
     np.testing.assert_array_equal(
         rows[3 * DIM :].reshape(4, 2 * DIM), lookup(apart, "w", keys_w, 2 * DIM, create=False)
     )
-    pushes = [*wire.push_requests("t", DIM, 1, keys_t.tobytes(), grads_t.tobytes()),
-              *wire.push_requests("w", 2 * DIM, 4, keys_w.tobytes(), grads_w.tobytes())]  # fmt: skip
+    pushes = [
+        *wire.push_requests("t", DIM, 1, keys_t.tobytes(), grads_t.tobytes()),
+        *wire.push_requests("w", 2 * DIM, 4, keys_w.tobytes(), grads_w.tobytes()),
+    ]
     assert together.embedding.PushGradients(iter(pushes), timeout=T).num_keys == 7
     push(apart, "t", keys_t, grads_t, step=1)
     push(apart, "w", keys_w, grads_w, step=4)

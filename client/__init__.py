@@ -1,6 +1,29 @@
-"""tierps.client: what a trainer imports. The EmbeddingClient lands with the client issue;
-the table configuration is re-exported from storage, which owns it."""
+"""tierps.client: what a trainer imports.
 
+    from tierps.client import EmbeddingClient, TableConfig, optim, init
+
+The table configuration is re-exported from storage, which owns it; the PyTorch modules are
+in tierps.client.torch (the `torch` extra).
+"""
+
+from tierps.client.admin import ClusterAdmin, RetryPolicy, ShardError
+from tierps.client.embedding import EmbeddingClient, Feature, PooledLookup
+from tierps.client.formats import COO
+from tierps.client.pooling import Combiner
 from tierps.storage import Eviction, TableConfig, WritePolicy, init, optim
 
-__all__ = ["Eviction", "TableConfig", "WritePolicy", "init", "optim"]
+__all__ = [
+    "COO",
+    "ClusterAdmin",
+    "Combiner",
+    "EmbeddingClient",
+    "Eviction",
+    "Feature",
+    "PooledLookup",
+    "RetryPolicy",
+    "ShardError",
+    "TableConfig",
+    "WritePolicy",
+    "init",
+    "optim",
+]

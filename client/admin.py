@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -32,15 +34,73 @@ class ShardError(RuntimeError):
         self.details = details
 
 
-class ClusterAdmin:
-    """Admin of the cluster whose shard i listens at addresses[i]. A context manager."""
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retries of calls that fail with UNAVAILABLE (a shard restarting, unreachable, or
+    shutting down), done by gRPC itself from its retry service config: the n-th retry waits
+    a random time up to min(initial_backoff_s * multiplier**(n-1), max_backoff_s). Other
+    codes are never retried. gRPC caps max_attempts at 5, and retries a call only while its
+    request fits buffer_bytes (larger requests fail on the first UNAVAILABLE)."""
 
-    def __init__(self, addresses: list[str], *, timeout_s: float = 30.0) -> None:
+    max_attempts: int = 5
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 2.0
+    multiplier: float = 2.0
+    buffer_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_attempts <= 5:
+            raise ValueError(f"RetryPolicy: max_attempts expected 1..5, got {self.max_attempts}")
+        for field in ("initial_backoff_s", "max_backoff_s", "multiplier"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"RetryPolicy: {field} expected > 0, got {getattr(self, field)}")
+
+    # Calls safe to repeat: data calls (a refused call changes nothing) and admin calls that
+    # read or are idempotent. Snapshot saves and loads are long streams: never repeated.
+    RETRIED = (
+        {"service": "tierps.v1.EmbeddingService"},
+        *({"service": "tierps.v1.AdminService", "method": method}
+          for method in ("CreateTable", "ListTables", "DescribeTable", "ListSnapshots", "Stats")),
+    )  # fmt: skip
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        if self.max_attempts == 1:
+            return [("grpc.enable_retries", 0)]
+        policy = {
+            "maxAttempts": self.max_attempts,
+            "initialBackoff": f"{self.initial_backoff_s}s",
+            "maxBackoff": f"{self.max_backoff_s}s",
+            "backoffMultiplier": self.multiplier,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        }
+        config = {"methodConfig": [{"name": list(self.RETRIED), "retryPolicy": policy}]}
+        return [
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", json.dumps(config)),
+            ("grpc.per_rpc_retry_buffer_size", self.buffer_bytes),
+        ]
+
+
+class ClusterAdmin:
+    """Admin of the cluster whose shard i listens at addresses[i]. A context manager.
+    Every call has a deadline of timeout_s; UNAVAILABLE is retried as `retry` says."""
+
+    def __init__(
+        self,
+        addresses: list[str],
+        *,
+        timeout_s: float = 30.0,
+        retry: RetryPolicy | None = None,
+    ) -> None:
         if not addresses:
-            raise ValueError("ClusterAdmin: addresses expected at least one 'host:port', got []")
+            raise ValueError(
+                f"{type(self).__name__}: addresses expected at least one 'host:port', got []"
+            )
         self.addresses = list(addresses)
         self.timeout_s = timeout_s
-        self._channels = [grpc.insecure_channel(a, options=channel_options()) for a in addresses]
+        self.retry = RetryPolicy() if retry is None else retry
+        options = channel_options() + self.retry.channel_options()
+        self._channels = [grpc.insecure_channel(a, options=options) for a in addresses]
         self._stubs = [pb_grpc.AdminServiceStub(channel) for channel in self._channels]
         self._pool = ThreadPoolExecutor(len(addresses), thread_name_prefix="tierps-admin")
 

@@ -1,0 +1,490 @@
+"""EmbeddingClient: what a trainer talks to. It routes keys to their shards (key % N),
+removes duplicates before sending, calls the shards at once, one RPC per shard carrying
+every table of the call, and pools bags with the fused kernel of `pooling`.
+
+    from tierps.client import EmbeddingClient, TableConfig, optim
+
+    with EmbeddingClient(addresses) as client:
+        client.create_table(TableConfig("items", dim=16, optimizer=optim.Adagrad(lr=0.05)))
+        pooled = client.lookup_pooled("items", keys, offsets, combiner="mean")
+        ...                                   # the model computes d loss / d pooled.output
+        pooled.push_gradients(grad_output)    # the shards run the table's optimizer
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from tierps.client.admin import ClusterAdmin, RetryPolicy, ShardError
+from tierps.client.formats import COO, Bags, to_bags
+from tierps.client.pooling import Combiner, pool, pooling_matrix, unpool
+from tierps.proto import tierps_service_pb2_grpc as pb_grpc
+from tierps.proto import wire
+from tierps.storage.config import TableConfig
+from tierps.storage.errors import InvalidArgumentError, TableNotFoundError
+
+DEFAULT_MAX_CALL_BYTES = 256 << 20  # bulk bytes of one call (request or reply) per shard
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A sparse feature: its bags are looked up in `table` and pooled with `combiner`.
+    Several features may share a table (their keys are deduplicated together)."""
+
+    name: str
+    table: str
+    combiner: Combiner | str = Combiner.SUM
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "combiner", Combiner.of(self.combiner, f"feature {self.name!r}"))
+
+
+# A feature's batch: dense keys [..., nnz]; (values, offsets); (values, offsets, weights);
+# a COO; or Bags already checked. See tierps.client.formats.
+FeatureBatch = Any
+
+
+@dataclass
+class _TableKeys:
+    """One table's part of a call: its distinct keys >= 0 and, per feature, the index of
+    each of its keys among them (-1 for padding)."""
+
+    dim: int
+    unique: np.ndarray
+    inverse: dict[str, np.ndarray]
+
+
+class PooledLookup:
+    """The pooled rows of a batch of features, and the way back: push_gradients turns the
+    gradients of the outputs into one gradient per distinct key (the transpose of the
+    forward's sparse product) and pushes them, one RPC per shard."""
+
+    def __init__(
+        self,
+        client: EmbeddingClient,
+        features: dict[str, Feature],
+        tables: dict[str, _TableKeys],
+        matrices: dict[str, Any],
+        outputs: dict[str, np.ndarray],
+    ) -> None:
+        self._client = client
+        self._features = features
+        self._tables = tables
+        self._matrices = matrices
+        self.outputs = outputs
+
+    @property
+    def output(self) -> np.ndarray:
+        """The pooled rows of the one feature of a single-table lookup_pooled."""
+        if len(self.outputs) != 1:
+            raise ValueError(
+                f"output expected a lookup of one feature, got {len(self.outputs)} "
+                f"({', '.join(self.outputs)}): use outputs[name]"
+            )
+        return next(iter(self.outputs.values()))
+
+    def push_gradients(
+        self, grad_outputs: np.ndarray | Mapping[str, Any], step: int | None = None
+    ) -> int:
+        """Push d loss / d output (an array of output's shape, or a dict feature -> array
+        for several features; features left out have zero gradient). Returns the number of
+        distinct keys updated. `step` as in EmbeddingClient.push_gradients."""
+        if not isinstance(grad_outputs, Mapping):
+            grad_outputs = {self._single_feature(): grad_outputs}
+        unknown = sorted(set(grad_outputs) - set(self.outputs))
+        if unknown:
+            raise InvalidArgumentError(
+                f"push_gradients: features expected among {sorted(self.outputs)}, got {unknown}"
+            )
+        summed: dict[str, np.ndarray] = {}
+        for name, grad in grad_outputs.items():
+            feature = self._features[name]
+            table = self._tables[feature.table]
+            grad = _grad_array(f"feature {name!r}", grad, self.outputs[name].shape)
+            part = unpool(self._matrices[name], grad.reshape(-1, table.dim))
+            summed[feature.table] = part if feature.table not in summed else (
+                summed[feature.table] + part
+            )  # fmt: skip
+        pushes = {t: (self._tables[t].unique, grads) for t, grads in summed.items()}
+        return self._client._push_unique(pushes, step)
+
+    def _single_feature(self) -> str:
+        if len(self.outputs) != 1:
+            raise InvalidArgumentError(
+                f"push_gradients: a lookup of {len(self.outputs)} features expected a dict "
+                f"feature -> gradient, got one array"
+            )
+        return next(iter(self.outputs))
+
+
+def _grad_array(where: str, grad: Any, shape: tuple[int, ...]) -> np.ndarray:
+    if hasattr(grad, "detach"):
+        grad = grad.detach().cpu().numpy()
+    grad = np.asarray(grad)
+    if grad.shape != shape:
+        raise InvalidArgumentError(
+            f"{where}: gradient expected shape {shape} (that of the output), got {grad.shape}"
+        )
+    if grad.dtype.kind != "f":
+        raise InvalidArgumentError(f"{where}: gradient expected a float array, got {grad.dtype}")
+    grad = np.ascontiguousarray(grad, dtype=np.float32)
+    finite = np.isfinite(grad)
+    if not finite.all():
+        index = tuple(int(i) for i in np.argwhere(~finite)[0])
+        raise InvalidArgumentError(
+            f"{where}: gradient expected finite values, got {grad[index]} at {list(index)}"
+        )
+    return grad
+
+
+class EmbeddingClient(ClusterAdmin):
+    """A trainer's client of the cluster whose shard i listens at addresses[i]; a context
+    manager. It has every ClusterAdmin call (create_table, drop_table, list_tables,
+    describe, save_snapshot, load_snapshot, list_snapshots, stats) and the data calls.
+
+    Every call has a deadline of timeout_s per shard call. A call failing with UNAVAILABLE is
+    retried by gRPC as `retry` says; any failure a shard gives is raised as a ShardError
+    naming the shard and its address. Bad input is refused before anything is sent.
+    """
+
+    def __init__(
+        self,
+        addresses: list[str],
+        *,
+        timeout_s: float = 30.0,
+        retry: RetryPolicy | None = None,
+        chunk_bytes: int = wire.CHUNK_BYTES,
+        max_call_bytes: int = DEFAULT_MAX_CALL_BYTES,
+    ) -> None:
+        super().__init__(addresses, timeout_s=timeout_s, retry=retry)
+        self.chunk_bytes = chunk_bytes
+        self.max_call_bytes = max_call_bytes
+        self._data = [pb_grpc.EmbeddingServiceStub(channel) for channel in self._channels]
+        self._configs: dict[str, TableConfig] = {}
+        self._steps: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.addresses)
+
+    # -- tables (cached: the client needs each table's dim) ------------------------------------
+
+    def create_table(self, config: TableConfig) -> bool:
+        created = super().create_table(config)
+        with self._lock:
+            self._configs[config.name] = config
+        return created
+
+    def drop_table(self, name: str) -> None:
+        with self._lock:
+            self._configs.pop(name, None)
+            self._steps.pop(name, None)
+        super().drop_table(name)
+
+    def table_config(self, name: str) -> TableConfig:
+        """The config of a table (asked of shard 0 once, then remembered)."""
+        with self._lock:
+            if name in self._configs:
+                return self._configs[name]
+        configs = {config.name: config for config in self.list_tables()}
+        with self._lock:
+            self._configs.update(configs)
+        if name not in configs:
+            known = ", ".join(sorted(configs)) or "none"
+            raise TableNotFoundError(
+                f"table {name!r} not found on the cluster at {self.addresses[0]} (tables: {known})"
+            )
+        return configs[name]
+
+    # -- plain rows ------------------------------------------------------------------------------
+
+    def lookup(self, table: str, keys: Any, *, create: bool = True) -> np.ndarray:
+        """Weights [*keys.shape, dim] of keys (any integer array), in their order. Keys < 0
+        give zero rows. create=True (training) stores rows for new keys; create=False
+        (evaluation) returns their initial values and stores nothing."""
+        keys = _as_array(keys)
+        where = f"table {table!r}"
+        flat = _dense_keys(where, keys)
+        dim = self.table_config(table).dim
+        unique, inverse = _distinct(flat)
+        rows = self._lookup_unique({table: (dim, unique)}, create)[table]
+        out = np.zeros((flat.size, dim), dtype=np.float32)
+        live = inverse >= 0
+        out[live] = rows[inverse[live]]
+        return out.reshape(*np.shape(keys), dim)
+
+    def push_gradients(self, table: str, keys: Any, grads: Any, step: int | None = None) -> int:
+        """Push the gradients [*keys.shape, dim] of keys' rows; the shards run the table's
+        optimizer. Gradients of repeated keys are summed; keys < 0 are ignored. `step`
+        (from 1) feeds Adam's bias correction; left out, it counts this client's pushes to
+        the table. Returns the number of distinct keys updated."""
+        keys = _as_array(keys)
+        where = f"table {table!r}"
+        flat = _dense_keys(where, keys)
+        dim = self.table_config(table).dim
+        grads = _grad_array(where, grads, (*np.shape(keys), dim)).reshape(-1, dim)
+        bags = Bags(flat, np.arange(flat.size + 1, dtype=np.int64), None, (flat.size,))
+        unique, inverse = _distinct(flat)
+        matrix = pooling_matrix(bags, inverse, unique.size, Combiner.SUM)
+        return self._push_unique({table: (unique, unpool(matrix, grads))}, step)
+
+    def assign(self, table: str, keys: Any, values: Any) -> int:
+        """Set the weights [*keys.shape, dim] of keys and reset their optimizer state.
+        Where a key repeats, its last value wins; keys < 0 are ignored."""
+        keys = _as_array(keys)
+        where = f"table {table!r}"
+        flat = _dense_keys(where, keys)
+        dim = self.table_config(table).dim
+        values = _grad_array(where, values, (*np.shape(keys), dim)).reshape(-1, dim)
+        last = flat.size - 1 - np.unique(flat[::-1], return_index=True)[1]
+        last = last[flat[last] >= 0]
+        calls = self._route({table: (dim, flat[last])}, lambda dim: 8 + 4 * dim)
+
+        def send(shard: int, batches: list[tuple[str, int, np.ndarray, np.ndarray]]) -> int:
+            requests = (
+                request
+                for name, dim, keys, at in batches
+                for request in wire.assign_requests(
+                    name, dim, _wire_keys(keys), values[last[at]].tobytes(), self.chunk_bytes
+                )
+            )
+            return self._data[shard].Assign(requests, timeout=self.timeout_s).num_keys
+
+        return sum(self._fan_out(calls, send))
+
+    # -- pooled ----------------------------------------------------------------------------------
+
+    def lookup_pooled(
+        self,
+        table: str,
+        keys: Any,
+        offsets: Any = None,
+        *,
+        combiner: Combiner | str = Combiner.SUM,
+        per_sample_weights: Any = None,
+        include_last_offset: bool = False,
+        create: bool = True,
+    ) -> PooledLookup:
+        """Pool bags of keys of one table (dense -1-padded keys [..., nnz], CSR values with
+        offsets, or a COO; see tierps.client.formats). `.output` is [..., dim] for dense
+        keys and [B, dim] otherwise; `.push_gradients(grad_output)` trains. Combiners:
+        tierps.client.pooling."""
+        batch = to_bags(
+            f"table {table!r}", keys, offsets, per_sample_weights,
+            include_last_offset=include_last_offset,
+        )  # fmt: skip
+        return self.lookup_pooled_features(
+            {table: batch}, [Feature(table, table, combiner)], create=create
+        )
+
+    def lookup_pooled_features(
+        self,
+        batch: Mapping[str, FeatureBatch],
+        features: Sequence[Feature],
+        *,
+        create: bool = True,
+        include_last_offset: bool = False,
+    ) -> PooledLookup:
+        """Pool a batch of several features (feature name -> dense keys, (values, offsets),
+        (values, offsets, per_sample_weights), a COO, or Bags), each looked up in its
+        feature's table: one lookup RPC per shard for all of them, like torchrec's
+        EmbeddingBagCollection. `.outputs[name]` holds each feature's pooled rows."""
+        by_name = {feature.name: feature for feature in features}
+        if len(by_name) != len(features):
+            raise InvalidArgumentError("features expected distinct names, got a repeated name")
+        missing = sorted(set(by_name) - set(batch))
+        unknown = sorted(set(batch) - set(by_name))
+        if missing or unknown:
+            raise InvalidArgumentError(
+                f"batch expected exactly the features {sorted(by_name)}, got "
+                f"{sorted(batch)} (missing {missing}, unknown {unknown})"
+            )
+        bags = {
+            name: _as_bags(f"feature {name!r}", batch[name], include_last_offset)
+            for name in by_name
+        }
+        tables: dict[str, _TableKeys] = {}
+        for table in dict.fromkeys(f.table for f in features):
+            names = [f.name for f in features if f.table == table]
+            keys = np.concatenate([bags[name].keys for name in names])
+            unique, inverse = _distinct(keys)
+            bounds = np.cumsum([0] + [bags[name].keys.size for name in names])
+            tables[table] = _TableKeys(
+                self.table_config(table).dim, unique,
+                {name: inverse[bounds[i] : bounds[i + 1]] for i, name in enumerate(names)},
+            )  # fmt: skip
+        rows = self._lookup_unique({t: (k.dim, k.unique) for t, k in tables.items()}, create)
+        matrices, outputs = {}, {}
+        for name, feature in by_name.items():
+            table = tables[feature.table]
+            matrices[name] = pooling_matrix(
+                bags[name], table.inverse[name], table.unique.size, feature.combiner
+            )
+            pooled = pool(matrices[name], rows[feature.table])
+            outputs[name] = pooled.reshape(*bags[name].shape, table.dim)
+        return PooledLookup(self, by_name, tables, matrices, outputs)
+
+    # -- the wire --------------------------------------------------------------------------------
+
+    def _lookup_unique(
+        self, tables: dict[str, tuple[int, np.ndarray]], create: bool
+    ) -> dict[str, np.ndarray]:
+        """Rows [u, dim] of each table's distinct keys >= 0: one call per shard for all."""
+        out = {t: np.empty((keys.size, dim), np.float32) for t, (dim, keys) in tables.items()}
+        calls = self._route(tables, lambda dim: 4 * dim)
+
+        def send(shard: int, batches: list[tuple[str, int, np.ndarray, np.ndarray]]) -> None:
+            requests = (
+                request
+                for name, dim, keys, _ in batches
+                for request in wire.lookup_requests(
+                    name, dim, _wire_keys(keys), create=create, chunk_bytes=self.chunk_bytes
+                )
+            )
+            reply = wire.join_values(self._data[shard].Lookup(requests, timeout=self.timeout_s))
+            expected = sum(4 * dim * keys.size for _, dim, keys, _ in batches)
+            if len(reply) != expected:
+                raise ShardError(
+                    shard, self.addresses[shard], grpc.StatusCode.INTERNAL,
+                    f"lookup reply expected {expected} bytes, got {len(reply)}",
+                )  # fmt: skip
+            start = 0
+            for name, dim, keys, at in batches:
+                size = 4 * dim * keys.size
+                out[name][at] = np.frombuffer(reply, "<f4", keys.size * dim, start).reshape(
+                    keys.size, dim
+                )
+                start += size
+
+        self._fan_out(calls, send)
+        return out
+
+    def _push_unique(
+        self, pushes: dict[str, tuple[np.ndarray, np.ndarray]], step: int | None
+    ) -> int:
+        """Push summed gradients [u, dim] of each table's distinct keys >= 0."""
+        steps = {table: self._step(table, step) for table in pushes}
+        calls = self._route(
+            {t: (grads.shape[1], keys) for t, (keys, grads) in pushes.items()},
+            lambda dim: 8 + 4 * dim,
+        )
+
+        def send(shard: int, batches: list[tuple[str, int, np.ndarray, np.ndarray]]) -> int:
+            requests = (
+                request
+                for name, dim, keys, at in batches
+                for request in wire.push_requests(
+                    name,
+                    dim,
+                    steps[name],
+                    _wire_keys(keys),
+                    pushes[name][1][at].tobytes(),
+                    self.chunk_bytes,
+                )  # fmt: skip
+            )
+            return self._data[shard].PushGradients(requests, timeout=self.timeout_s).num_keys
+
+        return sum(self._fan_out(calls, send))
+
+    def _step(self, table: str, step: int | None) -> int:
+        with self._lock:
+            if step is None:
+                step = self._steps.get(table, 0) + 1
+            elif isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 1:
+                raise InvalidArgumentError(
+                    f"table {table!r}: field 'step' expected an int >= 1, got {step!r}"
+                )
+            self._steps[table] = int(step)
+            return int(step)
+
+    def _route(
+        self, tables: dict[str, tuple[int, np.ndarray]], bytes_per_key: Callable[[int], int]
+    ) -> list[tuple[int, list[tuple[str, int, np.ndarray, np.ndarray]]]]:
+        """The calls to make: (shard, [(table, dim, keys, their positions)]), each call at
+        most max_call_bytes (bytes_per_key(dim) per key); a shard with no keys gets none."""
+        calls: list[tuple[int, list[tuple[str, int, np.ndarray, np.ndarray]]]] = []
+        per_shard: list[list[tuple[str, int, np.ndarray, np.ndarray]]] = [
+            [] for _ in self.addresses
+        ]
+        for name, (dim, keys) in tables.items():
+            shard_of = keys % self.num_shards
+            order = np.argsort(shard_of, kind="stable")
+            bounds = np.searchsorted(shard_of[order], np.arange(self.num_shards + 1))
+            for shard in range(self.num_shards):
+                at = order[bounds[shard] : bounds[shard + 1]]
+                if at.size:
+                    per_shard[shard].append((name, dim, keys[at], at))
+        for shard, batches in enumerate(per_shard):
+            call: list[tuple[str, int, np.ndarray, np.ndarray]] = []
+            room = self.max_call_bytes
+            for name, dim, keys, at in batches:
+                start = 0
+                while start < keys.size:
+                    take = min(keys.size - start, max(1, room // bytes_per_key(dim)))
+                    call.append((name, dim, keys[start : start + take], at[start : start + take]))
+                    room -= take * bytes_per_key(dim)
+                    start += take
+                    if room <= 0:
+                        calls.append((shard, call))
+                        call, room = [], self.max_call_bytes
+            if call:
+                calls.append((shard, call))
+        return calls
+
+    def _fan_out(self, calls: list[tuple[int, Any]], send: Callable[[int, Any], Any]) -> list[Any]:
+        """send(shard, batches) for every call, shards at once (a shard's calls in turn);
+        a gRPC failure is raised as a ShardError naming the shard."""
+
+        def run(shard: int) -> list[Any]:
+            return [self._on(shard, lambda i, _, b=b: send(i, b)) for s, b in calls if s == shard]
+
+        shards = sorted({shard for shard, _ in calls})
+        if len(shards) <= 1:
+            return [result for shard in shards for result in run(shard)]
+        return [result for results in self._pool.map(run, shards) for result in results]
+
+
+def _dense_keys(where: str, keys: Any) -> np.ndarray:
+    """Keys of any shape, flattened; checked as dense keys are."""
+    return to_bags(where, np.reshape(_as_array(keys), (-1, 1))).keys
+
+
+def _as_array(value: Any) -> Any:
+    if hasattr(value, "detach"):
+        return value.detach().cpu().numpy()
+    return value
+
+
+def _as_bags(where: str, value: FeatureBatch, include_last_offset: bool) -> Bags:
+    if isinstance(value, Bags):
+        return value
+    if isinstance(value, tuple) and not isinstance(value, COO):
+        if len(value) not in (2, 3):
+            raise InvalidArgumentError(
+                f"{where}: a tuple batch expected (values, offsets) or (values, offsets, "
+                f"per_sample_weights), got {len(value)} items"
+            )
+        return to_bags(where, *value, include_last_offset=include_last_offset)
+    return to_bags(where, value)
+
+
+def _distinct(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct keys >= 0 (sorted), and each key's index among them (-1: padding)."""
+    unique, inverse = np.unique(keys, return_inverse=True)
+    padding = int(np.searchsorted(unique, 0))
+    if padding:
+        unique = unique[padding:]
+        inverse = inverse - padding
+        inverse[inverse < 0] = -1
+    return unique, inverse.reshape(-1)
+
+
+def _wire_keys(keys: np.ndarray) -> bytes:
+    return keys.astype("<i8", copy=False).tobytes()

@@ -1,0 +1,201 @@
+"""Batch formats of the client, and the one validator that turns each into bags.
+
+A batch of bags (one bag per sample and feature; the keys of a bag are pooled into one row)
+comes in one of three formats, the conventions of HugeCTR, TensorFlow and torch:
+
+- dense: keys [..., nnz], each bag a row of the last axis, padded with -1 (any key < 0 is
+  padding). The pooled output is [..., dim].
+- CSR: (values [nnz], offsets) as torch.nn.EmbeddingBag takes them: offsets of length B
+  (bag i is values[offsets[i]:offsets[i+1]], the last bag runs to the end), or of length
+  B + 1 ending with len(values) when include_last_offset=True. The output is [B, dim].
+- COO: `COO(rows, values, shape)` as a tf.SparseTensor of rank 2: values[j] belongs to bag
+  rows[j] of shape[0] bags; rows need not be sorted. The output is [shape[0], dim].
+
+Per-sample weights have the shape of the keys (dense) or of the values (CSR, COO).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from tierps.storage.errors import InvalidArgumentError
+
+
+class COO(NamedTuple):
+    """A rank-2 sparse batch: values[j] is a key of bag rows[j]; shape = (bags, max keys per
+    bag) as tf.SparseTensor's dense_shape (only shape[0] matters)."""
+
+    rows: Any
+    values: Any
+    shape: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Bags:
+    """A checked batch in CSR form: keys [nnz] int64 (< 0: padding), offsets [B + 1] int64
+    (bag i is keys[offsets[i]:offsets[i+1]]), weights [nnz] float32 or None, and the leading
+    shape of the pooled output (its last axis, dim, is the table's)."""
+
+    keys: np.ndarray
+    offsets: np.ndarray
+    weights: np.ndarray | None
+    shape: tuple[int, ...]
+
+    @property
+    def num_bags(self) -> int:
+        return self.offsets.size - 1
+
+
+def _array(where: str, field: str, value: Any) -> np.ndarray:
+    """A numpy view of an array-like (numpy, torch CPU tensors, lists)."""
+    if hasattr(value, "detach"):  # a torch tensor: no copy for a CPU tensor
+        value = value.detach().cpu().numpy()
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError) as error:
+        raise InvalidArgumentError(
+            f"{where}: field '{field}' expected an array, got {error}"
+        ) from None
+
+
+def _keys(where: str, field: str, value: Any) -> np.ndarray:
+    keys = _array(where, field, value)
+    if keys.dtype.kind not in "iu" and not (keys.dtype.kind == "f" and keys.size == 0):
+        raise InvalidArgumentError(
+            f"{where}: field '{field}' expected an integer array (int64 keys), got dtype "
+            f"{keys.dtype}"
+        )
+    if keys.dtype == np.uint64 and keys.size and int(keys.max()) > np.iinfo(np.int64).max:
+        raise InvalidArgumentError(
+            f"{where}: field '{field}' expected keys <= 2**63-1, got {int(keys.max())}"
+        )
+    return keys.astype(np.int64, copy=False)
+
+
+def _weights(where: str, value: Any, shape: tuple[int, ...], of: str) -> np.ndarray | None:
+    if value is None:
+        return None
+    weights = _array(where, "per_sample_weights", value)
+    if weights.dtype.kind not in "fiu":
+        raise InvalidArgumentError(
+            f"{where}: field 'per_sample_weights' expected a float array, got dtype {weights.dtype}"
+        )
+    if weights.shape != shape:
+        raise InvalidArgumentError(
+            f"{where}: field 'per_sample_weights' expected shape {shape} (that of {of}), got "
+            f"{weights.shape}"
+        )
+    weights = weights.astype(np.float32, copy=False).reshape(-1)
+    finite = np.isfinite(weights)
+    if not finite.all():
+        index = int(np.argmin(finite))
+        raise InvalidArgumentError(
+            f"{where}: field 'per_sample_weights' expected finite values, got "
+            f"{weights[index]} at index {index}"
+        )
+    return weights
+
+
+def _offsets(where: str, value: Any, nnz: int, include_last_offset: bool) -> np.ndarray:
+    offsets = _keys(where, "offsets", value)
+    if offsets.ndim != 1:
+        raise InvalidArgumentError(
+            f"{where}: field 'offsets' expected a 1-D array, got shape {offsets.shape}"
+        )
+    if offsets.size and offsets[0] != 0:
+        raise InvalidArgumentError(
+            f"{where}: field 'offsets' expected offsets[0] = 0, got {int(offsets[0])}"
+        )
+    beyond = offsets > nnz
+    if beyond.any():
+        i = int(np.argmax(beyond))
+        raise InvalidArgumentError(
+            f"{where}: field 'offsets' expected values <= len(values)={nnz}, got "
+            f"offsets[{i}]={int(offsets[i])}"
+        )
+    if include_last_offset:
+        if offsets.size == 0 or offsets[-1] != nnz:
+            last = int(offsets[-1]) if offsets.size else "none"
+            raise InvalidArgumentError(
+                f"{where}: field 'offsets' with include_last_offset expected the last offset "
+                f"to equal len(values)={nnz}, got {last}"
+            )
+    else:
+        offsets = np.append(offsets, nnz)
+    falls = np.diff(offsets) < 0
+    if falls.any():
+        i = int(np.argmax(falls))
+        raise InvalidArgumentError(
+            f"{where}: offsets must not decrease, but offsets[{i + 1}]={int(offsets[i + 1])} "
+            f"< offsets[{i}]={int(offsets[i])}"
+        )
+    return offsets
+
+
+def to_bags(
+    where: str,
+    keys: Any,
+    offsets: Any = None,
+    per_sample_weights: Any = None,
+    *,
+    include_last_offset: bool = False,
+) -> Bags:
+    """Check a batch in any of the three formats and return it as Bags. `where` names the
+    table or feature in the messages: "table 'item': offsets must not decrease, ..."."""
+    if isinstance(keys, COO):
+        if offsets is not None:
+            raise InvalidArgumentError(f"{where}: a COO batch expected offsets=None")
+        return _coo_bags(where, keys, per_sample_weights)
+    values = _keys(where, "keys", keys)
+    if offsets is None:  # dense [..., nnz], -1 padded
+        if values.ndim == 0:
+            raise InvalidArgumentError(
+                f"{where}: field 'keys' expected dense keys [..., nnz] (or values with "
+                f"offsets), got a scalar"
+            )
+        weights = _weights(where, per_sample_weights, values.shape, "the keys")
+        bags, width = int(np.prod(values.shape[:-1])), values.shape[-1]
+        starts = np.arange(0, bags * width + 1, max(width, 1), dtype=np.int64)
+        if width == 0:
+            starts = np.zeros(bags + 1, dtype=np.int64)
+        return Bags(values.reshape(-1), starts, weights, values.shape[:-1])
+    if values.ndim != 1:
+        raise InvalidArgumentError(
+            f"{where}: field 'keys' with offsets expected 1-D values, got shape {values.shape}"
+        )
+    weights = _weights(where, per_sample_weights, values.shape, "the values")
+    checked = _offsets(where, offsets, values.size, include_last_offset)
+    return Bags(values, checked, weights, (checked.size - 1,))
+
+
+def _coo_bags(where: str, batch: COO, per_sample_weights: Any) -> Bags:
+    rows = _keys(where, "rows", batch.rows)
+    values = _keys(where, "values", batch.values)
+    shape = tuple(batch.shape)
+    if len(shape) != 2 or any(
+        isinstance(s, bool) or not isinstance(s, int | np.integer) or s < 0 for s in shape
+    ):
+        raise InvalidArgumentError(
+            f"{where}: COO field 'shape' expected (bags, max keys per bag) of ints >= 0, got "
+            f"{batch.shape!r}"
+        )
+    if rows.ndim != 1 or rows.shape != values.shape:
+        raise InvalidArgumentError(
+            f"{where}: COO fields 'rows' and 'values' expected two 1-D arrays of one length, "
+            f"got shapes {rows.shape} and {values.shape}"
+        )
+    weights = _weights(where, per_sample_weights, values.shape, "the values")
+    bags = int(shape[0])
+    if rows.size and (rows.min() < 0 or rows.max() >= bags):
+        bad = int(np.argmax((rows < 0) | (rows >= bags)))
+        raise InvalidArgumentError(
+            f"{where}: COO field 'rows' expected values in [0, {bags}), got rows[{bad}]="
+            f"{int(rows[bad])}"
+        )
+    order = np.argsort(rows, kind="stable")  # bags in row order, keys in their given order
+    offsets = np.zeros(bags + 1, dtype=np.int64)
+    np.cumsum(np.bincount(rows, minlength=bags), out=offsets[1:])
+    return Bags(values[order], offsets, None if weights is None else weights[order], (bags,))

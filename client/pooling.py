@@ -1,0 +1,88 @@
+"""Fused pooling: bags of keys -> one row per bag, and its backward, as one sparse product.
+
+A batch of B bags over the u distinct keys of a table is a sparse matrix A [B, u] whose
+entry (b, j) is the coefficient of distinct key j in bag b. With the distinct keys' rows
+E [u, dim]:
+
+    forward:   output = A @ E          [B, dim]
+    backward:  grad_E = A.T @ grad_out [u, dim]   (gradients of repeated keys summed)
+
+Both run in scipy.sparse's compiled CSR kernels: no Python loop over bags, and the
+backward yields per-distinct-key gradients directly, ready to push. Coefficients, for a bag
+b with keys i (keys < 0 are padding and take no part) and weights w_i (1 without
+per_sample_weights):
+
+    sum:    c_i = w_i                         output_b = sum_i w_i e_i
+    mean:   c_i = w_i / sum_j w_j             (unweighted: 1 / n_b)
+    sqrtn:  c_i = w_i / sqrt(sum_j w_j**2)    (unweighted: 1 / sqrt(n_b))
+
+An empty bag (no keys, only padding, or weights summing to 0 under mean) pools to zeros.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+import scipy.sparse as sp
+
+from tierps.client.formats import Bags
+from tierps.storage.errors import InvalidArgumentError
+
+
+class Combiner(enum.StrEnum):
+    """How a bag's rows become one row."""
+
+    SUM = "sum"  # weighted sum of the bag's rows
+    MEAN = "mean"  # the sum divided by the bag's total weight (its key count, unweighted)
+    SQRTN = "sqrtn"  # the sum divided by the square root of the bag's sum of squared weights
+
+    @classmethod
+    def of(cls, value: str | Combiner, where: str) -> Combiner:
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(repr(c.value) for c in cls)
+            raise InvalidArgumentError(
+                f"{where}: field 'combiner' expected one of {choices}, got {value!r}"
+            ) from None
+
+
+def pooling_matrix(bags: Bags, inverse: np.ndarray, num_unique: int, combiner: Combiner):
+    """A [B, num_unique] as a scipy CSR array. inverse[k] is the distinct-key index of
+    bags.keys[k], or -1 for padding."""
+    live = inverse >= 0
+    counts = np.diff(np.concatenate([[0], np.cumsum(live)])[bags.offsets])
+    columns = inverse[live]
+    indptr = np.zeros(bags.num_bags + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    weights = None if bags.weights is None else bags.weights[live]
+    if combiner is Combiner.SUM:
+        data = np.ones(columns.size, np.float32) if weights is None else weights
+    else:
+        bag_of = np.repeat(np.arange(bags.num_bags), counts)
+        if weights is None:
+            per_bag = counts.astype(np.float64)
+        else:
+            squares = weights.astype(np.float64) ** (2 if combiner is Combiner.SQRTN else 1)
+            per_bag = np.bincount(bag_of, weights=squares, minlength=bags.num_bags)
+        if combiner is Combiner.SQRTN:
+            per_bag = np.sqrt(per_bag)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scale = np.where(per_bag != 0, 1.0 / per_bag, 0.0)
+        data = (scale[bag_of] if weights is None else weights * scale[bag_of]).astype(np.float32)
+    index = np.int32 if max(num_unique, columns.size) < np.iinfo(np.int32).max else np.int64
+    return sp.csr_array(
+        (data, columns.astype(index, copy=False), indptr.astype(index, copy=False)),
+        shape=(bags.num_bags, num_unique),
+    )
+
+
+def pool(matrix, rows: np.ndarray) -> np.ndarray:
+    """Forward: one pooled row per bag, [B, dim] float32."""
+    return np.asarray(matrix @ rows, dtype=np.float32)
+
+
+def unpool(matrix, grad_output: np.ndarray) -> np.ndarray:
+    """Backward: the gradient of each distinct key's row, [u, dim] float32."""
+    return np.asarray(matrix.T @ grad_output, dtype=np.float32)

@@ -1,0 +1,134 @@
+"""PyTorch modules over an EmbeddingClient (needs the `torch` extra).
+
+`EmbeddingBag` follows torch.nn.EmbeddingBag's forward signature; `EmbeddingBagCollection`
+pools many features at once, like torchrec's. Their tables live on the shards: forward
+looks the bags up and pools them (one RPC per shard for every feature), and backward pushes
+the gradients of the distinct keys, on which the shards run each table's optimizer: the
+backward and the optimizer step are one fused call, as in fbgemm's table-batched
+embeddings. The dense part of the model trains with any torch optimizer; the embeddings
+need none.
+
+In eval mode, or under torch.no_grad(), lookups create no rows and nothing is pushed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from tierps.client.embedding import EmbeddingClient, Feature, FeatureBatch, PooledLookup
+from tierps.client.formats import to_bags
+from tierps.client.pooling import Combiner
+
+
+class _Pooled(torch.autograd.Function):
+    """Outputs of a PooledLookup as tensors; backward pushes all their gradients at once."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, pooled: PooledLookup, names: list[str]) -> Any:
+        ctx.pooled, ctx.names = pooled, names
+        return tuple(torch.from_numpy(pooled.outputs[name]) for name in names)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.pooled.push_gradients(
+            {name: grad.detach().cpu().numpy() for name, grad in zip(ctx.names, grads, strict=True)}
+        )
+        return None, None, None
+
+
+class EmbeddingBagCollection(nn.Module):
+    """Pooled embeddings of several features, each bound to a table of the cluster.
+
+    forward(batch) takes a dict feature name -> that feature's bags (a dense -1-padded
+    tensor [..., nnz], (values, offsets), (values, offsets, per_sample_weights), or a COO;
+    tensors or numpy arrays) and returns a dict feature name -> pooled tensor.
+
+    prefetch(batch) starts the lookup of a later batch in the background; the forward of
+    that same batch object then uses it. Rows prefetched before the current step's backward
+    miss that step's update of the keys both batches share (one step stale, as pipelined
+    embedding caches are).
+    """
+
+    def __init__(
+        self,
+        client: EmbeddingClient,
+        features: Sequence[Feature],
+        *,
+        include_last_offset: bool = False,
+    ) -> None:
+        super().__init__()
+        self.client = client
+        self.features = list(features)
+        self.include_last_offset = include_last_offset
+        for feature in self.features:
+            client.table_config(feature.table)  # an unknown table fails here, not mid-step
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self._prefetched: tuple[int, bool, Future[PooledLookup]] | None = None
+
+    def _lookup(self, batch: Mapping[str, FeatureBatch], create: bool) -> PooledLookup:
+        return self.client.lookup_pooled_features(
+            batch, self.features, create=create, include_last_offset=self.include_last_offset
+        )
+
+    def prefetch(self, batch: Mapping[str, FeatureBatch]) -> None:
+        """Start looking up `batch` now, for a later forward(batch) of the same object."""
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tierps-prefetch")
+        future = self._prefetcher.submit(self._lookup, batch, self.training)
+        self._prefetched = (id(batch), self.training, future)
+
+    def forward(self, batch: Mapping[str, FeatureBatch]) -> dict[str, torch.Tensor]:
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[:2] == (id(batch), self.training):
+            pooled = prefetched[2].result()
+        else:
+            pooled = self._lookup(batch, create=self.training)
+        names = [feature.name for feature in self.features]
+        if self.training and torch.is_grad_enabled():
+            anchor = torch.empty(0, requires_grad=True)  # makes autograd call backward
+            outputs = _Pooled.apply(anchor, pooled, names)
+        else:
+            outputs = tuple(torch.from_numpy(pooled.outputs[name]) for name in names)
+        return dict(zip(names, outputs, strict=True))
+
+
+class EmbeddingBag(nn.Module):
+    """torch.nn.EmbeddingBag over a table of the cluster: forward(input, offsets=None,
+    per_sample_weights=None) as torch's (input 2-D [B, N] without offsets, with keys < 0 as
+    padding; or 1-D values with offsets), returning [B, dim]. combiner: "sum", "mean" or
+    "sqrtn"; per_sample_weights work with all three (tierps.client.pooling)."""
+
+    def __init__(
+        self,
+        client: EmbeddingClient,
+        table: str,
+        *,
+        combiner: Combiner | str = Combiner.SUM,
+        include_last_offset: bool = False,
+    ) -> None:
+        super().__init__()
+        self.table = table
+        self.bags = EmbeddingBagCollection(
+            client, [Feature(table, table, combiner)], include_last_offset=include_last_offset
+        )
+
+    def forward(
+        self,
+        input: torch.Tensor | np.ndarray,
+        offsets: torch.Tensor | np.ndarray | None = None,
+        per_sample_weights: torch.Tensor | np.ndarray | None = None,
+    ) -> torch.Tensor:
+        if offsets is None:
+            if per_sample_weights is None:
+                value: FeatureBatch = input
+            else:
+                value = to_bags(f"table {self.table!r}", input, None, per_sample_weights)
+        else:
+            value = (input, offsets, per_sample_weights)
+        return self.bags({self.table: value})[self.table]

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import grpc
 
@@ -214,7 +214,7 @@ class ClusterAdmin:
         for channel in self._channels:
             channel.close()
 
-    def __enter__(self) -> ClusterAdmin:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -106,7 +106,10 @@ class PooledLookup:
         for name, grad in grad_outputs.items():
             feature = self._features[name]
             table = self._tables[feature.table]
-            grad = _grad_array(f"feature {name!r}", grad, self.outputs[name].shape)
+            grad = _rows_array(
+                f"feature {name!r}", "grad_output", grad, self.outputs[name].shape,
+                "that of the pooled output",
+            )  # fmt: skip
             part = unpool(self._matrices[name], grad.reshape(-1, table.dim))
             summed[feature.table] = part if feature.table not in summed else (
                 summed[feature.table] + part
@@ -123,24 +126,27 @@ class PooledLookup:
         return next(iter(self.outputs))
 
 
-def _grad_array(where: str, grad: Any, shape: tuple[int, ...]) -> np.ndarray:
-    if hasattr(grad, "detach"):
-        grad = grad.detach().cpu().numpy()
-    grad = np.asarray(grad)
-    if grad.shape != shape:
+def _rows_array(where: str, field: str, value: Any, shape: tuple[int, ...], of: str) -> np.ndarray:
+    """A finite float32 array of exactly `shape` (`of` says what fixes the shape)."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    value = np.asarray(value)
+    if value.shape != shape:
         raise InvalidArgumentError(
-            f"{where}: gradient expected shape {shape} (that of the output), got {grad.shape}"
+            f"{where}: field '{field}' expected shape {shape} ({of}), got {value.shape}"
         )
-    if grad.dtype.kind != "f":
-        raise InvalidArgumentError(f"{where}: gradient expected a float array, got {grad.dtype}")
-    grad = np.ascontiguousarray(grad, dtype=np.float32)
-    finite = np.isfinite(grad)
+    if value.dtype.kind != "f":
+        raise InvalidArgumentError(
+            f"{where}: field '{field}' expected a float array, got dtype {value.dtype}"
+        )
+    value = np.ascontiguousarray(value, dtype=np.float32)
+    finite = np.isfinite(value)
     if not finite.all():
         index = tuple(int(i) for i in np.argwhere(~finite)[0])
         raise InvalidArgumentError(
-            f"{where}: gradient expected finite values, got {grad[index]} at {list(index)}"
+            f"{where}: field '{field}' expected finite values, got {value[index]} at {list(index)}"
         )
-    return grad
+    return value
 
 
 class EmbeddingClient(ClusterAdmin):
@@ -229,7 +235,8 @@ class EmbeddingClient(ClusterAdmin):
         where = f"table {table!r}"
         flat = _dense_keys(where, keys)
         dim = self.table_config(table).dim
-        grads = _grad_array(where, grads, (*np.shape(keys), dim)).reshape(-1, dim)
+        shape = (*np.shape(keys), dim)
+        grads = _rows_array(where, "grads", grads, shape, "[*keys.shape, dim]").reshape(-1, dim)
         bags = Bags(flat, np.arange(flat.size + 1, dtype=np.int64), None, (flat.size,))
         unique, inverse = _distinct(flat)
         matrix = pooling_matrix(bags, inverse, unique.size, Combiner.SUM)
@@ -242,7 +249,8 @@ class EmbeddingClient(ClusterAdmin):
         where = f"table {table!r}"
         flat = _dense_keys(where, keys)
         dim = self.table_config(table).dim
-        values = _grad_array(where, values, (*np.shape(keys), dim)).reshape(-1, dim)
+        shape = (*np.shape(keys), dim)
+        values = _rows_array(where, "values", values, shape, "[*keys.shape, dim]").reshape(-1, dim)
         last = flat.size - 1 - np.unique(flat[::-1], return_index=True)[1]
         last = last[flat[last] >= 0]
         calls = self._route({table: (dim, flat[last])}, lambda dim: 8 + 4 * dim)
@@ -391,18 +399,21 @@ class EmbeddingClient(ClusterAdmin):
             )
             return self._data[shard].PushGradients(requests, timeout=self.timeout_s).num_keys
 
-        return sum(self._fan_out(calls, send))
+        updated = sum(self._fan_out(calls, send))
+        with self._lock:  # counted once the push is in: a failed push takes no step
+            self._steps.update(steps)
+        return updated
 
     def _step(self, table: str, step: int | None) -> int:
-        with self._lock:
-            if step is None:
-                step = self._steps.get(table, 0) + 1
-            elif isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 1:
-                raise InvalidArgumentError(
-                    f"table {table!r}: field 'step' expected an int >= 1, got {step!r}"
-                )
-            self._steps[table] = int(step)
-            return int(step)
+        """The step of a push to table: the one given, or one more than the last push's."""
+        if step is None:
+            with self._lock:
+                return self._steps.get(table, 0) + 1
+        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 1:
+            raise InvalidArgumentError(
+                f"table {table!r}: field 'step' expected an int >= 1, got {step!r}"
+            )
+        return int(step)
 
     def _route(
         self, tables: dict[str, tuple[int, np.ndarray]], bytes_per_key: Callable[[int], int]

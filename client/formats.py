@@ -124,6 +124,11 @@ def _offsets(where: str, value: Any, nnz: int, include_last_offset: bool) -> np.
                 f"to equal len(values)={nnz}, got {last}"
             )
     else:
+        if offsets.size == 0 and nnz:
+            raise InvalidArgumentError(
+                f"{where}: field 'offsets' expected at least one bag for {nnz} values, got "
+                f"no offsets"
+            )
         offsets = np.append(offsets, nnz)
     falls = np.diff(offsets) < 0
     if falls.any():

@@ -71,6 +71,10 @@ class EmbeddingBagCollection(nn.Module):
         self._prefetcher: ThreadPoolExecutor | None = None
         self._prefetched: tuple[int, bool, Future[PooledLookup]] | None = None
 
+    def _trains(self) -> bool:
+        """Training mode with autograd on: lookups create rows and backward pushes."""
+        return self.training and torch.is_grad_enabled()
+
     def _lookup(self, batch: Mapping[str, FeatureBatch], create: bool) -> PooledLookup:
         return self.client.lookup_pooled_features(
             batch, self.features, create=create, include_last_offset=self.include_last_offset
@@ -80,17 +84,19 @@ class EmbeddingBagCollection(nn.Module):
         """Start looking up `batch` now, for a later forward(batch) of the same object."""
         if self._prefetcher is None:
             self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tierps-prefetch")
-        future = self._prefetcher.submit(self._lookup, batch, self.training)
-        self._prefetched = (id(batch), self.training, future)
+        create = self._trains()  # grad mode is per thread: read it here
+        future = self._prefetcher.submit(self._lookup, batch, create)
+        self._prefetched = (id(batch), create, future)
 
     def forward(self, batch: Mapping[str, FeatureBatch]) -> dict[str, torch.Tensor]:
         prefetched, self._prefetched = self._prefetched, None
-        if prefetched is not None and prefetched[:2] == (id(batch), self.training):
+        trains = self._trains()
+        if prefetched is not None and prefetched[:2] == (id(batch), trains):
             pooled = prefetched[2].result()
         else:
-            pooled = self._lookup(batch, create=self.training)
+            pooled = self._lookup(batch, create=trains)
         names = [feature.name for feature in self.features]
-        if self.training and torch.is_grad_enabled():
+        if trains:
             anchor = torch.empty(0, requires_grad=True)  # makes autograd call backward
             outputs = _Pooled.apply(anchor, pooled, names)
         else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,12 +25,16 @@ import numpy as np
 from tierps.client.admin import ClusterAdmin, RetryPolicy, ShardError
 from tierps.client.formats import COO, Bags, to_bags
 from tierps.client.pooling import Combiner, pool, pooling_matrix, unpool
+from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
 from tierps.storage.config import TableConfig
 from tierps.storage.errors import InvalidArgumentError, TableNotFoundError
 
 DEFAULT_MAX_CALL_BYTES = 256 << 20  # bulk bytes of one call (request or reply) per shard
+# One table's part of a call to a shard: (table, dim, keys, their positions in the table's
+# distinct keys).
+Batch = tuple[str, int, np.ndarray, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -255,7 +260,7 @@ class EmbeddingClient(ClusterAdmin):
         last = last[flat[last] >= 0]
         calls = self._route({table: (dim, flat[last])}, lambda dim: 8 + 4 * dim)
 
-        def send(shard: int, batches: list[tuple[str, int, np.ndarray, np.ndarray]]) -> int:
+        def start(shard: int, batches: list[Batch]) -> Future:
             requests = (
                 request
                 for name, dim, keys, at in batches
@@ -263,9 +268,9 @@ class EmbeddingClient(ClusterAdmin):
                     name, dim, _wire_keys(keys), values[last[at]].tobytes(), self.chunk_bytes
                 )
             )
-            return self._data[shard].Assign(requests, timeout=self.timeout_s).num_keys
+            return self._data[shard].Assign.future(requests, timeout=self.timeout_s)
 
-        return sum(self._fan_out(calls, send))
+        return sum(reply.num_keys for reply in self._fan_out(calls, start))
 
     # -- pooled ----------------------------------------------------------------------------------
 
@@ -348,7 +353,7 @@ class EmbeddingClient(ClusterAdmin):
         out = {t: np.empty((keys.size, dim), np.float32) for t, (dim, keys) in tables.items()}
         calls = self._route(tables, lambda dim: 4 * dim)
 
-        def send(shard: int, batches: list[tuple[str, int, np.ndarray, np.ndarray]]) -> None:
+        def start(shard: int, batches: list[Batch]) -> Future:
             requests = (
                 request
                 for name, dim, keys, _ in batches
@@ -356,22 +361,28 @@ class EmbeddingClient(ClusterAdmin):
                     name, dim, _wire_keys(keys), create=create, chunk_bytes=self.chunk_bytes
                 )
             )
-            reply = wire.join_values(self._data[shard].Lookup(requests, timeout=self.timeout_s))
-            expected = sum(4 * dim * keys.size for _, dim, keys, _ in batches)
-            if len(reply) != expected:
+            stub = self._data[shard]
+            small = sum(8 * keys.size for _, _, keys, _ in batches) <= self.chunk_bytes
+            if small and _reply_bytes(batches) <= self.chunk_bytes:  # one message each way
+                batch = pb.LookupBatches(batches=list(requests))
+                return stub.LookupUnary.future(batch, timeout=self.timeout_s)
+            return self._pool.submit(
+                lambda: wire.join_values(stub.Lookup(requests, timeout=self.timeout_s))
+            )
+
+        for (shard, batches), reply in zip(calls, self._fan_out(calls, start), strict=True):
+            if not isinstance(reply, bytes):
+                reply = reply.values
+            if len(reply) != _reply_bytes(batches):
                 raise ShardError(
                     shard, self.addresses[shard], grpc.StatusCode.INTERNAL,
-                    f"lookup reply expected {expected} bytes, got {len(reply)}",
+                    f"lookup reply expected {_reply_bytes(batches)} bytes, got {len(reply)}",
                 )  # fmt: skip
-            start = 0
+            offset = 0
             for name, dim, keys, at in batches:
-                size = 4 * dim * keys.size
-                out[name][at] = np.frombuffer(reply, "<f4", keys.size * dim, start).reshape(
-                    keys.size, dim
-                )
-                start += size
-
-        self._fan_out(calls, send)
+                rows = np.frombuffer(reply, "<f4", keys.size * dim, offset)
+                out[name][at] = rows.reshape(keys.size, dim)
+                offset += 4 * dim * keys.size
         return out
 
     def _push_unique(
@@ -384,22 +395,22 @@ class EmbeddingClient(ClusterAdmin):
             lambda dim: 8 + 4 * dim,
         )
 
-        def send(shard: int, batches: list[tuple[str, int, np.ndarray, np.ndarray]]) -> int:
+        def start(shard: int, batches: list[Batch]) -> Future:
             requests = (
                 request
                 for name, dim, keys, at in batches
                 for request in wire.push_requests(
-                    name,
-                    dim,
-                    steps[name],
-                    _wire_keys(keys),
-                    pushes[name][1][at].tobytes(),
+                    name, dim, steps[name], _wire_keys(keys), pushes[name][1][at].tobytes(),
                     self.chunk_bytes,
-                )  # fmt: skip
-            )
-            return self._data[shard].PushGradients(requests, timeout=self.timeout_s).num_keys
+                )
+            )  # fmt: skip
+            stub = self._data[shard]
+            if sum((8 + 4 * dim) * keys.size for _, dim, keys, _ in batches) <= self.chunk_bytes:
+                batch = pb.PushGradientsBatches(batches=list(requests))  # one message
+                return stub.PushGradientsUnary.future(batch, timeout=self.timeout_s)
+            return stub.PushGradients.future(requests, timeout=self.timeout_s)
 
-        updated = sum(self._fan_out(calls, send))
+        updated = sum(reply.num_keys for reply in self._fan_out(calls, start))
         with self._lock:  # counted once the push is in: a failed push takes no step
             self._steps.update(steps)
         return updated
@@ -417,13 +428,11 @@ class EmbeddingClient(ClusterAdmin):
 
     def _route(
         self, tables: dict[str, tuple[int, np.ndarray]], bytes_per_key: Callable[[int], int]
-    ) -> list[tuple[int, list[tuple[str, int, np.ndarray, np.ndarray]]]]:
+    ) -> list[tuple[int, list[Batch]]]:
         """The calls to make: (shard, [(table, dim, keys, their positions)]), each call at
         most max_call_bytes (bytes_per_key(dim) per key); a shard with no keys gets none."""
-        calls: list[tuple[int, list[tuple[str, int, np.ndarray, np.ndarray]]]] = []
-        per_shard: list[list[tuple[str, int, np.ndarray, np.ndarray]]] = [
-            [] for _ in self.addresses
-        ]
+        calls: list[tuple[int, list[Batch]]] = []
+        per_shard: list[list[Batch]] = [[] for _ in self.addresses]
         for name, (dim, keys) in tables.items():
             shard_of = keys % self.num_shards
             order = np.argsort(shard_of, kind="stable")
@@ -433,7 +442,7 @@ class EmbeddingClient(ClusterAdmin):
                 if at.size:
                     per_shard[shard].append((name, dim, keys[at], at))
         for shard, batches in enumerate(per_shard):
-            call: list[tuple[str, int, np.ndarray, np.ndarray]] = []
+            call: list[Batch] = []
             room = self.max_call_bytes
             for name, dim, keys, at in batches:
                 start = 0
@@ -449,17 +458,17 @@ class EmbeddingClient(ClusterAdmin):
                 calls.append((shard, call))
         return calls
 
-    def _fan_out(self, calls: list[tuple[int, Any]], send: Callable[[int, Any], Any]) -> list[Any]:
-        """send(shard, batches) for every call, shards at once (a shard's calls in turn);
-        a gRPC failure is raised as a ShardError naming the shard."""
+    def _fan_out(
+        self, calls: list[tuple[int, list[Batch]]], start: Callable[[int, list[Batch]], Future]
+    ) -> list[Any]:
+        """Start every call at once (start(shard, batches) returns a future), then return
+        their results in order; a gRPC failure is raised as a ShardError naming the shard."""
+        futures = [(shard, start(shard, batches)) for shard, batches in calls]
+        return [self._on(shard, lambda i, _, f=future: f.result()) for shard, future in futures]
 
-        def run(shard: int) -> list[Any]:
-            return [self._on(shard, lambda i, _, b=b: send(i, b)) for s, b in calls if s == shard]
 
-        shards = sorted({shard for shard, _ in calls})
-        if len(shards) <= 1:
-            return [result for shard in shards for result in run(shard)]
-        return [result for results in self._pool.map(run, shards) for result in results]
+def _reply_bytes(batches: list[Batch]) -> int:
+    return sum(4 * dim * keys.size for _, dim, keys, _ in batches)
 
 
 def _dense_keys(where: str, keys: Any) -> np.ndarray:

@@ -16,6 +16,18 @@ SAVE_PHASE_UNSPECIFIED: SavePhase
 SAVE_PHASE_WRITE_PART: SavePhase
 SAVE_PHASE_COMMIT: SavePhase
 
+class LookupBatches(_message.Message):
+    __slots__ = ("batches",)
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    batches: _containers.RepeatedCompositeFieldContainer[LookupRequest]
+    def __init__(self, batches: _Optional[_Iterable[_Union[LookupRequest, _Mapping]]] = ...) -> None: ...
+
+class PushGradientsBatches(_message.Message):
+    __slots__ = ("batches",)
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    batches: _containers.RepeatedCompositeFieldContainer[PushGradientsRequest]
+    def __init__(self, batches: _Optional[_Iterable[_Union[PushGradientsRequest, _Mapping]]] = ...) -> None: ...
+
 class LookupRequest(_message.Message):
     __slots__ = ("table", "dim", "create", "keys")
     TABLE_FIELD_NUMBER: _ClassVar[int]

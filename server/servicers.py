@@ -125,13 +125,12 @@ class _Servicer:
 
 
 class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
-    @rpc
-    def Lookup(self, requests: Iterator[pb.LookupRequest], context: Any) -> Iterator:
+    def _lookup(self, messages: Iterable[pb.LookupRequest]) -> list[np.ndarray]:
         batches = [
             LookupBatch(first.table, first.dim, decode_keys(bulk["keys"], first.table),
                         first.create)
             for first, bulk in gather(
-                requests, ("table", "dim", "create"), ("keys",), self.max_batch_bytes
+                messages, ("table", "dim", "create"), ("keys",), self.max_batch_bytes
             )
         ]  # fmt: skip
         reply_bytes = sum(4 * batch.keys.size * batch.dim for batch in batches)
@@ -141,22 +140,40 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
                 f"{sum(batch.keys.size for batch in batches)} keys answers {reply_bytes} "
                 f"bytes, expected at most {self.max_batch_bytes} per call; split the batch"
             )
-        for rows in self.shard.lookup(batches):
+        return self.shard.lookup(batches)
+
+    def _push(self, messages: Iterable[pb.PushGradientsRequest]) -> pb.PushGradientsResponse:
+        batches = []
+        for first, bulk in gather(
+            messages, ("table", "dim", "step"), ("keys", "grads"), self.max_batch_bytes
+        ):
+            keys = decode_keys(bulk["keys"], first.table)
+            grads = decode_rows(bulk["grads"], "grads", first.table, keys.size, first.dim)
+            batches.append(PushBatch(first.table, first.dim, keys, grads, first.step))
+        return pb.PushGradientsResponse(num_keys=self.shard.push_gradients(batches))
+
+    @rpc
+    def Lookup(self, requests: Iterator[pb.LookupRequest], context: Any) -> Iterator:
+        for rows in self._lookup(requests):
             per_chunk = max(1, self.chunk_bytes // (4 * rows.shape[1]))
             for start in range(0, rows.shape[0], per_chunk):
                 chunk = rows[start : start + per_chunk]
                 yield pb.LookupResponse(values=chunk.tobytes(), num_rows=chunk.shape[0])
 
     @rpc
+    def LookupUnary(self, request: pb.LookupBatches, context: Any) -> Any:
+        rows = self._lookup(request.batches)
+        return pb.LookupResponse(
+            values=b"".join(r.tobytes() for r in rows), num_rows=sum(r.shape[0] for r in rows)
+        )
+
+    @rpc
     def PushGradients(self, requests: Iterator[pb.PushGradientsRequest], context: Any) -> Any:
-        batches = []
-        for first, bulk in gather(
-            requests, ("table", "dim", "step"), ("keys", "grads"), self.max_batch_bytes
-        ):
-            keys = decode_keys(bulk["keys"], first.table)
-            grads = decode_rows(bulk["grads"], "grads", first.table, keys.size, first.dim)
-            batches.append(PushBatch(first.table, first.dim, keys, grads, first.step))
-        return pb.PushGradientsResponse(num_keys=self.shard.push_gradients(batches))
+        return self._push(requests)
+
+    @rpc
+    def PushGradientsUnary(self, request: pb.PushGradientsBatches, context: Any) -> Any:
+        return self._push(request.batches)
 
     @rpc
     def Assign(self, requests: Iterator[pb.AssignRequest], context: Any) -> Any:

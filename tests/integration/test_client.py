@@ -91,14 +91,22 @@ def initial(table: TableConfig, keys: np.ndarray) -> np.ndarray:
     return out.reshape(*np.shape(keys), table.dim)
 
 
+def family(method: str) -> str:
+    """A data call's method, its one-message form counted as the streaming one: the client
+    sends calls that fit in one message as LookupUnary / PushGradientsUnary."""
+    return method.removesuffix("Unary")
+
+
 def rpc_count(server: ShardServer, method: str) -> int:
-    """Calls of `method` the shard has answered, any status (its tierps_rpc_seconds metric)."""
+    """Calls of `method` (either form) the shard has answered, any status (its
+    tierps_rpc_seconds metric)."""
     return int(
         sum(
             sample.value
-            for family in server.metrics.registry.collect()
-            for sample in family.samples
-            if sample.name == "tierps_rpc_seconds_count" and sample.labels["method"] == method
+            for metric in server.metrics.registry.collect()
+            for sample in metric.samples
+            if sample.name == "tierps_rpc_seconds_count"
+            and family(sample.labels["method"]) == method
         )
     )
 
@@ -741,7 +749,7 @@ class Interceptor(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None:
             return handler
-        method = details.method.rsplit("/", 1)[-1]
+        method = family(details.method.rsplit("/", 1)[-1])
         kind = (
             ("stream" if handler.request_streaming else "unary")
             + "_"
@@ -762,6 +770,8 @@ class Interceptor(grpc.ServerInterceptor):
                     context.abort(fault.code, f"injected {fault.code.name}")
             if handler.request_streaming:
                 request = self._record(method, request)
+            elif hasattr(request, "batches"):  # the one-message form of a data call
+                list(self._record(method, iter(request.batches)))
             return behaviour(request, context)
 
         return handler._replace(**{kind: intercepted})

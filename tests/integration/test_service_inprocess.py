@@ -577,6 +577,54 @@ def test_a_bad_batch_of_a_later_table_refuses_the_whole_call_and_changes_nothing
         assert_same_state(before, shard_state(server))
 
 
+def test_the_one_message_forms_answer_what_the_streams_answer(
+    shard_server: ServerFactory, connect: Connect
+) -> None:
+    unary_server = shard_server()
+    unary, stream = connect(unary_server), connect(shard_server())
+    generator = rng(4)
+    keys_t, keys_w = as_keys([5, 1, 9, 5]), as_keys([2, 7, -1])
+    grads_t, grads_w = normal(generator, (4, DIM)), normal(generator, (3, 2 * DIM))
+    for stubs in (unary, stream):
+        two_tables(stubs)
+    lookups = [
+        pb.LookupRequest(table="t", dim=DIM, create=True, keys=keys_t.tobytes()),
+        pb.LookupRequest(table="w", dim=2 * DIM, create=True, keys=keys_w.tobytes()),
+    ]
+    pushes = [
+        pb.PushGradientsRequest(table="t", dim=DIM, step=1, keys=keys_t.tobytes(),
+                                grads=grads_t.tobytes()),
+        pb.PushGradientsRequest(table="w", dim=2 * DIM, step=3, keys=keys_w.tobytes(),
+                                grads=grads_w.tobytes()),
+    ]  # fmt: skip
+    for _ in range(2):
+        reply = unary.embedding.LookupUnary(pb.LookupBatches(batches=lookups), timeout=T)
+        streamed = wire.join_values(stream.embedding.Lookup(iter(lookups), timeout=T))
+        assert reply.num_rows == 7
+        assert reply.values == streamed
+        pushed = unary.embedding.PushGradientsUnary(
+            pb.PushGradientsBatches(batches=pushes), timeout=T
+        )
+        assert pushed.num_keys == stream.embedding.PushGradients(iter(pushes), timeout=T).num_keys
+    # Refused as the streams are, changing nothing.
+    before = shard_state(unary_server)
+    bad = [pushes[0], pb.PushGradientsRequest(table="nope", dim=DIM, step=1, keys=KEYS_3,
+                                              grads=GRADS_3)]  # fmt: skip
+    refused(
+        CODE.NOT_FOUND,
+        lambda: unary.embedding.PushGradientsUnary(pb.PushGradientsBatches(batches=bad)),
+        "nope",
+    )
+    refused(
+        CODE.INVALID_ARGUMENT,
+        lambda: unary.embedding.LookupUnary(
+            pb.LookupBatches(batches=[pb.LookupRequest(table="t", dim=DIM + 1, keys=KEYS_3)])
+        ),
+        "'dim'",
+    )
+    assert_same_state(before, shard_state(unary_server))
+
+
 # -- bad input --------------------------------------------------------------------------------
 
 BAD_DIM = 4

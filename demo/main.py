@@ -1,0 +1,486 @@
+"""`tierps demo`: train DeepFM on MovieLens-100k (or a Criteo-like synthetic set) through a
+local cluster, and report what happened.
+
+    tierps demo [--dataset movielens|synthetic] [--data-dir ./tierps-data] [--epochs N]
+                [--batch-size B] [--dim D] [--shards 2] [--seed S] [--samples N]
+
+It starts a LocalCluster (shards under <data-dir>/demo-cluster-<shards>, snapshots under
+<data-dir>/snapshots), drops the demo's tables left by an earlier run and creates them
+afresh, trains with a progress bar, prints per epoch the train and test logloss and AUC,
+samples/s and each tier's hit rate, saves a snapshot, and stops the cluster.
+
+The pieces are functions that the tests and the benchmark reuse: `train_epoch`, `evaluate`,
+`build_local_model`, `build_tierps_model`, `create_tables`, `tier_hit_rates`, `auc`. This
+module imports only the standard library at the top, so `tierps --help` stays fast and a
+server-only install (no torch) still has a working `tierps` command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from tierps.client import EmbeddingClient
+    from tierps.demo.data import CTRDataset
+    from tierps.demo.deepfm import DeepFM, SparseOptimizer
+
+DEFAULT_EPOCHS = {"movielens": 5, "synthetic": 1}  # synthetic overfits from the 2nd epoch
+DEFAULT_BATCH_SIZES = {"movielens": 256, "synthetic": 1024}
+DEFAULT_BATCH_SIZE = DEFAULT_BATCH_SIZES["movielens"]
+DEFAULT_DIM = 16
+DEFAULT_LR = 1e-3
+DEFAULT_SAMPLES = 200_000
+EVAL_BATCH_SIZE = 8192
+# Host-tier budget per table and shard: MovieLens fits many times over; the synthetic set
+# (~130 MB of rows with Adam state at 200k samples) does not, so its cold rows live in RocksDB.
+DEFAULT_HOST_CACHE_MB = {"movielens": 64, "synthetic": 16}
+TORCH_INSTALL = "pip install 'torch==2.13.*' --index-url https://download.pytorch.org/whl/cpu"
+
+
+# -- metrics --------------------------------------------------------------------------------------
+
+
+def auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    """Area under the ROC curve: the Mann-Whitney U statistic over ranks of the scores,
+    ties given their average rank. NaN if only one class is present."""
+    import numpy as np
+
+    labels = np.asarray(labels).reshape(-1) > 0.5
+    scores = np.asarray(scores, dtype=np.float64).reshape(-1)
+    if labels.shape != scores.shape:
+        raise ValueError(
+            f"auc: labels and scores expected one shape, got {labels.shape} and {scores.shape}"
+        )
+    positives = int(labels.sum())
+    negatives = labels.size - positives
+    if positives == 0 or negatives == 0:
+        return float("nan")
+    distinct, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
+    first_rank = np.cumsum(counts) - counts + 1  # 1-based rank of each distinct score's first
+    average_rank = first_rank + (counts - 1) / 2.0
+    rank_sum = average_rank[inverse.reshape(-1)][labels].sum()
+    return float((rank_sum - positives * (positives + 1) / 2.0) / (positives * negatives))
+
+
+def logloss(labels: np.ndarray, logits: np.ndarray) -> float:
+    """Mean binary cross-entropy of sigmoid(logits) against 0/1 labels, computed stably."""
+    import numpy as np
+
+    labels = np.asarray(labels, dtype=np.float64).reshape(-1)
+    logits = np.asarray(logits, dtype=np.float64).reshape(-1)
+    return float(np.mean(np.logaddexp(0.0, logits) - labels * logits))
+
+
+# -- models ---------------------------------------------------------------------------------------
+
+
+def build_local_model(
+    dataset: CTRDataset,
+    *,
+    dim: int = DEFAULT_DIM,
+    seed: int = 0,
+    optimizer: SparseOptimizer | None = None,
+    weights: dict[str, np.ndarray] | None = None,
+) -> DeepFM:
+    """DeepFM over local torch.nn.EmbeddingBag tables (the baseline), starting from
+    `weights` (default: initial_weights(dataset.tables, dim, seed))."""
+    from tierps.demo.deepfm import (
+        DeepFM,
+        LocalEmbeddings,
+        SparseOptimizer,
+        initial_weights,
+    )
+
+    optimizer = optimizer or SparseOptimizer(lr=DEFAULT_LR)
+    if weights is None:
+        weights = initial_weights(dataset.tables, dim, seed)
+    embeddings = LocalEmbeddings(dataset.features, dataset.tables, weights, optimizer)
+    return DeepFM(embeddings, dim=dim, num_dense=dataset.num_dense, seed=seed)
+
+
+def create_tables(
+    client: EmbeddingClient,
+    dataset: CTRDataset,
+    *,
+    dim: int = DEFAULT_DIM,
+    seed: int = 0,
+    optimizer: SparseOptimizer | None = None,
+    host_cache_bytes: int = 64 << 20,
+) -> list[str]:
+    """Create the dataset's tables on the cluster, dropping any left by an earlier run
+    (whatever their config). Returns their names."""
+    from tierps.demo.deepfm import SparseOptimizer, TierpsEmbeddings
+
+    optimizer = optimizer or SparseOptimizer(lr=DEFAULT_LR)
+    configs = TierpsEmbeddings.table_configs(
+        dataset.features, dim, optimizer, seed=seed, host_cache_bytes=host_cache_bytes
+    )
+    existing = {config.name for config in client.list_tables()}
+    for config in configs:
+        if config.name in existing:
+            client.drop_table(config.name)
+        client.create_table(config)
+    return [config.name for config in configs]
+
+
+def build_tierps_model(
+    client: EmbeddingClient,
+    dataset: CTRDataset,
+    *,
+    dim: int = DEFAULT_DIM,
+    seed: int = 0,
+    weights: dict[str, np.ndarray] | None = None,
+) -> DeepFM:
+    """DeepFM over the cluster's tables (made by create_tables). With `weights` (as
+    build_local_model takes), every key's row is assigned from them first, so the model
+    starts where the local one does; without, rows start from the tables' initializer."""
+    from tierps.demo.deepfm import DeepFM, TierpsEmbeddings
+
+    embeddings = TierpsEmbeddings(client, dataset.features)
+    if weights is not None:
+        embeddings.assign(dataset.tables, weights)
+    return DeepFM(embeddings, dim=dim, num_dense=dataset.num_dense, seed=seed)
+
+
+# -- training -------------------------------------------------------------------------------------
+
+
+@dataclass
+class EpochResult:
+    """One epoch: train figures are over the epoch's batches as they were trained."""
+
+    epoch: int
+    train_logloss: float
+    train_auc: float
+    test_logloss: float
+    test_auc: float
+    train_seconds: float
+    samples_per_s: float
+
+
+def train_epoch(
+    model: DeepFM,
+    dataset: CTRDataset,
+    dense_optimizer: torch.optim.Optimizer,
+    sparse_optimizer: torch.optim.Optimizer | None,
+    *,
+    batch_size: int,
+    shuffle_seed: int,
+    prefetch: bool = False,
+    progress: str | None = None,
+    max_batches: int | None = None,
+) -> tuple[float, float, float, int]:
+    """One pass over the train rows in the order shuffle_seed gives. prefetch (tierps
+    only): look the next batch up while this one trains (its rows may miss this step's
+    update). Returns (train logloss, train AUC, seconds, samples)."""
+    import numpy as np
+    import torch
+    from tqdm import tqdm
+
+    model.train()
+    batches = dataset.batches("train", batch_size, shuffle_seed=shuffle_seed)
+    total = dataset.num_batches("train", batch_size)
+    if max_batches is not None:
+        total = min(total, max_batches)
+    bar = tqdm(total=total, desc=progress, unit="batch", disable=True if progress is None else None)
+    labels, logits = [], []
+    samples = 0
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    started = time.perf_counter()
+    upcoming = next(batches, None)
+    for _ in range(total):
+        batch, upcoming = upcoming, next(batches, None)
+        if batch is None:
+            break
+        if prefetch and upcoming is not None:
+            model.embeddings.prefetch(upcoming.features)
+        dense_optimizer.zero_grad(set_to_none=True)
+        if sparse_optimizer is not None:
+            sparse_optimizer.zero_grad(set_to_none=True)
+        output = model(batch)
+        loss = loss_fn(output, torch.from_numpy(batch.labels))
+        loss.backward()  # tierps: pushes the tables' gradients; the shards step them
+        dense_optimizer.step()
+        if sparse_optimizer is not None:
+            sparse_optimizer.step()
+        samples += len(batch)
+        labels.append(batch.labels)
+        logits.append(output.detach().numpy())
+        bar.update()
+        if bar.n % 20 == 0:
+            bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
+    seconds = time.perf_counter() - started
+    bar.close()
+    all_labels, all_logits = np.concatenate(labels), np.concatenate(logits)
+    return logloss(all_labels, all_logits), auc(all_labels, all_logits), seconds, samples
+
+
+def predict(
+    model: DeepFM, dataset: CTRDataset, split: str = "test", batch_size: int = EVAL_BATCH_SIZE
+) -> tuple[np.ndarray, np.ndarray]:
+    """(labels, logits) of every sample of `split`, in order; no rows are created or
+    trained (eval mode)."""
+    import numpy as np
+    import torch
+
+    model.eval()
+    labels, logits = [], []
+    with torch.no_grad():
+        for batch in dataset.batches(split, batch_size):
+            labels.append(batch.labels)
+            logits.append(model(batch).numpy())
+    model.train()
+    return np.concatenate(labels), np.concatenate(logits)
+
+
+def evaluate(
+    model: DeepFM, dataset: CTRDataset, split: str = "test", batch_size: int = EVAL_BATCH_SIZE
+) -> tuple[float, float]:
+    """(logloss, AUC) of the model on `split`."""
+    labels, logits = predict(model, dataset, split, batch_size)
+    return logloss(labels, logits), auc(labels, logits)
+
+
+def dense_optimizer_for(model: DeepFM, lr: float = DEFAULT_LR) -> torch.optim.Optimizer:
+    """torch.optim.Adam over the dense part (MLP, bias, dense weights)."""
+    import torch
+
+    return torch.optim.Adam(model.dense_parameters(), lr=lr)
+
+
+def train(
+    model: DeepFM,
+    dataset: CTRDataset,
+    *,
+    epochs: int,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    lr: float = DEFAULT_LR,
+    seed: int = 0,
+    prefetch: bool = False,
+    progress: str | None = None,
+    on_epoch: Callable[[EpochResult], None] | None = None,
+) -> list[EpochResult]:
+    """Train for `epochs` epochs (epoch e's order is shuffled by seed and e, so two models
+    trained with one seed see the same batches), evaluating on the test rows after each."""
+    dense_optimizer = dense_optimizer_for(model, lr)
+    sparse_optimizer = model.embeddings.sparse_optimizer()
+    results = []
+    for epoch in range(1, epochs + 1):
+        train_loss, train_auc, seconds, samples = train_epoch(
+            model, dataset, dense_optimizer, sparse_optimizer, batch_size=batch_size,
+            shuffle_seed=epoch_seed(seed, epoch), prefetch=prefetch,
+            progress=None if progress is None else f"{progress} epoch {epoch}/{epochs}",
+        )  # fmt: skip
+        test_loss, test_auc = evaluate(model, dataset, "test")
+        result = EpochResult(
+            epoch, train_loss, train_auc, test_loss, test_auc, seconds, samples / seconds
+        )
+        results.append(result)
+        if on_epoch is not None:
+            on_epoch(result)
+    return results
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The shuffle seed of an epoch."""
+    return seed * 1_000_003 + epoch
+
+
+# -- tiers ----------------------------------------------------------------------------------------
+
+
+def tier_hit_rates(client: EmbeddingClient, tables: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Hits, misses and hit rate of each tier, summed over the tables and every shard (from
+    client.describe). A tier counts the keys the tier above it missed."""
+    totals: dict[str, dict[str, Any]] = {}
+    for table in tables:
+        for shard in client.describe(table):
+            for tier in shard["tiers"]:
+                figures = totals.setdefault(tier["name"], {"hits": 0, "misses": 0, "rows": 0})
+                figures["hits"] += tier["hits"]
+                figures["misses"] += tier["misses"]
+                figures["rows"] += tier["rows"]
+    for figures in totals.values():
+        looked = figures["hits"] + figures["misses"]
+        figures["hit_rate"] = figures["hits"] / looked if looked else 0.0
+    return totals
+
+
+def format_hit_rates(rates: dict[str, dict[str, Any]]) -> str:
+    """One line such as: host 99.8% of 1,838,686 keys; rocksdb 0.0% of 3,020 keys. Rows are
+    left out: RocksDB's row figure is an estimate that counts overwrites until compaction."""
+    return "; ".join(
+        f"{name} {figures['hit_rate']:.1%} of {figures['hits'] + figures['misses']:,} keys"
+        for name, figures in rates.items()
+    )
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `tierps demo` flags."""
+    parser.add_argument(
+        "--dataset", choices=("movielens", "synthetic"), default="movielens",
+        help="movielens: MovieLens-100k from the recbole package; synthetic: Criteo-like",
+    )  # fmt: skip
+    parser.add_argument("--data-dir", type=Path, default=Path("tierps-data"),
+                        help="shards and snapshots go here (default ./tierps-data)")  # fmt: skip
+    parser.add_argument("--epochs", type=int, help="default 5 (movielens), 1 (synthetic)")
+    parser.add_argument("--batch-size", type=int,
+                        help="default 256 (movielens), 1024 (synthetic)")  # fmt: skip
+    parser.add_argument("--dim", type=int, default=DEFAULT_DIM, help="embedding dim")
+    parser.add_argument("--shards", type=int, default=2, help="shards of the local cluster")
+    parser.add_argument("--seed", type=int, default=0, help="split, initial weights, order")
+    parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
+                        help=f"synthetic samples (default {DEFAULT_SAMPLES:,})")  # fmt: skip
+    parser.add_argument("--lr", type=float, default=DEFAULT_LR, help="Adam's, sparse and dense")
+    parser.add_argument(
+        "--host-cache-mb", type=int,
+        help="host-tier budget per table and shard, MiB (default 64 movielens, 16 synthetic)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefetch", action="store_true",
+        help="look the next batch up while one trains (rows may be one step stale; pays "
+        "only with cores to spare)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--torch-threads", type=int,
+        help="torch's intra-op threads (default: the cores the shards leave, at most 4)",
+    )  # fmt: skip
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags, or None."""
+    for flag, low in (("epochs", 1), ("batch_size", 1), ("dim", 1), ("shards", 1),
+                      ("samples", 10), ("host_cache_mb", 0), ("seed", 0),
+                      ("torch_threads", 1)):  # fmt: skip
+        value = getattr(args, flag)
+        if value is not None and value < low:
+            return f"--{flag.replace('_', '-')} expected >= {low}, got {value}"
+    if not args.lr > 0:
+        return f"--lr expected > 0, got {args.lr}"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `tierps demo` with parsed flags; the exit code."""
+    problem = _check(args)
+    if problem:
+        print(f"tierps demo: {problem}", file=sys.stderr)
+        return 2
+    try:
+        import torch  # the demo's one extra requirement
+    except ImportError:
+        print(f"tierps demo needs torch (the `torch` extra): {TORCH_INSTALL}", file=sys.stderr)
+        return 1
+    # Two intra-op threads on a core the shards also want stall torch's parallel regions
+    # (a 2-core machine ran an epoch ~40x slower): leave the shards their cores.
+    torch.set_num_threads(args.torch_threads or default_torch_threads(args.shards))
+    from tierps.demo.data import DatasetUnavailableError, load_dataset
+
+    started = time.perf_counter()
+    try:
+        dataset = load_dataset(args.dataset, seed=args.seed, samples=args.samples)
+    except DatasetUnavailableError as error:
+        print(f"tierps demo: {error}", file=sys.stderr)
+        return 1
+    print(f"{dataset.describe()} (loaded in {time.perf_counter() - started:.1f} s)")
+    return _train_on_cluster(args, dataset, started)
+
+
+def default_torch_threads(shards: int) -> int:
+    """The cores the shards leave (at least 1, at most 4)."""
+    import os
+
+    return min(4, max(1, (os.cpu_count() or 1) - shards))
+
+
+def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: float) -> int:
+    import torch
+
+    from tierps.client import EmbeddingClient
+    from tierps.demo.deepfm import SparseOptimizer
+    from tierps.server.cluster import LocalCluster
+
+    epochs = args.epochs or DEFAULT_EPOCHS[args.dataset]
+    batch_size = args.batch_size or DEFAULT_BATCH_SIZES[args.dataset]
+    host_mb = args.host_cache_mb
+    if host_mb is None:
+        host_mb = DEFAULT_HOST_CACHE_MB[args.dataset]
+    cluster_dir = args.data_dir / f"demo-cluster-{args.shards}"
+    snapshot_dir = args.data_dir / "snapshots"
+    optimizer = SparseOptimizer("adam", args.lr)
+    print(
+        f"DeepFM dim {args.dim}, batch {batch_size}, {epochs} epoch(s), Adam lr {args.lr} "
+        f"(tables: on the shards; dense: torch, {torch.get_num_threads()} thread(s)); "
+        f"{args.shards} shards in {cluster_dir}, host tier {host_mb} MiB per table and shard"
+    )
+    with (
+        LocalCluster(args.shards, cluster_dir, snapshot_dir) as cluster,
+        EmbeddingClient(cluster.addresses) as client,
+    ):
+        print(
+            f"cluster serving at {', '.join(cluster.addresses)}; hit rates below: each tier's "
+            f"share of the keys the tier above missed (the last tier's misses are new rows)"
+        )
+        tables = create_tables(
+            client, dataset, dim=args.dim, seed=args.seed, optimizer=optimizer,
+            host_cache_bytes=host_mb << 20,
+        )  # fmt: skip
+        model = build_tierps_model(client, dataset, dim=args.dim, seed=args.seed)
+
+        def report(result: EpochResult) -> None:
+            print(
+                f"epoch {result.epoch}: train logloss {result.train_logloss:.4f} AUC "
+                f"{result.train_auc:.4f} | test logloss {result.test_logloss:.4f} AUC "
+                f"{result.test_auc:.4f} | {result.samples_per_s:,.0f} samples/s "
+                f"({result.train_seconds:.1f} s)",
+                flush=True,
+            )
+            print(f"  hit rates: {format_hit_rates(tier_hit_rates(client, tables))}", flush=True)
+
+        results = train(
+            model, dataset, epochs=epochs, batch_size=batch_size, lr=args.lr,
+            seed=args.seed, prefetch=args.prefetch, progress="train", on_epoch=report,
+        )  # fmt: skip
+        name = _snapshot_name(client, args.dataset)
+        saved = client.save_snapshot(name)
+        print(f"snapshot {saved['name']!r}: {saved['rows']:,} rows in {saved['path']}")
+        rates = tier_hit_rates(client, tables)
+    print(
+        f"done in {time.perf_counter() - started:.1f} s: test AUC {results[-1].test_auc:.4f}, "
+        f"{results[-1].samples_per_s:,.0f} samples/s; hit rates: {format_hit_rates(rates)}"
+    )
+    return 0
+
+
+def _snapshot_name(client: EmbeddingClient, dataset: str) -> str:
+    """deepfm-<dataset>-<date>-<time>, with a -<n> suffix if a snapshot has that name."""
+    base = f"deepfm-{dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    taken = {snapshot["name"] for snapshot in client.list_snapshots()}
+    name, n = base, 1
+    while name in taken:
+        n += 1
+        name = f"{base}-{n}"
+    return name
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tierps.demo.main` does what `tierps demo` does."""
+    parser = argparse.ArgumentParser(prog="tierps demo", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

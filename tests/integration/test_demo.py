@@ -1,0 +1,285 @@
+"""The DeepFM demo: tierps against local torch.nn.EmbeddingBag tables (same initial weights,
+same data order, same optimizer), the `tierps demo` command end to end, and the MovieLens
+loader against a direct reading of recbole's files.
+
+MovieLens tests skip when recbole is not installed (`pip install --no-deps recbole==1.2.1`).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+import itertools
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from tierps.client import EmbeddingClient  # noqa: E402
+from tierps.demo import data  # noqa: E402
+from tierps.demo import main as demo  # noqa: E402
+from tierps.demo.deepfm import initial_weights  # noqa: E402
+from tierps.server.cluster import LocalCluster  # noqa: E402
+
+DIM = 16
+SEED = 0
+PARITY_TRAIN_ROWS = 40_000  # half an epoch of MovieLens keeps the test well under a minute
+AUC_TOLERANCE = 0.005
+DEMO_TIMEOUT_S = 180
+
+requires_recbole = pytest.mark.skipif(
+    importlib.util.find_spec("recbole") is None,
+    reason=f"MovieLens-100k is read from the recbole package: {data.RECBOLE_INSTALL}",
+)
+
+
+@pytest.fixture(scope="module")
+def movielens() -> data.CTRDataset:
+    return data.load_movielens(seed=SEED)
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """torch with one intra-op thread, as `tierps demo` runs it on 2 cores: with two, its
+    parallel regions stall whenever the shards (or anything else) hold a core."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# -- (a) tierps vs local torch.nn.EmbeddingBag ----------------------------------------------------
+
+
+@requires_recbole
+def test_deepfm_through_tierps_matches_local_embedding_bags(
+    movielens: data.CTRDataset, tmp_path: Path, one_torch_thread: None
+) -> None:
+    """One (partial) epoch of DeepFM, Adam on both sides (tierps optim.Adam on the shards,
+    torch.optim.SparseAdam locally), from the same initial rows and dense weights, over the
+    same batches: the same test AUC, and the same trained rows."""
+    dataset = movielens.subset(train=PARITY_TRAIN_ROWS)
+    weights = initial_weights(dataset.tables, DIM, SEED)
+    local = demo.build_local_model(dataset, dim=DIM, seed=SEED, weights=weights)
+    (local_result,) = demo.train(local, dataset, epochs=1, seed=SEED)
+    with (
+        LocalCluster(2, tmp_path / "cluster") as cluster,
+        EmbeddingClient(cluster.addresses) as client,
+    ):
+        (table,) = demo.create_tables(client, dataset, dim=DIM, seed=SEED)
+        model = demo.build_tierps_model(client, dataset, dim=DIM, seed=SEED, weights=weights)
+        (tierps_result,) = demo.train(model, dataset, epochs=1, seed=SEED)
+        keys = dataset.tables[table].keys
+        tierps_rows = client.lookup(table, keys, create=False)
+    local_rows = local.embeddings.bags["table_" + table].weight.detach().numpy()
+
+    assert local_result.test_auc > 0.70, f"the local model did not learn: {local_result}"
+    assert abs(tierps_result.test_auc - local_result.test_auc) <= AUC_TOLERANCE, (
+        f"test AUC through tierps {tierps_result.test_auc:.5f}, with local EmbeddingBag "
+        f"{local_result.test_auc:.5f}: expected within {AUC_TOLERANCE}"
+    )
+    assert abs(tierps_result.test_logloss - local_result.test_logloss) <= 0.005
+    # Adam amplifies float rounding where gradients are near zero: compare as a whole.
+    assert _relative_difference(tierps_rows, local_rows) < 1e-2
+    for name, local_param in local.named_parameters():
+        if not name.startswith("embeddings."):
+            tierps_param = model.get_parameter(name).detach().numpy()
+            difference = _relative_difference(tierps_param, local_param.detach().numpy())
+            assert difference < 1e-2, f"dense parameter {name}: relative difference {difference}"
+
+
+def _relative_difference(actual: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-12))
+
+
+# -- (b) the command ------------------------------------------------------------------------------
+
+
+def _tierps(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tierps.server.cli", *args],
+        capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, cwd=cwd,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def test_demo_command_on_synthetic_data_runs_twice_in_one_data_dir(tmp_path: Path) -> None:
+    """`tierps demo --dataset synthetic` with tiny sizes: exit 0, per-epoch AUC and tier hit
+    rates printed, a snapshot saved; a second run over the first one's data dir works."""
+    args = ("demo", "--dataset", "synthetic", "--samples", "3000", "--epochs", "2",
+            "--batch-size", "256", "--data-dir", str(tmp_path / "data"))  # fmt: skip
+    for run in (1, 2):
+        result = _tierps(*args, cwd=tmp_path)
+        assert result.returncode == 0, f"run {run}:\n{result.stdout}\n{result.stderr}"
+        out = result.stdout
+        for epoch in (1, 2):
+            assert f"epoch {epoch}: train logloss" in out, out
+        assert out.count("test logloss") == 2 and "AUC" in out, out
+        assert "samples/s" in out, out
+        assert "hit rates: host" in out and "rocksdb" in out, out
+        assert "snapshot 'deepfm-synthetic-" in out, out
+    snapshots = sorted(p.name for p in (tmp_path / "data" / "snapshots").iterdir())
+    assert len(snapshots) == 2, snapshots
+
+
+def test_demo_command_explains_bad_flags(tmp_path: Path) -> None:
+    result = _tierps("demo", "--epochs", "0", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "--epochs expected >= 1, got 0" in result.stderr
+
+
+def test_storage_demo_still_runs(tmp_path: Path) -> None:
+    result = _tierps(
+        "storage-demo", "--data-dir", str(tmp_path), "--steps", "2", "--batch", "512",
+        "--host-mb", "1", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "host tier: hit rate" in result.stdout
+
+
+def test_missing_recbole_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec",
+        lambda name, *a: None if name == "recbole" else real_find_spec(name, *a),
+    )  # fmt: skip
+    with pytest.raises(data.DatasetUnavailableError) as raised:
+        data.load_movielens()
+    assert "pip install --no-deps recbole==1.2.1" in str(raised.value)
+    assert "--dataset synthetic" in str(raised.value)
+
+
+# -- (c) the MovieLens loader against the files -----------------------------------------------
+
+
+def _raw_file(suffix: str) -> list[list[str]]:
+    """Lines of recbole's ml-100k.<suffix>, header dropped, split on tabs."""
+    path = importlib.resources.files("recbole").joinpath(
+        f"dataset_example/ml-100k/ml-100k.{suffix}"
+    )
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [line.split("\t") for line in lines[1:] if line]
+
+
+@requires_recbole
+def test_movielens_loader_matches_the_files(movielens: data.CTRDataset) -> None:
+    inter = _raw_file("inter")  # user_id, item_id, rating, timestamp
+    users = {fields[0]: fields[1:] for fields in _raw_file("user")}  # age gender occ zip
+    items = {fields[0]: fields[1:] for fields in _raw_file("item")}  # title year class
+    assert movielens.num_samples == len(inter) == 100_000
+    ratings = np.array([float(fields[2]) for fields in inter])
+    np.testing.assert_array_equal(movielens.labels, (ratings >= 4).astype(np.float32))
+
+    samples = [0, 1, 2, 777, 12_345, 54_321, 99_999]
+    batch = movielens.batch(np.array(samples))
+    by_feature = {
+        name: [movielens.decode(name, values[start:end]).tolist()
+               for start, end in itertools.pairwise([*offsets.tolist(), values.size])]
+        for name, (values, offsets) in batch.features.items()
+    }  # fmt: skip
+    edges = [18, 25, 35, 45, 50, 56]
+    for position, sample in enumerate(samples):
+        user_id, item_id, rating, _ = inter[sample]
+        age, gender, occupation, zip_code = users[user_id]
+        _, year, genres = items[item_id]
+        expected = {
+            "user_id": [user_id],
+            "item_id": [item_id],
+            "age": [data.AGE_BUCKET_NAMES[sum(int(age) >= edge for edge in edges)]],
+            "gender": [gender],
+            "occupation": [occupation],
+            "zip_prefix": [zip_code[:2]],
+            "release_year": [year],
+            "genres": genres.split(" "),
+        }
+        for name, tokens in expected.items():
+            assert by_feature[name][position] == tokens, (name, sample)
+        assert batch.labels[position] == float(float(rating) >= 4)
+
+    combiners = {feature.name: feature.combiner for feature in movielens.features}
+    assert combiners["genres"] == "mean"
+    assert {c for name, c in combiners.items() if name != "genres"} == {"sum"}
+    # Each feature has its own key range in the shared table.
+    ranges = sorted(
+        (int(movielens.columns[f.name].values.min()), int(movielens.columns[f.name].values.max()))
+        for f in movielens.features
+    )
+    assert all(high < next_low for (_, high), (next_low, _) in itertools.pairwise(ranges))
+
+
+@requires_recbole
+def test_movielens_split_is_random_disjoint_and_seeded(movielens: data.CTRDataset) -> None:
+    train, test = movielens.train_rows, movielens.test_rows
+    assert (train.size, test.size) == (80_000, 20_000)
+    assert np.intersect1d(train, test).size == 0
+    assert np.union1d(train, test).size == 100_000
+    again = data.load_movielens(seed=SEED)
+    np.testing.assert_array_equal(again.test_rows, test)
+    other = data.load_movielens(seed=SEED + 1)
+    assert not np.array_equal(other.test_rows, test)
+
+
+@requires_recbole
+def test_movielens_per_feature_tables_hold_the_same_tokens(movielens: data.CTRDataset) -> None:
+    split = data.load_movielens(seed=SEED, shared_table=False)
+    assert sorted(split.tables) == sorted(f"movielens.{name}" for name in data.MOVIELENS_FEATURES)
+    rows = np.arange(0, 100_000, 997)
+    shared_batch, split_batch = movielens.batch(rows), split.batch(rows)
+    for name in data.MOVIELENS_FEATURES:
+        shared_values, shared_offsets = shared_batch.features[name]
+        split_values, split_offsets = split_batch.features[name]
+        np.testing.assert_array_equal(shared_offsets, split_offsets)
+        np.testing.assert_array_equal(
+            movielens.decode(name, shared_values), split.decode(name, split_values)
+        )
+
+
+# -- the pieces -----------------------------------------------------------------------------------
+
+
+def test_synthetic_set_is_criteo_shaped() -> None:
+    dataset = data.load_synthetic(2_000, seed=3)
+    assert [f.name for f in dataset.features] == [f"C{i}" for i in range(1, 27)]
+    assert dataset.dense is not None and dataset.dense.shape == (2_000, 13)
+    assert dataset.dense.dtype == np.float32 and np.isfinite(dataset.dense).all()
+    keys = np.concatenate([column.values for column in dataset.columns.values()])
+    assert keys.dtype == np.int64 and keys.min() >= 0 and keys.max() > 2**40  # sparse keys
+    for slot, (name, column) in enumerate(dataset.columns.items()):
+        assert column.values.size == 2_000, name  # one id per sample and slot
+        distinct = np.unique(column.values).size
+        assert distinct <= data.CRITEO_KAGGLE_CARDINALITIES[slot], name
+    assert 0.15 < dataset.labels.mean() < 0.35
+    again = data.load_synthetic(2_000, seed=3)
+    np.testing.assert_array_equal(again.labels, dataset.labels)
+
+
+def test_ragged_take_matches_a_loop() -> None:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 4, 50)
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    column = data.RaggedColumn(rng.integers(0, 100, starts[-1]).astype(np.int64), starts)
+    rows = rng.integers(0, 50, 30)
+    values, offsets = column.take(rows)
+    bounds = [*offsets.tolist(), values.size]
+    for i, row in enumerate(rows):
+        np.testing.assert_array_equal(values[bounds[i] : bounds[i + 1]], column.bag(int(row)))
+
+
+def test_auc_matches_pairwise_counting() -> None:
+    rng = np.random.default_rng(1)
+    labels = rng.integers(0, 2, 300)
+    scores = np.round(rng.normal(labels * 0.5, 1.0), 1)  # rounded: many ties
+    positive, negative = scores[labels == 1], scores[labels == 0]
+    wins = (positive[:, None] > negative[None, :]).sum()
+    ties = (positive[:, None] == negative[None, :]).sum()
+    expected = (wins + 0.5 * ties) / (positive.size * negative.size)
+    assert demo.auc(labels, scores) == pytest.approx(expected, abs=1e-12)
+    assert np.isnan(demo.auc(np.ones(4), np.arange(4.0)))
+    assert demo.logloss(np.array([1.0, 0.0]), np.array([0.0, 0.0])) == pytest.approx(np.log(2))

@@ -24,7 +24,7 @@ import numpy as np
 
 from tierps.client.admin import ClusterAdmin, RetryPolicy, ShardError
 from tierps.client.formats import COO, Bags, to_bags
-from tierps.client.pooling import Combiner, pool, pooling_matrix, unpool
+from tierps.client.pooling import Combiner, distinct_keys, pool, pooling_matrix, unpool
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
@@ -224,7 +224,7 @@ class EmbeddingClient(ClusterAdmin):
         where = f"table {table!r}"
         flat = _dense_keys(where, keys)
         dim = self.table_config(table).dim
-        unique, inverse = _distinct(flat)
+        unique, inverse = distinct_keys(flat)
         rows = self._lookup_unique({table: (dim, unique)}, create)[table]
         out = np.zeros((flat.size, dim), dtype=np.float32)
         live = inverse >= 0
@@ -243,7 +243,7 @@ class EmbeddingClient(ClusterAdmin):
         shape = (*np.shape(keys), dim)
         grads = _rows_array(where, "grads", grads, shape, "[*keys.shape, dim]").reshape(-1, dim)
         bags = Bags(flat, np.arange(flat.size + 1, dtype=np.int64), None, (flat.size,))
-        unique, inverse = _distinct(flat)
+        unique, inverse = distinct_keys(flat)
         matrix = pooling_matrix(bags, inverse, unique.size, Combiner.SUM)
         return self._push_unique({table: (unique, unpool(matrix, grads))}, step)
 
@@ -327,7 +327,7 @@ class EmbeddingClient(ClusterAdmin):
         for table in dict.fromkeys(f.table for f in features):
             names = [f.name for f in features if f.table == table]
             keys = np.concatenate([bags[name].keys for name in names])
-            unique, inverse = _distinct(keys)
+            unique, inverse = distinct_keys(keys)
             bounds = np.cumsum([0] + [bags[name].keys.size for name in names])
             tables[table] = _TableKeys(
                 self.table_config(table).dim, unique,
@@ -493,17 +493,6 @@ def _as_bags(where: str, value: FeatureBatch, include_last_offset: bool) -> Bags
             )
         return to_bags(where, *value, include_last_offset=include_last_offset)
     return to_bags(where, value)
-
-
-def _distinct(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct keys >= 0 (sorted), and each key's index among them (-1: padding)."""
-    unique, inverse = np.unique(keys, return_inverse=True)
-    padding = int(np.searchsorted(unique, 0))
-    if padding:
-        unique = unique[padding:]
-        inverse = inverse - padding
-        inverse[inverse < 0] = -1
-    return unique, inverse.reshape(-1)
 
 
 def _wire_keys(keys: np.ndarray) -> bytes:

@@ -17,11 +17,19 @@ per_sample_weights):
     sqrtn:  c_i = w_i / sqrt(sum_j w_j**2)    (unweighted: 1 / sqrt(n_b))
 
 An empty bag (no keys, only padding, or weights summing to 0 under mean) pools to zeros.
+
+Kernels: scipy.sparse is the reference and always there. Where torch is installed (a
+trainer's usual case), the forward runs torch's embedding_bag over the same CSR arrays and
+the dedup torch.unique: 2.6x and 1.6x faster here (tests/bench/bench_pooling.py); the
+backward stays scipy's, which beat torch's alternatives. Both give the same results to
+float rounding and are tested against each other and against a numpy oracle.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+from typing import Any, Literal
 
 import numpy as np
 import scipy.sparse as sp
@@ -48,7 +56,9 @@ class Combiner(enum.StrEnum):
             ) from None
 
 
-def pooling_matrix(bags: Bags, inverse: np.ndarray, num_unique: int, combiner: Combiner):
+def pooling_matrix(
+    bags: Bags, inverse: np.ndarray, num_unique: int, combiner: Combiner
+) -> sp.csr_array:
     """A [B, num_unique] as a scipy CSR array. inverse[k] is the distinct-key index of
     bags.keys[k], or -1 for padding."""
     live = inverse >= 0
@@ -78,11 +88,62 @@ def pooling_matrix(bags: Bags, inverse: np.ndarray, num_unique: int, combiner: C
     )
 
 
-def pool(matrix, rows: np.ndarray) -> np.ndarray:
+Kernel = Literal["auto", "scipy", "torch"]
+
+
+@functools.cache
+def _torch() -> Any | None:
+    """The torch module when it is installed, else None (imported on first use only)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def _use_torch(kernel: Kernel) -> Any | None:
+    if kernel == "scipy":
+        return None
+    torch = _torch()
+    if torch is None and kernel == "torch":
+        raise RuntimeError("pooling kernel 'torch' expected torch installed, but it is not")
+    return torch
+
+
+def distinct_keys(keys: np.ndarray, *, kernel: Kernel = "auto") -> tuple[np.ndarray, np.ndarray]:
+    """The distinct keys >= 0 (sorted), and each key's index among them (-1: padding)."""
+    torch = _use_torch(kernel)
+    if torch is None:
+        unique, inverse = np.unique(keys, return_inverse=True)
+    else:
+        found, index = torch.unique(torch.from_numpy(keys), sorted=True, return_inverse=True)
+        unique, inverse = found.numpy(), index.numpy()
+    inverse = inverse.reshape(-1)
+    padding = int(np.searchsorted(unique, 0))
+    if padding:
+        unique = unique[padding:]
+        inverse = inverse - padding
+        inverse[inverse < 0] = -1
+    return unique, inverse
+
+
+def pool(matrix: Any, rows: np.ndarray, *, kernel: Kernel = "auto") -> np.ndarray:
     """Forward: one pooled row per bag, [B, dim] float32."""
-    return np.asarray(matrix @ rows, dtype=np.float32)
+    torch = _use_torch(kernel)
+    if torch is None or matrix.shape[0] == 0:
+        return np.asarray(matrix @ rows, dtype=np.float32)
+    as_tensor = torch.from_numpy
+    pooled = torch.nn.functional.embedding_bag(
+        as_tensor(matrix.indices.astype(np.int64, copy=False)),
+        as_tensor(np.ascontiguousarray(rows, dtype=np.float32)),
+        as_tensor(matrix.indptr.astype(np.int64, copy=False)),
+        mode="sum",
+        per_sample_weights=as_tensor(matrix.data),
+        include_last_offset=True,
+    )
+    return pooled.numpy()
 
 
-def unpool(matrix, grad_output: np.ndarray) -> np.ndarray:
+def unpool(matrix: Any, grad_output: np.ndarray) -> np.ndarray:
     """Backward: the gradient of each distinct key's row, [u, dim] float32."""
     return np.asarray(matrix.T @ grad_output, dtype=np.float32)

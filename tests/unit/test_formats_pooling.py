@@ -17,7 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierps.client.formats import COO, Bags, to_bags
-from tierps.client.pooling import Combiner, pool, pooling_matrix, unpool
+from tierps.client.pooling import (
+    Combiner,
+    Kernel,
+    distinct_keys,
+    pool,
+    pooling_matrix,
+    unpool,
+)
 from tierps.storage.errors import InvalidArgumentError
 
 WHERE = "table 'item'"
@@ -271,14 +278,20 @@ def test_combiner_names_and_a_bad_one() -> None:
 # -- pooling vs the oracle ------------------------------------------------------------------------
 
 
-def check_pooling(bags: Bags, combiner: Combiner) -> None:
+KERNELS = ["scipy", "torch"]  # the reference, and the faster forward and dedup where torch is
+
+
+def check_pooling(bags: Bags, combiner: Combiner, kernel: Kernel = "auto") -> None:
     """Forward and backward against the numpy loops, and backward = the forward's transpose."""
     unique, inverse = distinct(bags.keys)
+    got_unique, got_inverse = distinct_keys(bags.keys, kernel=kernel)
+    np.testing.assert_array_equal(got_unique, unique)
+    np.testing.assert_array_equal(got_inverse, inverse)
     rows, table = rows_of(unique)
     matrix = pooling_matrix(bags, inverse, unique.size, combiner)
     assert matrix.shape == (bags.num_bags, unique.size)
 
-    got = pool(matrix, rows)
+    got = pool(matrix, rows, kernel=kernel)
     assert got.dtype == np.float32 and got.shape == (bags.num_bags, DIM)
     np.testing.assert_allclose(got, oracle_pool(bags, table, combiner.value), atol=1e-5)
 
@@ -295,15 +308,37 @@ def check_pooling(bags: Bags, combiner: Combiner) -> None:
     np.testing.assert_allclose(got, dense @ rows, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("combiner", list(Combiner))
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 def test_pooling_of_a_fixed_batch_with_repeats_padding_and_empty_bags(
-    combiner: Combiner, weighted: bool
+    combiner: Combiner, weighted: bool, kernel: Kernel
 ) -> None:
     keys = np.array([7, 7, 3, -1, 3, -1, -1, 11, 7, 2, 2, 2])
     offsets = [0, 3, 5, 5, 7, 9]  # bag 2 is empty, bag 3 only padding
     weights = np.linspace(0.25, 3.0, keys.size) if weighted else None
-    check_pooling(to_bags(WHERE, keys, offsets, weights), combiner)
+    check_pooling(to_bags(WHERE, keys, offsets, weights), combiner, kernel)
+
+
+@pytest.mark.parametrize("dim", [1, 16, 64])
+def test_the_two_kernels_agree_on_a_large_zipf_batch(dim: int) -> None:
+    generator = np.random.default_rng(dim)
+    sizes = generator.integers(0, 21, 2048)
+    keys = generator.zipf(1.2, int(sizes.sum())) % 5000 - (generator.random(sizes.sum()) < 0.05)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    bags = to_bags(WHERE, keys, offsets, generator.random(keys.size).astype(np.float32))
+    unique, inverse = distinct(bags.keys)
+    rows = generator.standard_normal((unique.size, dim)).astype(np.float32)
+    matrix = pooling_matrix(bags, inverse, unique.size, Combiner.MEAN)
+    results = {}
+    for kernel in KERNELS:
+        got_unique, got_inverse = distinct_keys(bags.keys, kernel=kernel)
+        results[kernel] = (got_unique, got_inverse, pool(matrix, rows, kernel=kernel))
+    for kernel in KERNELS:
+        np.testing.assert_array_equal(results[kernel][0], unique, err_msg=kernel)
+        np.testing.assert_array_equal(results[kernel][1], inverse, err_msg=kernel)
+    np.testing.assert_allclose(results["torch"][2], results["scipy"][2], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(results["scipy"][2], matrix.toarray() @ rows, rtol=1e-5, atol=1e-5)
 
 
 def test_pooling_unweighted_mean_and_sqrtn_count_only_live_keys() -> None:

@@ -54,11 +54,16 @@ class RetryPolicy:
         for field in ("initial_backoff_s", "max_backoff_s", "multiplier"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"RetryPolicy: {field} expected > 0, got {getattr(self, field)}")
+        if self.buffer_bytes < 0:
+            raise ValueError(f"RetryPolicy: buffer_bytes expected >= 0, got {self.buffer_bytes}")
 
-    # Calls safe to repeat: data calls (a refused call changes nothing) and admin calls that
-    # read or are idempotent. Snapshot saves and loads are long streams: never repeated.
+    # Calls safe to repeat: lookups and assigns (idempotent: the same rows, the same values)
+    # and admin calls that read or are idempotent. Pushes are not repeated: a push whose reply
+    # was lost, or which failed in the backend after one of its tables was applied, would be
+    # applied twice. Snapshot saves and loads are long streams: never repeated.
     RETRIED = (
-        {"service": "tierps.v1.EmbeddingService"},
+        *({"service": "tierps.v1.EmbeddingService", "method": method}
+          for method in ("Lookup", "LookupUnary", "Assign")),
         *({"service": "tierps.v1.AdminService", "method": method}
           for method in ("CreateTable", "ListTables", "DescribeTable", "ListSnapshots", "Stats")),
     )  # fmt: skip
@@ -68,8 +73,8 @@ class RetryPolicy:
             return [("grpc.enable_retries", 0)]
         policy = {
             "maxAttempts": self.max_attempts,
-            "initialBackoff": f"{self.initial_backoff_s}s",
-            "maxBackoff": f"{self.max_backoff_s}s",
+            "initialBackoff": f"{self.initial_backoff_s:.9f}s",  # no exponent: gRPC's format
+            "maxBackoff": f"{self.max_backoff_s:.9f}s",
             "backoffMultiplier": self.multiplier,
             "retryableStatusCodes": ["UNAVAILABLE"],
         }
@@ -83,7 +88,8 @@ class RetryPolicy:
 
 class ClusterAdmin:
     """Admin of the cluster whose shard i listens at addresses[i]. A context manager.
-    Every call has a deadline of timeout_s; UNAVAILABLE is retried as `retry` says."""
+    Every call but the snapshot save and load streams (which run as long as the data takes)
+    has a deadline of timeout_s; UNAVAILABLE is retried as `retry` says."""
 
     def __init__(
         self,

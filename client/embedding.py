@@ -23,13 +23,14 @@ import grpc
 import numpy as np
 
 from tierps.client.admin import ClusterAdmin, RetryPolicy, ShardError
-from tierps.client.formats import COO, Bags, to_bags
+from tierps.client.formats import COO, Bags, as_array, float_array, to_bags
 from tierps.client.pooling import Combiner, distinct_keys, pool, pooling_matrix, unpool
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
 from tierps.storage.config import TableConfig
 from tierps.storage.errors import InvalidArgumentError, TableNotFoundError
+from tierps.storage.validation import check_step
 
 DEFAULT_MAX_CALL_BYTES = 256 << 20  # bulk bytes of one call (request or reply) per shard
 # One table's part of a call to a shard: (table, dim, keys, their positions in the table's
@@ -111,14 +112,12 @@ class PooledLookup:
         for name, grad in grad_outputs.items():
             feature = self._features[name]
             table = self._tables[feature.table]
-            grad = _rows_array(
-                f"feature {name!r}", "grad_output", grad, self.outputs[name].shape,
-                "that of the pooled output",
-            )  # fmt: skip
+            where, shape = f"feature {name!r}", self.outputs[name].shape
+            grad = float_array(where, "grad_output", grad, shape, "that of the pooled output")
             part = unpool(self._matrices[name], grad.reshape(-1, table.dim))
-            summed[feature.table] = part if feature.table not in summed else (
-                summed[feature.table] + part
-            )  # fmt: skip
+            summed[feature.table] = (
+                summed[feature.table] + part if feature.table in summed else part
+            )
         pushes = {t: (self._tables[t].unique, grads) for t, grads in summed.items()}
         return self._client._push_unique(pushes, step)
 
@@ -129,29 +128,6 @@ class PooledLookup:
                 f"feature -> gradient, got one array"
             )
         return next(iter(self.outputs))
-
-
-def _rows_array(where: str, field: str, value: Any, shape: tuple[int, ...], of: str) -> np.ndarray:
-    """A finite float32 array of exactly `shape` (`of` says what fixes the shape)."""
-    if hasattr(value, "detach"):
-        value = value.detach().cpu().numpy()
-    value = np.asarray(value)
-    if value.shape != shape:
-        raise InvalidArgumentError(
-            f"{where}: field '{field}' expected shape {shape} ({of}), got {value.shape}"
-        )
-    if value.dtype.kind != "f":
-        raise InvalidArgumentError(
-            f"{where}: field '{field}' expected a float array, got dtype {value.dtype}"
-        )
-    value = np.ascontiguousarray(value, dtype=np.float32)
-    finite = np.isfinite(value)
-    if not finite.all():
-        index = tuple(int(i) for i in np.argwhere(~finite)[0])
-        raise InvalidArgumentError(
-            f"{where}: field '{field}' expected finite values, got {value[index]} at {list(index)}"
-        )
-    return value
 
 
 class EmbeddingClient(ClusterAdmin):
@@ -173,6 +149,11 @@ class EmbeddingClient(ClusterAdmin):
         chunk_bytes: int = wire.CHUNK_BYTES,
         max_call_bytes: int = DEFAULT_MAX_CALL_BYTES,
     ) -> None:
+        if not 8 + 4 <= chunk_bytes <= wire.MAX_MESSAGE_BYTES // 2:
+            raise ValueError(
+                f"EmbeddingClient: chunk_bytes expected in [12, {wire.MAX_MESSAGE_BYTES // 2}] "
+                f"(half the message limit), got {chunk_bytes}"
+            )
         super().__init__(addresses, timeout_s=timeout_s, retry=retry)
         self.chunk_bytes = chunk_bytes
         self.max_call_bytes = max_call_bytes
@@ -216,32 +197,34 @@ class EmbeddingClient(ClusterAdmin):
 
     # -- plain rows ------------------------------------------------------------------------------
 
+    def _dense_call(self, table: str, keys: Any) -> tuple[str, np.ndarray, np.ndarray, int]:
+        """(where, keys as an array, keys flattened and checked, the table's dim) of a call
+        on keys of any shape."""
+        where = f"table {table!r}"
+        keys = as_array(where, "keys", keys)
+        flat = to_bags(where, keys.reshape(-1, 1)).keys
+        return where, keys, flat, self.table_config(table).dim
+
     def lookup(self, table: str, keys: Any, *, create: bool = True) -> np.ndarray:
         """Weights [*keys.shape, dim] of keys (any integer array), in their order. Keys < 0
         give zero rows. create=True (training) stores rows for new keys; create=False
         (evaluation) returns their initial values and stores nothing."""
-        keys = _as_array(keys)
-        where = f"table {table!r}"
-        flat = _dense_keys(where, keys)
-        dim = self.table_config(table).dim
+        where, keys, flat, dim = self._dense_call(table, keys)
         unique, inverse = distinct_keys(flat)
         rows = self._lookup_unique({table: (dim, unique)}, create)[table]
         out = np.zeros((flat.size, dim), dtype=np.float32)
         live = inverse >= 0
         out[live] = rows[inverse[live]]
-        return out.reshape(*np.shape(keys), dim)
+        return out.reshape(*keys.shape, dim)
 
     def push_gradients(self, table: str, keys: Any, grads: Any, step: int | None = None) -> int:
         """Push the gradients [*keys.shape, dim] of keys' rows; the shards run the table's
         optimizer. Gradients of repeated keys are summed; keys < 0 are ignored. `step`
         (from 1) feeds Adam's bias correction; left out, it counts this client's pushes to
         the table. Returns the number of distinct keys updated."""
-        keys = _as_array(keys)
-        where = f"table {table!r}"
-        flat = _dense_keys(where, keys)
-        dim = self.table_config(table).dim
-        shape = (*np.shape(keys), dim)
-        grads = _rows_array(where, "grads", grads, shape, "[*keys.shape, dim]").reshape(-1, dim)
+        where, keys, flat, dim = self._dense_call(table, keys)
+        shape = (*keys.shape, dim)
+        grads = float_array(where, "grads", grads, shape, "[*keys.shape, dim]").reshape(-1, dim)
         bags = Bags(flat, np.arange(flat.size + 1, dtype=np.int64), None, (flat.size,))
         unique, inverse = distinct_keys(flat)
         matrix = pooling_matrix(bags, inverse, unique.size, Combiner.SUM)
@@ -250,12 +233,9 @@ class EmbeddingClient(ClusterAdmin):
     def assign(self, table: str, keys: Any, values: Any) -> int:
         """Set the weights [*keys.shape, dim] of keys and reset their optimizer state.
         Where a key repeats, its last value wins; keys < 0 are ignored."""
-        keys = _as_array(keys)
-        where = f"table {table!r}"
-        flat = _dense_keys(where, keys)
-        dim = self.table_config(table).dim
-        shape = (*np.shape(keys), dim)
-        values = _rows_array(where, "values", values, shape, "[*keys.shape, dim]").reshape(-1, dim)
+        where, keys, flat, dim = self._dense_call(table, keys)
+        shape = (*keys.shape, dim)
+        values = float_array(where, "values", values, shape, "[*keys.shape, dim]").reshape(-1, dim)
         last = flat.size - 1 - np.unique(flat[::-1], return_index=True)[1]
         last = last[flat[last] >= 0]
         calls = self._route({table: (dim, flat[last])}, lambda dim: 8 + 4 * dim)
@@ -311,7 +291,10 @@ class EmbeddingClient(ClusterAdmin):
         EmbeddingBagCollection. `.outputs[name]` holds each feature's pooled rows."""
         by_name = {feature.name: feature for feature in features}
         if len(by_name) != len(features):
-            raise InvalidArgumentError("features expected distinct names, got a repeated name")
+            repeated = sorted(
+                {f.name for f in features if sum(g.name == f.name for g in features) > 1}
+            )
+            raise InvalidArgumentError(f"features expected distinct names, got {repeated} repeated")
         missing = sorted(set(by_name) - set(batch))
         unknown = sorted(set(batch) - set(by_name))
         if missing or unknown:
@@ -351,7 +334,7 @@ class EmbeddingClient(ClusterAdmin):
     ) -> dict[str, np.ndarray]:
         """Rows [u, dim] of each table's distinct keys >= 0: one call per shard for all."""
         out = {t: np.empty((keys.size, dim), np.float32) for t, (dim, keys) in tables.items()}
-        calls = self._route(tables, lambda dim: 4 * dim)
+        calls = self._route(tables, lambda dim: max(8, 4 * dim))  # key out, row back
 
         def start(shard: int, batches: list[Batch]) -> Future:
             requests = (
@@ -374,9 +357,11 @@ class EmbeddingClient(ClusterAdmin):
             if not isinstance(reply, bytes):
                 reply = reply.values
             if len(reply) != _reply_bytes(batches):
+                tables = sorted({name for name, *_ in batches})
                 raise ShardError(
                     shard, self.addresses[shard], grpc.StatusCode.INTERNAL,
-                    f"lookup reply expected {_reply_bytes(batches)} bytes, got {len(reply)}",
+                    f"lookup reply of tables {tables} expected {_reply_bytes(batches)} bytes, "
+                    f"got {len(reply)}",
                 )  # fmt: skip
             offset = 0
             for name, dim, keys, at in batches:
@@ -388,8 +373,10 @@ class EmbeddingClient(ClusterAdmin):
     def _push_unique(
         self, pushes: dict[str, tuple[np.ndarray, np.ndarray]], step: int | None
     ) -> int:
-        """Push summed gradients [u, dim] of each table's distinct keys >= 0."""
-        steps = {table: self._step(table, step) for table in pushes}
+        """Push summed gradients [u, dim] of each table's distinct keys >= 0. A table with
+        no keys is not pushed and takes no step."""
+        pushes = {t: (keys, grads) for t, (keys, grads) in pushes.items() if keys.size}
+        steps = self._reserve_steps(list(pushes), step)
         calls = self._route(
             {t: (grads.shape[1], keys) for t, (keys, grads) in pushes.items()},
             lambda dim: 8 + 4 * dim,
@@ -410,21 +397,35 @@ class EmbeddingClient(ClusterAdmin):
                 return stub.PushGradientsUnary.future(batch, timeout=self.timeout_s)
             return stub.PushGradients.future(requests, timeout=self.timeout_s)
 
-        updated = sum(reply.num_keys for reply in self._fan_out(calls, start))
-        with self._lock:  # counted once the push is in: a failed push takes no step
-            self._steps.update(steps)
+        try:
+            updated = sum(reply.num_keys for reply in self._fan_out(calls, start))
+        except BaseException:
+            if step is None:
+                self._release_steps(steps)
+            raise
+        if step is not None:  # later pushes without a step count on from the one given
+            with self._lock:
+                self._steps.update(steps)
         return updated
 
-    def _step(self, table: str, step: int | None) -> int:
-        """The step of a push to table: the one given, or one more than the last push's."""
-        if step is None:
-            with self._lock:
-                return self._steps.get(table, 0) + 1
-        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 1:
-            raise InvalidArgumentError(
-                f"table {table!r}: field 'step' expected an int >= 1, got {step!r}"
-            )
-        return int(step)
+    def _reserve_steps(self, tables: list[str], step: int | None) -> dict[str, int]:
+        """The step of a push to each table: the one given, or one more than the last push's
+        (reserved at once, so concurrent pushes to a table get distinct steps)."""
+        if step is not None:
+            for table in tables:
+                check_step(f"table {table!r}", step)
+            return dict.fromkeys(tables, int(step))
+        with self._lock:
+            for table in tables:
+                self._steps[table] = self._steps.get(table, 0) + 1
+            return {table: self._steps[table] for table in tables}
+
+    def _release_steps(self, steps: dict[str, int]) -> None:
+        """Give back the steps of a failed push, where no later push took one since."""
+        with self._lock:
+            for table, step in steps.items():
+                if self._steps.get(table) == step:
+                    self._steps[table] = step - 1
 
     def _route(
         self, tables: dict[str, tuple[int, np.ndarray]], bytes_per_key: Callable[[int], int]
@@ -447,13 +448,13 @@ class EmbeddingClient(ClusterAdmin):
             for name, dim, keys, at in batches:
                 start = 0
                 while start < keys.size:
+                    if room < bytes_per_key(dim) and call:  # full: the rest in another call
+                        calls.append((shard, call))
+                        call, room = [], self.max_call_bytes
                     take = min(keys.size - start, max(1, room // bytes_per_key(dim)))
                     call.append((name, dim, keys[start : start + take], at[start : start + take]))
                     room -= take * bytes_per_key(dim)
                     start += take
-                    if room <= 0:
-                        calls.append((shard, call))
-                        call, room = [], self.max_call_bytes
             if call:
                 calls.append((shard, call))
         return calls
@@ -469,17 +470,6 @@ class EmbeddingClient(ClusterAdmin):
 
 def _reply_bytes(batches: list[Batch]) -> int:
     return sum(4 * dim * keys.size for _, dim, keys, _ in batches)
-
-
-def _dense_keys(where: str, keys: Any) -> np.ndarray:
-    """Keys of any shape, flattened; checked as dense keys are."""
-    return to_bags(where, np.reshape(_as_array(keys), (-1, 1))).keys
-
-
-def _as_array(value: Any) -> Any:
-    if hasattr(value, "detach"):
-        return value.detach().cpu().numpy()
-    return value
 
 
 def _as_bags(where: str, value: FeatureBatch, include_last_offset: bool) -> Bags:

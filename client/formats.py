@@ -49,7 +49,7 @@ class Bags:
         return self.offsets.size - 1
 
 
-def _array(where: str, field: str, value: Any) -> np.ndarray:
+def as_array(where: str, field: str, value: Any) -> np.ndarray:
     """A numpy view of an array-like (numpy, torch CPU tensors, lists)."""
     if hasattr(value, "detach"):  # a torch tensor: no copy for a CPU tensor
         value = value.detach().cpu().numpy()
@@ -62,7 +62,7 @@ def _array(where: str, field: str, value: Any) -> np.ndarray:
 
 
 def _keys(where: str, field: str, value: Any) -> np.ndarray:
-    keys = _array(where, field, value)
+    keys = as_array(where, field, value)
     if keys.dtype.kind not in "iu" and not (keys.dtype.kind == "f" and keys.size == 0):
         raise InvalidArgumentError(
             f"{where}: field '{field}' expected an integer array (int64 keys), got dtype "
@@ -75,28 +75,37 @@ def _keys(where: str, field: str, value: Any) -> np.ndarray:
     return keys.astype(np.int64, copy=False)
 
 
+def float_array(
+    where: str, field: str, value: Any, shape: tuple[int, ...], of: str, *, kinds: str = "f"
+) -> np.ndarray:
+    """A finite, contiguous float32 array of exactly `shape` (`of` says what fixes it), from
+    an array-like whose dtype kind is in `kinds`."""
+    array = as_array(where, field, value)
+    if array.shape != shape:
+        raise InvalidArgumentError(
+            f"{where}: field '{field}' expected shape {shape} ({of}), got {array.shape}"
+        )
+    if array.dtype.kind not in kinds:
+        raise InvalidArgumentError(
+            f"{where}: field '{field}' expected a float array, got dtype {array.dtype}"
+        )
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    finite = np.isfinite(array)
+    if not finite.all():
+        index = tuple(int(i) for i in np.argwhere(~finite)[0])
+        at = index[0] if len(index) == 1 else list(index)
+        raise InvalidArgumentError(
+            f"{where}: field '{field}' expected finite values, got {array[index]} at "
+            f"{'index ' if len(index) == 1 else ''}{at}"
+        )
+    return array
+
+
 def _weights(where: str, value: Any, shape: tuple[int, ...], of: str) -> np.ndarray | None:
     if value is None:
         return None
-    weights = _array(where, "per_sample_weights", value)
-    if weights.dtype.kind not in "fiu":
-        raise InvalidArgumentError(
-            f"{where}: field 'per_sample_weights' expected a float array, got dtype {weights.dtype}"
-        )
-    if weights.shape != shape:
-        raise InvalidArgumentError(
-            f"{where}: field 'per_sample_weights' expected shape {shape} (that of {of}), got "
-            f"{weights.shape}"
-        )
-    weights = weights.astype(np.float32, copy=False).reshape(-1)
-    finite = np.isfinite(weights)
-    if not finite.all():
-        index = int(np.argmin(finite))
-        raise InvalidArgumentError(
-            f"{where}: field 'per_sample_weights' expected finite values, got "
-            f"{weights[index]} at index {index}"
-        )
-    return weights
+    weights = float_array(where, "per_sample_weights", value, shape, f"that of {of}", kinds="fiu")
+    return weights.reshape(-1)
 
 
 def _offsets(where: str, value: Any, nnz: int, include_last_offset: bool) -> np.ndarray:
@@ -152,7 +161,10 @@ def to_bags(
     table or feature in the messages: "table 'item': offsets must not decrease, ..."."""
     if isinstance(keys, COO):
         if offsets is not None:
-            raise InvalidArgumentError(f"{where}: a COO batch expected offsets=None")
+            raise InvalidArgumentError(
+                f"{where}: a COO batch expected offsets=None (its rows say the bags), got "
+                f"offsets of type {type(offsets).__name__}"
+            )
         return _coo_bags(where, keys, per_sample_weights)
     values = _keys(where, "keys", keys)
     if offsets is None:  # dense [..., nnz], -1 padded

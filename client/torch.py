@@ -25,6 +25,8 @@ from tierps.client.embedding import EmbeddingClient, Feature, FeatureBatch, Pool
 from tierps.client.formats import to_bags
 from tierps.client.pooling import Combiner
 
+MAX_PREFETCHED = 4  # prefetched batches kept for their forward; older ones are dropped
+
 
 class _Pooled(torch.autograd.Function):
     """Outputs of a PooledLookup as tensors; backward pushes all their gradients at once."""
@@ -69,7 +71,8 @@ class EmbeddingBagCollection(nn.Module):
         for feature in self.features:
             client.table_config(feature.table)  # an unknown table fails here, not mid-step
         self._prefetcher: ThreadPoolExecutor | None = None
-        self._prefetched: tuple[int, bool, Future[PooledLookup]] | None = None
+        # Lookups started by prefetch, oldest first: (the batch itself, create, the lookup).
+        self._prefetched: list[tuple[Mapping[str, FeatureBatch], bool, Future[PooledLookup]]] = []
 
     def _trains(self) -> bool:
         """Training mode with autograd on: lookups create rows and backward pushes."""
@@ -86,14 +89,17 @@ class EmbeddingBagCollection(nn.Module):
             self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tierps-prefetch")
         create = self._trains()  # grad mode is per thread: read it here
         future = self._prefetcher.submit(self._lookup, batch, create)
-        self._prefetched = (id(batch), create, future)
+        self._prefetched = [*self._prefetched[-(MAX_PREFETCHED - 1) :], (batch, create, future)]
 
     def forward(self, batch: Mapping[str, FeatureBatch]) -> dict[str, torch.Tensor]:
-        prefetched, self._prefetched = self._prefetched, None
         trains = self._trains()
-        if prefetched is not None and prefetched[:2] == (id(batch), trains):
-            pooled = prefetched[2].result()
-        else:
+        pooled = None
+        for index, (pending, create, future) in enumerate(self._prefetched):
+            if pending is batch and create == trains:
+                del self._prefetched[index]
+                pooled = future.result()  # a failed prefetch raises here, at its forward
+                break
+        if pooled is None:
             pooled = self._lookup(batch, create=trains)
         names = [feature.name for feature in self.features]
         if trains:

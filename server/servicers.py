@@ -122,23 +122,26 @@ class _Servicer:
         self.observe = observe
         self.chunk_bytes = shard.config.chunk_bytes
         self.max_batch_bytes = shard.config.max_batch_bytes
+        self.max_reply_message = shard.config.max_message_bytes - 4096
 
 
 class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
-    def _lookup(self, messages: Iterable[pb.LookupRequest]) -> list[np.ndarray]:
-        batches = [
-            LookupBatch(first.table, first.dim, decode_keys(bulk["keys"], first.table),
-                        first.create)
-            for first, bulk in gather(
-                messages, ("table", "dim", "create"), ("keys",), self.max_batch_bytes
-            )
-        ]  # fmt: skip
+    def _lookup(
+        self, messages: Iterable[pb.LookupRequest], max_reply_bytes: int
+    ) -> list[np.ndarray]:
+        batches = []
+        for first, bulk in gather(
+            messages, ("table", "dim", "create"), ("keys",), self.max_batch_bytes
+        ):
+            keys = decode_keys(bulk["keys"], first.table)
+            batches.append(LookupBatch(first.table, first.dim, keys, first.create))
         reply_bytes = sum(4 * batch.keys.size * batch.dim for batch in batches)
-        if reply_bytes > self.max_batch_bytes:
+        if reply_bytes > max_reply_bytes:
+            tables = ", ".join(repr(batch.table) for batch in batches)
             raise ResourceExhaustedError(
-                f"table {batches[0].table!r}: a lookup of "
-                f"{sum(batch.keys.size for batch in batches)} keys answers {reply_bytes} "
-                f"bytes, expected at most {self.max_batch_bytes} per call; split the batch"
+                f"tables {tables}: a lookup of {sum(batch.keys.size for batch in batches)} "
+                f"keys answers {reply_bytes} bytes, expected at most {max_reply_bytes} per "
+                f"call; split the batch"
             )
         return self.shard.lookup(batches)
 
@@ -154,7 +157,7 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
 
     @rpc
     def Lookup(self, requests: Iterator[pb.LookupRequest], context: Any) -> Iterator:
-        for rows in self._lookup(requests):
+        for rows in self._lookup(requests, self.max_batch_bytes):
             per_chunk = max(1, self.chunk_bytes // (4 * rows.shape[1]))
             for start in range(0, rows.shape[0], per_chunk):
                 chunk = rows[start : start + per_chunk]
@@ -162,7 +165,8 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
 
     @rpc
     def LookupUnary(self, request: pb.LookupBatches, context: Any) -> Any:
-        rows = self._lookup(request.batches)
+        # One message back: the reply must fit the message limit (headroom for framing).
+        rows = self._lookup(request.batches, min(self.max_batch_bytes, self.max_reply_message))
         return pb.LookupResponse(
             values=b"".join(r.tobytes() for r in rows), num_rows=sum(r.shape[0] for r in rows)
         )

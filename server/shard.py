@@ -23,6 +23,7 @@ from tierps.storage import (
     snapshot,
 )
 from tierps.storage.snapshot import Progress
+from tierps.storage.table import EmbeddingTable
 
 SNAPSHOT_CHUNK_ROWS = 65536
 
@@ -156,7 +157,7 @@ class Shard:
             )
         return table
 
-    def _checked(self, name: str, dim: int, keys: np.ndarray) -> Any:
+    def _checked(self, name: str, dim: int, keys: np.ndarray) -> EmbeddingTable:
         """The table, after checking the caller's dim and that every key is this shard's."""
         table = self._table(name, dim)
         self.check_keys(name, keys)
@@ -194,8 +195,8 @@ class Shard:
             checked = []
             for batch in batches:
                 target = self._checked(batch.table, batch.dim, batch.keys)
-                checked.append((target, *target.check_gradients(batch.keys, batch.grads,
-                                                                 batch.step)))  # fmt: skip
+                arguments = target.check_gradients(batch.keys, batch.grads, batch.step)
+                checked.append((target, *arguments))
             return sum(target.apply_gradients(*args) for target, *args in checked)
 
     def assign(self, batches: list[AssignBatch]) -> int:

@@ -17,7 +17,7 @@ import numpy as np
 from tierps.storage.config import TableConfig, WritePolicy
 from tierps.storage.errors import InvalidArgumentError
 from tierps.storage.tiers import DurableTier, Spill, Tier
-from tierps.storage.validation import as_keys, as_rows
+from tierps.storage.validation import as_keys, as_rows, check_step
 
 DEFAULT_CHUNK_ROWS = 65536
 FLUSH_CHUNK_BYTES = 4 << 20  # a flush moves dirty rows down in chunks of this size
@@ -107,9 +107,7 @@ class EmbeddingTable:
         where = f"{self.where}: apply_gradients"
         keys = as_keys(where, keys)
         grads = as_rows(where, "grads", grads, keys.size, self.config.dim)
-        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 1:
-            raise InvalidArgumentError(f"{where}: field 'step' expected an int >= 1, got {step!r}")
-        return keys, grads, int(step)
+        return keys, grads, check_step(where, step)
 
     def apply_gradients(self, keys: Any, grads: Any, step: int) -> int:
         """Run the table's optimizer on the rows of keys, wherever they live. Gradients of

@@ -51,6 +51,13 @@ def check_int(owner: str, field: str, value: Any, low: int, high: int) -> None:
         raise ValueError(f"{owner}: field '{field}' expected in [{low}, {high}], got {value!r}")
 
 
+def check_step(where: str, step: Any) -> int:
+    """An optimizer step: an int >= 1 (Adam's bias correction counts from 1)."""
+    if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 1:
+        raise InvalidArgumentError(f"{where}: field 'step' expected an int >= 1, got {step!r}")
+    return int(step)
+
+
 def as_keys(where: str, keys: Any) -> np.ndarray:
     """Keys as a 1-D int64 array; any integer dtype that fits is accepted."""
     if not isinstance(keys, np.ndarray):

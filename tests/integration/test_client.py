@@ -578,7 +578,7 @@ NAN_GRADS[2, 3] = np.nan
         (
             lambda c: c.lookup_pooled("t", [[1, 2]], per_sample_weights=[[1.0, np.inf]]),
             InvalidArgumentError,
-            ["table 't'", "'per_sample_weights'", "finite", "inf at index 1"],
+            ["table 't'", "'per_sample_weights'", "finite", "inf at [0, 1]"],
         ),
         (
             lambda c: c.lookup_pooled("t", [[1, 2]], combiner="max"),
@@ -820,35 +820,56 @@ def faulty_shard(tmp_path: Path) -> Iterator[Callable[..., FaultyShard]]:
         served.shard.close()
 
 
-@pytest.mark.parametrize("method", ["Lookup", "PushGradients", "Assign"])
-def test_a_call_failing_with_unavailable_is_retried_and_applied_once(
+@pytest.mark.parametrize("method", ["Lookup", "Assign"])
+def test_a_lookup_or_assign_failing_with_unavailable_is_retried(
     faulty_shard: Callable[..., FaultyShard],
     make_client: Callable[..., EmbeddingClient],
     method: str,
 ) -> None:
-    lr = 0.5
     shard = faulty_shard(faults={method: [Fault(CODE.UNAVAILABLE)] * 2})
+    client = make_client([shard.address], timeout_s=5.0, retry=FAST_RETRY)
+    table = config(optimizer=optim.SGD(lr=0.5))
+    client.create_table(table)
+    keys = np.array([3, 1, 4, 1, 5])
+    values = normal(rng(18), (5, DIM))
+
+    if method == "Lookup":
+        np.testing.assert_array_equal(client.lookup("t", keys), initial(table, keys))
+    else:
+        assert client.assign("t", keys, values) == 4
+
+    assert shard.interceptor.calls[method] == 3  # two refused attempts, then the handler
+    rows = stored(shard.shard, "t")
+    assert sorted(rows) == [1, 3, 4, 5]
+    if method == "Assign":  # the last value of a repeated key wins
+        for i in (0, 2, 3, 4):
+            np.testing.assert_array_equal(rows[int(keys[i])][:DIM], values[i])
+
+
+def test_a_push_failing_with_unavailable_is_not_retried_and_takes_no_step(
+    faulty_shard: Callable[..., FaultyShard], make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """A push is never repeated (a lost reply would apply it twice): the error reaches the
+    trainer, and the step it would have taken is given back."""
+    lr = 0.5
+    shard = faulty_shard(faults={"PushGradients": [Fault(CODE.UNAVAILABLE)]})
     client = make_client([shard.address], timeout_s=5.0, retry=FAST_RETRY)
     table = config(optimizer=optim.SGD(lr=lr))
     client.create_table(table)
     keys = np.array([3, 1, 4, 1, 5])
     grads = normal(rng(18), (5, DIM))
-
-    if method == "Lookup":
-        np.testing.assert_array_equal(client.lookup("t", keys), initial(table, keys))
-    elif method == "PushGradients":
-        assert client.push_gradients("t", keys, grads) == 4
-    else:
-        assert client.assign("t", keys, grads) == 4
-
-    assert shard.interceptor.calls[method] == 3  # two refused attempts, then the handler
+    with pytest.raises(ShardError) as raised:
+        client.push_gradients("t", keys, grads)
+    assert raised.value.code is CODE.UNAVAILABLE and shard.address in str(raised.value)
+    assert shard.interceptor.calls["PushGradients"] == 1
+    assert stored(shard.shard, "t") == {}
+    assert client.push_gradients("t", keys, grads) == 4  # the trainer's own retry
+    assert client._steps["t"] == 1
+    want = initial(table, keys).astype(np.float64) - lr * grads
+    want[1] -= lr * grads[3]
     rows = stored(shard.shard, "t")
-    assert sorted(rows) == [1, 3, 4, 5]
-    if method == "PushGradients":  # applied once: one SGD step of the summed gradients
-        want = initial(table, keys).astype(np.float64) - lr * grads
-        want[1] -= lr * grads[3]
-        for i in (0, 1, 2, 4):
-            np.testing.assert_allclose(rows[int(keys[i])][:DIM], want[i], atol=1e-6)
+    for i in (0, 1, 2, 4):
+        np.testing.assert_allclose(rows[int(keys[i])][:DIM], want[i], atol=1e-6)
 
 
 def test_unavailable_on_every_attempt_fails_after_max_attempts(
@@ -951,3 +972,44 @@ def test_each_shard_is_sent_only_its_distinct_keys_once_in_one_call(
         want_b = np.array([k for k in (5, 6, 7) if k % 3 == i])
         assert sorted(by_table.get("a", [])) == want_a.tolist()
         assert sorted(by_table.get("b", [])) == want_b.tolist()
+
+
+# -- the torch module's prefetch ------------------------------------------------------------------
+
+
+def test_prefetch_looks_each_batch_up_once_and_gives_what_a_plain_forward_gives(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
+) -> None:
+    torch = pytest.importorskip("torch")
+    from tierps.client.torch import EmbeddingBagCollection
+
+    servers = start_cluster(shard_server, 2)
+    client = make_client(servers)
+    client.create_table(config())
+    features = [Feature("a", "t"), Feature("b", "t", "mean")]
+    generator = rng(40)
+    batches = [
+        {"a": generator.integers(0, 50, (4, 3)), "b": generator.integers(-1, 50, (4, 2))}
+        for _ in range(4)
+    ]
+    module = EmbeddingBagCollection(client, features).eval()  # eval: nothing pushed
+    plain = [{k: v.numpy().copy() for k, v in module(batch).items()} for batch in batches]
+    lookups = sum(rpc_count(s, "Lookup") for s in servers)
+
+    module.prefetch(batches[0])
+    got = []
+    for index, batch in enumerate(batches):
+        if index + 1 < len(batches):
+            module.prefetch(batches[index + 1])  # the next batch, while this one computes
+        got.append({k: v.numpy() for k, v in module(batch).items()})
+
+    assert sum(rpc_count(s, "Lookup") for s in servers) - lookups == 2 * len(batches)
+    for want, have in zip(plain, got, strict=True):
+        for name in want:
+            np.testing.assert_array_equal(have[name], want[name])
+    assert module._prefetched == []  # every prefetched batch was used by its forward
+    with torch.no_grad():
+        other = {"a": np.array([[1, 2, 3]]), "b": np.array([[4, 5]])}
+        module.prefetch(other)
+        module({"a": np.array([[1, 2, 3]]), "b": np.array([[4, 5]])})  # an equal, other object
+    assert len(module._prefetched) == 1  # not taken: only the same batch object is

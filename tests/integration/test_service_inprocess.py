@@ -920,6 +920,31 @@ def test_a_lookup_whose_reply_is_over_max_batch_bytes_is_resource_exhausted(
     )
 
 
+def test_a_one_message_lookup_whose_reply_is_over_the_message_limit_is_resource_exhausted(
+    shard_server: ServerFactory, connect: Connect
+) -> None:
+    server = shard_server(chunk_bytes=4096, max_message_bytes=8192)
+    stubs = connect(server)
+    create_table(stubs, TableConfig("items", BAD_DIM, optimizer=optim.SGD(lr=0.1)))
+    before = shard_state(server)
+    keys = np.arange(400, dtype=np.int64)  # 3.2 KB of keys ask for a 6.4 KB reply in one message
+    request = pb.LookupBatches(
+        batches=[pb.LookupRequest(table="items", dim=BAD_DIM, create=True, keys=keys.tobytes())]
+    )
+    refused(
+        CODE.RESOURCE_EXHAUSTED,
+        lambda: stubs.embedding.LookupUnary(request, timeout=T),
+        "at most 4096",
+        "split the batch",
+    )
+    assert_same_state(before, shard_state(server))  # nothing created
+    # The stream answers it in chunks.
+    np.testing.assert_array_equal(
+        lookup(stubs, "items", keys, BAD_DIM),
+        TableConfig("items", BAD_DIM).initial_rows(keys)[:, :BAD_DIM],
+    )
+
+
 # -- admin: bad input ---------------------------------------------------------------------------
 
 

@@ -228,7 +228,6 @@ class DeepFM(nn.Module):
     ) -> None:
         super().__init__()
         self.embeddings = embeddings
-        self.dim = dim
         self.field_names = [feature.name for feature in embeddings.features]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

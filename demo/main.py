@@ -43,7 +43,9 @@ EVAL_BATCH_SIZE = 8192
 # Host-tier budget per table and shard: MovieLens fits many times over; the synthetic set
 # (~130 MB of rows with Adam state at 200k samples) does not, so its cold rows live in RocksDB.
 DEFAULT_HOST_CACHE_MB = {"movielens": 64, "synthetic": 16}
-TORCH_INSTALL = "pip install 'torch==2.13.*' --index-url https://download.pytorch.org/whl/cpu"
+TORCH_INSTALL = (
+    "pip install torch==2.13.0 (on PyPI: --index-url https://download.pytorch.org/whl/cpu)"
+)
 
 
 # -- metrics --------------------------------------------------------------------------------------
@@ -430,8 +432,9 @@ def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: fl
         EmbeddingClient(cluster.addresses) as client,
     ):
         print(
-            f"cluster serving at {', '.join(cluster.addresses)}; hit rates below: each tier's "
-            f"share of the keys the tier above missed (the last tier's misses are new rows)"
+            f"cluster serving at {', '.join(cluster.addresses)}; hit rates below count since "
+            f"the cluster started, evaluation lookups included: each tier's share of the keys "
+            f"the tier above missed (the last tier's misses are new rows)"
         )
         tables = create_tables(
             client, dataset, dim=args.dim, seed=args.seed, optimizer=optimizer,

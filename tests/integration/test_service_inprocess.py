@@ -577,6 +577,23 @@ def test_a_bad_batch_of_a_later_table_refuses_the_whole_call_and_changes_nothing
         assert_same_state(before, shard_state(server))
 
 
+def test_a_key_of_another_shard_in_a_later_batch_refuses_the_whole_call(
+    shard_server: ServerFactory, connect: Connect
+) -> None:
+    server = shard_server(shard_id=1, num_shards=2)
+    stubs = connect(server)
+    two_tables(stubs)
+    before = shard_state(server)
+    good = pb.LookupRequest(table="t", dim=DIM, create=True, keys=as_keys([1, 3]).tobytes())
+    wrong = pb.LookupRequest(table="w", dim=2 * DIM, create=True, keys=as_keys([5, 2]).tobytes())
+    for call in (
+        lambda: call_raw(stubs, "Lookup", [good, wrong]),
+        lambda: stubs.embedding.LookupUnary(pb.LookupBatches(batches=[good, wrong]), timeout=T),
+    ):
+        refused(CODE.INVALID_ARGUMENT, call, "table 'w'", "key 2 at index 1", "shard 0")
+        assert_same_state(before, shard_state(server))  # not even table t's rows were created
+
+
 def test_the_one_message_forms_answer_what_the_streams_answer(
     shard_server: ServerFactory, connect: Connect
 ) -> None:

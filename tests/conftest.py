@@ -11,6 +11,19 @@ import pytest
 from tierps.storage import EmbeddingStore, EmbeddingTable
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch with one intra-op thread for a test module: on this 2-core machine, with the
+    shards or anything else holding a core, two threads stall torch's parallel regions (10x
+    and more), and tiny tensors gain nothing from them."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[EmbeddingStore]:
     with EmbeddingStore(tmp_path / "db") as opened:

@@ -33,7 +33,10 @@ torch = pytest.importorskip("torch")
 tierps_torch = pytest.importorskip("tierps.client.torch")
 F = torch.nn.functional
 
-pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 
 V = 40  # rows; torch row V is the padding row (padding_idx)
 HOT = 16  # batches draw from the first HOT rows, so keys repeat within and across bags
@@ -63,15 +66,6 @@ _names = itertools.count()
 def table_name(*parts: object) -> str:
     """A fresh table name per case, so cases share a cluster."""
     return "-".join(str(p) for p in (*parts, next(_names)))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Tiny tensors: torch's thread pool only adds overhead on a small machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}-shards")

@@ -13,7 +13,6 @@ import itertools
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -42,18 +41,6 @@ requires_recbole = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def movielens() -> data.CTRDataset:
     return data.load_movielens(seed=SEED)
-
-
-@pytest.fixture
-def one_torch_thread() -> Iterator[None]:
-    """torch with one intra-op thread, as `tierps demo` runs it on 2 cores: with two, its
-    parallel regions stall whenever the shards (or anything else) hold a core."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # -- (a) tierps vs local torch.nn.EmbeddingBag ----------------------------------------------------

@@ -41,7 +41,10 @@ TINY_ROWS = 4
 STATE_RTOL = 1e-6  # float32 has 24 bits (6e-8): a few roundings of a sum of ~50 squares
 Z_RTOL = 1e-6  # ~16 float32 roundings of each term accumulated into FTRL's linear
 
-pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 
 
 def budget_for_rows(optimizer: optim.Optimizer, rows: int) -> int:
@@ -51,15 +54,6 @@ def budget_for_rows(optimizer: optim.Optimizer, rows: int) -> int:
     while host_rows_for_budget(budget, row_bytes) < rows:
         budget += 16
     return budget
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Tiny tensors: torch's thread pool only adds overhead (10x on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

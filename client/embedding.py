@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +23,14 @@ import numpy as np
 
 from tierps.client.admin import ClusterAdmin, RetryPolicy, ShardError
 from tierps.client.formats import COO, Bags, as_array, float_array, to_bags
-from tierps.client.pooling import Combiner, distinct_keys, pool, pooling_matrix, unpool
+from tierps.client.pooling import (
+    Combiner,
+    distinct_keys,
+    pool,
+    pooling_matrix,
+    stacked_pooling_matrix,
+    unpool,
+)
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
@@ -66,6 +72,14 @@ class _TableKeys:
     inverse: dict[str, np.ndarray]
 
 
+@dataclass
+class _TablePooling:
+    """One table's stacked pooling matrix and each of its features' rows in it."""
+
+    matrix: Any
+    rows: dict[str, slice]
+
+
 class PooledLookup:
     """The pooled rows of a batch of features, and the way back: push_gradients turns the
     gradients of the outputs into one gradient per distinct key (the transpose of the
@@ -76,13 +90,13 @@ class PooledLookup:
         client: EmbeddingClient,
         features: dict[str, Feature],
         tables: dict[str, _TableKeys],
-        matrices: dict[str, Any],
+        pooling: dict[str, _TablePooling],
         outputs: dict[str, np.ndarray],
     ) -> None:
         self._client = client
         self._features = features
         self._tables = tables
-        self._matrices = matrices
+        self._pooling = pooling
         self.outputs = outputs
 
     @property
@@ -108,16 +122,23 @@ class PooledLookup:
             raise InvalidArgumentError(
                 f"push_gradients: features expected among {sorted(self.outputs)}, got {unknown}"
             )
-        summed: dict[str, np.ndarray] = {}
-        for name, grad in grad_outputs.items():
-            feature = self._features[name]
-            table = self._tables[feature.table]
-            where, shape = f"feature {name!r}", self.outputs[name].shape
-            grad = float_array(where, "grad_output", grad, shape, "that of the pooled output")
-            part = unpool(self._matrices[name], grad.reshape(-1, table.dim))
-            summed[feature.table] = (
-                summed[feature.table] + part if feature.table in summed else part
+        grads = {
+            name: float_array(
+                f"feature {name!r}", "grad_output", grad, self.outputs[name].shape,
+                "that of the pooled output",
             )
+            for name, grad in grad_outputs.items()
+        }  # fmt: skip
+        summed: dict[str, np.ndarray] = {}
+        for table, pooling in self._pooling.items():
+            names = [name for name in pooling.rows if name in grads]
+            if not names:
+                continue
+            dim = self._tables[table].dim
+            stacked = np.zeros((pooling.matrix.shape[0], dim), np.float32)
+            for name in names:
+                stacked[pooling.rows[name]] = grads[name].reshape(-1, dim)
+            summed[table] = unpool(pooling.matrix, stacked)
         pushes = {t: (self._tables[t].unique, grads) for t, grads in summed.items()}
         return self._client._push_unique(pushes, step)
 
@@ -240,7 +261,7 @@ class EmbeddingClient(ClusterAdmin):
         last = last[flat[last] >= 0]
         calls = self._route({table: (dim, flat[last])}, lambda dim: 8 + 4 * dim)
 
-        def start(shard: int, batches: list[Batch]) -> Future:
+        def call(shard: int, batches: list[Batch]) -> Any:
             requests = (
                 request
                 for name, dim, keys, at in batches
@@ -248,9 +269,9 @@ class EmbeddingClient(ClusterAdmin):
                     name, dim, _wire_keys(keys), values[last[at]].tobytes(), self.chunk_bytes
                 )
             )
-            return self._data[shard].Assign.future(requests, timeout=self.timeout_s)
+            return self._data[shard].Assign(requests, timeout=self.timeout_s)
 
-        return sum(reply.num_keys for reply in self._fan_out(calls, start))
+        return sum(reply.num_keys for reply in self._fan_out(calls, call))
 
     # -- pooled ----------------------------------------------------------------------------------
 
@@ -317,15 +338,18 @@ class EmbeddingClient(ClusterAdmin):
                 {name: inverse[bounds[i] : bounds[i + 1]] for i, name in enumerate(names)},
             )  # fmt: skip
         rows = self._lookup_unique({t: (k.dim, k.unique) for t, k in tables.items()}, create)
-        matrices, outputs = {}, {}
-        for name, feature in by_name.items():
-            table = tables[feature.table]
-            matrices[name] = pooling_matrix(
-                bags[name], table.inverse[name], table.unique.size, feature.combiner
-            )
-            pooled = pool(matrices[name], rows[feature.table])
-            outputs[name] = pooled.reshape(*bags[name].shape, table.dim)
-        return PooledLookup(self, by_name, tables, matrices, outputs)
+        pooling, outputs = {}, {}
+        for table, keys in tables.items():
+            names = list(keys.inverse)
+            parts = [(bags[n], keys.inverse[n], by_name[n].combiner) for n in names]
+            bounds = np.cumsum([0] + [bags[n].num_bags for n in names])
+            spans = {n: slice(bounds[i], bounds[i + 1]) for i, n in enumerate(names)}
+            pooling[table] = _TablePooling(stacked_pooling_matrix(parts, keys.unique.size), spans)
+            pooled = pool(pooling[table].matrix, rows[table])  # every feature of the table
+            for name in names:
+                outputs[name] = pooled[spans[name]].reshape(*bags[name].shape, keys.dim)
+        outputs = {name: outputs[name] for name in by_name}  # in the features' order
+        return PooledLookup(self, by_name, tables, pooling, outputs)
 
     # -- the wire --------------------------------------------------------------------------------
 
@@ -336,7 +360,7 @@ class EmbeddingClient(ClusterAdmin):
         out = {t: np.empty((keys.size, dim), np.float32) for t, (dim, keys) in tables.items()}
         calls = self._route(tables, lambda dim: max(8, 4 * dim))  # key out, row back
 
-        def start(shard: int, batches: list[Batch]) -> Future:
+        def call(shard: int, batches: list[Batch]) -> Any:
             requests = (
                 request
                 for name, dim, keys, _ in batches
@@ -348,12 +372,10 @@ class EmbeddingClient(ClusterAdmin):
             small = sum(8 * keys.size for _, _, keys, _ in batches) <= self.chunk_bytes
             if small and _reply_bytes(batches) <= self.chunk_bytes:  # one message each way
                 batch = pb.LookupBatches(batches=list(requests))
-                return stub.LookupUnary.future(batch, timeout=self.timeout_s)
-            return self._pool.submit(
-                lambda: wire.join_values(stub.Lookup(requests, timeout=self.timeout_s))
-            )
+                return stub.LookupUnary(batch, timeout=self.timeout_s)
+            return wire.join_values(stub.Lookup(requests, timeout=self.timeout_s))
 
-        for (shard, batches), reply in zip(calls, self._fan_out(calls, start), strict=True):
+        for (shard, batches), reply in zip(calls, self._fan_out(calls, call), strict=True):
             if not isinstance(reply, bytes):
                 reply = reply.values
             if len(reply) != _reply_bytes(batches):
@@ -382,7 +404,7 @@ class EmbeddingClient(ClusterAdmin):
             lambda dim: 8 + 4 * dim,
         )
 
-        def start(shard: int, batches: list[Batch]) -> Future:
+        def call(shard: int, batches: list[Batch]) -> Any:
             requests = (
                 request
                 for name, dim, keys, at in batches
@@ -394,11 +416,11 @@ class EmbeddingClient(ClusterAdmin):
             stub = self._data[shard]
             if sum((8 + 4 * dim) * keys.size for _, dim, keys, _ in batches) <= self.chunk_bytes:
                 batch = pb.PushGradientsBatches(batches=list(requests))  # one message
-                return stub.PushGradientsUnary.future(batch, timeout=self.timeout_s)
-            return stub.PushGradients.future(requests, timeout=self.timeout_s)
+                return stub.PushGradientsUnary(batch, timeout=self.timeout_s)
+            return stub.PushGradients(requests, timeout=self.timeout_s)
 
         try:
-            updated = sum(reply.num_keys for reply in self._fan_out(calls, start))
+            updated = sum(reply.num_keys for reply in self._fan_out(calls, call))
         except BaseException:
             if step is None:
                 self._release_steps(steps)
@@ -460,12 +482,21 @@ class EmbeddingClient(ClusterAdmin):
         return calls
 
     def _fan_out(
-        self, calls: list[tuple[int, list[Batch]]], start: Callable[[int, list[Batch]], Future]
+        self, calls: list[tuple[int, list[Batch]]], call: Callable[[int, list[Batch]], Any]
     ) -> list[Any]:
-        """Start every call at once (start(shard, batches) returns a future), then return
-        their results in order; a gRPC failure is raised as a ShardError naming the shard."""
-        futures = [(shard, start(shard, batches)) for shard, batches in calls]
-        return [self._on(shard, lambda i, _, f=future: f.result()) for shard, future in futures]
+        """call(shard, batches) for every call, all at once: the last in this thread, the
+        others on the client's pool (persistent threads: a gRPC future would start a thread
+        per call); results in call order. A gRPC failure is raised as a ShardError naming
+        the shard."""
+        if not calls:
+            return []
+        *others, (last_shard, last_batches) = calls
+        futures = [
+            (shard, self._pool.submit(self._on, shard, lambda i, _, b=batches: call(i, b)))
+            for shard, batches in others
+        ]
+        last = self._on(last_shard, lambda i, _: call(i, last_batches))
+        return [future.result() for _, future in futures] + [last]
 
 
 def _reply_bytes(batches: list[Batch]) -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -61,31 +62,50 @@ def pooling_matrix(
 ) -> sp.csr_array:
     """A [B, num_unique] as a scipy CSR array. inverse[k] is the distinct-key index of
     bags.keys[k], or -1 for padding."""
-    live = inverse >= 0
-    counts = np.diff(np.concatenate([[0], np.cumsum(live)])[bags.offsets])
-    columns = inverse[live]
-    indptr = np.zeros(bags.num_bags + 1, dtype=np.int64)
-    np.cumsum(counts, out=indptr[1:])
+    return stacked_pooling_matrix([(bags, inverse, combiner)], num_unique)
+
+
+def stacked_pooling_matrix(
+    parts: Sequence[tuple[Bags, np.ndarray, Combiner]], num_unique: int
+) -> sp.csr_array:
+    """The pooling matrices of several features over one table's distinct keys, stacked row
+    block after row block ([sum of B_f, num_unique], fbgemm's table-batched layout): one
+    forward and one backward kernel call serve every feature of the table."""
+    counts, columns, data = [], [], []
+    for bags, inverse, combiner in parts:
+        live = inverse >= 0
+        bag_counts = np.diff(np.concatenate([[0], np.cumsum(live)])[bags.offsets])
+        counts.append(bag_counts)
+        columns.append(inverse[live])
+        data.append(_coefficients(bags, live, bag_counts, combiner))
+    indptr = np.zeros(sum(c.size for c in counts) + 1, dtype=np.int64)
+    np.cumsum(np.concatenate(counts), out=indptr[1:])
+    column = np.concatenate(columns)
+    index = np.int32 if max(num_unique, column.size) < np.iinfo(np.int32).max else np.int64
+    return sp.csr_array(
+        (np.concatenate(data), column.astype(index, copy=False), indptr.astype(index)),
+        shape=(indptr.size - 1, num_unique),
+    )
+
+
+def _coefficients(
+    bags: Bags, live: np.ndarray, counts: np.ndarray, combiner: Combiner
+) -> np.ndarray:
+    """The float32 coefficient of each live key of the bags (the formulas above)."""
     weights = None if bags.weights is None else bags.weights[live]
     if combiner is Combiner.SUM:
-        data = np.ones(columns.size, np.float32) if weights is None else weights
+        return np.ones(int(counts.sum()), np.float32) if weights is None else weights
+    bag_of = np.repeat(np.arange(bags.num_bags), counts)
+    if weights is None:
+        per_bag = counts.astype(np.float64)
     else:
-        bag_of = np.repeat(np.arange(bags.num_bags), counts)
-        if weights is None:
-            per_bag = counts.astype(np.float64)
-        else:
-            squares = weights.astype(np.float64) ** (2 if combiner is Combiner.SQRTN else 1)
-            per_bag = np.bincount(bag_of, weights=squares, minlength=bags.num_bags)
-        if combiner is Combiner.SQRTN:
-            per_bag = np.sqrt(per_bag)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            scale = np.where(per_bag != 0, 1.0 / per_bag, 0.0)
-        data = (scale[bag_of] if weights is None else weights * scale[bag_of]).astype(np.float32)
-    index = np.int32 if max(num_unique, columns.size) < np.iinfo(np.int32).max else np.int64
-    return sp.csr_array(
-        (data, columns.astype(index, copy=False), indptr.astype(index, copy=False)),
-        shape=(bags.num_bags, num_unique),
-    )
+        squares = weights.astype(np.float64) ** (2 if combiner is Combiner.SQRTN else 1)
+        per_bag = np.bincount(bag_of, weights=squares, minlength=bags.num_bags)
+    if combiner is Combiner.SQRTN:
+        per_bag = np.sqrt(per_bag)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.where(per_bag != 0, 1.0 / per_bag, 0.0)
+    return (scale[bag_of] if weights is None else weights * scale[bag_of]).astype(np.float32)
 
 
 Kernel = Literal["auto", "scipy", "torch"]

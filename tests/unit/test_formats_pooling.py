@@ -23,6 +23,7 @@ from tierps.client.pooling import (
     distinct_keys,
     pool,
     pooling_matrix,
+    stacked_pooling_matrix,
     unpool,
 )
 from tierps.storage.errors import InvalidArgumentError
@@ -447,3 +448,34 @@ def test_empty_bags_pool_to_zeros_and_take_no_gradient(
     grad = np.zeros((len(sizes), DIM), np.float32)
     grad[empty] = 1.0  # gradients of empty bags only: no key moves
     np.testing.assert_array_equal(unpool(matrix, grad), 0.0)
+
+
+def test_a_stacked_matrix_is_the_features_matrices_one_above_the_other() -> None:
+    """Features of one table pooled in one kernel call: the stacked matrix is exactly the
+    vertical stack of each feature's own matrix, whatever their combiners and weights."""
+    generator = np.random.default_rng(7)
+    parts = []
+    keys = []
+    for combiner, weighted in (
+        (Combiner.SUM, False),
+        (Combiner.MEAN, True),
+        (Combiner.SQRTN, False),
+    ):
+        sizes = generator.integers(0, 5, 6)
+        values = generator.integers(-1, 30, int(sizes.sum()))
+        weights = generator.random(values.size).astype(np.float32) if weighted else None
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        parts.append((to_bags(WHERE, values, offsets, weights), combiner))
+        keys.append(values)
+    unique, inverse = distinct(np.concatenate(keys))
+    bounds = np.cumsum([0] + [k.size for k in keys])
+    inverses = [inverse[bounds[i] : bounds[i + 1]] for i in range(len(keys))]
+    stacked = stacked_pooling_matrix(
+        [(bags, inv, combiner) for (bags, combiner), inv in zip(parts, inverses, strict=True)],
+        unique.size,
+    )
+    alone = [
+        pooling_matrix(bags, inv, unique.size, combiner).toarray()
+        for (bags, combiner), inv in zip(parts, inverses, strict=True)
+    ]
+    np.testing.assert_array_equal(stacked.toarray(), np.vstack(alone))

@@ -32,6 +32,9 @@ class ShardError(RuntimeError):
         self.address = address
         self.code = code
         self.details = details
+        # Of a call sent to several shards: the shards where it went through (a data call
+        # whose other shards failed; EmbeddingClient fills it in).
+        self.succeeded: list[int] = []
 
 
 @dataclass(frozen=True)
@@ -51,9 +54,13 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         if not 1 <= self.max_attempts <= 5:
             raise ValueError(f"RetryPolicy: max_attempts expected 1..5, got {self.max_attempts}")
-        for field in ("initial_backoff_s", "max_backoff_s", "multiplier"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"RetryPolicy: {field} expected > 0, got {getattr(self, field)}")
+        for field in ("initial_backoff_s", "max_backoff_s"):
+            if not getattr(self, field) >= 1e-6:  # gRPC durations; written with 6 decimals
+                raise ValueError(
+                    f"RetryPolicy: {field} expected >= 1e-6 seconds, got {getattr(self, field)}"
+                )
+        if not self.multiplier > 0:
+            raise ValueError(f"RetryPolicy: multiplier expected > 0, got {self.multiplier}")
         if self.buffer_bytes < 0:
             raise ValueError(f"RetryPolicy: buffer_bytes expected >= 0, got {self.buffer_bytes}")
 
@@ -73,8 +80,8 @@ class RetryPolicy:
             return [("grpc.enable_retries", 0)]
         policy = {
             "maxAttempts": self.max_attempts,
-            "initialBackoff": f"{self.initial_backoff_s:.9f}s",  # no exponent: gRPC's format
-            "maxBackoff": f"{self.max_backoff_s:.9f}s",
+            "initialBackoff": f"{self.initial_backoff_s:.6f}s",  # no exponent: gRPC's format
+            "maxBackoff": f"{self.max_backoff_s:.6f}s",
             "backoffMultiplier": self.multiplier,
             "retryableStatusCodes": ["UNAVAILABLE"],
         }

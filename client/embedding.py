@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,17 +130,22 @@ class PooledLookup:
             )
             for name, grad in grad_outputs.items()
         }  # fmt: skip
-        summed: dict[str, np.ndarray] = {}
+        pushes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for table, pooling in self._pooling.items():
             names = [name for name in pooling.rows if name in grads]
             if not names:
                 continue
-            dim = self._tables[table].dim
-            stacked = np.zeros((pooling.matrix.shape[0], dim), np.float32)
+            keys = self._tables[table]
+            stacked = np.zeros((pooling.matrix.shape[0], keys.dim), np.float32)
             for name in names:
-                stacked[pooling.rows[name]] = grads[name].reshape(-1, dim)
-            summed[table] = unpool(pooling.matrix, stacked)
-        pushes = {t: (self._tables[t].unique, grads) for t, grads in summed.items()}
+                stacked[pooling.rows[name]] = grads[name].reshape(-1, keys.dim)
+            summed = unpool(pooling.matrix, stacked)
+            if len(names) < len(pooling.rows):  # only the keys of the features given move
+                touched = np.unique(np.concatenate([keys.inverse[n] for n in names]))
+                touched = touched[touched >= 0]
+                pushes[table] = (keys.unique[touched], summed[touched])
+            else:
+                pushes[table] = (keys.unique, summed)
         return self._client._push_unique(pushes, step)
 
     def _single_feature(self) -> str:
@@ -156,7 +162,7 @@ class EmbeddingClient(ClusterAdmin):
     manager. It has every ClusterAdmin call (create_table, drop_table, list_tables,
     describe, save_snapshot, load_snapshot, list_snapshots, stats) and the data calls.
 
-    Every call has a deadline of timeout_s per shard call. A call failing with UNAVAILABLE is
+    Every data call has a deadline of timeout_s per shard call. A call failing with UNAVAILABLE is
     retried by gRPC as `retry` says; any failure a shard gives is raised as a ShardError
     naming the shard and its address. Bad input is refused before anything is sent.
     """
@@ -176,12 +182,19 @@ class EmbeddingClient(ClusterAdmin):
                 f"(half the message limit), got {chunk_bytes}"
             )
         super().__init__(addresses, timeout_s=timeout_s, retry=retry)
+        # Data calls' own threads: snapshot streams hold the admin pool for as long as they
+        # run, and a prefetch may fan out while a push does.
+        self._calls = ThreadPoolExecutor(2 * len(addresses), thread_name_prefix="tierps-calls")
         self.chunk_bytes = chunk_bytes
         self.max_call_bytes = max_call_bytes
         self._data = [pb_grpc.EmbeddingServiceStub(channel) for channel in self._channels]
         self._configs: dict[str, TableConfig] = {}
         self._steps: dict[str, int] = {}
         self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._calls.shutdown(wait=False)
+        super().close()
 
     @property
     def num_shards(self) -> int:
@@ -421,13 +434,22 @@ class EmbeddingClient(ClusterAdmin):
 
         try:
             updated = sum(reply.num_keys for reply in self._fan_out(calls, call))
-        except BaseException:
-            if step is None:
-                self._release_steps(steps)
-            raise
+        except ShardError as error:
+            if not error.succeeded:
+                if step is None:
+                    self._release_steps(steps)
+                raise
+            partial = ShardError(  # part of the push is in: its step stays taken; say where
+                error.shard_id, error.address, error.code,
+                f"{error.details} (this push was applied on shards {error.succeeded}; the "
+                f"failed shards' part of it was not)",
+            )  # fmt: skip
+            partial.succeeded = error.succeeded
+            raise partial from None
         if step is not None:  # later pushes without a step count on from the one given
             with self._lock:
-                self._steps.update(steps)
+                for table, given in steps.items():
+                    self._steps[table] = max(self._steps.get(table, 0), given)
         return updated
 
     def _reserve_steps(self, tables: list[str], step: int | None) -> dict[str, int]:
@@ -485,18 +507,34 @@ class EmbeddingClient(ClusterAdmin):
         self, calls: list[tuple[int, list[Batch]]], call: Callable[[int, list[Batch]], Any]
     ) -> list[Any]:
         """call(shard, batches) for every call, all at once: the last in this thread, the
-        others on the client's pool (persistent threads: a gRPC future would start a thread
-        per call); results in call order. A gRPC failure is raised as a ShardError naming
-        the shard."""
+        others on the client's call threads (persistent: a gRPC future would start a
+        thread per call). Returns the results in call order once every call has ended; if
+        any failed, raises the first failure as a ShardError naming its shard, with
+        `succeeded` set to the shards whose calls went through."""
         if not calls:
             return []
         *others, (last_shard, last_batches) = calls
         futures = [
-            (shard, self._pool.submit(self._on, shard, lambda i, _, b=batches: call(i, b)))
+            self._calls.submit(self._on, shard, lambda i, _, b=batches: call(i, b))
             for shard, batches in others
         ]
-        last = self._on(last_shard, lambda i, _: call(i, last_batches))
-        return [future.result() for _, future in futures] + [last]
+        outcomes: list[Any] = []
+        for run in [*(future.result for future in futures), None]:
+            try:
+                if run is None:
+                    outcomes.append(self._on(last_shard, lambda i, _: call(i, last_batches)))
+                else:
+                    outcomes.append(run())
+            except ShardError as error:
+                outcomes.append(error)
+        failures = [outcome for outcome in outcomes if isinstance(outcome, ShardError)]
+        if failures:
+            failures[0].succeeded = sorted(
+                {shard for (shard, _), outcome in zip(calls, outcomes, strict=True)
+                 if not isinstance(outcome, ShardError)}
+            )  # fmt: skip
+            raise failures[0]
+        return outcomes
 
 
 def _reply_bytes(batches: list[Batch]) -> int:

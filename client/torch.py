@@ -96,9 +96,12 @@ class EmbeddingBagCollection(nn.Module):
         pooled = None
         for index, (pending, create, future) in enumerate(self._prefetched):
             if pending is batch and create == trains:
-                del self._prefetched[index]
+                # Entries prefetched before this one were skipped: drop them, so that no
+                # later forward of a reused batch object takes rows older than one step.
+                del self._prefetched[: index + 1]
                 pooled = future.result()  # a failed prefetch raises here, at its forward
                 break
+        self._prefetched = [entry for entry in self._prefetched if entry[1] == trains]
         if pooled is None:
             pooled = self._lookup(batch, create=trains)
         names = [feature.name for feature in self.features]

@@ -1013,3 +1013,40 @@ def test_prefetch_looks_each_batch_up_once_and_gives_what_a_plain_forward_gives(
         module.prefetch(other)
         module({"a": np.array([[1, 2, 3]]), "b": np.array([[4, 5]])})  # an equal, other object
     assert len(module._prefetched) == 1  # not taken: only the same batch object is
+
+
+def test_a_push_failing_on_one_shard_names_the_shards_it_reached_and_keeps_its_step(
+    faulty_shard: Callable[..., FaultyShard], make_client: Callable[..., EmbeddingClient]
+) -> None:
+    shards = [
+        faulty_shard(shard_id=0, num_shards=2),
+        faulty_shard(shard_id=1, num_shards=2, faults={"PushGradients": [Fault(CODE.UNAVAILABLE)]}),
+    ]
+    client = make_client([s.address for s in shards], timeout_s=5.0, retry=FAST_RETRY)
+    client.create_table(config(optimizer=optim.SGD(lr=0.5)))
+    keys = np.array([2, 3, 4, 5])
+    with pytest.raises(ShardError) as raised:
+        client.push_gradients("t", keys, np.ones((4, DIM), np.float32))
+    error = raised.value
+    assert error.shard_id == 1 and error.succeeded == [0], (error.shard_id, error.succeeded)
+    assert "applied on shards [0]" in str(error) and shards[1].address in str(error)
+    assert sorted(stored(shards[0].shard, "t")) == [2, 4] and stored(shards[1].shard, "t") == {}
+    assert client._steps["t"] == 1  # shard 0 applied step 1: the next push is step 2
+
+
+def test_pushing_the_gradients_of_some_features_moves_only_their_keys(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """Adam moves a row even for a zero gradient: a feature left out of push_gradients must
+    not send its keys at all (as torch, where an unused EmbeddingBag gives no indices)."""
+    servers = start_cluster(shard_server, 2)
+    client = make_client(servers)
+    client.create_table(config(optimizer=optim.Adam(lr=0.1)))
+    features = [Feature("a", "t"), Feature("b", "t")]
+    batch = {"a": np.array([[1, 2], [3, -1]]), "b": np.array([[2, 7], [8, 9]])}
+    before = client.lookup("t", np.arange(10), create=False)
+    pooled = client.lookup_pooled_features(batch, features)
+    assert pooled.push_gradients({"a": np.ones((2, DIM), np.float32)}) == 3  # keys 1, 2, 3
+    after = client.lookup("t", np.arange(10), create=False)
+    moved = sorted(int(k) for k in np.flatnonzero((after != before).any(axis=1)))
+    assert moved == [1, 2, 3], moved

@@ -10,15 +10,17 @@ from tierps.client.admin import ClusterAdmin, RetryPolicy, ShardError
 from tierps.client.embedding import EmbeddingClient, Feature, PooledLookup
 from tierps.client.formats import COO
 from tierps.client.pooling import Combiner
-from tierps.storage import Eviction, TableConfig, WritePolicy, init, optim
+from tierps.storage import Admission, Eviction, Placement, TableConfig, WritePolicy, init, optim
 
 __all__ = [
+    "Admission",
     "COO",
     "ClusterAdmin",
     "Combiner",
     "EmbeddingClient",
     "Eviction",
     "Feature",
+    "Placement",
     "PooledLookup",
     "RetryPolicy",
     "ShardError",

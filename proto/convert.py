@@ -8,8 +8,13 @@ from typing import Any
 
 from tierps.proto import tierps_service_pb2 as pb
 
-_STRINGS = ("dtype", "eviction", "write_policy")
-_OPTIONAL_INTS = ("seed", "host_cache_bytes", "gpu_cache_bytes")
+_STRINGS = ("dtype", "eviction", "write_policy", "placement", "admission")
+# Scalars whose presence is kept: an explicit 0 or false stays apart from unset.
+_OPTIONAL_INTS = (
+    "seed", "host_cache_bytes", "gpu_cache_bytes", "use_hashtable", "capacity", "table_shard",
+    "hash_bucket_size", "promote_after", "admit_after", "max_elements", "false_positive_rate",
+    "default_value", "steps_to_live", "min_l2_norm", "evict_before_snapshot",
+)  # fmt: skip
 _COMPONENTS = ("initializer", "optimizer")
 
 

@@ -102,7 +102,7 @@ class Component(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class TableConfig(_message.Message):
-    __slots__ = ("name", "dim", "dtype", "initializer", "optimizer", "seed", "host_cache_bytes", "gpu_cache_bytes", "eviction", "write_policy")
+    __slots__ = ("name", "dim", "dtype", "initializer", "optimizer", "seed", "host_cache_bytes", "gpu_cache_bytes", "eviction", "write_policy", "use_hashtable", "capacity", "placement", "table_shard", "hash_bucket_size", "promote_after", "admit_after", "admission", "max_elements", "false_positive_rate", "default_value", "steps_to_live", "min_l2_norm", "evict_before_snapshot")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,20 @@ class TableConfig(_message.Message):
     GPU_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     EVICTION_FIELD_NUMBER: _ClassVar[int]
     WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    USE_HASHTABLE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    TABLE_SHARD_FIELD_NUMBER: _ClassVar[int]
+    HASH_BUCKET_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROMOTE_AFTER_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    FALSE_POSITIVE_RATE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_TO_LIVE_FIELD_NUMBER: _ClassVar[int]
+    MIN_L2_NORM_FIELD_NUMBER: _ClassVar[int]
+    EVICT_BEFORE_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     dtype: str
@@ -123,7 +137,21 @@ class TableConfig(_message.Message):
     gpu_cache_bytes: int
     eviction: str
     write_policy: str
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., initializer: _Optional[_Union[Component, _Mapping]] = ..., optimizer: _Optional[_Union[Component, _Mapping]] = ..., seed: _Optional[int] = ..., host_cache_bytes: _Optional[int] = ..., gpu_cache_bytes: _Optional[int] = ..., eviction: _Optional[str] = ..., write_policy: _Optional[str] = ...) -> None: ...
+    use_hashtable: bool
+    capacity: int
+    placement: str
+    table_shard: int
+    hash_bucket_size: int
+    promote_after: int
+    admit_after: int
+    admission: str
+    max_elements: int
+    false_positive_rate: float
+    default_value: float
+    steps_to_live: int
+    min_l2_norm: float
+    evict_before_snapshot: bool
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., initializer: _Optional[_Union[Component, _Mapping]] = ..., optimizer: _Optional[_Union[Component, _Mapping]] = ..., seed: _Optional[int] = ..., host_cache_bytes: _Optional[int] = ..., gpu_cache_bytes: _Optional[int] = ..., eviction: _Optional[str] = ..., write_policy: _Optional[str] = ..., use_hashtable: _Optional[bool] = ..., capacity: _Optional[int] = ..., placement: _Optional[str] = ..., table_shard: _Optional[int] = ..., hash_bucket_size: _Optional[int] = ..., promote_after: _Optional[int] = ..., admit_after: _Optional[int] = ..., admission: _Optional[str] = ..., max_elements: _Optional[int] = ..., false_positive_rate: _Optional[float] = ..., default_value: _Optional[float] = ..., steps_to_live: _Optional[int] = ..., min_l2_norm: _Optional[float] = ..., evict_before_snapshot: _Optional[bool] = ...) -> None: ...
 
 class CreateTableRequest(_message.Message):
     __slots__ = ("config",)

@@ -1,7 +1,7 @@
 """tierps.storage: table configs, the tiers, the cascade and the store of one shard."""
 
 from tierps.storage import init, optim
-from tierps.storage.config import Eviction, TableConfig, WritePolicy
+from tierps.storage.config import Admission, Eviction, Placement, TableConfig, WritePolicy
 from tierps.storage.errors import (
     BackendError,
     FailedPreconditionError,
@@ -16,6 +16,7 @@ from tierps.storage.store import EmbeddingStore
 from tierps.storage.table import EmbeddingTable
 
 __all__ = [
+    "Admission",
     "BackendError",
     "EmbeddingStore",
     "EmbeddingTable",
@@ -24,6 +25,7 @@ __all__ = [
     "HashTable",
     "InvalidArgumentError",
     "NotFoundError",
+    "Placement",
     "ResourceExhaustedError",
     "TableConfig",
     "TableNotFoundError",

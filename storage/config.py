@@ -10,7 +10,7 @@ from enum import StrEnum
 from typing import Any
 
 from tierps.storage import init, optim
-from tierps.storage.validation import check_int
+from tierps.storage.validation import check_finite, check_int, check_range
 from tierps.storage.xp import array_module
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -31,6 +31,20 @@ class WritePolicy(StrEnum):
     WRITE_THROUGH = "write_through"  # before every update returns (durable)
 
 
+class Placement(StrEnum):
+    """Where a table's rows live in a cluster."""
+
+    ROW = "row"  # spread over every shard: key k lives on shard k % num_shards
+    TABLE = "table"  # whole on one shard: table_shard, or one chosen from the table's name
+
+
+class Admission(StrEnum):
+    """How the sightings of a key not yet admitted are counted (admit_after > 0)."""
+
+    COUNTER = "counter"  # an exact count per key: memory grows with the distinct keys seen
+    BLOOM = "bloom"  # a counting Bloom filter: memory bounded by max_elements and the rate
+
+
 @dataclass(frozen=True)
 class TableConfig:
     """One embedding table.
@@ -40,6 +54,22 @@ class TableConfig:
     stored beside each row. seed: makes initial rows a pure function of (seed, key).
     host_cache_bytes / gpu_cache_bytes: per-shard budget of each cache tier (rows, their
     optimizer state and the index); rows beyond it live in RocksDB only.
+
+    Feature lifecycle (each off at its default):
+    - use_hashtable=False with capacity=N: N rows addressed by key in [0, N), no hash table
+      (SOK's use_hashtable=False); other keys are refused.
+    - placement="table": the whole table on one shard, table_shard (-1: chosen from the
+      name) instead of key % num_shards (HugeCTR's localized embedding).
+    - hash_bucket_size and promote_after (adaptive embedding, DeepRec): a key seen fewer
+      than promote_after times reads and trains the shared row of bucket
+      hash(key) % hash_bucket_size; then it gets its own row, from that row's weights.
+    - admit_after (admission, DeepRec): a key gets a row only once seen admit_after times;
+      until then it looks up as default_value and its gradients are dropped and counted.
+      admission="bloom" counts in a counting Bloom filter of max_elements at
+      false_positive_rate instead of exactly.
+    - steps_to_live and min_l2_norm (eviction, DeepRec and Monolith): rows not updated for
+      steps_to_live steps, or whose weights' L2 norm is below min_l2_norm, are removed by an
+      admin evict call, and before each snapshot when evict_before_snapshot.
     """
 
     name: str
@@ -52,6 +82,20 @@ class TableConfig:
     gpu_cache_bytes: int = 0
     eviction: Eviction = Eviction.LRU
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
+    use_hashtable: bool = True
+    capacity: int = 0
+    placement: Placement = Placement.ROW
+    table_shard: int = -1
+    hash_bucket_size: int = 0
+    promote_after: int = 0
+    admit_after: int = 0
+    admission: Admission = Admission.COUNTER
+    max_elements: int = 0
+    false_positive_rate: float = 0.01
+    default_value: float = 0.0
+    steps_to_live: int = 0
+    min_l2_norm: float = 0.0
+    evict_before_snapshot: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -77,7 +121,10 @@ class TableConfig:
         check_int(owner, "seed", self.seed, 0, 2**64 - 1)
         check_int(owner, "host_cache_bytes", self.host_cache_bytes, 0, 2**62)
         check_int(owner, "gpu_cache_bytes", self.gpu_cache_bytes, 0, 2**62)
-        for name, enum in (("eviction", Eviction), ("write_policy", WritePolicy)):
+        for name, enum in (
+            ("eviction", Eviction), ("write_policy", WritePolicy), ("placement", Placement),
+            ("admission", Admission),
+        ):  # fmt: skip
             value = getattr(self, name)
             try:
                 object.__setattr__(self, name, enum(value))
@@ -86,6 +133,56 @@ class TableConfig:
                     f"{owner}: field '{name}' expected one of "
                     f"{[member.value for member in enum]}, got {value!r}"
                 ) from None
+        self._check_lifecycle(owner)
+
+    def _check_lifecycle(self, owner: str) -> None:
+        for name in ("use_hashtable", "evict_before_snapshot"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"{owner}: field '{name}' expected a bool, got {getattr(self, name)!r}"
+                )
+        check_int(owner, "capacity", self.capacity, 0, 2**40)
+        if self.use_hashtable and self.capacity:
+            raise ValueError(
+                f"{owner}: field 'capacity' expected 0 with use_hashtable=True (a hashed table "
+                f"grows as keys come), got {self.capacity}"
+            )
+        if not self.use_hashtable and not self.capacity:
+            raise ValueError(
+                f"{owner}: field 'capacity' expected >= 1 with use_hashtable=False (rows are "
+                f"addressed by key in [0, capacity)), got 0"
+            )
+        check_int(owner, "table_shard", self.table_shard, -1, 2**31)
+        if self.table_shard != -1 and self.placement is not Placement.TABLE:
+            raise ValueError(
+                f"{owner}: field 'table_shard' expected -1 unless placement='table', got "
+                f"{self.table_shard} with placement={str(self.placement)!r}"
+            )
+        for name in ("hash_bucket_size", "promote_after", "admit_after", "max_elements",
+                     "steps_to_live"):  # fmt: skip
+            check_int(owner, name, getattr(self, name), 0, 2**62)
+        if bool(self.hash_bucket_size) != bool(self.promote_after):
+            raise ValueError(
+                f"{owner}: fields 'hash_bucket_size' and 'promote_after' expected both > 0 "
+                f"(adaptive embedding) or both 0, got {self.hash_bucket_size} and "
+                f"{self.promote_after}"
+            )
+        if self.promote_after and self.admit_after:
+            raise ValueError(
+                f"{owner}: adaptive embedding (promote_after={self.promote_after}) and "
+                f"admission (admit_after={self.admit_after}) expected one at most: both "
+                f"decide when a key gets its own row"
+            )
+        if self.admission is Admission.BLOOM and self.admit_after and not (self.max_elements):
+            raise ValueError(
+                f"{owner}: field 'max_elements' expected >= 1 with admission='bloom', got 0"
+            )
+        check_range(
+            owner, "false_positive_rate", self.false_positive_rate, 0.0, 1.0,
+            low_open=True, high_open=True,
+        )  # fmt: skip
+        check_finite(owner, "default_value", self.default_value)
+        check_range(owner, "min_l2_norm", self.min_l2_norm, 0.0, float("inf"))
 
     @property
     def row_width(self) -> int:
@@ -113,8 +210,8 @@ class TableConfig:
         out = dataclasses.asdict(self)
         out["initializer"] = {"kind": self.initializer.kind, **out["initializer"]}
         out["optimizer"] = {"kind": self.optimizer.kind, **out["optimizer"]}
-        out["eviction"] = self.eviction.value
-        out["write_policy"] = self.write_policy.value
+        for name in ("eviction", "write_policy", "placement", "admission"):
+            out[name] = getattr(self, name).value
         return out
 
     @classmethod

@@ -214,8 +214,22 @@ def test_table_config_round_trips_through_its_message(
         gpu_cache_bytes=3 << 20,
         eviction=Eviction.LFU,
         write_policy=WritePolicy.WRITE_THROUGH,
+        use_hashtable=False,
+        capacity=1000,
+        placement="table",
+        table_shard=0,  # explicitly 0: presence keeps it apart from unset (-1)
+        admit_after=3,
+        admission="bloom",
+        max_elements=5000,
+        false_positive_rate=0.001,
+        default_value=-0.5,
+        steps_to_live=100,
+        min_l2_norm=1e-3,
+        evict_before_snapshot=True,
     )
     assert round_trip(config) == config
+    adaptive = dataclasses.replace(config, admit_after=0, hash_bucket_size=64, promote_after=5)
+    assert round_trip(adaptive) == adaptive
     message = table_config_to_proto(config.to_dict())
     assert message.HasField("host_cache_bytes") and message.host_cache_bytes == 0
     assert message.optimizer.kind == optimizer.kind
@@ -239,6 +253,18 @@ def full_message() -> tuple[TableConfig, pb.TableConfig]:
         gpu_cache_bytes=1 << 20,
         eviction="lfu",
         write_policy="write_through",
+        use_hashtable=False,
+        capacity=64,
+        placement="table",
+        table_shard=1,
+        admit_after=2,
+        admission="bloom",
+        max_elements=100,
+        false_positive_rate=0.05,
+        default_value=0.5,
+        steps_to_live=7,
+        min_l2_norm=0.25,
+        evict_before_snapshot=True,
     )
     return config, table_config_to_proto(config.to_dict())
 
@@ -263,7 +289,14 @@ def default_of(name: str) -> Any:
         "eviction",
         "write_policy",
         "initializer",
-        "optimizer",
+        "optimizer",  # (placement stays: unset, "row", it would refuse the table_shard set)
+        "admission",
+        "admit_after",
+        "false_positive_rate",
+        "default_value",
+        "steps_to_live",
+        "min_l2_norm",
+        "evict_before_snapshot",
     ],
 )
 def test_an_unset_field_takes_the_dataclass_default(field: str) -> None:

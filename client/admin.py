@@ -16,7 +16,7 @@ from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto.convert import table_config_to_dict, table_config_to_proto
 from tierps.proto.wire import channel_options
-from tierps.storage.config import TableConfig
+from tierps.storage.config import Placement, TableConfig, owner_shard
 
 T = TypeVar("T")
 Progress = Callable[[int, int], None]  # (rows done, rows in all) across the cluster
@@ -144,7 +144,12 @@ class ClusterAdmin:
     # -- tables ------------------------------------------------------------------------------
 
     def create_table(self, config: TableConfig) -> bool:
-        """Create on every shard; True if any shard created it, False if all had it."""
+        """Create on every shard; True if any shard created it, False if all had it. Every
+        shard keeps the config; a table placed whole (placement="table") stores rows on its
+        owner_shard only, and a table_shard outside this cluster is refused before anything
+        is sent (InvalidArgumentError)."""
+        if config.placement is Placement.TABLE:
+            owner_shard(config, len(self.addresses))
         request = pb.CreateTableRequest(config=table_config_to_proto(config.to_dict()))
         replies = self._each(lambda i, stub: stub.CreateTable(request, timeout=self.timeout_s))
         return any(reply.created for reply in replies)

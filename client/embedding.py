@@ -1,6 +1,7 @@
-"""EmbeddingClient: what a trainer talks to. It routes keys to their shards (key % N),
-removes duplicates before sending, calls the shards at once, one RPC per shard carrying
-every table of the call, and pools bags with the fused kernel of `pooling`.
+"""EmbeddingClient: what a trainer talks to. It routes keys to their shards (key % N; every
+key of a table placed whole to its owner shard), removes duplicates before sending, calls
+the shards at once, one RPC per shard carrying every table of the call, and pools bags with
+the fused kernel of `pooling`.
 
     from tierps.client import EmbeddingClient, TableConfig, optim
 
@@ -35,7 +36,7 @@ from tierps.client.pooling import (
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
-from tierps.storage.config import TableConfig
+from tierps.storage.config import Placement, TableConfig, owner_shard
 from tierps.storage.errors import InvalidArgumentError, TableNotFoundError
 from tierps.storage.validation import check_step
 
@@ -475,10 +476,17 @@ class EmbeddingClient(ClusterAdmin):
         self, tables: dict[str, tuple[int, np.ndarray]], bytes_per_key: Callable[[int], int]
     ) -> list[tuple[int, list[Batch]]]:
         """The calls to make: (shard, [(table, dim, keys, their positions)]), each call at
-        most max_call_bytes (bytes_per_key(dim) per key); a shard with no keys gets none."""
+        most max_call_bytes (bytes_per_key(dim) per key); a shard with no keys gets none.
+        Key k goes to shard k % N, or, of a table placed whole, to the table's owner_shard."""
         calls: list[tuple[int, list[Batch]]] = []
         per_shard: list[list[Batch]] = [[] for _ in self.addresses]
         for name, (dim, keys) in tables.items():
+            config = self.table_config(name)
+            if config.placement is Placement.TABLE:  # whole on one shard: no split
+                if keys.size:
+                    owner = owner_shard(config, self.num_shards)
+                    per_shard[owner].append((name, dim, keys, np.arange(keys.size)))
+                continue
             shard_of = keys % self.num_shards
             order = np.argsort(shard_of, kind="stable")
             bounds = np.searchsorted(shard_of[order], np.arange(self.num_shards + 1))

@@ -22,6 +22,7 @@ from tierps.storage import (
     TableConfig,
     snapshot,
 )
+from tierps.storage.config import Placement, owner_shard
 from tierps.storage.snapshot import Progress
 from tierps.storage.table import EmbeddingTable
 
@@ -109,6 +110,10 @@ class Shard:
     The data dir remembers which shard it belongs to: opening it as another shard, or with
     another shard count, is refused (its keys would be on the wrong shard; load a snapshot to
     reshard instead).
+
+    Every shard keeps the config of every table (ListTables and DescribeTable agree across
+    the cluster); a table placed whole (placement="table") stores rows only on its owner,
+    owner_shard(config, num_shards), and the other shards refuse its data calls.
     """
 
     def __init__(self, config: ServerConfig) -> None:
@@ -125,6 +130,7 @@ class Shard:
         self.on_serving_change: Callable[[bool], None] = lambda serving: None
         try:
             for table in config.tables:
+                self.owner(table)
                 self.store.create_table(table)
         except BaseException:
             self.store.close()  # release RocksDB's lock: the data dir can be opened again
@@ -160,19 +166,43 @@ class Shard:
     def _checked(self, name: str, dim: int, keys: np.ndarray) -> EmbeddingTable:
         """The table, after checking the caller's dim and that every key is this shard's."""
         table = self._table(name, dim)
-        self.check_keys(name, keys)
+        self.check_keys(table.config, keys)
         return table
 
-    def check_keys(self, table: str, keys: np.ndarray) -> None:
-        """Refuse keys >= 0 that belong to another shard, naming the first."""
+    def owner(self, config: TableConfig) -> int | None:
+        """The shard holding a table placed whole, None for a row-placed one; a table_shard
+        outside this cluster is refused (InvalidArgumentError naming table, field and shard)."""
+        if config.placement is not Placement.TABLE:
+            return None
+        try:
+            return owner_shard(config, self.num_shards)
+        except InvalidArgumentError as error:
+            raise InvalidArgumentError(f"{error} (refused by {self.where})") from None
+
+    def check_keys(self, config: TableConfig, keys: np.ndarray) -> None:
+        """Refuse keys >= 0 that belong to another shard, naming the first; a table placed
+        whole on another shard is refused whatever the keys."""
         if self.num_shards == 1:
+            return
+        owner = self.owner(config)
+        if owner is not None:
+            if owner != self.shard_id:
+                chosen = (
+                    f"table_shard={config.table_shard}" if config.table_shard >= 0
+                    else "table_shard=-1: the shard chosen from its name"
+                )  # fmt: skip
+                raise InvalidArgumentError(
+                    f"table {config.name!r} is placed whole on shard {owner} "
+                    f"(placement='table', {chosen}), not on {self.where}; send its keys "
+                    f"to shard {owner}"
+                )
             return
         wrong = (keys >= 0) & (keys % self.num_shards != self.shard_id)
         if wrong.any():
             index = int(np.argmax(wrong))
             key = int(keys[index])
             raise InvalidArgumentError(
-                f"table {table!r}: key {key} at index {index} belongs to shard "
+                f"table {config.name!r}: key {key} at index {index} belongs to shard "
                 f"{key % self.num_shards}, not to {self.where} (a key k lives on shard "
                 f"k % {self.num_shards})"
             )
@@ -211,7 +241,9 @@ class Shard:
     # -- tables ------------------------------------------------------------------------------
 
     def create_table(self, config: TableConfig) -> bool:
-        """True if created, False if it existed with this config."""
+        """True if created, False if it existed with this config. A table placed whole
+        with a table_shard outside this cluster is refused (InvalidArgumentError)."""
+        self.owner(config)
         with self._admin:
             existed = config.name in {t.name for t in self.store.tables()}
             self.store.create_table(config)
@@ -297,6 +329,14 @@ class Shard:
         checked before anything changes; data calls wait and health is NOT_SERVING meanwhile."""
         root = self._snapshot_root()
         opened = snapshot.Snapshot(root, name)
+        for config in opened.configs.values():
+            try:
+                self.owner(config)
+            except InvalidArgumentError as error:
+                raise FailedPreconditionError(
+                    f"snapshot {name!r} cannot load into this cluster of {self.num_shards} "
+                    f"shards: {error}"
+                ) from None
         opened.verify()
         total = sum(entry["rows"] for entry in opened.tables.values())
         done = kept = 0

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import zlib
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+import numpy as np
+
 from tierps.storage import init, optim
+from tierps.storage.errors import InvalidArgumentError
+from tierps.storage.hashing import mix64
 from tierps.storage.validation import check_finite, check_int, check_range
 from tierps.storage.xp import array_module
 
@@ -59,7 +64,7 @@ class TableConfig:
     - use_hashtable=False with capacity=N: N rows addressed by key in [0, N), no hash table
       (SOK's use_hashtable=False); other keys are refused.
     - placement="table": the whole table on one shard, table_shard (-1: chosen from the
-      name) instead of key % num_shards (HugeCTR's localized embedding).
+      name), instead of key % num_shards (HugeCTR's localized embedding); see owner_shard.
     - hash_bucket_size and promote_after (adaptive embedding, DeepRec): a key seen fewer
       than promote_after times reads and trains the shared row of bucket
       hash(key) % hash_bucket_size; then it gets its own row, from that row's weights.
@@ -232,3 +237,36 @@ def _from_kind(field_name: str, registry: dict[str, type], data: dict[str, Any])
             f"got {kind!r}"
         )
     return registry[kind](**params)
+
+
+def owner_shard(config: TableConfig, num_shards: int) -> int:
+    """The one shard of num_shards that holds a table placed whole (placement="table"):
+    table_shard when it is >= 0, else splitmix64(CRC-32 of the name's UTF-8) % num_shards,
+    a pure function of (name, num_shards) that every client, shard and snapshot load agrees
+    on. Raises InvalidArgumentError naming the table when table_shard >= num_shards, and
+    ValueError for a row-placed table (it has no owner: key k lives on shard k % num_shards).
+    """
+    if config.placement is not Placement.TABLE:
+        raise ValueError(
+            f"table {config.name!r}: owner_shard expected placement='table', got "
+            f"{str(config.placement)!r} (its keys spread over every shard)"
+        )
+    check_int("owner_shard", "num_shards", num_shards, 1, 2**31)
+    if config.table_shard >= 0:
+        if config.table_shard >= num_shards:
+            raise InvalidArgumentError(
+                f"table {config.name!r}: field 'table_shard' expected -1 or a shard in "
+                f"[0, {num_shards - 1}] of this cluster of {num_shards} shards, got "
+                f"{config.table_shard}"
+            )
+        return config.table_shard
+    crc = np.array([zlib.crc32(config.name.encode("utf-8"))], dtype=np.uint64)
+    return int(mix64(crc)[0] % np.uint64(num_shards))
+
+
+def key_shards(config: TableConfig, keys: np.ndarray, num_shards: int) -> np.ndarray:
+    """The shard of each int64 key >= 0 of a table in a cluster of num_shards: k % num_shards
+    (placement="row"), or the table's owner_shard for every key (placement="table")."""
+    if config.placement is Placement.TABLE:
+        return np.full(keys.shape, owner_shard(config, num_shards), dtype=np.int64)
+    return keys % num_shards

@@ -9,10 +9,12 @@
                                                   without it is incomplete, never loaded
 
 A load into a cluster of M shards makes shard i read the keys with key % M == i from every
-part, so a snapshot loads into any shard count. Every file's size and SHA-256 are in the
-manifest and are checked before a load changes anything. Each save writes under its own
-save id, so two saves under one name (two clusters sharing a snapshot directory) never touch
-each other's files, and only one of them can commit the manifest.
+part, so a snapshot loads into any shard count; a table placed whole (placement="table") goes
+whole to its owner among the M, owner_shard(config, M), and the other shards take none of it.
+Every file's size and SHA-256 are in the manifest and are checked before a load changes
+anything. Each save writes under its own save id, so two saves under one name (two clusters
+sharing a snapshot directory) never touch each other's files, and only one of them can commit
+the manifest.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from tierps.storage.config import TableConfig
+from tierps.storage.config import Placement, TableConfig, owner_shard
 from tierps.storage.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
 FORMAT_VERSION = 1
@@ -322,11 +324,19 @@ class Snapshot:
         self, table_name: str, shard_id: int, num_shards: int, chunk_rows: int = 65536
     ) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
         """(keys, rows, rows scanned) chunks of the keys with key % num_shards == shard_id,
-        read from every part; memory stays bounded by chunk_rows."""
+        read from every part; memory stays bounded by chunk_rows. A table placed whole gives
+        every row to owner_shard(config, num_shards) and none to the others (they read
+        nothing, but count its rows as scanned). InvalidArgumentError if the table's
+        table_shard is not below num_shards."""
         config = self.configs[table_name]
+        whole = config.placement is Placement.TABLE
+        owner = owner_shard(config, num_shards) if whole else -1
         for part in self.tables[table_name]["parts"]:
             n = part["rows"]
             if n == 0:
+                continue
+            if whole and owner != shard_id:
+                yield np.empty(0, np.int64), np.empty((0, config.row_width), np.float32), n
                 continue
             keys = np.memmap(self.path / part["keys_file"]["path"], dtype="<i8", mode="r")
             rows = np.memmap(
@@ -337,7 +347,7 @@ class Snapshot:
             )
             for start in range(0, n, chunk_rows):
                 window = np.asarray(keys[start : start + chunk_rows])
-                mine = np.flatnonzero(window % num_shards == shard_id)
+                mine = slice(None) if whole else np.flatnonzero(window % num_shards == shard_id)
                 yield (
                     window[mine].astype(np.int64),
                     np.asarray(rows[start : start + chunk_rows][mine], dtype=np.float32),

@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from tierps.client.admin import ClusterAdmin, ShardError
+from tierps.client.admin import ShardError
+from tierps.client.embedding import EmbeddingClient
+from tierps.storage.config import TableConfig
+from tierps.storage.errors import TierpsError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +24,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=30.0, help="deadline of each call")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     actions = parser.add_subparsers(dest="action", required=True)
+    create = actions.add_parser("create", help="create a table on every shard")
+    create.add_argument(
+        "--config", type=Path, required=True,
+        help="a TableConfig as JSON (the form `tables --json` prints)",
+    )  # fmt: skip
+    create.add_argument(
+        "--init", type=Path,
+        help="initial rows, read here: a .npy matrix [n, dim] (row i: key i) or a .npz with "
+        "arrays keys and values",
+    )  # fmt: skip
     actions.add_parser("tables", help="list the tables and their configs")
     describe = actions.add_parser("describe", help="rows, bytes and hit rates of a table per tier")
     describe.add_argument("table")
@@ -61,9 +75,9 @@ def _with_bar(action: Any, label: str) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     addresses = [a.strip() for a in args.addresses.split(",") if a.strip()]
     try:
-        with ClusterAdmin(addresses, timeout_s=args.timeout_s) as admin:
+        with EmbeddingClient(addresses, timeout_s=args.timeout_s) as admin:
             result = _act(admin, args)
-    except ShardError as error:
+    except (ShardError, TierpsError, ValueError, OSError) as error:
         print(f"tierps admin: {error}", file=sys.stderr)
         return 1
     if args.json and result is not None:
@@ -71,7 +85,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _act(admin: ClusterAdmin, args: argparse.Namespace) -> Any:
+def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
+    if args.action == "create":
+        config = TableConfig.from_dict(json.loads(args.config.read_text()))
+        created = admin.create_table(config, initial=args.init)
+        result = {"table": config.name, "created": created}
+        if args.init is not None:
+            result["initial_rows_from"] = str(args.init)
+        if not args.json:
+            verb = "created" if created else "exists already, with this config:"
+            rows = f", initial rows from {args.init}" if args.init is not None else ""
+            print(f"table {config.name!r} {verb} on {len(admin.addresses)} shards{rows}")
+        return result
     if args.action == "tables":
         configs = [c.to_dict() for c in admin.list_tables()]
         if not args.json:

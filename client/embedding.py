@@ -25,6 +25,7 @@ import numpy as np
 
 from tierps.client.admin import ClusterAdmin, RetryPolicy, ShardError
 from tierps.client.formats import COO, Bags, as_array, float_array, to_bags
+from tierps.client.initial_rows import InitialRows, read_initial_rows
 from tierps.client.pooling import (
     Combiner,
     distinct_keys,
@@ -37,7 +38,11 @@ from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
 from tierps.storage.config import Placement, TableConfig, owner_shard
-from tierps.storage.errors import InvalidArgumentError, TableNotFoundError
+from tierps.storage.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    TableNotFoundError,
+)
 from tierps.storage.validation import check_step
 
 DEFAULT_MAX_CALL_BYTES = 256 << 20  # bulk bytes of one call (request or reply) per shard
@@ -203,10 +208,24 @@ class EmbeddingClient(ClusterAdmin):
 
     # -- tables (cached: the client needs each table's dim) ------------------------------------
 
-    def create_table(self, config: TableConfig) -> bool:
+    def create_table(self, config: TableConfig, *, initial: InitialRows | None = None) -> bool:
+        """Create the table on every shard; True if any shard created it, False if every
+        shard had it with this config. `initial`: its first rows, as (keys, values) or the
+        path of a .npy / .npz file read here (tierps.client.initial_rows); they are checked
+        before anything is created, and written (with fresh optimizer state) only into a
+        table this call created: for an existing table it is FailedPreconditionError."""
+        where = f"table {config.name!r}"
+        rows = None if initial is None else read_initial_rows(where, initial, config)
+        if rows is not None and config.name in {t.name for t in self.list_tables()}:
+            raise FailedPreconditionError(
+                f"{where} exists already: initial rows expected for a table this call "
+                f"creates; use assign to set the rows of an existing table"
+            )
         created = super().create_table(config)
         with self._lock:
             self._configs[config.name] = config
+        if rows is not None:
+            self.assign(config.name, *rows)
         return created
 
     def drop_table(self, name: str) -> None:

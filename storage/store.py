@@ -2,6 +2,12 @@
 
 Each table has a column family for its rows; the table configs live in the default column
 family, so a reopened store knows its tables.
+
+A table's tiers: a hashed table (use_hashtable=True) gets a HostTier within its
+host_cache_bytes budget (none when the budget holds no row) over RocksDB. A direct table
+(use_hashtable=False, capacity=N) gets a DirectTier over RocksDB instead: all N rows in
+memory whatever host_cache_bytes says, so create_table refuses one whose arena would take
+more than DIRECT_MEMORY_FRACTION of this machine's physical memory.
 """
 
 from __future__ import annotations
@@ -20,11 +26,18 @@ from tierps.storage.errors import (
     BackendError,
     FailedPreconditionError,
     InvalidArgumentError,
+    ResourceExhaustedError,
     TableNotFoundError,
 )
 from tierps.storage.rocksdb_tier import RocksDBTier
 from tierps.storage.table import EmbeddingTable
-from tierps.storage.tiers import HostTier, Tier, host_rows_for_budget
+from tierps.storage.tiers import (
+    DirectTier,
+    HostTier,
+    Tier,
+    direct_arena_bytes,
+    host_rows_for_budget,
+)
 
 FORMAT_VERSION = 1
 _FORMAT_KEY = b"tierps/format_version"
@@ -32,8 +45,41 @@ _CONFIG_PREFIX = b"tierps/table/"
 _CF_PREFIX = "table."
 
 
+DIRECT_MEMORY_FRACTION = 0.5  # a direct table's arena may take at most this share of RAM
 MEMTABLE_BYTES = 16 << 20  # per column family; RocksDB's default (64 MiB) is large per table
 DB_MEMTABLE_BYTES = 64 << 20  # all memtables of the store together
+
+
+def physical_memory_bytes() -> int:
+    """This machine's physical memory (os.sysconf), or 0 where it cannot be told."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def check_direct_size(config: TableConfig, where: str, memory_bytes: int | None = None) -> None:
+    """Refuse (ResourceExhaustedError) a direct table whose arena - all `capacity` rows,
+    weights and optimizer state, plus two flag bytes a row - would take more than
+    DIRECT_MEMORY_FRACTION of physical memory (`memory_bytes`, this machine's by default).
+    The bound is per table and shard: it catches a capacity no machine of this size can
+    hold, not the sum of many tables. A hashed table is not checked: its host_cache_bytes
+    budget bounds it and its other rows live in RocksDB."""
+    if config.use_hashtable:
+        return
+    memory = physical_memory_bytes() if memory_bytes is None else memory_bytes
+    per_row = direct_arena_bytes(1, config.row_bytes)
+    need = config.capacity * per_row
+    limit = int(memory * DIRECT_MEMORY_FRACTION)
+    if memory and need > limit:
+        raise ResourceExhaustedError(
+            f"{where}: use_hashtable=False holds all {config.capacity} rows in memory: "
+            f"{config.capacity} rows x {per_row} bytes (dim {config.dim} with "
+            f"{config.optimizer.kind}'s state, and the flags) = {need} bytes, expected at "
+            f"most {limit} bytes ({DIRECT_MEMORY_FRACTION:.0%} of this machine's {memory} "
+            f"bytes); lower capacity, or use a hashed table (use_hashtable=True), whose "
+            f"host_cache_bytes budget keeps the other rows in RocksDB only"
+        )
 
 
 def _options() -> Options:
@@ -93,7 +139,9 @@ class EmbeddingStore:
         except Exception:
             self._db.create_column_family(family, _options()).close()
         tiers: list[Tier] = []
-        if host_rows_for_budget(config.host_cache_bytes, config.row_bytes) > 0:
+        if not config.use_hashtable:
+            tiers.append(DirectTier(config))
+        elif host_rows_for_budget(config.host_cache_bytes, config.row_bytes) > 0:
             tiers.append(HostTier(config, config.host_cache_bytes))
         tiers.append(RocksDBTier(self._db, family, config.row_width, where=where))
         table = EmbeddingTable(config, tiers, where=where)
@@ -101,7 +149,8 @@ class EmbeddingStore:
         return table
 
     def create_table(self, config: TableConfig) -> EmbeddingTable:
-        """Create a table; the same config again is a no-op, a different one is refused."""
+        """Create a table; the same config again is a no-op, a different one is refused, and
+        so is a direct table too large for memory (see check_direct_size)."""
         if not isinstance(config, TableConfig):
             raise InvalidArgumentError(
                 f"shard {self.shard_id}: create_table expected a TableConfig, "
@@ -116,6 +165,7 @@ class EmbeddingStore:
                         f"existing {existing.config.to_dict()}, requested {config.to_dict()}"
                     )
                 return existing
+            check_direct_size(config, self._where(config.name))
             self._db[_CONFIG_PREFIX + config.name.encode()] = json.dumps(config.to_dict()).encode()
             return self._open_table(config)
 

@@ -1,4 +1,5 @@
-"""The tier interface and the host-memory tier.
+"""The tier interface and the host-memory tiers: HostTier (rows addressed through a hash
+table, within a byte budget) and DirectTier (row i holds key i, for use_hashtable=False).
 
 Every tier speaks the same batched calls over arrays (HugeCTR's parameter server keeps one
 backend interface the same way). Rows are full width: weights and optimizer state together.
@@ -192,6 +193,79 @@ class HostTier:
             "bytes": int(self.arena.nbytes + self.dirty.nbytes + self._free.nbytes)
             + self.index.nbytes,
             "dirty_rows": int(np.count_nonzero(self.dirty[: self._high])),
+            "hits": self.hits,
+            "misses": self.misses,
+        }
+
+    def close(self) -> None:
+        """Nothing to release: the arena is ordinary memory."""
+
+
+def direct_arena_bytes(capacity: int, row_bytes: int) -> int:
+    """Bytes a DirectTier of `capacity` rows takes: the arena and two flags per row."""
+    return capacity * (row_bytes + 2 * _DIRTY_FLAG_BYTES)
+
+
+class DirectTier:
+    """Rows of keys in [0, capacity), row i of a preallocated arena [capacity, row_width]
+    holding key i: no hash table (SOK's use_hashtable=False).
+
+    Two flag arrays, one byte per row, say which rows are present (found here) and which are
+    dirty (newer than RocksDB). A row not present is a miss, taken by the cascade to RocksDB
+    and then to the initializer, exactly as for the host tier, so initial values stay a pure
+    function of (seed, key). Nothing is ever evicted: the tier holds every row it is given,
+    and host_cache_bytes does not apply (the store bounds the arena when the table is made).
+    The arena is allocated zeroed (calloc), so the memory of rows never touched is only
+    reserved until a row on its page is written.
+
+    Keys are not checked here: EmbeddingTable refuses keys outside [0, capacity) before a
+    call reaches any tier.
+    """
+
+    name = "direct"
+
+    def __init__(self, config: TableConfig) -> None:
+        self.width = config.row_width
+        self.capacity = config.capacity
+        self.arena = np.zeros((self.capacity, self.width), dtype=np.float32)
+        self.present = np.zeros(self.capacity, dtype=bool)
+        self.dirty = np.zeros(self.capacity, dtype=bool)
+        self.rows = 0  # present rows
+        self.hits = 0
+        self.misses = 0
+
+    def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        present = self.present[keys]
+        if present.all():  # the common case once warm: no masked copies
+            hit, ids = np.arange(keys.size), keys
+        else:
+            hit = np.flatnonzero(present)
+            ids = keys[hit]
+        self.hits += hit.size
+        self.misses += keys.size - hit.size
+        return hit, np.take(self.arena, ids, axis=0), self.dirty[ids]
+
+    def insert(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> Spill:
+        """keys must be unique. Every row is kept: the spill is always empty."""
+        self.rows += keys.size - int(np.count_nonzero(self.present[keys]))
+        self.arena[keys] = rows
+        self.present[keys] = True
+        self.dirty[keys] = dirty
+        return Spill.empty(self.width)
+
+    def drain_dirty(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        keys = np.flatnonzero(self.dirty)  # in key order; a key is its own row id
+        for start in range(0, keys.size, chunk_rows):  # chunks bound the memory a flush takes
+            chunk = keys[start : start + chunk_rows]
+            self.dirty[chunk] = False
+            yield chunk.astype(np.int64, copy=False), np.take(self.arena, chunk, axis=0)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "rows": self.rows,
+            "capacity_rows": self.capacity,
+            "bytes": int(self.arena.nbytes + self.present.nbytes + self.dirty.nbytes),
+            "dirty_rows": int(np.count_nonzero(self.dirty)),
             "hits": self.hits,
             "misses": self.misses,
         }

@@ -16,6 +16,7 @@ DIM = 8
 UNIVERSE = 300  # distinct keys the trace draws from
 BATCH = 40
 STEPS = 300
+CAPACITY = UNIVERSE + 20  # direct set-ups: keys in [0, CAPACITY), probes included
 
 
 class ReferenceTable:
@@ -70,6 +71,12 @@ SETUPS = {
     "no_host": dict(host_cache_bytes=0),
     "tiny_lfu": dict(host_cache_bytes=-6, eviction="lfu"),
     "write_through": dict(host_cache_bytes=-50, write_policy="write_through"),
+    # no hash table: row i of a preallocated arena holds key i; the host budget (0 here)
+    # does not apply, every row stays in memory
+    "direct": dict(host_cache_bytes=0, use_hashtable=False, capacity=CAPACITY),
+    "direct_write_through": dict(
+        use_hashtable=False, capacity=CAPACITY, write_policy="write_through"
+    ),
 }
 OPTIMIZERS = [
     optim.SGD(lr=0.1),
@@ -83,7 +90,7 @@ OPTIMIZERS = [
 
 def make_config(setup: str, optimizer: optim.Optimizer) -> TableConfig:
     options = dict(SETUPS[setup])
-    if options["host_cache_bytes"] < 0:  # a budget in rows: find the bytes that hold them
+    if options.get("host_cache_bytes", 0) < 0:  # a budget in rows: find the bytes that hold them
         want = -options["host_cache_bytes"]
         budget = want * row_bytes(optimizer)
         while host_rows_for_budget(budget, row_bytes(optimizer)) < want:
@@ -138,7 +145,11 @@ def test_setup_matches_unbounded_reference(
         table = store.create_table(config)
         run_trace(table, reference, seed=hash(setup) % 1000)
         tiers = table.stats()["tiers"]
-        if config.host_cache_bytes == 0:
+        if not config.use_hashtable:
+            assert list(tiers) == ["direct", "rocksdb"]
+            assert tiers["direct"]["rows"] == len(reference.rows)  # nothing is ever evicted
+            assert tiers["direct"]["capacity_rows"] == CAPACITY
+        elif config.host_cache_bytes == 0:
             assert list(tiers) == ["rocksdb"]
         else:
             assert tiers["host"]["rows"] <= tiers["host"]["capacity_rows"]

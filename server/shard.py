@@ -164,9 +164,12 @@ class Shard:
         return table
 
     def _checked(self, name: str, dim: int, keys: np.ndarray) -> EmbeddingTable:
-        """The table, after checking the caller's dim and that every key is this shard's."""
+        """The table, after checking the caller's dim, that every key is this shard's, and
+        that every key is in range (a direct-index table): all of a call's batches are
+        checked so before any is served."""
         table = self._table(name, dim)
         self.check_keys(table.config, keys)
+        table.check_keys(np.asarray(keys, dtype=np.int64))
         return table
 
     def owner(self, config: TableConfig) -> int | None:

@@ -62,7 +62,8 @@ class TableConfig:
 
     Feature lifecycle (each off at its default):
     - use_hashtable=False with capacity=N: N rows addressed by key in [0, N), no hash table
-      (SOK's use_hashtable=False); other keys are refused.
+      (SOK's use_hashtable=False); other keys are refused. The host tier is then an arena of
+      all N rows on every shard: host_cache_bytes does not apply.
     - placement="table": the whole table on one shard, table_shard (-1: chosen from the
       name), instead of key % num_shards (HugeCTR's localized embedding); see owner_shard.
     - hash_bucket_size and promote_after (adaptive embedding, DeepRec): a key seen fewer

@@ -83,7 +83,7 @@ def test_a_direct_table_serves_keys_in_range_and_refuses_the_others(
     assert describe(stubs, "d").created == 3
 
 
-def test_a_key_out_of_range_in_a_later_batch_refuses_the_whole_push_and_assign(
+def test_a_key_out_of_range_in_a_later_batch_refuses_the_whole_call(
     shard_server: ServerFactory, connect: Connect
 ) -> None:
     server = shard_server()
@@ -102,6 +102,16 @@ def test_a_key_out_of_range_in_a_later_batch_refuses_the_whole_push_and_assign(
     needles = ("table 'd'", f"got key {CAPACITY + 3} at index 1", f"[0, {CAPACITY})")
     refused(CODE.INVALID_ARGUMENT, lambda: call_raw(stubs, "PushGradients", pushes), *needles)
     refused(CODE.INVALID_ARGUMENT, lambda: call_raw(stubs, "Assign", assigns), *needles)
+    assert_same_state(before, shard_state(server))
+    # A training lookup too: table t's new keys get no row when table d's batch is refused.
+    lookups = [pb.LookupRequest(table="t", dim=DIM, create=True, keys=good_keys),
+               pb.LookupRequest(table="d", dim=DIM, create=True, keys=bad_keys)]  # fmt: skip
+    refused(CODE.INVALID_ARGUMENT, lambda: call_raw(stubs, "Lookup", lookups), *needles)
+    refused(
+        CODE.INVALID_ARGUMENT,
+        lambda: stubs.embedding.LookupUnary(pb.LookupBatches(batches=lookups)),
+        *needles,
+    )
     assert_same_state(before, shard_state(server))
 
 

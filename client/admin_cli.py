@@ -35,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "arrays keys and values",
     )  # fmt: skip
     actions.add_parser("tables", help="list the tables and their configs")
-    describe = actions.add_parser("describe", help="rows, bytes and hit rates of a table per tier")
+    describe = actions.add_parser(
+        "describe", help="rows, bytes and hit rates of a table per tier, and its admission filter"
+    )
     describe.add_argument("table")
     actions.add_parser("stats", help="every shard's tables, memory and uptime")
     snapshot = actions.add_parser("snapshot", help="save, load or list snapshots")
@@ -54,6 +56,34 @@ def _print_rows(header: list[str], rows: list[list[Any]]) -> None:
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     for row in cells:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 2**10:,.1f} KiB" if n < 2**20 else _mb(int(n))
+
+
+def _print_admission(shards: list[dict[str, Any]]) -> None:
+    """The admission filter's figures per shard (DescribeTable's lifecycle "admission.*"),
+    when the table has one."""
+    if not any("admission.counters" in s["lifecycle"] for s in shards):
+        return
+    config = shards[0]["config"]
+    print(
+        f"admission: {config['admission']} filter, a row after {config['admit_after']} "
+        f"sightings; keys without one read {config['default_value']:g}"
+    )
+    _print_rows(
+        ["shard", "keys counted", "counters used", "filter memory", "sightings", "admitted",
+         "default lookups", "gradients dropped"],
+        [
+            [s["shard_id"], f"{a['admission.keys_counted']:,.0f}",
+             f"{a['admission.counters_used']:,.0f} / {a['admission.counters']:,.0f}",
+             _bytes(a["admission.bytes"]), f"{a['admission.sightings']:,.0f}",
+             f"{a['admission.keys_admitted']:,.0f}", f"{a['admission.lookups_default']:,.0f}",
+             f"{a['admission.gradients_dropped']:,.0f}"]
+            for s in shards for a in [s["lifecycle"]]
+        ],
+    )  # fmt: skip
 
 
 def _component(data: dict[str, Any]) -> str:
@@ -122,6 +152,7 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
                     for s in shards for t in s["tiers"]
                 ],
             )  # fmt: skip
+            _print_admission(shards)
         return shards
     if args.action == "stats":
         shards = admin.stats()

@@ -208,20 +208,29 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., hit_rate: _Optional[float] = ...) -> None: ...
 
 class TableDescription(_message.Message):
-    __slots__ = ("config", "shard_id", "num_shards", "tiers", "initialized", "created")
+    __slots__ = ("config", "shard_id", "num_shards", "tiers", "initialized", "created", "lifecycle")
+    class LifecycleEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
     config: TableConfig
     shard_id: int
     num_shards: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     initialized: int
     created: int
-    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., initialized: _Optional[int] = ..., created: _Optional[int] = ...) -> None: ...
+    lifecycle: _containers.ScalarMap[str, float]
+    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., initialized: _Optional[int] = ..., created: _Optional[int] = ..., lifecycle: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class SaveSnapshotRequest(_message.Message):
     __slots__ = ("name", "phase", "save_id")

@@ -110,6 +110,7 @@ def _description(described: dict[str, Any]) -> pb.TableDescription:
         tiers=[pb.TierStats(**tier) for tier in described["tiers"]],
         initialized=described["initialized"],
         created=described["created"],
+        lifecycle=described["lifecycle"],
     )
 
 

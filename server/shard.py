@@ -104,6 +104,13 @@ def _hit_rate(hits: int, misses: int) -> float:
     return hits / (hits + misses) if hits + misses else 0.0
 
 
+def _lifecycle(stats: dict[str, Any]) -> dict[str, float]:
+    """A table's feature-lifecycle figures as TableDescription.lifecycle names them
+    ("admission.keys_counted", ...); empty when no such feature is on."""
+    admission = stats.get("admission") or {}
+    return {f"admission.{name}": float(value) for name, value in admission.items()}
+
+
 class Shard:
     """Tables of shard `shard_id` of `num_shards`, stored under data_dir.
 
@@ -283,6 +290,7 @@ class Shard:
             ],
             "initialized": stats["initialized"],
             "created": stats["created"],
+            "lifecycle": _lifecycle(stats),
         }
 
     def stats(self) -> dict[str, Any]:

@@ -7,7 +7,8 @@ A table's tiers: a hashed table (use_hashtable=True) gets a HostTier within its
 host_cache_bytes budget (none when the budget holds no row) over RocksDB. A direct table
 (use_hashtable=False, capacity=N) gets a DirectTier over RocksDB instead: all N rows in
 memory whatever host_cache_bytes says, so create_table refuses one whose arena would take
-more than DIRECT_MEMORY_FRACTION of this machine's physical memory.
+more than DIRECT_MEMORY_FRACTION of this machine's physical memory; likewise a counting Bloom
+filter (admission="bloom") whose counters would.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 from rocksdict import Checkpoint, Options, Rdict
 
+from tierps.storage.admission import bloom_bytes
 from tierps.storage.config import TableConfig
 from tierps.storage.errors import (
     BackendError,
@@ -79,6 +81,23 @@ def check_direct_size(config: TableConfig, where: str, memory_bytes: int | None 
             f"most {limit} bytes ({DIRECT_MEMORY_FRACTION:.0%} of this machine's {memory} "
             f"bytes); lower capacity, or use a hashed table (use_hashtable=True), whose "
             f"host_cache_bytes budget keeps the other rows in RocksDB only"
+        )
+
+
+def check_admission_size(config: TableConfig, where: str, memory_bytes: int | None = None) -> None:
+    """Refuse (ResourceExhaustedError) a counting Bloom filter (admission="bloom") whose
+    counters - sized from max_elements and false_positive_rate, allocated per shard when the
+    table is opened - would take more than DIRECT_MEMORY_FRACTION of physical memory."""
+    need = bloom_bytes(config)
+    memory = physical_memory_bytes() if memory_bytes is None else memory_bytes
+    limit = int(memory * DIRECT_MEMORY_FRACTION)
+    if need and memory and need > limit:
+        raise ResourceExhaustedError(
+            f"{where}: field 'max_elements' expected a Bloom filter of at most {limit} bytes "
+            f"({DIRECT_MEMORY_FRACTION:.0%} of this machine's {memory} bytes), got "
+            f"max_elements={config.max_elements} at false_positive_rate="
+            f"{config.false_positive_rate:g}: {need} bytes of counters on each shard; lower "
+            f"max_elements, raise false_positive_rate, or use admission='counter'"
         )
 
 
@@ -150,7 +169,8 @@ class EmbeddingStore:
 
     def create_table(self, config: TableConfig) -> EmbeddingTable:
         """Create a table; the same config again is a no-op, a different one is refused, and
-        so is a direct table too large for memory (see check_direct_size)."""
+        so is a direct table or a Bloom filter too large for memory (see check_direct_size,
+        check_admission_size)."""
         if not isinstance(config, TableConfig):
             raise InvalidArgumentError(
                 f"shard {self.shard_id}: create_table expected a TableConfig, "
@@ -166,6 +186,7 @@ class EmbeddingStore:
                     )
                 return existing
             check_direct_size(config, self._where(config.name))
+            check_admission_size(config, self._where(config.name))
             self._db[_CONFIG_PREFIX + config.name.encode()] = json.dumps(config.to_dict()).encode()
             return self._open_table(config)
 

@@ -4,6 +4,10 @@ This is the one place that walks the tiers. A lookup finds keys in the top tier,
 misses to the next, and so on; keys found nowhere get their initial row, a pure function of
 (seed, key). Rows found below the top are promoted; whatever a tier cannot keep spills to
 the tier below it. Updates run on the gathered rows and are stored back at the top.
+
+With an admission filter (admit_after > 0), the final misses of a training lookup or a push
+are first sighted by the filter (the one place it is asked): only the keys it admits get
+their initial row; the others read default_value and are neither stored nor trained.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from tierps.storage.admission import make_filter
 from tierps.storage.config import TableConfig, WritePolicy
 from tierps.storage.errors import InvalidArgumentError
 from tierps.storage.tiers import DurableTier, Spill, Tier
@@ -39,12 +44,21 @@ class EmbeddingTable:
         self.spilled = 0  # rows a tier handed to the tier below
         # use_hashtable=False: rows are addressed by key, so keys must lie in [0, capacity)
         self.key_limit: int | None = None if config.use_hashtable else config.capacity
+        # admit_after > 0: counts sightings of keys without a row (soft state: in memory only)
+        self.admission = make_filter(config)
+        self.refused_depth = len(tiers) + 1  # _gather's depth of a key the filter kept out
+        self.lookups_default = 0  # looked-up keys (with repeats) answered with default_value
+        self.gradients_dropped = 0  # distinct keys of pushes whose gradients were dropped
 
     # -- the cascade ---------------------------------------------------------------------
 
-    def _gather(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _gather(
+        self, keys: np.ndarray, *, sight: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Full rows of keys (duplicates allowed), the depth each came from (len(tiers):
-        initialised now), and whether each is newer than RocksDB."""
+        initialised now; refused_depth: kept out by the admission filter, its row
+        default_value, never to be stored), and whether each is newer than RocksDB. `sight`:
+        the call is a sighting of its final misses (a training lookup or a push)."""
         n, width = keys.size, self.config.row_width
         rows = np.empty((n, width), dtype=np.float32)
         depth = np.full(n, len(self.tiers), dtype=np.int8)
@@ -59,6 +73,15 @@ class EmbeddingTable:
             at = pending[hit]
             rows[at], depth[at], dirty[at] = found, level, found_dirty
             pending = np.delete(pending, hit)
+        if self.admission is not None and pending.size:
+            admitted = (
+                self.admission.observe(keys[pending]) if sight
+                else np.zeros(pending.size, dtype=bool)
+            )  # fmt: skip
+            refused = pending[~admitted]
+            rows[refused] = self.config.default_value
+            depth[refused] = self.refused_depth
+            pending = pending[admitted]
         rows[pending] = self.config.initial_rows(keys[pending])
         self.initialized += pending.size
         return rows, depth, dirty
@@ -98,7 +121,13 @@ class EmbeddingTable:
     def lookup(self, keys: Any, *, create: bool = True) -> np.ndarray:
         """Weights [n, dim] of keys, in their order. Keys < 0 are padding and give zeros.
         create=True (training) stores rows for new keys; create=False (evaluation, serving)
-        returns their initial values and stores nothing."""
+        returns their initial values and stores nothing.
+
+        With admission (admit_after > 0), a key without a row reads default_value in every
+        element and nothing is stored for it, unless this call admits it: a training lookup
+        is a sighting of each distinct such key (counted once however often it repeats), and
+        the admit_after-th sighting gives the key its initial row, stored and returned.
+        create=False lookups neither count nor admit."""
         keys = as_keys(f"{self.where}: lookup", keys)
         self.check_keys(keys, "lookup")
         dim = self.config.dim
@@ -106,8 +135,13 @@ class EmbeddingTable:
         all_valid = valid.size == keys.size
         live = keys if all_valid else keys[valid]
         with self._lock:
-            rows, depth, dirty = self._gather(live)
-            promote = depth > 0 if create else (depth > 0) & (depth < len(self.tiers))
+            rows, depth, dirty = self._gather(live, sight=create)
+            # promoted: rows found below the top and, in training, rows initialised now
+            # (never a key the admission filter kept out: refused_depth is deeper still)
+            deepest = len(self.tiers) if create else len(self.tiers) - 1
+            promote = (depth > 0) & (depth <= deepest)
+            if self.admission is not None:
+                self.lookups_default += int(np.count_nonzero(depth == self.refused_depth))
             if promote.any():
                 moved, first = np.unique(live[promote], return_index=True)
                 picked = np.flatnonzero(promote)[first]
@@ -133,7 +167,12 @@ class EmbeddingTable:
         """Run the table's optimizer on the rows of keys, wherever they live. Gradients of
         duplicate keys are summed first; keys < 0 are ignored; unseen keys are created.
         `step` (from 1) is the optimizer step, used by Adam's bias correction. Returns the
-        number of distinct keys updated."""
+        number of distinct keys updated.
+
+        With admission (admit_after > 0), a push is a sighting of each distinct key without
+        a row; a key this sighting does not admit has its gradient dropped (not applied,
+        counted in gradients_dropped); the admit_after-th sighting creates the key's initial
+        row and applies this gradient to it. Keys with a row always train."""
         keys, grads, step = self.check_gradients(keys, grads, step)
         valid = keys >= 0
         if not valid.all():
@@ -147,7 +186,13 @@ class EmbeddingTable:
             flat = (inverse[:, None] * dim + np.arange(dim)).reshape(-1)
             np.add.at(summed.reshape(-1), flat, grads.reshape(-1))
         with self._lock:
-            rows, depth, _ = self._gather(unique)
+            rows, depth, _ = self._gather(unique, sight=True)
+            if self.admission is not None:
+                admitted = depth != self.refused_depth
+                if not admitted.all():
+                    self.gradients_dropped += int(admitted.size - np.count_nonzero(admitted))
+                    unique, summed = unique[admitted], summed[admitted]
+                    rows, depth = rows[admitted], depth[admitted]
             self.created += int(np.count_nonzero(depth == len(self.tiers)))
             self.config.optimizer.apply(rows, summed, step)
             self._store(unique, rows, np.ones(unique.size, dtype=bool))
@@ -204,12 +249,20 @@ class EmbeddingTable:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
+            admission = None
+            if self.admission is not None:
+                admission = {
+                    **self.admission.stats(),
+                    "lookups_default": self.lookups_default,
+                    "gradients_dropped": self.gradients_dropped,
+                }
             return {
                 "name": self.config.name,
                 "initialized": self.initialized,
                 "created": self.created,
                 "spilled": self.spilled,
                 "tiers": {tier.name: tier.stats() for tier in self.tiers},
+                "admission": admission,  # the filter's figures; None without one
             }
 
     def close(self) -> None:

@@ -174,6 +174,20 @@ class ClusterAdmin:
         replies = self._each(lambda i, stub: stub.Stats(pb.StatsRequest(), timeout=self.timeout_s))
         return [_as_dict(reply) for reply in replies]
 
+    def evict(self, table: str) -> dict[str, Any]:
+        """Remove the table's stale (steps_to_live) and small (min_l2_norm) rows on every
+        shard, from every tier: {"table", "removed": rows in all, "per_shard": rows removed
+        by shard i at [i], "current_step": each shard's step of the table at [i]}. A table
+        with neither option removes nothing. Not retried: a repeat would report 0."""
+        request = pb.EvictRequest(table=table)
+        replies = self._each(lambda i, stub: stub.Evict(request, timeout=self.timeout_s))
+        return {
+            "table": table,
+            "removed": sum(reply.num_rows for reply in replies),
+            "per_shard": [reply.num_rows for reply in replies],
+            "current_step": [reply.current_step for reply in replies],
+        }
+
     # -- snapshots ---------------------------------------------------------------------------
 
     def _stream(
@@ -213,7 +227,12 @@ class ClusterAdmin:
         last = self._on(0, lambda i, stub: list(stub.SaveSnapshot(commit, timeout=self.timeout_s)))[
             -1
         ]
-        return {"name": name, "rows": sum(p.rows_done for p in parts), "path": last.path}
+        return {
+            "name": name,
+            "rows": sum(p.rows_done for p in parts),
+            "path": last.path,
+            "evicted": sum(p.rows_evicted for p in parts),  # evict_before_snapshot's rows
+        }
 
     def load_snapshot(self, name: str, *, progress: Progress | None = None) -> dict[str, Any]:
         """Every shard takes the snapshot's rows of its keys, from every part."""

@@ -36,10 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     actions.add_parser("tables", help="list the tables and their configs")
     describe = actions.add_parser(
-        "describe", help="rows, bytes and hit rates of a table per tier, and its admission filter"
+        "describe",
+        help="rows, bytes and hit rates of a table per tier, its admission filter and eviction",
     )
     describe.add_argument("table")
     actions.add_parser("stats", help="every shard's tables, memory and uptime")
+    evict = actions.add_parser(
+        "evict", help="remove a table's stale (steps_to_live) and small (min_l2_norm) rows"
+    )
+    evict.add_argument("table")
     snapshot = actions.add_parser("snapshot", help="save, load or list snapshots")
     verbs = snapshot.add_subparsers(dest="verb", required=True)
     verbs.add_parser("save", help="save a consistent snapshot of every table").add_argument("name")
@@ -82,6 +87,26 @@ def _print_admission(shards: list[dict[str, Any]]) -> None:
              f"{a['admission.keys_admitted']:,.0f}", f"{a['admission.lookups_default']:,.0f}",
              f"{a['admission.gradients_dropped']:,.0f}"]
             for s in shards for a in [s["lifecycle"]]
+        ],
+    )  # fmt: skip
+
+
+def _print_eviction(shards: list[dict[str, Any]]) -> None:
+    """The eviction figures per shard (DescribeTable's lifecycle "eviction.*"), when the
+    table has steps_to_live or min_l2_norm."""
+    if not any("eviction.runs" in s["lifecycle"] for s in shards):
+        return
+    config = shards[0]["config"]
+    print(
+        f"eviction: steps_to_live {config['steps_to_live']}, min_l2_norm "
+        f"{config['min_l2_norm']:g}, before snapshots: {config['evict_before_snapshot']}"
+    )
+    _print_rows(
+        ["shard", "current step", "runs", "removed (last)", "removed (all)"],
+        [
+            [s["shard_id"], f"{e['eviction.current_step']:,.0f}", f"{e['eviction.runs']:,.0f}",
+             f"{e['eviction.last_removed']:,.0f}", f"{e['eviction.removed_total']:,.0f}"]
+            for s in shards for e in [s["lifecycle"]]
         ],
     )  # fmt: skip
 
@@ -153,6 +178,7 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
                 ],
             )  # fmt: skip
             _print_admission(shards)
+            _print_eviction(shards)
         return shards
     if args.action == "stats":
         shards = admin.stats()
@@ -167,6 +193,16 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
                 ],
             )  # fmt: skip
         return shards
+    if args.action == "evict":
+        result = admin.evict(args.table)
+        if not args.json:
+            shards = ", ".join(
+                f"shard {i}: {n:,} (step {step:,})"
+                for i, (n, step) in enumerate(zip(result["per_shard"], result["current_step"],
+                                                  strict=True))
+            )  # fmt: skip
+            print(f"table {args.table!r}: evicted {result['removed']:,} rows ({shards})")
+        return result
     if args.verb in ("save", "load"):
         action, done = {
             "save": (admin.save_snapshot, "saved snapshot {!r}: {:,} rows in {}"),
@@ -176,6 +212,8 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
                            f"{args.verb} {args.name}")  # fmt: skip
         if not args.json:
             print(done.format(args.name, result["rows"], result["path"]))
+            if result.get("evicted"):
+                print(f"evicted {result['evicted']:,} rows first (evict_before_snapshot)")
         return result
     snapshots = admin.list_snapshots()
     if not args.json:

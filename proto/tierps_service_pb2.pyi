@@ -249,18 +249,20 @@ class LoadSnapshotRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class SnapshotProgress(_message.Message):
-    __slots__ = ("rows_done", "rows_total", "rows_kept", "done", "path")
+    __slots__ = ("rows_done", "rows_total", "rows_kept", "done", "path", "rows_evicted")
     ROWS_DONE_FIELD_NUMBER: _ClassVar[int]
     ROWS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ROWS_KEPT_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    ROWS_EVICTED_FIELD_NUMBER: _ClassVar[int]
     rows_done: int
     rows_total: int
     rows_kept: int
     done: bool
     path: str
-    def __init__(self, rows_done: _Optional[int] = ..., rows_total: _Optional[int] = ..., rows_kept: _Optional[int] = ..., done: _Optional[bool] = ..., path: _Optional[str] = ...) -> None: ...
+    rows_evicted: int
+    def __init__(self, rows_done: _Optional[int] = ..., rows_total: _Optional[int] = ..., rows_kept: _Optional[int] = ..., done: _Optional[bool] = ..., path: _Optional[str] = ..., rows_evicted: _Optional[int] = ...) -> None: ...
 
 class ListSnapshotsRequest(_message.Message):
     __slots__ = ()
@@ -292,6 +294,20 @@ class ListSnapshotsResponse(_message.Message):
     SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotInfo]
     def __init__(self, snapshots: _Optional[_Iterable[_Union[SnapshotInfo, _Mapping]]] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("table",)
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    def __init__(self, table: _Optional[str] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("num_rows", "current_step")
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_STEP_FIELD_NUMBER: _ClassVar[int]
+    num_rows: int
+    current_step: int
+    def __init__(self, num_rows: _Optional[int] = ..., current_step: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -351,6 +351,11 @@ class AdminServiceStub:
                 request_serializer=tierps_dot_proto_dot_tierps__service__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tierps_dot_proto_dot_tierps__service__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Evict = channel.unary_unary(
+                '/tierps.v1.AdminService/Evict',
+                request_serializer=tierps_dot_proto_dot_tierps__service__pb2.EvictRequest.SerializeToString,
+                response_deserializer=tierps_dot_proto_dot_tierps__service__pb2.EvictResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -425,6 +430,17 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Evict(self, request, context):
+        """Removes from every tier (cache and RocksDB) this shard's rows of a table that are stale
+        (not updated for steps_to_live steps) or small (weights' L2 norm below min_l2_norm), and
+        says how many. Calls on that table wait meanwhile. A removed key looks up as a key never
+        seen: its initial row. A table with neither option removes nothing (num_rows = 0).
+        NOT_FOUND if there is no such table.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -467,6 +483,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=tierps_dot_proto_dot_tierps__service__pb2.StatsRequest.FromString,
                     response_serializer=tierps_dot_proto_dot_tierps__service__pb2.StatsResponse.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=tierps_dot_proto_dot_tierps__service__pb2.EvictRequest.FromString,
+                    response_serializer=tierps_dot_proto_dot_tierps__service__pb2.EvictResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -690,6 +711,33 @@ class AdminService:
             '/tierps.v1.AdminService/Stats',
             tierps_dot_proto_dot_tierps__service__pb2.StatsRequest.SerializeToString,
             tierps_dot_proto_dot_tierps__service__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierps.v1.AdminService/Evict',
+            tierps_dot_proto_dot_tierps__service__pb2.EvictRequest.SerializeToString,
+            tierps_dot_proto_dot_tierps__service__pb2.EvictResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -92,6 +92,7 @@ def _progress(progress: Progress) -> pb.SnapshotProgress:
         rows_kept=progress.rows_kept,
         done=progress.done,
         path=progress.path,
+        rows_evicted=progress.rows_evicted,
     )
 
 
@@ -237,6 +238,11 @@ class AdminServicer(_Servicer, pb_grpc.AdminServiceServicer):
         return pb.ListSnapshotsResponse(
             snapshots=[pb.SnapshotInfo(**info) for info in self.shard.list_snapshots()]
         )
+
+    @rpc
+    def Evict(self, request: pb.EvictRequest, context: Any) -> Any:
+        result = self.shard.evict(request.table)
+        return pb.EvictResponse(num_rows=result["removed"], current_step=result["current_step"])
 
     @rpc
     def Stats(self, request: pb.StatsRequest, context: Any) -> Any:

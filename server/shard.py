@@ -3,7 +3,9 @@ needs (key ownership, dims, sizes) and the locking that makes snapshots consiste
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +29,7 @@ from tierps.storage.snapshot import Progress
 from tierps.storage.table import EmbeddingTable
 
 SNAPSHOT_CHUNK_ROWS = 65536
+log = logging.getLogger("tierps.server")
 
 
 @dataclass(frozen=True)
@@ -106,9 +109,13 @@ def _hit_rate(hits: int, misses: int) -> float:
 
 def _lifecycle(stats: dict[str, Any]) -> dict[str, float]:
     """A table's feature-lifecycle figures as TableDescription.lifecycle names them
-    ("admission.keys_counted", ...); empty when no such feature is on."""
-    admission = stats.get("admission") or {}
-    return {f"admission.{name}": float(value) for name, value in admission.items()}
+    ("admission.keys_counted", "eviction.removed_total", ...); empty when no such feature
+    is on."""
+    return {
+        f"{feature}.{name}": float(value)
+        for feature in ("admission", "eviction")
+        for name, value in (stats.get(feature) or {}).items()
+    }
 
 
 class Shard:
@@ -305,6 +312,26 @@ class Shard:
             "uptime_s": time.time() - self.started,
         }
 
+    # -- eviction ----------------------------------------------------------------------------
+
+    def evict(self, name: str) -> dict[str, int]:
+        """Remove this shard's stale (steps_to_live) and small (min_l2_norm) rows of a table
+        from every tier: {"removed": rows, "current_step": the table's step here}. A table
+        with neither option removes nothing. Other calls on the table wait meanwhile."""
+        with self._admin, self._gate.shared():  # not while a save, load or drop runs
+            table = self.store.table(name)
+            removed = table.evict()
+        self._log_eviction(table, removed, "evict")
+        return {"removed": removed, "current_step": table.current_step}
+
+    def _log_eviction(self, table: EmbeddingTable, removed: int, cause: str) -> None:
+        if table.evicts:
+            log.info(
+                "evicted %d rows of table %r (%s)", removed, table.config.name, cause,
+                extra={"shard_id": self.shard_id, "table": table.config.name,
+                       "rows_evicted": removed, "current_step": table.current_step},
+            )  # fmt: skip
+
     # -- snapshots ---------------------------------------------------------------------------
 
     def _snapshot_root(self) -> Path:
@@ -317,17 +344,26 @@ class Shard:
     def save_part(self, name: str, save_id: str) -> Iterator[Progress]:
         """Write this shard's part of snapshot `name`. Data calls wait while every table is
         flushed and a RocksDB snapshot of each is taken (the cut); the files are written from
-        those snapshots afterwards, while the shard serves again."""
+        those snapshots afterwards, while the shard serves again. Tables with
+        evict_before_snapshot are evicted first, inside the cut; every Progress says how many
+        rows that removed (rows_evicted), and so does the log."""
         root = self._snapshot_root()
         snapshot.check_name(name)
         with self._admin:
             with self._gate.exclusive():
                 tables = [self.store.table(config.name) for config in self.list_tables()]
+                evicted = 0
+                for table in tables:
+                    if table.config.evict_before_snapshot:
+                        removed = table.evict()
+                        self._log_eviction(table, removed, f"before snapshot {name!r}")
+                        evicted += removed
                 exports = [(t.config, t.export(SNAPSHOT_CHUNK_ROWS)) for t in tables]
             estimate = sum(t.durable.stats()["rows"] for t in tables)
-            yield from snapshot.write_part(
+            for progress in snapshot.write_part(
                 root, name, save_id, self.shard_id, self.num_shards, exports, estimate
-            )
+            ):
+                yield dataclasses.replace(progress, rows_evicted=evicted)
 
     def commit_snapshot(self, name: str, save_id: str) -> Iterator[Progress]:
         root = self._snapshot_root()

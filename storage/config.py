@@ -20,6 +20,7 @@ from tierps.storage.xp import array_module
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_DIM = 65536
+STEP_SLOTS = 2  # float32 slots after a stored row that hold its last-update step (steps_to_live)
 
 
 class Eviction(StrEnum):
@@ -198,6 +199,17 @@ class TableConfig:
     @property
     def row_bytes(self) -> int:
         return 4 * self.row_width
+
+    @property
+    def stored_width(self) -> int:
+        """float32 slots every tier stores per row: row_width, then, with steps_to_live > 0,
+        STEP_SLOTS more holding the row's last-update step as one little-endian int64, bit
+        for bit (only ever copied, never computed on). Snapshots hold row_width only."""
+        return self.row_width + (STEP_SLOTS if self.steps_to_live else 0)
+
+    @property
+    def stored_bytes(self) -> int:
+        return 4 * self.stored_width
 
     def initial_rows(self, keys: Any, weights: Any = None) -> Any:
         """[n, row_width] rows of int64 keys with fresh optimizer state; the weights are the

@@ -1,9 +1,10 @@
 """The RocksDB tier: every row of a table, durable, in one column family per table.
 
 Keys are 8-byte big-endian int64 (so byte order is key order); values are the raw
-little-endian float32 row, weights and optimizer state together. rocksdict only offers
-per-key puts and list gets, so batches cross into it as lists built by numpy and iterated in
-C (map over the batch), never by a Python loop.
+little-endian float32 row, weights and optimizer state together (with steps_to_live > 0, its
+last 8 bytes are the row's last-update step, a little-endian int64: TableConfig.stored_width).
+rocksdict only offers per-key puts and list gets, so batches cross into it as lists built by
+numpy and iterated in C (map over the batch), never by a Python loop.
 """
 
 from __future__ import annotations
@@ -106,6 +107,21 @@ class RocksDBTier:
     def insert(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> Spill:
         self.write(keys[dirty], rows[dirty])
         return Spill.empty(self.width)
+
+    def remove(self, keys: np.ndarray) -> int:
+        """Delete the rows of keys, in atomic write batches; returns how many were present."""
+        present = self.contains(keys)
+        gone = keys[present]
+        step = max(1, WRITE_BATCH_BYTES // 8)
+        for start in range(0, gone.size, step):
+            batch = WriteBatch(raw_mode=True)
+            deque(map(batch.delete, encode_keys(gone[start : start + step]),
+                      repeat(self._handle)), 0)  # fmt: skip
+            try:
+                self._db.write(batch, self._write_options)
+            except Exception as error:
+                raise self._fail("delete rows", error) from error
+        return int(gone.size)
 
     def drain_dirty(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return iter(())

@@ -45,13 +45,15 @@ Chunk = tuple[np.ndarray, np.ndarray]
 @dataclass(frozen=True)
 class Progress:
     """How far a save or load is: rows written (save) or read (load), of rows_total;
-    rows_kept: rows a load stored on this shard."""
+    rows_kept: rows a load stored on this shard; rows_evicted: rows a save removed before
+    its cut (evict_before_snapshot)."""
 
     rows_done: int
     rows_total: int
     path: str
     rows_kept: int = 0
     done: bool = False
+    rows_evicted: int = 0
 
 
 def check_name(name: Any) -> str:

@@ -9,6 +9,10 @@ host_cache_bytes budget (none when the budget holds no row) over RocksDB. A dire
 memory whatever host_cache_bytes says, so create_table refuses one whose arena would take
 more than DIRECT_MEMORY_FRACTION of this machine's physical memory; likewise a counting Bloom
 filter (admission="bloom") whose counters would.
+
+A table with steps_to_live > 0 keeps its current and first pushed steps (EmbeddingTable's
+current_step, first_step) in the default column family too, written at every flush (and so
+at close), read when the table opens; its rows carry their own last-update steps.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from tierps.storage.tiers import (
 FORMAT_VERSION = 1
 _FORMAT_KEY = b"tierps/format_version"
 _CONFIG_PREFIX = b"tierps/table/"
+_STEPS_PREFIX = b"tierps/steps/"  # sorts before _CONFIG_PREFIX: the table scan never sees it
 _CF_PREFIX = "table."
 
 
@@ -70,7 +75,7 @@ def check_direct_size(config: TableConfig, where: str, memory_bytes: int | None 
     if config.use_hashtable:
         return
     memory = physical_memory_bytes() if memory_bytes is None else memory_bytes
-    per_row = direct_arena_bytes(1, config.row_bytes)
+    per_row = direct_arena_bytes(1, config.stored_bytes)
     need = config.capacity * per_row
     limit = int(memory * DIRECT_MEMORY_FRACTION)
     if memory and need > limit:
@@ -160,10 +165,13 @@ class EmbeddingStore:
         tiers: list[Tier] = []
         if not config.use_hashtable:
             tiers.append(DirectTier(config))
-        elif host_rows_for_budget(config.host_cache_bytes, config.row_bytes) > 0:
+        elif host_rows_for_budget(config.host_cache_bytes, config.stored_bytes) > 0:
             tiers.append(HostTier(config, config.host_cache_bytes))
-        tiers.append(RocksDBTier(self._db, family, config.row_width, where=where))
+        tiers.append(RocksDBTier(self._db, family, config.stored_width, where=where))
         table = EmbeddingTable(config, tiers, where=where)
+        steps = self._db.get(_STEPS_PREFIX + config.name.encode())
+        if steps is not None:
+            table.current_step, table.first_step = json.loads(steps)
         self._tables[config.name] = table
         return table
 
@@ -198,6 +206,7 @@ class EmbeddingStore:
             del self._tables[name]
             self._db.drop_column_family(_CF_PREFIX + name)
             del self._db[_CONFIG_PREFIX + name.encode()]
+            self._db.delete(_STEPS_PREFIX + name.encode())
 
     def table(self, name: str) -> EmbeddingTable:
         try:
@@ -220,9 +229,13 @@ class EmbeddingStore:
         self.table(name).assign(keys, values)
 
     def flush(self) -> None:
-        """Write every dirty row of every table to RocksDB."""
+        """Write every dirty row of every table, and the steps of those with steps_to_live,
+        to RocksDB."""
         for table in list(self._tables.values()):
             table.flush()
+            if table.step_slots:
+                steps = json.dumps([table.current_step, table.first_step]).encode()
+                self._db[_STEPS_PREFIX + table.config.name.encode()] = steps
         self._db.flush_wal(True)
 
     def checkpoint(self, directory: str | os.PathLike[str]) -> Path:

@@ -8,6 +8,14 @@ the tier below it. Updates run on the gathered rows and are stored back at the t
 With an admission filter (admit_after > 0), the final misses of a training lookup or a push
 are first sighted by the filter (the one place it is asked): only the keys it admits get
 their initial row; the others read default_value and are neither stored nor trained.
+
+With eviction (steps_to_live, min_l2_norm), `evict` removes stale or small rows from every
+tier. A table's current step is the largest step pushed to it; with steps_to_live > 0 every
+stored row carries its last-update step after its row_width slots (TableConfig.stored_width):
+the step of the last push that updated it, or the current step when it was created by a
+lookup, assigned or restored. The cascade alone reads and writes it; tiers move it as part of
+the row. Rows stamped before the table's first push (step 0) count as updated at the first
+step pushed (first_step), so a snapshot loaded into a new table does not age from step 0.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from tierps.storage.admission import make_filter
-from tierps.storage.config import TableConfig, WritePolicy
+from tierps.storage.config import STEP_SLOTS, TableConfig, WritePolicy
 from tierps.storage.errors import InvalidArgumentError
 from tierps.storage.tiers import DurableTier, Spill, Tier
 from tierps.storage.validation import as_keys, as_rows, check_step
@@ -49,6 +57,13 @@ class EmbeddingTable:
         self.refused_depth = len(tiers) + 1  # _gather's depth of a key the filter kept out
         self.lookups_default = 0  # looked-up keys (with repeats) answered with default_value
         self.gradients_dropped = 0  # distinct keys of pushes whose gradients were dropped
+        # eviction: steps of pushes (0: none yet; the store keeps them across restarts)
+        self.step_slots = STEP_SLOTS if config.steps_to_live else 0
+        self.current_step = 0  # the largest step pushed
+        self.first_step = 0  # the smallest step pushed
+        self.evictions = 0  # evict calls that ran
+        self.evicted_total = 0  # rows removed by them
+        self.evicted_last = 0  # rows removed by the latest one
 
     # -- the cascade ---------------------------------------------------------------------
 
@@ -59,7 +74,7 @@ class EmbeddingTable:
         initialised now; refused_depth: kept out by the admission filter, its row
         default_value, never to be stored), and whether each is newer than RocksDB. `sight`:
         the call is a sighting of its final misses (a training lookup or a push)."""
-        n, width = keys.size, self.config.row_width
+        n, width = keys.size, self.config.stored_width
         rows = np.empty((n, width), dtype=np.float32)
         depth = np.full(n, len(self.tiers), dtype=np.int8)
         dirty = np.ones(n, dtype=bool)  # an initialised row is newer than RocksDB's (none)
@@ -82,9 +97,32 @@ class EmbeddingTable:
             rows[refused] = self.config.default_value
             depth[refused] = self.refused_depth
             pending = pending[admitted]
-        rows[pending] = self.config.initial_rows(keys[pending])
+        rows[pending] = self._fresh(keys[pending])
         self.initialized += pending.size
         return rows, depth, dirty
+
+    def _fresh(self, keys: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+        """Stored rows [n, stored_width] of keys: initial (or the given) weights, fresh
+        optimizer state, and the current step as their last-update step."""
+        rows = self.config.initial_rows(keys, weights)
+        return self._with_step(rows) if self.step_slots else rows
+
+    def _with_step(self, rows: np.ndarray) -> np.ndarray:
+        """rows [n, row_width] widened to stored rows stamped with the current step."""
+        out = np.empty((rows.shape[0], self.config.stored_width), dtype=np.float32)
+        out[:, : self.config.row_width] = rows
+        self._stamp(out, self.current_step)
+        return out
+
+    def _stamp(self, rows: np.ndarray, step: int) -> None:
+        """Write `step` as the last-update step of stored rows (steps_to_live > 0): its int64
+        bits in the trailing STEP_SLOTS float32 slots, copied bit for bit."""
+        rows[:, self.config.row_width :] = np.array([step], dtype="<i8").view(np.float32)
+
+    def _steps(self, rows: np.ndarray) -> np.ndarray:
+        """The last-update step (int64 [n]) of stored rows (steps_to_live > 0)."""
+        tail = np.ascontiguousarray(rows[:, self.config.row_width :])
+        return tail.view("<i8").reshape(-1).astype(np.int64)
 
     def _store(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> None:
         """Put unique keys' rows in the top tier; spills flow down."""
@@ -186,6 +224,9 @@ class EmbeddingTable:
             flat = (inverse[:, None] * dim + np.arange(dim)).reshape(-1)
             np.add.at(summed.reshape(-1), flat, grads.reshape(-1))
         with self._lock:
+            # a push moves the table's step (eviction), whatever it updates
+            self.current_step = max(self.current_step, step)
+            self.first_step = min(self.first_step, step) if self.first_step else step
             rows, depth, _ = self._gather(unique, sight=True)
             if self.admission is not None:
                 admitted = depth != self.refused_depth
@@ -195,6 +236,8 @@ class EmbeddingTable:
                     rows, depth = rows[admitted], depth[admitted]
             self.created += int(np.count_nonzero(depth == len(self.tiers)))
             self.config.optimizer.apply(rows, summed, step)
+            if self.step_slots:
+                self._stamp(rows, step)
             self._store(unique, rows, np.ones(unique.size, dtype=bool))
         return int(unique.size)
 
@@ -212,14 +255,14 @@ class EmbeddingTable:
         keys, values = self.check_values(keys, values)
         valid = np.flatnonzero(keys >= 0)[::-1]  # reversed: np.unique keeps the last
         unique, first = np.unique(keys[valid], return_index=True)
-        rows = self.config.initial_rows(unique, weights=values[valid[first]])
         with self._lock:
+            rows = self._fresh(unique, weights=values[valid[first]])
             self._store(unique, rows, np.ones(unique.size, dtype=bool))
         return int(unique.size)
 
     def restore(self, keys: Any, rows: Any) -> None:
         """Store full rows (weights and optimizer state, [n, row_width]) of distinct keys as
-        they are: how a snapshot is loaded."""
+        they are: how a snapshot is loaded. Their last-update step is the current step."""
         where = f"{self.where}: restore"
         keys = as_keys(where, keys)
         rows = as_rows(where, "rows", rows, keys.size, self.config.row_width)
@@ -227,13 +270,15 @@ class EmbeddingTable:
             raise InvalidArgumentError(f"{where}: keys expected distinct and >= 0")
         self.check_keys(keys, "restore")
         with self._lock:
+            if self.step_slots:
+                rows = self._with_step(rows)
             self._store(keys, rows, np.ones(keys.size, dtype=bool))
 
     def flush(self) -> None:
         """Write every row newer than RocksDB down to it."""
         with self._lock:
             for level, tier in enumerate(self.tiers[:-1]):
-                chunk_rows = max(1, FLUSH_CHUNK_BYTES // self.config.row_bytes)
+                chunk_rows = max(1, FLUSH_CHUNK_BYTES // self.config.stored_bytes)
                 for keys, rows in tier.drain_dirty(chunk_rows):
                     self._place(Spill(keys, rows, np.ones(keys.size, dtype=bool)), level + 1)
 
@@ -245,7 +290,52 @@ class EmbeddingTable:
         snapshot, so later updates do not show and the table stays usable meanwhile."""
         with self._lock:
             self.flush()
-            return self.durable.export(chunk_rows)
+            chunks = self.durable.export(chunk_rows)
+        if not self.step_slots:
+            return chunks
+        width = self.config.row_width
+        return ((keys, np.ascontiguousarray(rows[:, :width])) for keys, rows in chunks)
+
+    @property
+    def evicts(self) -> bool:
+        """Whether evict can remove anything: steps_to_live or min_l2_norm is set."""
+        return bool(self.config.steps_to_live or self.config.min_l2_norm)
+
+    def doomed(self, rows: np.ndarray) -> np.ndarray:
+        """Which stored rows [n, stored_width] eviction removes now (bool [n]): stale ones
+        (current_step - max(last-update step, first_step) >= steps_to_live) and those whose
+        weights' L2 norm (in float64) is below min_l2_norm."""
+        out = np.zeros(rows.shape[0], dtype=bool)
+        if self.config.steps_to_live:
+            updated = np.maximum(self._steps(rows), self.first_step)
+            out |= self.current_step - updated >= self.config.steps_to_live
+        if self.config.min_l2_norm:
+            weights = rows[:, : self.config.dim].astype(np.float64)
+            out |= np.sqrt(np.einsum("ij,ij->i", weights, weights)) < self.config.min_l2_norm
+        return out
+
+    def evict(self, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> int:
+        """Remove every row that `doomed` picks from every tier; returns how many. Flushes
+        first, so RocksDB holds every row at its newest, then scans it in chunks (a RocksDB
+        iterator opened now) and removes each chunk's doomed keys from each tier. A removed
+        key reads its initial row again, as a key never seen. Calls on this table wait
+        meanwhile. A table with neither steps_to_live nor min_l2_norm removes nothing (0)."""
+        if not self.evicts:
+            return 0
+        removed = 0
+        with self._lock:
+            self.flush()
+            for keys, rows in self.durable.export(chunk_rows):
+                doomed = self.doomed(rows)
+                if doomed.any():
+                    gone = keys[doomed]
+                    for tier in self.tiers:
+                        tier.remove(gone)
+                    removed += gone.size
+            self.evictions += 1
+            self.evicted_total += removed
+            self.evicted_last = removed
+        return removed
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -256,6 +346,15 @@ class EmbeddingTable:
                     "lookups_default": self.lookups_default,
                     "gradients_dropped": self.gradients_dropped,
                 }
+            eviction = None
+            if self.evicts:
+                eviction = {
+                    "removed_total": self.evicted_total,
+                    "last_removed": self.evicted_last,
+                    "runs": self.evictions,
+                    "current_step": self.current_step,
+                    "first_step": self.first_step,
+                }
             return {
                 "name": self.config.name,
                 "initialized": self.initialized,
@@ -263,6 +362,7 @@ class EmbeddingTable:
                 "spilled": self.spilled,
                 "tiers": {tier.name: tier.stats() for tier in self.tiers},
                 "admission": admission,  # the filter's figures; None without one
+                "eviction": eviction,  # None without steps_to_live or min_l2_norm
             }
 
     def close(self) -> None:

@@ -2,12 +2,16 @@
 table, within a byte budget) and DirectTier (row i holds key i, for use_hashtable=False).
 
 Every tier speaks the same batched calls over arrays (HugeCTR's parameter server keeps one
-backend interface the same way). Rows are full width: weights and optimizer state together.
+backend interface the same way). Rows are full width: weights and optimizer state together,
+and with steps_to_live > 0 the row's last-update step after them (TableConfig.stored_width):
+tiers move rows as opaque float32 slots and never look inside.
 
 - find(keys) -> (hit, rows, dirty): indices into keys of the hits, their rows, and whether
   each is newer than RocksDB. A miss is not an error; a backend failure is.
 - insert(keys, rows, dirty) -> Spill: store (or overwrite) rows; return what the tier could
   not keep - rows it evicted and rows that did not fit - for the tier below.
+- remove(keys) -> int: drop the rows of these keys (absent ones are skipped); returns how
+  many were dropped. Eviction (steps_to_live, min_l2_norm) runs it on every tier.
 - drain_dirty(chunk_rows) -> iterator of (keys, rows): the rows newer than the tier below,
   each chunk marked clean as it is handed out.
 - stats() -> dict; close().
@@ -59,6 +63,7 @@ class Tier(Protocol):
 
     def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
     def insert(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> Spill: ...
+    def remove(self, keys: np.ndarray) -> int: ...
     def drain_dirty(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None: ...
@@ -99,8 +104,8 @@ class HostTier:
     name = "host"
 
     def __init__(self, config: TableConfig, budget_bytes: int) -> None:
-        self.width = config.row_width
-        self.max_rows = host_rows_for_budget(budget_bytes, config.row_bytes)
+        self.width = config.stored_width
+        self.max_rows = host_rows_for_budget(budget_bytes, config.stored_bytes)
         start = min(_INITIAL_ROWS, self.max_rows)
         self.index = HashTable(start, eviction=config.eviction)
         self.arena = np.empty((start, self.width), dtype=np.float32)
@@ -172,10 +177,22 @@ class HostTier:
     def _evict(self, slots: np.ndarray) -> Spill:
         ids = self.index.values[slots]
         spill = Spill(self.index.keys_at(slots), np.take(self.arena, ids, axis=0), self.dirty[ids])
+        self._release(slots)
+        return spill
+
+    def _release(self, slots: np.ndarray) -> None:
+        """Erase the keys of these (unique, live) slots and free their rows for reuse."""
+        ids = self.index.values[slots]
         self.index.remove_slots(slots)
         self.dirty[ids] = False
         self._free = np.concatenate([self._free, ids])
-        return spill
+
+    def remove(self, keys: np.ndarray) -> int:
+        """Drop the rows of keys held here (dirty or not: the caller removes them below too)."""
+        slots = self.index.find(keys)
+        slots = np.unique(slots[slots >= 0])
+        self._release(slots)
+        return int(slots.size)
 
     def drain_dirty(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         keys, ids = self.index.export()
@@ -225,7 +242,7 @@ class DirectTier:
     name = "direct"
 
     def __init__(self, config: TableConfig) -> None:
-        self.width = config.row_width
+        self.width = config.stored_width
         self.capacity = config.capacity
         self.arena = np.zeros((self.capacity, self.width), dtype=np.float32)
         self.present = np.zeros(self.capacity, dtype=bool)
@@ -252,6 +269,15 @@ class DirectTier:
         self.present[keys] = True
         self.dirty[keys] = dirty
         return Spill.empty(self.width)
+
+    def remove(self, keys: np.ndarray) -> int:
+        """Mark the rows of keys absent (their arena rows are left as they are, unread)."""
+        keys = np.unique(keys)
+        keys = keys[self.present[keys]]
+        self.present[keys] = False
+        self.dirty[keys] = False
+        self.rows -= keys.size
+        return int(keys.size)
 
     def drain_dirty(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         keys = np.flatnonzero(self.dirty)  # in key order; a key is its own row id

@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions.add_parser("tables", help="list the tables and their configs")
     describe = actions.add_parser(
         "describe",
-        help="rows, bytes and hit rates of a table per tier, its admission filter and eviction",
+        help="rows, bytes and hit rates of a table per tier, its admission filter, eviction and "
+        "adaptive embedding",
     )
     describe.add_argument("table")
     actions.add_parser("stats", help="every shard's tables, memory and uptime")
@@ -111,6 +112,29 @@ def _print_eviction(shards: list[dict[str, Any]]) -> None:
     )  # fmt: skip
 
 
+def _print_adaptive(shards: list[dict[str, Any]]) -> None:
+    """The adaptive-embedding figures per shard (DescribeTable's lifecycle "adaptive.*"),
+    when the table has hash_bucket_size and promote_after."""
+    if not any("adaptive.bucket_rows" in s["lifecycle"] for s in shards):
+        return
+    config = shards[0]["config"]
+    print(
+        f"adaptive: {config['hash_bucket_size']:,} bucket rows a shard, a row of its own "
+        f"after {config['promote_after']} sightings"
+    )
+    _print_rows(
+        ["shard", "bucket rows", "bucket memory", "keys counted", "sightings", "promoted",
+         "bucket lookups", "bucket gradients", "bucket updates"],
+        [
+            [s["shard_id"], f"{a['adaptive.bucket_rows']:,.0f}", _bytes(a["adaptive.bucket_bytes"]),
+             f"{a['adaptive.keys_counted']:,.0f}", f"{a['adaptive.sightings']:,.0f}",
+             f"{a['adaptive.keys_promoted']:,.0f}", f"{a['adaptive.lookups_from_buckets']:,.0f}",
+             f"{a['adaptive.gradients_to_buckets']:,.0f}", f"{a['adaptive.bucket_updates']:,.0f}"]
+            for s in shards for a in [s["lifecycle"]]
+        ],
+    )  # fmt: skip
+
+
 def _component(data: dict[str, Any]) -> str:
     params = ", ".join(f"{k}={v:g}" for k, v in data.items() if k != "kind")
     return f"{data['kind']}({params})"
@@ -179,6 +203,7 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
             )  # fmt: skip
             _print_admission(shards)
             _print_eviction(shards)
+            _print_adaptive(shards)
         return shards
     if args.action == "stats":
         shards = admin.stats()

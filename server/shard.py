@@ -109,11 +109,11 @@ def _hit_rate(hits: int, misses: int) -> float:
 
 def _lifecycle(stats: dict[str, Any]) -> dict[str, float]:
     """A table's feature-lifecycle figures as TableDescription.lifecycle names them
-    ("admission.keys_counted", "eviction.removed_total", ...); empty when no such feature
-    is on."""
+    ("admission.keys_counted", "eviction.removed_total", "adaptive.keys_promoted", ...);
+    empty when no such feature is on."""
     return {
         f"{feature}.{name}": float(value)
-        for feature in ("admission", "eviction")
+        for feature in ("admission", "eviction", "adaptive")
         for name, value in (stats.get(feature) or {}).items()
     }
 

@@ -13,6 +13,11 @@ filter (admission="bloom") whose counters would.
 A table with steps_to_live > 0 keeps its current and first pushed steps (EmbeddingTable's
 current_step, first_step) in the default column family too, written at every flush (and so
 at close), read when the table opens; its rows carry their own last-update steps.
+
+A table with adaptive embedding (hash_bucket_size = B, promote_after > 0) keeps its B shared
+bucket rows in memory (storage/adaptive.py) and durable in a column family of their own,
+"buckets.<table>" (key: bucket index), written at every flush; create_table refuses B rows
+over DIRECT_MEMORY_FRACTION of physical memory, like a direct table's arena.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 import numpy as np
 from rocksdict import Checkpoint, Options, Rdict
 
+from tierps.storage.adaptive import BucketRows
 from tierps.storage.admission import bloom_bytes
 from tierps.storage.config import TableConfig
 from tierps.storage.errors import (
@@ -50,6 +56,7 @@ _FORMAT_KEY = b"tierps/format_version"
 _CONFIG_PREFIX = b"tierps/table/"
 _STEPS_PREFIX = b"tierps/steps/"  # sorts before _CONFIG_PREFIX: the table scan never sees it
 _CF_PREFIX = "table."
+_BUCKETS_CF_PREFIX = "buckets."  # adaptive embedding's bucket rows of a table
 
 
 DIRECT_MEMORY_FRACTION = 0.5  # a direct table's arena may take at most this share of RAM
@@ -106,6 +113,22 @@ def check_admission_size(config: TableConfig, where: str, memory_bytes: int | No
         )
 
 
+def check_bucket_size(config: TableConfig, where: str, memory_bytes: int | None = None) -> None:
+    """Refuse (ResourceExhaustedError) adaptive embedding whose hash_bucket_size rows -
+    weights and optimizer state, held in memory on every shard - would take more than
+    DIRECT_MEMORY_FRACTION of physical memory."""
+    need = config.hash_bucket_size * config.row_bytes
+    memory = physical_memory_bytes() if memory_bytes is None else memory_bytes
+    limit = int(memory * DIRECT_MEMORY_FRACTION)
+    if need and memory and need > limit:
+        raise ResourceExhaustedError(
+            f"{where}: field 'hash_bucket_size' expected bucket rows of at most {limit} bytes "
+            f"({DIRECT_MEMORY_FRACTION:.0%} of this machine's {memory} bytes), got "
+            f"hash_bucket_size={config.hash_bucket_size}: {config.hash_bucket_size} rows x "
+            f"{config.row_bytes} bytes = {need} bytes on each shard; lower hash_bucket_size"
+        )
+
+
 def _options() -> Options:
     options = Options(raw_mode=True)
     options.create_if_missing(True)
@@ -155,20 +178,31 @@ class EmbeddingStore:
     def _where(self, name: str) -> str:
         return f"table '{name}' on shard {self.shard_id}"
 
-    def _open_table(self, config: TableConfig) -> EmbeddingTable:
-        where = self._where(config.name)
-        family = _CF_PREFIX + config.name
+    def _family(self, family: str) -> str:
+        """Make sure column family `family` exists; returns its name."""
         try:
             self._db.get_column_family(family).close()
         except Exception:
             self._db.create_column_family(family, _options()).close()
+        return family
+
+    def _open_table(self, config: TableConfig) -> EmbeddingTable:
+        where = self._where(config.name)
+        family = self._family(_CF_PREFIX + config.name)
         tiers: list[Tier] = []
         if not config.use_hashtable:
             tiers.append(DirectTier(config))
         elif host_rows_for_budget(config.host_cache_bytes, config.stored_bytes) > 0:
             tiers.append(HostTier(config, config.host_cache_bytes))
         tiers.append(RocksDBTier(self._db, family, config.stored_width, where=where))
-        table = EmbeddingTable(config, tiers, where=where)
+        buckets = None
+        if config.promote_after:
+            bucket_family = self._family(_BUCKETS_CF_PREFIX + config.name)
+            buckets = BucketRows(
+                config,
+                RocksDBTier(self._db, bucket_family, config.row_width, where=f"{where} buckets"),
+            )
+        table = EmbeddingTable(config, tiers, where=where, buckets=buckets)
         steps = self._db.get(_STEPS_PREFIX + config.name.encode())
         if steps is not None:
             table.current_step, table.first_step = json.loads(steps)
@@ -195,6 +229,7 @@ class EmbeddingStore:
                 return existing
             check_direct_size(config, self._where(config.name))
             check_admission_size(config, self._where(config.name))
+            check_bucket_size(config, self._where(config.name))
             self._db[_CONFIG_PREFIX + config.name.encode()] = json.dumps(config.to_dict()).encode()
             return self._open_table(config)
 
@@ -205,6 +240,8 @@ class EmbeddingStore:
             table.close()
             del self._tables[name]
             self._db.drop_column_family(_CF_PREFIX + name)
+            if table.config.promote_after:
+                self._db.drop_column_family(_BUCKETS_CF_PREFIX + name)
             del self._db[_CONFIG_PREFIX + name.encode()]
             self._db.delete(_STEPS_PREFIX + name.encode())
 

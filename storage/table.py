@@ -16,6 +16,12 @@ the step of the last push that updated it, or the current step when it was creat
 lookup, assigned or restored. The cascade alone reads and writes it; tiers move it as part of
 the row. Rows stamped before the table's first push (step 0) count as updated at the first
 step pushed (first_step), so a snapshot loaded into a new table does not age from step 0.
+
+With adaptive embedding (hash_bucket_size, promote_after; storage/adaptive.py), the same last
+step sights the final misses of a training lookup or a push in a counter: a key promoted now
+gets its own row, initialised from its bucket row's current weights with fresh optimizer
+state; the others read their bucket's row (depth bucket_depth, never stored), and a push
+trains the bucket rows with their summed gradients instead.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from tierps.storage.adaptive import BucketRows
 from tierps.storage.admission import make_filter
 from tierps.storage.config import STEP_SLOTS, TableConfig, WritePolicy
 from tierps.storage.errors import InvalidArgumentError
@@ -41,7 +48,14 @@ class EmbeddingTable:
     """Rows of one table over an ordered list of tiers; the last one is durable and, after
     a flush, complete. Every public call is batched and thread-safe."""
 
-    def __init__(self, config: TableConfig, tiers: list[Tier], *, where: str) -> None:
+    def __init__(
+        self,
+        config: TableConfig,
+        tiers: list[Tier],
+        *,
+        where: str,
+        buckets: BucketRows | None = None,
+    ) -> None:
         self.config = config
         self.tiers = tiers
         self.durable: DurableTier = tiers[-1]  # type: ignore[assignment]
@@ -57,6 +71,12 @@ class EmbeddingTable:
         self.refused_depth = len(tiers) + 1  # _gather's depth of a key the filter kept out
         self.lookups_default = 0  # looked-up keys (with repeats) answered with default_value
         self.gradients_dropped = 0  # distinct keys of pushes whose gradients were dropped
+        # hash_bucket_size, promote_after > 0: shared bucket rows and the sighting counts of
+        # keys without a row of their own (the store passes it with its durable column family)
+        if buckets is None and config.promote_after:
+            buckets = BucketRows(config)
+        self.buckets = buckets if config.promote_after else None
+        self.bucket_depth = len(tiers) + 2  # _gather's depth of a key served by its bucket
         # eviction: steps of pushes (0: none yet; the store keeps them across restarts)
         self.step_slots = STEP_SLOTS if config.steps_to_live else 0
         self.current_step = 0  # the largest step pushed
@@ -72,8 +92,9 @@ class EmbeddingTable:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Full rows of keys (duplicates allowed), the depth each came from (len(tiers):
         initialised now; refused_depth: kept out by the admission filter, its row
-        default_value, never to be stored), and whether each is newer than RocksDB. `sight`:
-        the call is a sighting of its final misses (a training lookup or a push)."""
+        default_value, never to be stored; bucket_depth: not yet promoted, its row its
+        bucket's, never to be stored), and whether each is newer than RocksDB. `sight`: the
+        call is a sighting of its final misses (a training lookup or a push)."""
         n, width = keys.size, self.config.stored_width
         rows = np.empty((n, width), dtype=np.float32)
         depth = np.full(n, len(self.tiers), dtype=np.int8)
@@ -97,7 +118,18 @@ class EmbeddingTable:
             rows[refused] = self.config.default_value
             depth[refused] = self.refused_depth
             pending = pending[admitted]
-        rows[pending] = self._fresh(keys[pending])
+        weights = None
+        if self.buckets is not None and pending.size:
+            promoted = (
+                self.buckets.observe(keys[pending]) if sight
+                else np.zeros(pending.size, dtype=bool)
+            )  # fmt: skip
+            shared = pending[~promoted]
+            rows[shared, : self.config.row_width] = self.buckets.read(keys[shared])
+            depth[shared] = self.bucket_depth
+            pending = pending[promoted]
+            weights = self.buckets.read(keys[pending])[:, : self.config.dim]
+        rows[pending] = self._fresh(keys[pending], weights)
         self.initialized += pending.size
         return rows, depth, dirty
 
@@ -165,7 +197,13 @@ class EmbeddingTable:
         element and nothing is stored for it, unless this call admits it: a training lookup
         is a sighting of each distinct such key (counted once however often it repeats), and
         the admit_after-th sighting gives the key its initial row, stored and returned.
-        create=False lookups neither count nor admit."""
+        create=False lookups neither count nor admit.
+
+        With adaptive embedding (promote_after > 0), a key without a row of its own reads
+        its bucket's weights, unless this training lookup is its promote_after-th sighting:
+        then it gets its own row, initialised from the bucket's current weights (fresh
+        optimizer state), stored and returned. create=False lookups neither count nor
+        promote."""
         keys = as_keys(f"{self.where}: lookup", keys)
         self.check_keys(keys, "lookup")
         dim = self.config.dim
@@ -180,6 +218,8 @@ class EmbeddingTable:
             promote = (depth > 0) & (depth <= deepest)
             if self.admission is not None:
                 self.lookups_default += int(np.count_nonzero(depth == self.refused_depth))
+            if self.buckets is not None:
+                self.buckets.lookups += int(np.count_nonzero(depth == self.bucket_depth))
             if promote.any():
                 moved, first = np.unique(live[promote], return_index=True)
                 picked = np.flatnonzero(promote)[first]
@@ -210,7 +250,14 @@ class EmbeddingTable:
         With admission (admit_after > 0), a push is a sighting of each distinct key without
         a row; a key this sighting does not admit has its gradient dropped (not applied,
         counted in gradients_dropped); the admit_after-th sighting creates the key's initial
-        row and applies this gradient to it. Keys with a row always train."""
+        row and applies this gradient to it. Keys with a row always train.
+
+        With adaptive embedding (promote_after > 0), a push is likewise a sighting of each
+        distinct key without a row of its own; the keys it does not promote train their
+        bucket rows instead: the gradients of one bucket's keys are summed and the bucket
+        gets one optimizer step. A key promoted by this push gets its own row from its
+        bucket's weights before this push's bucket update, and this gradient trains that
+        row. Keys trained through a bucket count in the returned number."""
         keys, grads, step = self.check_gradients(keys, grads, step)
         valid = keys >= 0
         if not valid.all():
@@ -228,18 +275,28 @@ class EmbeddingTable:
             self.current_step = max(self.current_step, step)
             self.first_step = min(self.first_step, step) if self.first_step else step
             rows, depth, _ = self._gather(unique, sight=True)
+            bucketed = 0  # keys whose gradient trained their bucket row
             if self.admission is not None:
                 admitted = depth != self.refused_depth
                 if not admitted.all():
                     self.gradients_dropped += int(admitted.size - np.count_nonzero(admitted))
                     unique, summed = unique[admitted], summed[admitted]
                     rows, depth = rows[admitted], depth[admitted]
+            if self.buckets is not None:
+                shared = depth == self.bucket_depth
+                if shared.any():
+                    bucketed = int(np.count_nonzero(shared))
+                    self.buckets.apply(unique[shared], summed[shared], step)
+                    if self.config.write_policy is WritePolicy.WRITE_THROUGH:
+                        self.buckets.flush()
+                    own = ~shared
+                    unique, summed, rows, depth = unique[own], summed[own], rows[own], depth[own]
             self.created += int(np.count_nonzero(depth == len(self.tiers)))
             self.config.optimizer.apply(rows, summed, step)
             if self.step_slots:
                 self._stamp(rows, step)
             self._store(unique, rows, np.ones(unique.size, dtype=bool))
-        return int(unique.size)
+        return int(unique.size) + bucketed
 
     def check_values(self, keys: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
         """(keys, values) as assign takes them, or InvalidArgumentError."""
@@ -275,8 +332,10 @@ class EmbeddingTable:
             self._store(keys, rows, np.ones(keys.size, dtype=bool))
 
     def flush(self) -> None:
-        """Write every row newer than RocksDB down to it."""
+        """Write every row newer than RocksDB down to it (bucket rows included)."""
         with self._lock:
+            if self.buckets is not None:
+                self.buckets.flush()
             for level, tier in enumerate(self.tiers[:-1]):
                 chunk_rows = max(1, FLUSH_CHUNK_BYTES // self.config.stored_bytes)
                 for keys, rows in tier.drain_dirty(chunk_rows):
@@ -355,6 +414,7 @@ class EmbeddingTable:
                     "current_step": self.current_step,
                     "first_step": self.first_step,
                 }
+            adaptive = None if self.buckets is None else self.buckets.stats()
             return {
                 "name": self.config.name,
                 "initialized": self.initialized,
@@ -363,8 +423,11 @@ class EmbeddingTable:
                 "tiers": {tier.name: tier.stats() for tier in self.tiers},
                 "admission": admission,  # the filter's figures; None without one
                 "eviction": eviction,  # None without steps_to_live or min_l2_norm
+                "adaptive": adaptive,  # bucket figures; None without promote_after
             }
 
     def close(self) -> None:
+        if self.buckets is not None:
+            self.buckets.close()
         for tier in self.tiers:
             tier.close()

@@ -140,6 +140,23 @@ def _component(data: dict[str, Any]) -> str:
     return f"{data['kind']}({params})"
 
 
+# The lifecycle options and their off values: describe prints those that are on.
+_LIFECYCLE_OFF = {
+    "use_hashtable": True, "capacity": 0, "placement": "row", "table_shard": -1,
+    "hash_bucket_size": 0, "promote_after": 0, "admit_after": 0, "steps_to_live": 0,
+    "min_l2_norm": 0.0, "evict_before_snapshot": False,
+}  # fmt: skip
+
+
+def _lifecycle_options(config: dict[str, Any]) -> str:
+    on = {name: config[name] for name, off in _LIFECYCLE_OFF.items() if config.get(name) != off}
+    if config.get("admit_after"):
+        on.update({k: config[k] for k in ("admission", "default_value")})
+        if config["admission"] == "bloom":
+            on.update({k: config[k] for k in ("max_elements", "false_positive_rate")})
+    return ", ".join(f"{name}={value}" for name, value in on.items())
+
+
 def _with_bar(action: Any, label: str) -> dict[str, Any]:
     with tqdm(total=0, unit="row", unit_scale=True, desc=label, file=sys.stderr) as bar:
 
@@ -191,8 +208,11 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
     if args.action == "describe":
         shards = admin.describe(args.table)
         if not args.json:
-            print(f"table {args.table!r}: {_component(shards[0]['config']['optimizer'])}, "
-                  f"dim {shards[0]['config']['dim']}")  # fmt: skip
+            config = shards[0]["config"]
+            print(f"table {args.table!r}: {_component(config['optimizer'])}, dim {config['dim']}")
+            options = _lifecycle_options(config)
+            if options:
+                print(f"  options: {options}")
             _print_rows(
                 ["shard", "tier", "rows", "bytes", "hits", "misses", "hit rate"],
                 [

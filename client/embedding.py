@@ -225,6 +225,11 @@ class EmbeddingClient(ClusterAdmin):
         with self._lock:
             self._configs[config.name] = config
         if rows is not None:
+            if not created:  # another client created it after the check above
+                raise FailedPreconditionError(
+                    f"{where} was created by another caller meanwhile: initial rows expected "
+                    f"for a table this call creates, so none were written"
+                )
             self.assign(config.name, *rows)
         return created
 

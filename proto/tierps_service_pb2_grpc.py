@@ -434,7 +434,8 @@ class AdminServiceServicer:
         """Removes from every tier (cache and RocksDB) this shard's rows of a table that are stale
         (not updated for steps_to_live steps) or small (weights' L2 norm below min_l2_norm), and
         says how many. Calls on that table wait meanwhile. A removed key looks up as a key never
-        seen: its initial row. A table with neither option removes nothing (num_rows = 0).
+        seen: its initial row (or, with admission or adaptive embedding set, the default or its
+        bucket's row). A table with neither option removes nothing (num_rows = 0).
         NOT_FOUND if there is no such table.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

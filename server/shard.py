@@ -349,7 +349,9 @@ class Shard:
         rows that removed (rows_evicted), and so does the log."""
         root = self._snapshot_root()
         snapshot.check_name(name)
+        snapshot.check_save_id(save_id)
         with self._admin:
+            snapshot.check_new(root, name)  # a refused save must not have evicted anything
             with self._gate.exclusive():
                 tables = [self.store.table(config.name) for config in self.list_tables()]
                 evicted = 0
@@ -384,6 +386,7 @@ class Shard:
                     f"snapshot {name!r} cannot load into this cluster of {self.num_shards} "
                     f"shards: {error}"
                 ) from None
+            self.store.check_creatable(config)  # before any table is dropped
         opened.verify()
         total = sum(entry["rows"] for entry in opened.tables.values())
         done = kept = 0

@@ -99,6 +99,13 @@ def _write_json_atomic(path: Path, data: dict[str, Any], *, exclusive: bool = Fa
         tmp.unlink(missing_ok=True)
 
 
+def check_new(root: Path, name: str) -> None:
+    """A save of `name` may start: the name is one directory name and no complete snapshot
+    of it exists (FailedPreconditionError otherwise). Run before anything the save changes."""
+    if (snapshot_path(root, name) / MANIFEST).exists():
+        raise FailedPreconditionError(f"snapshot {name!r} already exists in {root}")
+
+
 def write_part(
     root: Path,
     name: str,
@@ -112,8 +119,7 @@ def write_part(
     progress after every chunk; the last Progress has done=True."""
     snapshot = snapshot_path(root, name)
     staging = snapshot / check_save_id(save_id)
-    if (snapshot / MANIFEST).exists():
-        raise FailedPreconditionError(f"snapshot {name!r} already exists in {root}")
+    check_new(root, name)
     part = part_name(shard_id, num_shards)
     part_dir = staging / part
     if part_dir.exists():  # this save's part, written before by a call that failed

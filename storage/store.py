@@ -227,11 +227,18 @@ class EmbeddingStore:
                         f"existing {existing.config.to_dict()}, requested {config.to_dict()}"
                     )
                 return existing
-            check_direct_size(config, self._where(config.name))
-            check_admission_size(config, self._where(config.name))
-            check_bucket_size(config, self._where(config.name))
+            self.check_creatable(config)
             self._db[_CONFIG_PREFIX + config.name.encode()] = json.dumps(config.to_dict()).encode()
             return self._open_table(config)
+
+    def check_creatable(self, config: TableConfig) -> None:
+        """Refuse (ResourceExhaustedError) a table whose direct arena, Bloom filter or bucket
+        rows would not fit this machine's memory: run by create_table, and by a snapshot
+        load for every table before it drops any."""
+        where = self._where(config.name)
+        check_direct_size(config, where)
+        check_admission_size(config, where)
+        check_bucket_size(config, where)
 
     def drop_table(self, name: str) -> None:
         """Delete a table and all its rows."""

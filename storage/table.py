@@ -293,8 +293,10 @@ class EmbeddingTable:
                     unique, summed, rows, depth = unique[own], summed[own], rows[own], depth[own]
             self.created += int(np.count_nonzero(depth == len(self.tiers)))
             self.config.optimizer.apply(rows, summed, step)
-            if self.step_slots:
-                self._stamp(rows, step)
+            if self.step_slots:  # the table's clock, which only moves forward: a push with
+                # an older step (a restarted trainer, a lagging worker) still marks its rows
+                # fresh, so the next evict cannot remove rows trained just now
+                self._stamp(rows, self.current_step)
             self._store(unique, rows, np.ones(unique.size, dtype=bool))
         return int(unique.size) + bucketed
 

@@ -141,3 +141,35 @@ def test_the_admin_command_evicts_a_table(
         [*command, "evict", "nope"], capture_output=True, text=True, timeout=60
     )
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr, missing.stderr
+
+
+def test_a_refused_save_evicts_nothing(
+    cluster: tuple[list[ShardServer], EmbeddingClient],
+) -> None:
+    """evict_before_snapshot runs only for a save that may go ahead: saving a name that is
+    already a snapshot is refused before any row is removed."""
+    _, client = cluster
+    client.create_table(SMALL)
+    client.save_snapshot("day1")
+    keys = np.arange(10)
+    client.assign("views", keys, np.full((10, DIM), 0.01, np.float32))  # all below 0.5
+    before = client.lookup("views", keys, create=False)
+    with pytest.raises(Exception, match="already exists"):
+        client.save_snapshot("day1")
+    np.testing.assert_array_equal(client.lookup("views", keys, create=False), before)
+    assert lifecycle_sum(client, "views", "eviction.removed_total") == 0
+
+
+def test_a_push_with_an_older_step_still_marks_its_rows_fresh(
+    cluster: tuple[list[ShardServer], EmbeddingClient],
+) -> None:
+    """A trainer restarted with its step counter at 1, against a table whose clock is at 100:
+    the rows it trains now are fresh, not 99 steps stale."""
+    _, client = cluster
+    client.create_table(STALE)
+    client.push_gradients("clicks", np.arange(8), np.ones((8, DIM), np.float32), step=100)
+    client.push_gradients("clicks", np.arange(4), np.ones((4, DIM), np.float32), step=1)
+    removed = client.evict("clicks")["removed"]
+    assert removed == 0, removed
+    client.push_gradients("clicks", np.arange(2), np.ones((2, DIM), np.float32), step=110)
+    assert client.evict("clicks")["removed"] == 6  # keys 2..7: last updated at the clock's 100

@@ -244,7 +244,7 @@ class Shard:
                 target = self._checked(batch.table, batch.dim, batch.keys)
                 arguments = target.check_gradients(batch.keys, batch.grads, batch.step)
                 checked.append((target, *arguments))
-            return sum(target.apply_gradients(*args) for target, *args in checked)
+            return sum(target.apply_checked_gradients(*args) for target, *args in checked)
 
     def assign(self, batches: list[AssignBatch]) -> int:
         """Set each table's rows; every batch is checked before any is set."""
@@ -253,7 +253,7 @@ class Shard:
             for batch in batches:
                 target = self._checked(batch.table, batch.dim, batch.keys)
                 checked.append((target, *target.check_values(batch.keys, batch.values)))
-            return sum(target.assign(*args) for target, *args in checked)
+            return sum(target.assign_checked(*args) for target, *args in checked)
 
     # -- tables ------------------------------------------------------------------------------
 

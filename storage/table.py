@@ -258,7 +258,11 @@ class EmbeddingTable:
         gets one optimizer step. A key promoted by this push gets its own row from its
         bucket's weights before this push's bucket update, and this gradient trains that
         row. Keys trained through a bucket count in the returned number."""
-        keys, grads, step = self.check_gradients(keys, grads, step)
+        return self.apply_checked_gradients(*self.check_gradients(keys, grads, step))
+
+    def apply_checked_gradients(self, keys: np.ndarray, grads: np.ndarray, step: int) -> int:
+        """apply_gradients of what check_gradients returned: a caller that checks every
+        batch of a call before applying any (the shard) checks each batch once."""
         valid = keys >= 0
         if not valid.all():
             keys, grads = keys[valid], grads[valid]
@@ -311,7 +315,10 @@ class EmbeddingTable:
         """Set the weights of keys and reset their optimizer state to its initial value.
         Where a key repeats, its last value wins; keys < 0 are ignored. Returns the number
         of distinct keys set."""
-        keys, values = self.check_values(keys, values)
+        return self.assign_checked(*self.check_values(keys, values))
+
+    def assign_checked(self, keys: np.ndarray, values: np.ndarray) -> int:
+        """assign of what check_values returned (checked once, as apply_checked_gradients)."""
         valid = np.flatnonzero(keys >= 0)[::-1]  # reversed: np.unique keeps the last
         unique, first = np.unique(keys[valid], return_index=True)
         with self._lock:

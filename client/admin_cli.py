@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,71 +69,70 @@ def _bytes(n: float) -> str:
     return f"{n / 2**10:,.1f} KiB" if n < 2**20 else _mb(int(n))
 
 
-def _print_admission(shards: list[dict[str, Any]]) -> None:
-    """The admission filter's figures per shard (DescribeTable's lifecycle "admission.*"),
-    when the table has one."""
-    if not any("admission.counters" in s["lifecycle"] for s in shards):
-        return
-    config = shards[0]["config"]
-    print(
-        f"admission: {config['admission']} filter, a row after {config['admit_after']} "
-        f"sightings; keys without one read {config['default_value']:g}"
-    )
-    _print_rows(
-        ["shard", "keys counted", "counters used", "filter memory", "sightings", "admitted",
-         "default lookups", "gradients dropped"],
+def _count(name: str) -> Callable[[dict[str, float]], str]:
+    return lambda figures: f"{figures[name]:,.0f}"
+
+
+# Per lifecycle feature: the figure that says the table has it (DescribeTable's lifecycle
+# map), the line introducing it (from the config), and its columns per shard.
+_LIFECYCLE_TABLES: tuple[
+    tuple[str, Callable[[dict[str, Any]], str], list[tuple[str, Callable[[dict], str]]]], ...
+] = (
+    (
+        "admission.counters",
+        lambda c: f"admission: {c['admission']} filter, a row after {c['admit_after']} "
+        f"sightings; keys without one read {c['default_value']:g}",
         [
-            [s["shard_id"], f"{a['admission.keys_counted']:,.0f}",
-             f"{a['admission.counters_used']:,.0f} / {a['admission.counters']:,.0f}",
-             _bytes(a["admission.bytes"]), f"{a['admission.sightings']:,.0f}",
-             f"{a['admission.keys_admitted']:,.0f}", f"{a['admission.lookups_default']:,.0f}",
-             f"{a['admission.gradients_dropped']:,.0f}"]
-            for s in shards for a in [s["lifecycle"]]
+            ("keys counted", _count("admission.keys_counted")),
+            ("counters used", lambda a: f"{a['admission.counters_used']:,.0f} / "
+                                        f"{a['admission.counters']:,.0f}"),
+            ("filter memory", lambda a: _bytes(a["admission.bytes"])),
+            ("sightings", _count("admission.sightings")),
+            ("admitted", _count("admission.keys_admitted")),
+            ("default lookups", _count("admission.lookups_default")),
+            ("gradients dropped", _count("admission.gradients_dropped")),
         ],
-    )  # fmt: skip
-
-
-def _print_eviction(shards: list[dict[str, Any]]) -> None:
-    """The eviction figures per shard (DescribeTable's lifecycle "eviction.*"), when the
-    table has steps_to_live or min_l2_norm."""
-    if not any("eviction.runs" in s["lifecycle"] for s in shards):
-        return
-    config = shards[0]["config"]
-    print(
-        f"eviction: steps_to_live {config['steps_to_live']}, min_l2_norm "
-        f"{config['min_l2_norm']:g}, before snapshots: {config['evict_before_snapshot']}"
-    )
-    _print_rows(
-        ["shard", "current step", "runs", "removed (last)", "removed (all)"],
+    ),
+    (
+        "eviction.runs",
+        lambda c: f"eviction: steps_to_live {c['steps_to_live']}, min_l2_norm "
+        f"{c['min_l2_norm']:g}, before snapshots: {c['evict_before_snapshot']}",
         [
-            [s["shard_id"], f"{e['eviction.current_step']:,.0f}", f"{e['eviction.runs']:,.0f}",
-             f"{e['eviction.last_removed']:,.0f}", f"{e['eviction.removed_total']:,.0f}"]
-            for s in shards for e in [s["lifecycle"]]
+            ("current step", _count("eviction.current_step")),
+            ("runs", _count("eviction.runs")),
+            ("removed (last)", _count("eviction.last_removed")),
+            ("removed (all)", _count("eviction.removed_total")),
         ],
-    )  # fmt: skip
-
-
-def _print_adaptive(shards: list[dict[str, Any]]) -> None:
-    """The adaptive-embedding figures per shard (DescribeTable's lifecycle "adaptive.*"),
-    when the table has hash_bucket_size and promote_after."""
-    if not any("adaptive.bucket_rows" in s["lifecycle"] for s in shards):
-        return
-    config = shards[0]["config"]
-    print(
-        f"adaptive: {config['hash_bucket_size']:,} bucket rows a shard, a row of its own "
-        f"after {config['promote_after']} sightings"
-    )
-    _print_rows(
-        ["shard", "bucket rows", "bucket memory", "keys counted", "sightings", "promoted",
-         "bucket lookups", "bucket gradients", "bucket updates"],
+    ),
+    (
+        "adaptive.bucket_rows",
+        lambda c: f"adaptive: {c['hash_bucket_size']:,} bucket rows a shard, a row of its own "
+        f"after {c['promote_after']} sightings",
         [
-            [s["shard_id"], f"{a['adaptive.bucket_rows']:,.0f}", _bytes(a["adaptive.bucket_bytes"]),
-             f"{a['adaptive.keys_counted']:,.0f}", f"{a['adaptive.sightings']:,.0f}",
-             f"{a['adaptive.keys_promoted']:,.0f}", f"{a['adaptive.lookups_from_buckets']:,.0f}",
-             f"{a['adaptive.gradients_to_buckets']:,.0f}", f"{a['adaptive.bucket_updates']:,.0f}"]
-            for s in shards for a in [s["lifecycle"]]
+            ("bucket rows", _count("adaptive.bucket_rows")),
+            ("bucket memory", lambda a: _bytes(a["adaptive.bucket_bytes"])),
+            ("keys counted", _count("adaptive.keys_counted")),
+            ("sightings", _count("adaptive.sightings")),
+            ("promoted", _count("adaptive.keys_promoted")),
+            ("bucket lookups", _count("adaptive.lookups_from_buckets")),
+            ("bucket gradients", _count("adaptive.gradients_to_buckets")),
+            ("bucket updates", _count("adaptive.bucket_updates")),
         ],
-    )  # fmt: skip
+    ),
+)  # fmt: skip
+
+
+def _print_lifecycle(shards: list[dict[str, Any]]) -> None:
+    """The figures of each lifecycle feature the table has (admission, eviction, adaptive
+    embedding), a row per shard."""
+    for marker, title, columns in _LIFECYCLE_TABLES:
+        if not any(marker in s["lifecycle"] for s in shards):
+            continue
+        print(title(shards[0]["config"]))
+        _print_rows(
+            ["shard", *(header for header, _ in columns)],
+            [[s["shard_id"], *(show(s["lifecycle"]) for _, show in columns)] for s in shards],
+        )
 
 
 def _component(data: dict[str, Any]) -> str:
@@ -221,9 +221,7 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
                     for s in shards for t in s["tiers"]
                 ],
             )  # fmt: skip
-            _print_admission(shards)
-            _print_eviction(shards)
-            _print_adaptive(shards)
+            _print_lifecycle(shards)
         return shards
     if args.action == "stats":
         shards = admin.stats()

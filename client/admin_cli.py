@@ -42,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "adaptive embedding",
     )
     describe.add_argument("table")
-    actions.add_parser("stats", help="every shard's tables, memory and uptime")
+    actions.add_parser(
+        "stats", help="every shard's tables, memory and uptime, and each table's tiers"
+    )
     evict = actions.add_parser(
         "evict", help="remove a table's stale (steps_to_live) and small (min_l2_norm) rows"
     )
@@ -197,10 +199,12 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
         configs = [c.to_dict() for c in admin.list_tables()]
         if not args.json:
             _print_rows(
-                ["table", "dim", "optimizer", "initializer", "host cache", "write policy"],
+                ["table", "dim", "optimizer", "initializer", "host cache", "gpu cache",
+                 "write policy"],
                 [
                     [c["name"], c["dim"], _component(c["optimizer"]),
-                     _component(c["initializer"]), _mb(c["host_cache_bytes"]), c["write_policy"]]
+                     _component(c["initializer"]), _mb(c["host_cache_bytes"]),
+                     _mb(c["gpu_cache_bytes"]), c["write_policy"]]
                     for c in configs
                 ],
             )  # fmt: skip
@@ -233,6 +237,16 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
                      f"{sum(t['tiers'][-1]['rows'] for t in s['tables']):,}",
                      _mb(s["rss_bytes"]), _mb(s["peak_rss_bytes"]), f"{s['uptime_s']:.0f} s"]
                     for s, address in zip(shards, admin.addresses, strict=True)
+                ],
+            )  # fmt: skip
+            print()
+            _print_rows(
+                ["shard", "table", "tier", "rows", "bytes", "hits", "misses", "hit rate"],
+                [
+                    [s["shard_id"], t["config"]["name"], tier["name"], f"{tier['rows']:,}",
+                     _mb(tier["bytes"]), f"{tier['hits']:,}", f"{tier['misses']:,}",
+                     f"{tier['hit_rate']:.1%}"]
+                    for s in shards for t in s["tables"] for tier in t["tiers"]
                 ],
             )  # fmt: skip
         return shards

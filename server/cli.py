@@ -25,6 +25,19 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--snapshot-dir", type=Path, help="snapshot directory (may be shared)")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     serve.add_argument("--grace-s", type=float, help="on stop, seconds in-flight calls may take")
+    serve.add_argument(
+        "--gpu-cache-mb", type=int,
+        help="GPU cache per table on this shard, MiB, for tables whose gpu_cache_bytes is 0 "
+        "(needs cupy and a GPU; without one: a warning, and the host tier serves)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--require-gpu", action="store_true", default=None,
+        help="exit with an error instead of serving without a GPU",
+    )  # fmt: skip
+    serve.add_argument(
+        "--gpu-arrays", choices=("auto", "numpy"),
+        help="auto: GPU tiers on cupy; numpy: the GPU tier's code on host arrays (tests)",
+    )  # fmt: skip
     serve.add_argument("--config", type=Path, help="TOML file of ServerConfig fields")
     serve.add_argument("--port-file", type=Path, help="write the bound ports here (JSON)")
     serve.add_argument("--log-level", default="info", help="debug, info, warning, error")
@@ -41,6 +54,8 @@ def _serve(args: argparse.Namespace) -> int:
         "shard_id": args.shard_id, "num_shards": args.num_shards, "host": args.host,
         "port": args.port, "data_dir": args.data_dir, "snapshot_dir": args.snapshot_dir,
         "metrics_port": args.metrics_port, "grace_s": args.grace_s,
+        "gpu_cache_bytes": None if args.gpu_cache_mb is None else args.gpu_cache_mb << 20,
+        "require_gpu": args.require_gpu, "gpu_arrays": args.gpu_arrays,
     }  # fmt: skip
     try:
         if args.config is not None:

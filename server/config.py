@@ -27,6 +27,10 @@ class ServerConfig:
     max_workers: gRPC worker threads (each streaming call holds one while it runs).
     grace_s: on stop, how long in-flight calls may take before they are cancelled.
     tables: tables created at start (an identical existing table is kept as it is).
+    gpu_cache_bytes: each table's GPU tier on this shard, for tables whose own
+    gpu_cache_bytes is 0 (0: none). require_gpu: refuse to start where no GPU is usable
+    (otherwise GPU tiers are left out with one warning). gpu_arrays: "auto" (cupy) or
+    "numpy" (the GPU tier's code on host arrays: tests, trying a configuration).
     """
 
     shard_id: int
@@ -42,6 +46,9 @@ class ServerConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_batch_bytes: int = MAX_BATCH_BYTES
     tables: tuple[TableConfig, ...] = field(default_factory=tuple)
+    gpu_cache_bytes: int = 0
+    require_gpu: bool = False
+    gpu_arrays: str = "auto"
 
     def __post_init__(self) -> None:
         owner = "ServerConfig"
@@ -56,6 +63,15 @@ class ServerConfig:
             owner, "max_message_bytes", self.max_message_bytes, self.chunk_bytes + 4096, 1 << 31
         )
         check_int(owner, "max_batch_bytes", self.max_batch_bytes, 1, 1 << 40)
+        check_int(owner, "gpu_cache_bytes", self.gpu_cache_bytes, 0, 2**62)
+        if self.gpu_arrays not in ("auto", "numpy"):
+            raise ValueError(
+                f"{owner}: field 'gpu_arrays' expected 'auto' or 'numpy', got {self.gpu_arrays!r}"
+            )
+        if not isinstance(self.require_gpu, bool):
+            raise ValueError(
+                f"{owner}: field 'require_gpu' expected a bool, got {self.require_gpu!r}"
+            )
         if not self.grace_s >= 0:
             raise ValueError(f"{owner}: field 'grace_s' expected >= 0, got {self.grace_s!r}")
         if not isinstance(self.host, str) or not self.host:

@@ -27,6 +27,7 @@ from tierps.storage import (
 from tierps.storage.config import Placement, owner_shard
 from tierps.storage.snapshot import Progress
 from tierps.storage.table import EmbeddingTable
+from tierps.storage.xp import gpu_arrays
 
 SNAPSHOT_CHUNK_ROWS = 65536
 log = logging.getLogger("tierps.server")
@@ -137,7 +138,16 @@ class Shard:
         self.where = f"shard {self.shard_id} of {self.num_shards}"
         self.started = time.time()
         self._check_identity(Path(config.data_dir))
-        self.store = EmbeddingStore(Path(config.data_dir) / "rocksdb", shard_id=self.shard_id)
+        if config.require_gpu:
+            module, why = gpu_arrays(config.gpu_arrays)
+            if module is None:
+                raise FailedPreconditionError(f"{self.where}: require_gpu is set, but {why}")
+        self.store = EmbeddingStore(
+            Path(config.data_dir) / "rocksdb",
+            shard_id=self.shard_id,
+            gpu_cache_bytes=config.gpu_cache_bytes,
+            gpu_arrays=config.gpu_arrays,
+        )
         self._gate = Gate()
         self._admin = threading.Lock()  # one table or snapshot change at a time
         # Told False while a snapshot loads and True after; the server wires it to health.

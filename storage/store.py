@@ -3,12 +3,17 @@
 Each table has a column family for its rows; the table configs live in the default column
 family, so a reopened store knows its tables.
 
-A table's tiers: a hashed table (use_hashtable=True) gets a HostTier within its
+A table's tiers: a hashed table (use_hashtable=True) gets a host CacheTier within its
 host_cache_bytes budget (none when the budget holds no row) over RocksDB. A direct table
 (use_hashtable=False, capacity=N) gets a DirectTier over RocksDB instead: all N rows in
 memory whatever host_cache_bytes says, so create_table refuses one whose arena would take
 more than DIRECT_MEMORY_FRACTION of this machine's physical memory; likewise a counting Bloom
 filter (admission="bloom") whose counters would.
+
+Either kind gets a GPU CacheTier on top, on cupy, within a GPU budget: the table's
+gpu_cache_bytes, or the store's gpu_cache_bytes (a shard's --gpu-cache-mb) when the table
+leaves it 0. Where no GPU is usable, the store logs one warning and the table is served
+without that tier.
 
 A table with steps_to_live > 0 keeps its current and first pushed steps (EmbeddingTable's
 current_step, first_step) in the default column family too, written at every flush (and so
@@ -23,9 +28,11 @@ over DIRECT_MEMORY_FRACTION of physical memory, like a direct table's arena.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -44,12 +51,15 @@ from tierps.storage.errors import (
 from tierps.storage.rocksdb_tier import RocksDBTier
 from tierps.storage.table import EmbeddingTable
 from tierps.storage.tiers import (
+    CacheTier,
     DirectTier,
-    HostTier,
     Tier,
     direct_arena_bytes,
     host_rows_for_budget,
 )
+from tierps.storage.xp import gpu_arrays
+
+log = logging.getLogger("tierps.storage")
 
 FORMAT_VERSION = 1
 _FORMAT_KEY = b"tierps/format_version"
@@ -140,14 +150,28 @@ def _options() -> Options:
 
 
 class EmbeddingStore:
-    """Tables of one shard: host tier over RocksDB at `path` (created if missing).
+    """Tables of one shard: cache tiers over RocksDB at `path` (created if missing).
+
+    gpu_cache_bytes: the GPU tier's budget for tables whose own gpu_cache_bytes is 0 (0: none).
+    gpu_arrays: "auto" puts GPU tiers on cupy where a GPU is usable; "numpy" runs the same
+    tier code on host arrays (tests; trying a GPU configuration without a GPU).
 
     Use as a context manager, or call close(): it flushes dirty rows and releases RocksDB.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, shard_id: int = 0) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        shard_id: int = 0,
+        gpu_cache_bytes: int = 0,
+        gpu_arrays: str = "auto",
+    ) -> None:
         self.path = Path(path)
         self.shard_id = shard_id
+        self.gpu_cache_bytes = gpu_cache_bytes
+        self.gpu_arrays = gpu_arrays
+        self._gpu_warned = False
         self._lock = threading.Lock()
         self.path.mkdir(parents=True, exist_ok=True)
         families = Rdict.list_cf(str(self.path)) if (self.path / "CURRENT").exists() else []
@@ -170,6 +194,10 @@ class EmbeddingStore:
                 f"expected {FORMAT_VERSION}"
             )
         self._tables: dict[str, EmbeddingTable] = {}
+        if gpu_cache_bytes:  # say it at start, not at the first table
+            self._usable_gpu(
+                f"shard {shard_id} asks for a GPU cache of {gpu_cache_bytes} bytes per table"
+            )
         for key, raw in list(self._db.items(from_key=_CONFIG_PREFIX)):
             if not key.startswith(_CONFIG_PREFIX):
                 break
@@ -193,8 +221,11 @@ class EmbeddingStore:
         if not config.use_hashtable:
             tiers.append(DirectTier(config))
         elif host_rows_for_budget(config.host_cache_bytes, config.stored_bytes) > 0:
-            tiers.append(HostTier(config, config.host_cache_bytes))
+            tiers.append(CacheTier(config, config.host_cache_bytes))
         tiers.append(RocksDBTier(self._db, family, config.stored_width, where=where))
+        gpu = self._gpu_tier(config)
+        if gpu is not None:
+            tiers.insert(0, gpu)
         buckets = None
         if config.promote_after:
             bucket_family = self._family(_BUCKETS_CF_PREFIX + config.name)
@@ -208,6 +239,33 @@ class EmbeddingStore:
             table.current_step, table.first_step = json.loads(steps)
         self._tables[config.name] = table
         return table
+
+    def _gpu_tier(self, config: TableConfig) -> CacheTier | None:
+        """The table's GPU tier, or None: no GPU budget, a budget below one row, or no
+        usable GPU (warned once per store)."""
+        budget = config.gpu_cache_bytes or self.gpu_cache_bytes
+        if budget == 0 or host_rows_for_budget(budget, config.stored_bytes) == 0:
+            return None
+        xp = self._usable_gpu(f"{self._where(config.name)} asks for a GPU cache of {budget} bytes")
+        if xp is None:
+            return None
+        return CacheTier(config, budget, xp=xp, name="gpu", trains_in_place=True)
+
+    def _usable_gpu(self, asked: str) -> ModuleType | None:
+        """The GPU tiers' array module; None, with one warning per store, where no GPU is
+        usable."""
+        xp, why = self.gpu_module()
+        if xp is None and not self._gpu_warned:
+            self._gpu_warned = True
+            log.warning(
+                "%s, but no GPU is usable (%s): tables are served from the host tier and "
+                "RocksDB", asked, why,
+            )  # fmt: skip
+        return xp
+
+    def gpu_module(self) -> tuple[ModuleType | None, str]:
+        """The GPU tiers' array module (None where no GPU is usable) and why not."""
+        return gpu_arrays(self.gpu_arrays)
 
     def create_table(self, config: TableConfig) -> EmbeddingTable:
         """Create a table; the same config again is a no-op, a different one is refused, and

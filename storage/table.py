@@ -278,6 +278,14 @@ class EmbeddingTable:
             # a push moves the table's step (eviction), whatever it updates
             self.current_step = max(self.current_step, step)
             self.first_step = min(self.first_step, step) if self.first_step else step
+            resident = self._train_resident(unique, summed, step)
+            trained = int(resident.size)
+            if trained:
+                if trained == unique.size:
+                    return trained
+                rest = np.ones(unique.size, dtype=bool)
+                rest[resident] = False
+                unique, summed = unique[rest], summed[rest]
             rows, depth, _ = self._gather(unique, sight=True)
             bucketed = 0  # keys whose gradient trained their bucket row
             if self.admission is not None:
@@ -302,7 +310,21 @@ class EmbeddingTable:
                 # fresh, so the next evict cannot remove rows trained just now
                 self._stamp(rows, self.current_step)
             self._store(unique, rows, np.ones(unique.size, dtype=bool))
-        return int(unique.size) + bucketed
+        return int(unique.size) + bucketed + trained
+
+    def _train_resident(self, keys: np.ndarray, grads: np.ndarray, step: int) -> np.ndarray:
+        """Train the rows of keys held by a top tier that trains in place (the GPU tier: its
+        fused optimizer, without moving rows to the host and back); returns their indices
+        into keys. A write-through table does not: each update must reach RocksDB, so its
+        rows take the host path."""
+        top = self.tiers[0]
+        if (
+            not getattr(top, "trains_in_place", False)
+            or self.config.write_policy is WritePolicy.WRITE_THROUGH
+        ):
+            return np.empty(0, dtype=np.int64)
+        stamp = self.current_step if self.step_slots else None
+        return top.train_resident(keys, grads, step, stamp)
 
     def check_values(self, keys: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
         """(keys, values) as assign takes them, or InvalidArgumentError."""

@@ -1,5 +1,6 @@
-"""The tier interface and the host-memory tiers: HostTier (rows addressed through a hash
-table, within a byte budget) and DirectTier (row i holds key i, for use_hashtable=False).
+"""The tier interface and the memory tiers: CacheTier (rows addressed through a hash table,
+within a byte budget: the host tier on numpy, the GPU tier on cupy) and DirectTier (row i
+holds key i, for use_hashtable=False).
 
 Every tier speaks the same batched calls over arrays (HugeCTR's parameter server keeps one
 backend interface the same way). Rows are full width: weights and optimizer state together,
@@ -16,6 +17,10 @@ tiers move rows as opaque float32 slots and never look inside.
   each chunk marked clean as it is handed out.
 - stats() -> dict; close().
 
+Calls take and return numpy arrays whatever a tier keeps its rows in: the GPU tier moves keys
+and rows across itself. A top tier whose trains_in_place is True also has train_resident
+(keys, grads, step, stamp) -> indices of the keys whose rows it trained where they lie.
+
 The last tier is durable (DurableTier): it also writes rows directly and exports them all.
 
 "Dirty" means "newer than the copy in RocksDB": a clean row may be dropped by any cache tier.
@@ -25,12 +30,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from types import ModuleType
+from typing import Any, Protocol
 
 import numpy as np
 
 from tierps.storage.config import TableConfig
 from tierps.storage.hash_table import HashTable
+from tierps.storage.xp import to_host
 
 _INITIAL_ROWS = 1024
 _DIRTY_FLAG_BYTES = 1
@@ -92,25 +99,44 @@ def host_rows_for_budget(budget_bytes: int, row_bytes: int, max_load: float = 0.
     return low
 
 
-class HostTier:
-    """Rows in one numpy arena [rows, row_width], addressed through a HashTable.
+class CacheTier:
+    """Rows in one arena [rows, row_width], addressed through a HashTable, within a byte
+    budget: the host tier (numpy, host_cache_bytes) and the GPU tier (cupy, gpu_cache_bytes)
+    are this one class over two array modules.
 
-    The arena grows by doubling with ndarray.resize, which reallocates in place (large blocks
-    move by mremap, without a second copy in memory), and never beyond the rows the budget
-    allows. Freed rows are reused first. When full, the rows with the lowest LRU/LFU score
-    spill to the tier below; rows of the batch being stored are never chosen.
+    Calls take and return numpy arrays, as every tier's do; a GPU tier copies keys and rows
+    to the device on the way in and found rows back on the way out, and keeps its index,
+    arena, dirty flags and free list on the device. The numpy arena grows by doubling with
+    ndarray.resize, which reallocates in place (large blocks move by mremap, without a second
+    copy in memory); a cupy arena grows by copying into a new allocation. Neither grows
+    beyond the rows the budget allows. Freed rows are reused first. When full, the rows with
+    the lowest LRU/LFU score spill to the tier below; rows of the batch being stored are
+    never chosen.
+
+    train_resident runs the optimizer in place on the rows held here (the GPU tier's fused
+    update; see EmbeddingTable.apply_checked_gradients).
     """
 
-    name = "host"
-
-    def __init__(self, config: TableConfig, budget_bytes: int) -> None:
+    def __init__(
+        self,
+        config: TableConfig,
+        budget_bytes: int,
+        *,
+        xp: ModuleType = np,
+        name: str = "host",
+        trains_in_place: bool = False,
+    ) -> None:
+        self.xp = xp
+        self.name = name
+        self.trains_in_place = trains_in_place  # the cascade runs train_resident on it first
+        self.config = config
         self.width = config.stored_width
         self.max_rows = host_rows_for_budget(budget_bytes, config.stored_bytes)
         start = min(_INITIAL_ROWS, self.max_rows)
-        self.index = HashTable(start, eviction=config.eviction)
-        self.arena = np.empty((start, self.width), dtype=np.float32)
-        self.dirty = np.zeros(start, dtype=bool)
-        self._free = np.empty(0, dtype=np.int64)  # row ids released by eviction
+        self.index = HashTable(start, eviction=config.eviction, xp=xp)
+        self.arena = xp.empty((start, self.width), dtype=xp.float32)
+        self.dirty = xp.zeros(start, dtype=bool)
+        self._free = xp.empty(0, dtype=xp.int64)  # row ids released by eviction
         self._high = 0  # row ids >= _high were never used
         self.hits = 0
         self.misses = 0
@@ -119,32 +145,46 @@ class HostTier:
     def rows(self) -> int:
         return self.index.size
 
-    def _allocate(self, count: int) -> np.ndarray:
+    def _grow(self, rows: int) -> None:
+        if self.xp is np:
+            self.arena.resize((rows, self.width), refcheck=False)  # no views are ever kept
+            self.dirty.resize(rows, refcheck=False)
+            return
+        arena = self.xp.empty((rows, self.width), dtype=self.xp.float32)
+        arena[: self._high] = self.arena[: self._high]
+        dirty = self.xp.zeros(rows, dtype=bool)
+        dirty[: self._high] = self.dirty[: self._high]
+        self.arena, self.dirty = arena, dirty
+
+    def _allocate(self, count: int) -> Any:
+        xp = self.xp
         reused, self._free = self._free[:count], self._free[count:]
         fresh = count - reused.size
         if self._high + fresh > self.arena.shape[0]:
-            grown = min(self.max_rows, max(self._high + fresh, 2 * self.arena.shape[0]))
-            self.arena.resize((grown, self.width), refcheck=False)  # no views are ever kept
-            self.dirty.resize(grown, refcheck=False)
-        ids = np.concatenate([reused, np.arange(self._high, self._high + fresh)])
+            self._grow(min(self.max_rows, max(self._high + fresh, 2 * self.arena.shape[0])))
+        ids = xp.concatenate([reused, xp.arange(self._high, self._high + fresh)])
         self._high += fresh
         return ids
 
     def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        slots = self.index.find(keys)
-        hit = np.flatnonzero(slots >= 0)
+        xp = self.xp
+        slots = self.index.find(xp.asarray(keys))
+        hit = xp.flatnonzero(slots >= 0)
         self.hits += hit.size
         self.misses += keys.size - hit.size
         hit_slots = slots if hit.size == keys.size else slots[hit]
         self.index.touch(hit_slots)
         ids = self.index.values[hit_slots]
-        return hit, np.take(self.arena, ids, axis=0), self.dirty[ids]
+        found = xp.take(self.arena, ids, axis=0)
+        return to_host(hit), to_host(found), to_host(self.dirty[ids])
 
     def insert(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> Spill:
         """keys must be unique. Present keys are overwritten in place."""
+        xp = self.xp
+        keys, rows, dirty = xp.asarray(keys), xp.asarray(rows), xp.asarray(dirty)
         slots = self.index.find(keys)
         present = slots >= 0
-        if present.all():  # an update of resident rows (a push): no masked copies
+        if bool(present.all()):  # an update of resident rows (a push): no masked copies
             ids = self.index.values[slots]
             self.arena[ids] = rows
             self.dirty[ids] = dirty
@@ -156,7 +196,7 @@ class HostTier:
         self.dirty[ids] = dirty[present]
         self.index.touch(old_slots)
 
-        new = np.flatnonzero(~present)
+        new = xp.flatnonzero(~present)
         spills = []
         shortfall = new.size - (self.max_rows - self.index.size)
         if shortfall > 0:
@@ -164,7 +204,9 @@ class HostTier:
         fits = min(new.size, self.max_rows - self.index.size)
         placed, overflow = new[:fits], new[fits:]
         if overflow.size:
-            spills.append(Spill(keys[overflow], rows[overflow], dirty[overflow]))
+            spills.append(
+                Spill(to_host(keys[overflow]), to_host(rows[overflow]), to_host(dirty[overflow]))
+            )
         if fits:
             ids = self._allocate(fits)
             new_slots = self.index.insert_absent(keys[placed])  # the find above missed them
@@ -174,23 +216,67 @@ class HostTier:
             self.dirty[ids] = dirty[placed]
         return Spill.concat(spills) if spills else Spill.empty(self.width)
 
-    def _evict(self, slots: np.ndarray) -> Spill:
+    def train_resident(
+        self, keys: np.ndarray, grads: np.ndarray, step: int, stamp: int | None
+    ) -> np.ndarray:
+        """Run the table's optimizer on the rows of the (unique) keys held here, in place,
+        and mark them dirty; returns the indices into keys of those trained (the others are
+        the cascade's). `stamp`: the last-update step written into the rows' trailing step
+        slots (steps_to_live > 0), or None. Hits are counted; misses are left to the find
+        the cascade runs next for the other keys, so each key counts once."""
+        xp = self.xp
+        slots = self.index.find(xp.asarray(keys))
+        hit = xp.flatnonzero(slots >= 0)
+        if hit.size == 0:
+            return np.empty(0, dtype=np.int64)
+        self.hits += hit.size
+        everything = hit.size == keys.size
+        hit_slots = slots if everything else slots[hit]
+        self.index.touch(hit_slots)
+        ids = self.index.values[hit_slots]
+        resident_grads = xp.asarray(grads if everything else grads[to_host(hit)])
+        optimizer = self.config.optimizer
+        if not self._fused_apply(ids, resident_grads, step):
+            rows = xp.take(self.arena, ids, axis=0)  # the generic path: gather, apply, scatter
+            optimizer.apply(rows, resident_grads, step)
+            self.arena[ids] = rows
+        if stamp is not None:
+            bits = np.array([stamp], dtype="<i8").view(np.float32)
+            self.arena[ids, self.config.row_width :] = xp.asarray(bits)
+        self.dirty[ids] = True
+        return to_host(hit)
+
+    def _fused_apply(self, ids: Any, grads: Any, step: int) -> bool:
+        """The optimizer as one CuPy RawKernel over the rows `ids`, where there is one for
+        it (storage/kernels.py); False: use the generic array code."""
+        if self.xp is np:
+            return False
+        from tierps.storage import kernels
+
+        return kernels.fused_apply(self.config.optimizer, self.arena, ids, grads, step)
+
+    def _evict(self, slots: Any) -> Spill:
         ids = self.index.values[slots]
-        spill = Spill(self.index.keys_at(slots), np.take(self.arena, ids, axis=0), self.dirty[ids])
+        spill = Spill(
+            to_host(self.index.keys_at(slots)),
+            to_host(self.xp.take(self.arena, ids, axis=0)),
+            to_host(self.dirty[ids]),
+        )
         self._release(slots)
         return spill
 
-    def _release(self, slots: np.ndarray) -> None:
+    def _release(self, slots: Any) -> None:
         """Erase the keys of these (unique, live) slots and free their rows for reuse."""
         ids = self.index.values[slots]
         self.index.remove_slots(slots)
         self.dirty[ids] = False
-        self._free = np.concatenate([self._free, ids])
+        self._free = self.xp.concatenate([self._free, ids])
 
     def remove(self, keys: np.ndarray) -> int:
         """Drop the rows of keys held here (dirty or not: the caller removes them below too)."""
-        slots = self.index.find(keys)
-        slots = np.unique(slots[slots >= 0])
+        xp = self.xp
+        slots = self.index.find(xp.asarray(keys))
+        slots = xp.unique(slots[slots >= 0])
         self._release(slots)
         return int(slots.size)
 
@@ -201,7 +287,10 @@ class HostTier:
         for start in range(0, keys.size, chunk_rows):  # chunks bound the memory a flush takes
             chunk = ids[start : start + chunk_rows]
             self.dirty[chunk] = False
-            yield keys[start : start + chunk_rows], np.take(self.arena, chunk, axis=0)
+            yield (
+                to_host(keys[start : start + chunk_rows]),
+                to_host(self.xp.take(self.arena, chunk, axis=0)),
+            )
 
     def stats(self) -> dict[str, int]:
         return {
@@ -209,13 +298,15 @@ class HostTier:
             "capacity_rows": self.max_rows,
             "bytes": int(self.arena.nbytes + self.dirty.nbytes + self._free.nbytes)
             + self.index.nbytes,
-            "dirty_rows": int(np.count_nonzero(self.dirty[: self._high])),
+            "dirty_rows": int(self.xp.count_nonzero(self.dirty[: self._high])),
             "hits": self.hits,
             "misses": self.misses,
         }
 
     def close(self) -> None:
-        """Nothing to release: the arena is ordinary memory."""
+        """Drop the arrays: a GPU tier's memory returns to cupy's pool now, not at exit."""
+        self.arena = self.dirty = self._free = None  # type: ignore[assignment]
+        self.index = None  # type: ignore[assignment]
 
 
 def direct_arena_bytes(capacity: int, row_bytes: int) -> int:

@@ -11,6 +11,7 @@ import pytest
 from tests.conftest import export_dict
 from tierps.storage import EmbeddingStore, TableConfig, init, optim
 from tierps.storage.tiers import host_rows_for_budget
+from tierps.storage.xp import gpu_module
 
 DIM = 8
 UNIVERSE = 300  # distinct keys the trace draws from
@@ -78,6 +79,21 @@ SETUPS = {
         use_hashtable=False, capacity=CAPACITY, write_policy="write_through"
     ),
 }
+# The GPU tier on top (gpu_cache_bytes < 0: a budget in rows). Run on numpy arrays (the same
+# tier code) everywhere, and on cupy where a GPU is usable.
+GPU_SETUPS = {
+    # every row fits on the GPU
+    "gpu_roomy": dict(gpu_cache_bytes=64 << 20),
+    # ~8 rows on the GPU over a roomy host tier: GPU rows, dirty ones too, evicted every batch
+    "gpu_tiny": dict(gpu_cache_bytes=-8, host_cache_bytes=64 << 20),
+    # ~8 on the GPU over ~20 on the host: rows travel through all three tiers
+    "gpu_tiny_host_tiny": dict(gpu_cache_bytes=-8, host_cache_bytes=-20),
+    "gpu_no_host": dict(gpu_cache_bytes=-30, host_cache_bytes=0),
+    "gpu_lfu": dict(gpu_cache_bytes=-8, host_cache_bytes=-20, eviction="lfu"),
+    "gpu_write_through": dict(gpu_cache_bytes=-30, write_policy="write_through"),
+    "gpu_direct": dict(gpu_cache_bytes=-8, use_hashtable=False, capacity=CAPACITY),
+    "gpu_steps": dict(gpu_cache_bytes=-8, host_cache_bytes=-20, steps_to_live=10_000),
+}
 OPTIMIZERS = [
     optim.SGD(lr=0.1),
     optim.Momentum(lr=0.05, momentum=0.8),
@@ -89,16 +105,28 @@ OPTIMIZERS = [
 
 
 def make_config(setup: str, optimizer: optim.Optimizer) -> TableConfig:
-    options = dict(SETUPS[setup])
-    if options.get("host_cache_bytes", 0) < 0:  # a budget in rows: find the bytes that hold them
-        want = -options["host_cache_bytes"]
-        budget = want * row_bytes(optimizer)
-        while host_rows_for_budget(budget, row_bytes(optimizer)) < want:
-            budget += 64
-        options["host_cache_bytes"] = budget
+    options = dict({**SETUPS, **GPU_SETUPS}[setup])
+    stored = row_bytes(optimizer) + (8 if options.get("steps_to_live") else 0)
+    for budget_field in ("host_cache_bytes", "gpu_cache_bytes"):
+        if options.get(budget_field, 0) < 0:  # a budget in rows: the bytes that hold them
+            want = -options[budget_field]
+            budget = want * stored
+            while host_rows_for_budget(budget, stored) < want:
+                budget += 64
+            options[budget_field] = budget
     return TableConfig(
         "t", DIM, initializer=init.Normal(0.0, 0.1), optimizer=optimizer, seed=7, **options
     )
+
+
+def gpu_arrays_or_skip(arrays: str) -> str:
+    """The store's gpu_arrays for a test run on `arrays` ("numpy" or "cupy")."""
+    if arrays == "cupy":
+        module, why = gpu_module()
+        if module is None:
+            pytest.skip(f"GPU tier on cupy: {why}")
+        return "auto"
+    return "numpy"
 
 
 def run_trace(table, reference: ReferenceTable, seed: int) -> None:
@@ -160,6 +188,37 @@ def test_setup_matches_unbounded_reference(
     with EmbeddingStore(tmp_path / "db") as reopened:
         table = reopened.table("t")
         assert table.config == config
+        np.testing.assert_array_equal(table.lookup(probe, create=False), before)
+        assert_same_rows(table, reference)
+
+
+@pytest.mark.parametrize("arrays", ["numpy", "cupy"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.kind)
+@pytest.mark.parametrize("setup", list(GPU_SETUPS))
+def test_gpu_setup_matches_unbounded_reference(
+    tmp_path: Path, setup: str, optimizer: optim.Optimizer, arrays: str
+) -> None:
+    """The same trace and reference with a GPU tier on top: rows trained in place on the
+    GPU, evicted dirty to the host, flushed, exported and reopened agree with the
+    reference within 1e-6."""
+    gpu_arrays = gpu_arrays_or_skip(arrays)
+    config = make_config(setup, optimizer)
+    reference = ReferenceTable(config)
+    with EmbeddingStore(tmp_path / "db", gpu_arrays=gpu_arrays) as store:
+        table = store.create_table(config)
+        run_trace(table, reference, seed=hash(setup) % 1000)
+        tiers = table.stats()["tiers"]
+        assert list(tiers)[0] == "gpu"
+        assert tiers["gpu"]["rows"] <= tiers["gpu"]["capacity_rows"]
+        assert tiers["gpu"]["bytes"] <= config.gpu_cache_bytes
+        assert tiers["gpu"]["hits"] > 0
+        if config.gpu_cache_bytes < 1 << 20:  # a small GPU tier spilled rows below it
+            assert table.spilled > 0
+        assert_same_rows(table, reference)
+        probe = np.arange(-2, UNIVERSE + 20, dtype=np.int64)
+        before = table.lookup(probe, create=False)
+    with EmbeddingStore(tmp_path / "db", gpu_arrays=gpu_arrays) as reopened:
+        table = reopened.table("t")
         np.testing.assert_array_equal(table.lookup(probe, create=False), before)
         assert_same_rows(table, reference)
 

@@ -28,6 +28,9 @@ SETUPS: dict[str, dict[str, Any]] = {
     "rocksdb_only": {"host_cache_bytes": 0},
     "direct": {"use_hashtable": False, "capacity": 400},
     "write_through": {"host_cache_bytes": 2048, "write_policy": "write_through"},
+    # a few rows on the GPU tier (its code on numpy arrays), more on the host, the rest in
+    # RocksDB: rows pushed while on the GPU are stamped there
+    "gpu": {"gpu_cache_bytes": 1024, "host_cache_bytes": 2048},
 }
 
 
@@ -39,7 +42,7 @@ def config_of(setup: str, **fields: Any) -> TableConfig:
 
 
 def open_table(path: Path, config: TableConfig) -> tuple[EmbeddingStore, EmbeddingTable]:
-    store = EmbeddingStore(path)
+    store = EmbeddingStore(path, gpu_arrays="numpy")
     return store, store.create_table(config)
 
 

@@ -291,12 +291,27 @@ class EmbeddingStore:
 
     def check_creatable(self, config: TableConfig) -> None:
         """Refuse (ResourceExhaustedError) a table whose direct arena, Bloom filter or bucket
-        rows would not fit this machine's memory: run by create_table, and by a snapshot
-        load for every table before it drops any."""
+        rows would not fit this machine's memory, or whose GPU tier would not fit the GPU's:
+        run by create_table, and by a snapshot load for every table before it drops any."""
         where = self._where(config.name)
         check_direct_size(config, where)
         check_admission_size(config, where)
         check_bucket_size(config, where)
+        self._check_gpu_size(config, where)
+
+    def _check_gpu_size(self, config: TableConfig, where: str) -> None:
+        """A GPU tier is allocated as it fills: refuse one whose budget is over the device's
+        whole memory now, rather than fail out of memory in the middle of a call later."""
+        budget = config.gpu_cache_bytes or self.gpu_cache_bytes
+        xp, _ = self.gpu_module()
+        if budget == 0 or xp is None or xp is np:
+            return
+        total = int(xp.cuda.runtime.memGetInfo()[1])
+        if budget > total:
+            raise ResourceExhaustedError(
+                f"{where}: field 'gpu_cache_bytes' expected at most the GPU's {total} bytes, "
+                f"got {budget}"
+            )
 
     def drop_table(self, name: str) -> None:
         """Delete a table and all its rows."""

@@ -351,6 +351,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="host-tier budget per table and shard, MiB (default 64 movielens, 16 synthetic)",
     )  # fmt: skip
     parser.add_argument(
+        "--gpu-cache-mb", type=int, default=0,
+        help="a GPU tier of this many MiB per table on each shard (needs cupy and a GPU; "
+        "without one the shards warn and serve from the host tier)",
+    )  # fmt: skip
+    parser.add_argument(
         "--prefetch", action="store_true",
         help="look the next batch up while one trains (rows may be one step stale; pays "
         "only with cores to spare)",
@@ -364,7 +369,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check(args: argparse.Namespace) -> str | None:
     """What is wrong with the flags, or None."""
     for flag, low in (("epochs", 1), ("batch_size", 1), ("dim", 1), ("shards", 1),
-                      ("samples", 10), ("host_cache_mb", 0), ("seed", 0),
+                      ("samples", 10), ("host_cache_mb", 0), ("gpu_cache_mb", 0), ("seed", 0),
                       ("torch_threads", 1)):  # fmt: skip
         value = getattr(args, flag)
         if value is not None and value < low:
@@ -426,9 +431,11 @@ def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: fl
         f"DeepFM dim {args.dim}, batch {batch_size}, {epochs} epoch(s), Adam lr {args.lr} "
         f"(tables: on the shards; dense: torch, {torch.get_num_threads()} thread(s)); "
         f"{args.shards} shards in {cluster_dir}, host tier {host_mb} MiB per table and shard"
+        + (f", GPU tier {args.gpu_cache_mb} MiB" if args.gpu_cache_mb else "")
     )
+    gpu_flags = ("--gpu-cache-mb", str(args.gpu_cache_mb)) if args.gpu_cache_mb else ()
     with (
-        LocalCluster(args.shards, cluster_dir, snapshot_dir) as cluster,
+        LocalCluster(args.shards, cluster_dir, snapshot_dir, extra_args=gpu_flags) as cluster,
         EmbeddingClient(cluster.addresses) as client,
     ):
         print(

@@ -156,11 +156,15 @@ class HashTable:
         if self._kernels is not None and self._used + keys.shape[0] <= self.max_load * self.slots:
             # Room for every key even if all were new: find and claim in one kernel pass.
             slots, inserted, placed, empty = _kernels.upsert_slots(
-                self._keys, self._mask, keys, launch=self._kernels
+                self._keys,
+                self._mask,
+                keys,
+                scores=self._scores,
+                score=self._new_score(),
+                launch=self._kernels,
             )
             self._size += placed
             self._used += empty
-            self._reset_scores(slots[inserted])
             return slots, inserted
         slots = self.find(keys)
         missing = xp.nonzero(slots < 0)[0]
@@ -172,7 +176,8 @@ class HashTable:
             if self._make_room(int(xp.unique(keys[missing]).size)):
                 slots = self.find(keys)
         self._claim(keys, missing, slots, inserted)
-        self._reset_scores(slots[inserted])
+        if self._kernels is None:  # the claim kernel set the new keys' scores
+            self._reset_scores(slots[inserted])
         return slots, inserted
 
     def insert_absent(self, keys: Any) -> Any:
@@ -182,7 +187,8 @@ class HashTable:
         self._make_room(keys.shape[0])
         slots = xp.full(keys.shape[0], -1, dtype=xp.int64)
         self._claim(keys, xp.arange(keys.shape[0]), slots, xp.zeros(keys.shape[0], bool))
-        self._reset_scores(slots)
+        if self._kernels is None:  # the claim kernel set the new keys' scores
+            self._reset_scores(slots)
         return slots
 
     def _make_room(self, new_keys: int) -> bool:
@@ -192,15 +198,28 @@ class HashTable:
         self._rehash(_slots_for(self._size + new_keys, self.max_load))
         return True
 
+    def _new_score(self) -> int:
+        """A new key's eviction score: now (LRU), or no touches yet (LFU)."""
+        return self._tick if self.eviction is Eviction.LRU else 0
+
     def _reset_scores(self, slots: Any) -> None:
-        self._scores[slots] = self._tick if self.eviction is Eviction.LRU else 0
+        self._scores[slots] = self._new_score()
 
     def _claim(self, keys: Any, todo: Any, slots: Any, inserted: Any) -> None:
-        """Place keys[todo] (all absent) in free slots; fill slots[todo] and inserted."""
+        """Place keys[todo] (all absent) in free slots; fill slots[todo] and inserted. The
+        kernel also sets the new keys' scores (the array code leaves that to the caller)."""
         xp = self.xp
         if self._kernels is not None:
             placed, empty = _kernels.claim_slots(
-                self._keys, self._mask, keys, todo, slots, inserted, launch=self._kernels
+                self._keys,
+                self._mask,
+                keys,
+                todo,
+                slots,
+                inserted,
+                scores=self._scores,
+                score=self._new_score(),
+                launch=self._kernels,
             )
             self._size += placed
             self._used += empty

@@ -130,32 +130,39 @@ extern "C" __global__ void tierps_find(const long long* __restrict__ table, long
 
 /* HashTable._claim: for j = todo[i] (keys[j] absent from the table, repeats allowed), set
    slots[j] and, for the one occurrence that placed the key, inserted[j] = true (inserted is
-   zeroed by the caller). codes[i] as tierps_claim_one, so the caller can count the keys
-   placed and the EMPTY slots used. */
+   zeroed by the caller) and scores[slot] = score (a new key's eviction score; scores may be
+   null). codes[i] as tierps_claim_one, so the caller can count the keys placed and the EMPTY
+   slots used. */
 extern "C" __global__ void tierps_claim(long long* table, long long mask,
                                         const long long* __restrict__ keys,
                                         const long long* __restrict__ todo, long long n,
                                         long long* __restrict__ slots,
                                         bool* __restrict__ inserted,
-                                        unsigned char* __restrict__ codes) {
+                                        unsigned char* __restrict__ codes,
+                                        long long* __restrict__ scores, long long score) {
     const long long i = tierps_thread();
     if (i >= n) return;
     const long long j = todo[i];
     int code = 0;
     const long long slot = tierps_claim_one(table, mask, keys[j], &code);
     slots[j] = slot;
-    if (code) inserted[j] = true;
+    if (code) {
+        inserted[j] = true;
+        if (scores) scores[slot] = score;
+    }
     codes[i] = (unsigned char)code;
 }
 
 /* HashTable.insert in one pass when the table has room for every key: find each key, and
    claim a slot for those absent (keys > TOMBSTONE; the caller checks). A copy of a key that
-   another thread is placing may miss it in the find and then meets it in the claim. */
+   another thread is placing may miss it in the find and then meets it in the claim.
+   Outputs as tierps_claim, with i for j. */
 extern "C" __global__ void tierps_upsert(long long* table, long long mask,
                                          const long long* __restrict__ keys, long long n,
                                          long long* __restrict__ slots,
                                          bool* __restrict__ inserted,
-                                         unsigned char* __restrict__ codes) {
+                                         unsigned char* __restrict__ codes,
+                                         long long* __restrict__ scores, long long score) {
     const long long i = tierps_thread();
     if (i >= n) return;
     const long long key = keys[i];
@@ -163,7 +170,10 @@ extern "C" __global__ void tierps_upsert(long long* table, long long mask,
     int code = 0;
     if (slot < 0) slot = tierps_claim_one(table, mask, key, &code);
     slots[i] = slot;
-    if (code) inserted[i] = true;
+    if (code) {
+        inserted[i] = true;
+        if (scores) scores[slot] = score;
+    }
     codes[i] = (unsigned char)code;
 }
 
@@ -533,13 +543,16 @@ def claim_slots(
     slots: Any,
     inserted: Any,
     *,
+    scores: Any = None,
+    score: int = 0,
     launch: Launcher | None = None,
 ) -> tuple[int, int]:
     """HashTable._claim: place keys[todo] (all absent from the table; repeats allowed) in
     free slots, setting slots[todo] and inserted[todo] (True for the one occurrence of each
-    key that placed it; the rest of `inserted` is left alone). Returns (keys placed, of them
-    into EMPTY slots) for the table's size and used counts. The table must have a free slot
-    for every distinct key (HashTable grows first); without one a key gets slot -1."""
+    key that placed it; the rest of `inserted` is left alone), and scores[slot] = score for
+    each slot taken when `scores` is given. Returns (keys placed, of them into EMPTY slots)
+    for the table's size and used counts. The table must have a free slot for every distinct
+    key (HashTable grows first); without one a key gets slot -1."""
     xp = array_module(table_keys)
     keys, todo = _int64(xp, keys), _int64(xp, todo)
     _check_out("slots", slots, np.int64, keys.shape[0])
@@ -551,17 +564,35 @@ def claim_slots(
     _resolve(launch)(
         "tierps_claim",
         n,
-        (table_keys, np.int64(mask), keys, todo, np.int64(n), slots, inserted, codes),
+        (
+            table_keys,
+            np.int64(mask),
+            keys,
+            todo,
+            np.int64(n),
+            slots,
+            inserted,
+            codes,
+            scores,
+            np.int64(score),
+        ),
     )
     return _counts(xp, codes)
 
 
 def upsert_slots(
-    table_keys: Any, mask: int, keys: Any, *, launch: Launcher | None = None
+    table_keys: Any,
+    mask: int,
+    keys: Any,
+    *,
+    scores: Any = None,
+    score: int = 0,
+    launch: Launcher | None = None,
 ) -> tuple[Any, Any, int, int]:
     """HashTable.insert's find and claim in one pass, for a table with a free slot for every
     key in the batch (the caller checks, counting repeats). Keys must be > TOMBSTONE.
-    Returns (slots, inserted, keys placed, of them into EMPTY slots)."""
+    scores[slot] = score for each slot taken, when `scores` is given. Returns (slots,
+    inserted, keys placed, of them into EMPTY slots)."""
     xp = array_module(table_keys)
     keys = _int64(xp, keys)
     n = keys.shape[0]
@@ -573,7 +604,17 @@ def upsert_slots(
     _resolve(launch)(
         "tierps_upsert",
         n,
-        (table_keys, np.int64(mask), keys, np.int64(n), slots, inserted, codes),
+        (
+            table_keys,
+            np.int64(mask),
+            keys,
+            np.int64(n),
+            slots,
+            inserted,
+            codes,
+            scores,
+            np.int64(score),
+        ),
     )
     placed, empty = _counts(xp, codes)
     return slots, inserted, placed, empty

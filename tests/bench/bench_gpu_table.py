@@ -200,7 +200,8 @@ def bench_adam(
         target[ids] = block
 
     def fused(target: Any) -> None:
-        assert kernels.fused_apply(adam, target, ids, grads, 3)
+        if not kernels.fused_apply(adam, target, ids, grads, 3):
+            raise RuntimeError("no fused Adam kernel")
 
     reference = start.copy()
     generic(reference)
@@ -285,7 +286,7 @@ def main() -> int:
     print(f"GPU: {name}; device-to-device copy {bandwidth / 1e12:.2f} TB/s (read + written)")
     print(
         f"table: {1 << slots_log2:,} slots at load factor 0.5, batches of {batch:,} keys; "
-        "billion keys/s (median of {REPEATS})".replace("{REPEATS}", str(REPEATS))
+        f"billion keys/s (median of {REPEATS})"
     )
     print(
         "| op | dim | kernel | generic cupy | kernel/generic | of bandwidth bound (B/key) "

@@ -9,6 +9,10 @@ index into that slot, reads it back, and the one whose index survived wins (whic
 won, on numpy or cupy). Keys that lost move on; copies of the winner's key inside the same
 batch find their key in the slot and share it. Duplicates in a batch and distinct new keys
 that hash to the same empty slot are therefore both resolved without sorting.
+
+On cupy, find, insert and the claim run as CUDA kernels (storage/kernels.py: one thread per
+key, atomicCAS on the slot key) when they compile there; the array code below stays the
+reference they are tested against, the host path, and the fallback.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from tierps.storage import kernels as _kernels
 from tierps.storage.config import Eviction
 from tierps.storage.hashing import hash_keys
 
@@ -31,9 +36,36 @@ def _slots_for(n: int, max_load: float) -> int:
     return max(_MIN_SLOTS, 1 << max(0, int(np.ceil(n / max_load)) - 1).bit_length())
 
 
+def _pick_kernels(xp: ModuleType, kernels: Any) -> _kernels.Launcher | None:
+    """The kernel launcher a table uses, None for the array code (see HashTable)."""
+    if kernels is None:
+        return _kernels.launcher_for(xp)
+    if kernels is False:
+        return None
+    if kernels is True:
+        found = _kernels.launcher_for(xp)
+        if found is None:
+            reason = "the arrays are numpy" if xp is np else _kernels.unavailable_reason()
+            raise RuntimeError(
+                f"HashTable: field 'kernels' asked for the GPU kernels, but they are "
+                f"unavailable: {reason}"
+            )
+        return found
+    if callable(kernels):
+        return kernels
+    raise ValueError(
+        f"HashTable: field 'kernels' expected None, True, False or a launcher, got {kernels!r}"
+    )
+
+
 class HashTable:
     """int64 key -> int64 value (a row id in the tier that owns the table), with an eviction
-    score per key. Keys may be any int64 except EMPTY and TOMBSTONE (the two lowest)."""
+    score per key. Keys may be any int64 except EMPTY and TOMBSTONE (the two lowest).
+
+    kernels: None (default) runs find, insert and the claim as CUDA kernels when xp is cupy
+    and they compile, else the array code; False always the array code; True the kernels or
+    a RuntimeError; or a kernels.Launcher, used as given (the tests pass a host emulation of
+    the kernels running over numpy arrays)."""
 
     def __init__(
         self,
@@ -42,10 +74,12 @@ class HashTable:
         eviction: Eviction | str = Eviction.LRU,
         max_load: float = 0.5,
         xp: ModuleType = np,
+        kernels: Any = None,
     ) -> None:
         if not 0.0 < max_load < 1.0:
             raise ValueError(f"HashTable: field 'max_load' expected in (0, 1), got {max_load}")
         self.xp = xp
+        self._kernels = _pick_kernels(xp, kernels)
         self.eviction = Eviction(eviction)
         self.max_load = max_load
         self._size = 0  # live keys
@@ -81,8 +115,15 @@ class HashTable:
     def _home(self, keys: Any) -> Any:
         return (hash_keys(keys) & self.xp.uint64(self._mask)).astype(self.xp.int64)
 
+    @property
+    def uses_kernels(self) -> bool:
+        """Whether find, insert and the claim run as kernels (else the array code)."""
+        return self._kernels is not None
+
     def find(self, keys: Any) -> Any:
         """Slot of each key, -1 where absent. Slots stay valid until the next insert/erase."""
+        if self._kernels is not None:
+            return _kernels.find_slots(self._keys, self._mask, keys, launch=self._kernels)
         xp = self.xp
         # The first round runs over the whole batch without an index array: at load factor
         # 0.5 most keys end here, and the later rounds see only the rest.
@@ -112,6 +153,19 @@ class HashTable:
                 f"HashTable: field 'keys' expected values > {TOMBSTONE} (the two lowest int64 "
                 f"are reserved), got {int(keys.min())}"
             )
+        if self._kernels is not None and self._used + keys.shape[0] <= self.max_load * self.slots:
+            # Room for every key even if all were new: find and claim in one kernel pass.
+            slots, inserted, placed, empty = _kernels.upsert_slots(
+                self._keys,
+                self._mask,
+                keys,
+                scores=self._scores,
+                score=self._new_score(),
+                launch=self._kernels,
+            )
+            self._size += placed
+            self._used += empty
+            return slots, inserted
         slots = self.find(keys)
         missing = xp.nonzero(slots < 0)[0]
         inserted = xp.zeros(keys.shape[0], dtype=bool)
@@ -122,7 +176,8 @@ class HashTable:
             if self._make_room(int(xp.unique(keys[missing]).size)):
                 slots = self.find(keys)
         self._claim(keys, missing, slots, inserted)
-        self._reset_scores(slots[inserted])
+        if self._kernels is None:  # the claim kernel set the new keys' scores
+            self._reset_scores(slots[inserted])
         return slots, inserted
 
     def insert_absent(self, keys: Any) -> Any:
@@ -132,7 +187,8 @@ class HashTable:
         self._make_room(keys.shape[0])
         slots = xp.full(keys.shape[0], -1, dtype=xp.int64)
         self._claim(keys, xp.arange(keys.shape[0]), slots, xp.zeros(keys.shape[0], bool))
-        self._reset_scores(slots)
+        if self._kernels is None:  # the claim kernel set the new keys' scores
+            self._reset_scores(slots)
         return slots
 
     def _make_room(self, new_keys: int) -> bool:
@@ -142,12 +198,32 @@ class HashTable:
         self._rehash(_slots_for(self._size + new_keys, self.max_load))
         return True
 
+    def _new_score(self) -> int:
+        """A new key's eviction score: now (LRU), or no touches yet (LFU)."""
+        return self._tick if self.eviction is Eviction.LRU else 0
+
     def _reset_scores(self, slots: Any) -> None:
-        self._scores[slots] = self._tick if self.eviction is Eviction.LRU else 0
+        self._scores[slots] = self._new_score()
 
     def _claim(self, keys: Any, todo: Any, slots: Any, inserted: Any) -> None:
-        """Place keys[todo] (all absent) in free slots; fill slots[todo] and inserted."""
+        """Place keys[todo] (all absent) in free slots; fill slots[todo] and inserted. The
+        kernel also sets the new keys' scores (the array code leaves that to the caller)."""
         xp = self.xp
+        if self._kernels is not None:
+            placed, empty = _kernels.claim_slots(
+                self._keys,
+                self._mask,
+                keys,
+                todo,
+                slots,
+                inserted,
+                scores=self._scores,
+                score=self._new_score(),
+                launch=self._kernels,
+            )
+            self._size += placed
+            self._used += empty
+            return
         probe_keys = keys[todo]
         pos = self._home(probe_keys)
         while todo.size:
@@ -177,6 +253,33 @@ class HashTable:
         self._claim(keys, xp.arange(keys.shape[0]), new_slots, xp.zeros(keys.shape[0], bool))
         self.values[new_slots] = values
         self._scores[new_slots] = scores
+
+    def find_rows(
+        self, keys: Any, arena: Any, width: int | None = None, *, out: Any = None
+    ) -> tuple[Any, Any]:
+        """(slots, rows): slots as find, rows[i] = arena[values[slots[i]], :width] (all
+        columns when width is None), zeros for missing keys. One kernel on the GPU."""
+        if self._kernels is not None:
+            return _kernels.find_rows(
+                self._keys,
+                self.values,
+                self._mask,
+                keys,
+                arena,
+                width=width,
+                out=out,
+                launch=self._kernels,
+            )
+        xp = self.xp
+        width = arena.shape[1] if width is None else width
+        slots = self.find(keys)
+        if out is None:
+            out = xp.zeros((keys.shape[0], width), dtype=arena.dtype)
+        else:
+            out[:, :width] = 0
+        hit = xp.nonzero(slots >= 0)[0]
+        out[hit, :width] = arena[self.values[slots[hit]], :width]
+        return slots, out
 
     def remove_slots(self, slots: Any) -> None:
         """Erase the keys in these (unique, live) slots."""

@@ -298,8 +298,11 @@ class HashTable:
         if self.eviction is Eviction.LRU:
             self._tick += 1
             self._scores[slots] = self._tick
-        else:
-            self.xp.add.at(self._scores, slots, 1)
+        elif self.xp is np:
+            np.add.at(self._scores, slots, 1)
+        else:  # cupy's add.at has no int64 atomic add on every version: count repeats first
+            touched, counts = self.xp.unique(slots, return_counts=True)
+            self._scores[touched] += counts
 
     def eviction_candidates(self, count: int, protect: Any = None) -> Any:
         """Slots of the `count` live keys with the lowest score (least recent for LRU, least

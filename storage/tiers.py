@@ -125,15 +125,19 @@ class CacheTier:
         xp: ModuleType = np,
         name: str = "host",
         trains_in_place: bool = False,
+        kernels: Any = None,
     ) -> None:
         self.xp = xp
         self.name = name
         self.trains_in_place = trains_in_place  # the cascade runs train_resident on it first
+        # HashTable's kernels=: None runs the compiled GPU kernels on cupy (array code on
+        # numpy); a kernels.Launcher runs them through it (tests run a host build on numpy)
+        self._launch = None if kernels is None or isinstance(kernels, bool) else kernels
         self.config = config
         self.width = config.stored_width
         self.max_rows = host_rows_for_budget(budget_bytes, config.stored_bytes)
         start = min(_INITIAL_ROWS, self.max_rows)
-        self.index = HashTable(start, eviction=config.eviction, xp=xp)
+        self.index = HashTable(start, eviction=config.eviction, xp=xp, kernels=kernels)
         self.arena = xp.empty((start, self.width), dtype=xp.float32)
         self.dirty = xp.zeros(start, dtype=bool)
         self._free = xp.empty(0, dtype=xp.int64)  # row ids released by eviction
@@ -168,14 +172,22 @@ class CacheTier:
 
     def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         xp = self.xp
-        slots = self.index.find(xp.asarray(keys))
+        keys_here = xp.asarray(keys)
+        if self.index.uses_kernels:  # one kernel finds the slots and copies the rows out
+            slots, rows = self.index.find_rows(keys_here, self.arena)
+        else:
+            slots, rows = self.index.find(keys_here), None
         hit = xp.flatnonzero(slots >= 0)
+        everything = hit.size == keys.size
         self.hits += hit.size
         self.misses += keys.size - hit.size
-        hit_slots = slots if hit.size == keys.size else slots[hit]
+        hit_slots = slots if everything else slots[hit]
         self.index.touch(hit_slots)
         ids = self.index.values[hit_slots]
-        found = xp.take(self.arena, ids, axis=0)
+        if rows is None:
+            found = xp.take(self.arena, ids, axis=0)
+        else:
+            found = rows if everything else rows[hit]
         return to_host(hit), to_host(found), to_host(self.dirty[ids])
 
     def insert(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> Spill:
@@ -249,11 +261,13 @@ class CacheTier:
     def _fused_apply(self, ids: Any, grads: Any, step: int) -> bool:
         """The optimizer as one CuPy RawKernel over the rows `ids`, where there is one for
         it (storage/kernels.py); False: use the generic array code."""
-        if self.xp is np:
+        if self.xp is np and self._launch is None:
             return False
         from tierps.storage import kernels
 
-        return kernels.fused_apply(self.config.optimizer, self.arena, ids, grads, step)
+        return kernels.fused_apply(
+            self.config.optimizer, self.arena, ids, grads, step, launch=self._launch
+        )
 
     def _evict(self, slots: Any) -> Spill:
         ids = self.index.values[slots]

@@ -31,9 +31,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tierps.storage import kernels, optim
+from tests.contract import test_tier_setups as contract
+from tierps.storage import EmbeddingStore, kernels, optim
 from tierps.storage.hash_table import EMPTY, TOMBSTONE, HashTable
 from tierps.storage.hashing import hash_keys
+from tierps.storage.tiers import CacheTier
 from tierps.storage.xp import to_host
 
 I64_MAX = int(np.iinfo(np.int64).max)
@@ -791,3 +793,40 @@ def test_emulation_checks_argument_types(emu_lib: ctypes.CDLL) -> None:
             1,
             (table_keys, np.int64(15), table_keys, np.int64(1), table_keys.astype(np.int32)),
         )
+
+
+# --------------------------------------------------------------------------- the tier on them
+
+
+@pytest.mark.parametrize("optimizer", contract.OPTIMIZERS, ids=lambda o: o.kind)
+@pytest.mark.parametrize("setup", ["gpu_tiny_host_tiny", "gpu_lfu", "gpu_steps"])
+def test_the_gpu_tier_on_the_kernels_holds_the_reference_rows(
+    tmp_path: Path, emu_lib: ctypes.CDLL, setup: str, optimizer: optim.Optimizer
+) -> None:
+    """The contract suite's trace through a table whose GPU tier runs every kernel it would
+    on a GPU (find_rows, find, claim/upsert, the fused optimizer) in the host build, threads
+    shuffled: the same rows and optimizer state as the unbounded reference."""
+    emulated = EmuLauncher(emu_lib, order="shuffle", seed=3)
+    launched: set[str] = set()
+
+    def launch(name: str, threads: int, args: Any) -> None:
+        launched.add(name)
+        emulated(name, threads, args)
+
+    config = contract.make_config(setup, optimizer)
+    reference = contract.ReferenceTable(config)
+    with EmbeddingStore(tmp_path / "db", gpu_arrays="numpy") as store:
+        table = store.create_table(config)
+        gpu = CacheTier(
+            config, config.gpu_cache_bytes, xp=np, name="gpu", trains_in_place=True, kernels=launch
+        )
+        assert table.tiers[0].name == "gpu" and table.tiers[0].rows == 0
+        table.tiers[0] = gpu  # the same tier, its index and optimizer on the kernels
+        assert gpu.index.uses_kernels
+        contract.run_trace(table, reference, seed=11)
+        contract.assert_same_rows(table, reference)
+        assert gpu.hits > 0 and table.spilled > 0
+    assert {"tierps_find", "tierps_find_rows"} <= launched
+    assert launched & {"tierps_claim", "tierps_upsert"}
+    fused = {f"tierps_{optimizer.kind}"} if optimizer.kind != "nesterov" else {"tierps_momentum"}
+    assert kernels.has_fused(optimizer) and fused <= launched

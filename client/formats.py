@@ -12,10 +12,16 @@ comes in one of three formats, the conventions of HugeCTR, TensorFlow and torch:
   rows[j] of shape[0] bags; rows need not be sorted. The output is [shape[0], dim].
 
 Per-sample weights have the shape of the keys (dense) or of the values (CSR, COO).
+
+Any of these arrays may be numpy, a list, a torch tensor, or a DLPack array on a GPU (cupy);
+`array_device` says where one lives. Host batches are checked here; batches on a torch
+device are checked where they are (tierps.client.device_pooling), which calls `to_bags` on
+host copies only to word the refusal of a bad one.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -47,6 +53,38 @@ class Bags:
     @property
     def num_bags(self) -> int:
         return self.offsets.size - 1
+
+
+# DLPack device types (dlpack.h's DLDeviceType) that torch can import, as torch device types.
+_DLPACK_DEVICES = {1: "cpu", 2: "cuda", 3: "cpu", 10: "cuda", 13: "cuda"}
+
+
+def array_device(value: Any) -> str:
+    """Where an array-like lives, as a torch device string: "cpu" for numpy arrays, lists,
+    scalars and CPU tensors; "cuda:0" for a CUDA torch tensor or a DLPack array on GPU 0
+    (cupy). Imports neither torch nor cupy: a torch tensor can only come from a loaded torch."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return str(value.device)
+    if isinstance(value, np.ndarray) or not hasattr(value, "__dlpack_device__"):
+        return "cpu"
+    kind, index = value.__dlpack_device__()
+    name = _DLPACK_DEVICES.get(int(kind))
+    if name is None:
+        return f"DLPack device type {int(kind)}"
+    return name if name == "cpu" else f"{name}:{int(index)}"
+
+
+def batch_keys(value: Any) -> Any:
+    """The keys of a feature's batch in any format (a COO's values, a tuple's first item),
+    whose device is the batch's; None for checked Bags, which live on the host."""
+    if isinstance(value, Bags):
+        return None
+    if isinstance(value, COO):
+        return value.values
+    if isinstance(value, tuple):
+        return batch_keys(value[0]) if value else None
+    return value
 
 
 def as_array(where: str, field: str, value: Any) -> np.ndarray:

@@ -75,16 +75,21 @@ def array_device(value: Any) -> str:
     return name if name == "cpu" else f"{name}:{int(index)}"
 
 
-def batch_keys(value: Any) -> Any:
-    """The keys of a feature's batch in any format (a COO's values, a tuple's first item),
-    whose device is the batch's; None for checked Bags, which live on the host."""
+def batch_arrays(value: Any) -> list[tuple[str, Any]]:
+    """(field, array) of each array of a feature's batch in any format, its keys first
+    ('keys', or a COO's 'values' and 'rows'; then 'offsets', 'per_sample_weights'); none for
+    checked Bags, which live on the host."""
     if isinstance(value, Bags):
-        return None
+        return []
+    if isinstance(value, tuple) and not isinstance(value, COO):
+        keys, *rest = value or (None,)
+        # A tuple of a bad length is refused where it is read; here, name what it holds.
+        named = zip(("offsets", "per_sample_weights"), rest, strict=False)
+        arrays = [] if keys is None else batch_arrays(keys)
+        return arrays + [(name, array) for name, array in named if array is not None]
     if isinstance(value, COO):
-        return value.values
-    if isinstance(value, tuple):
-        return batch_keys(value[0]) if value else None
-    return value
+        return [("values", value.values), ("rows", value.rows)]
+    return [("keys", value)]
 
 
 def as_array(where: str, field: str, value: Any) -> np.ndarray:

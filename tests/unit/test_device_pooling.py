@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierps.client.formats import COO, array_device, batch_keys, float_array, to_bags
+from tierps.client.formats import COO, array_device, batch_arrays, float_array, to_bags
 from tierps.client.pooling import (
     Combiner,
     distinct_keys,
@@ -614,8 +614,14 @@ def test_array_device_reads_torch_numpy_and_dlpack_devices() -> None:
     assert array_device(FakeDLPack(2, 1)) == "cuda:1"
     assert array_device(FakeDLPack(10, 0)) == "cuda:0"  # ROCm: torch calls it cuda
     assert array_device(FakeDLPack(4, 0)) == "DLPack device type 4"
-    assert batch_keys((COO([0], [5], (1, 1)), None, [1.0])) == [5]
-    assert batch_keys(([3], [0])) == [3]
+    coo = COO([0], [5], (1, 1))
+    assert batch_arrays((coo, None, [1.0])) == [
+        ("values", [5]),
+        ("rows", [0]),
+        ("per_sample_weights", [1.0]),
+    ]
+    assert batch_arrays(([3], [0])) == [("keys", [3]), ("offsets", [0])]
+    assert batch_arrays([[3]]) == [("keys", [[3]])]
 
 
 def test_a_dlpack_array_on_another_device_is_refused() -> None:

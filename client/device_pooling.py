@@ -294,10 +294,11 @@ class PoolingGroup:
         lasts = [(p.last, p.nnz) for p in parts if p.last is not None]
         # Per-feature figures the device needs, in one copy: entry base, nnz, bags, table,
         # combiner, and the nnz each include_last_offset last offset must equal.
-        meta = torch.from_numpy(
+        meta = to_device(
             np.array([*entries[:-1], *nnz, *bags, *table_of, *codes, *(n for _, n in lasts)],
-                     dtype=np.int64)
-        ).to(device)  # fmt: skip
+                     dtype=np.int64),
+            device,
+        )  # fmt: skip
         count = len(parts)
         base_d, nnz_d, bags_d, table_d, code_d = meta[: 5 * count].view(5, count)
         n, b = self.num_entries, self.num_bags
@@ -336,7 +337,8 @@ class PoolingGroup:
             return
 
         # Step 2: dedup by (table, key), padding last as table `tables`.
-        table = torch.repeat_interleave(table_d, nnz_d, output_size=n)
+        # int32 table ids: the second sort's radix passes are over 32 bits, not 64.
+        table = torch.repeat_interleave(table_d.to(torch.int32), nnz_d, output_size=n)
         table = torch.where(keys < 0, tables, table)
         sorted_keys, by_key = torch.sort(keys, stable=True)
         sorted_tables, by_table = torch.sort(table[by_key], stable=True)
@@ -349,7 +351,7 @@ class PoolingGroup:
             refuse()
         ends = torch.cat([group_starts, end])
         bounds = torch.searchsorted(
-            sorted_tables[group_starts], torch.arange(tables + 1, device=device)
+            sorted_tables[group_starts], torch.arange(tables + 1, dtype=torch.int32, device=device)
         )
         host = torch.cat(
             [bounds, ends[bounds[tables]].reshape(1), sorted_keys[group_starts]]
@@ -435,7 +437,7 @@ class PoolingGroup:
         names = [name for name in self.features if name in grads]
         if not names:
             return {}
-        summed = self.backward({name: grads[name] for name in names}).cpu().numpy()
+        summed = to_host(self.backward({name: grads[name] for name in names}))
         keep = None if len(names) == len(self.features) else self.touched(names).cpu().numpy()
         out = {}
         for table, (lo, hi) in self.spans.items():
@@ -444,6 +446,34 @@ class PoolingGroup:
                 keys, rows = keys[keep[lo:hi]], rows[keep[lo:hi]]
             out[table] = (keys, rows)
         return out
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`. To a GPU it goes through pinned memory without blocking:
+    a copy from pageable memory would first wait for all the work queued on the device."""
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def host_buffer(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """An empty float32 host tensor to fill (through .numpy()) and send to `device` with
+    .to(device, non_blocking=True): pinned for a GPU, so that copy is a DMA that queues
+    behind the device's work (pinned memory comes from torch's caching allocator, which
+    keeps it until the copy is done)."""
+    return torch.empty(shape, dtype=torch.float32, pin_memory=device.type == "cuda")
+
+
+def to_host(tensor: torch.Tensor) -> np.ndarray:
+    """A device tensor's values on the host, as numpy; from a GPU through pinned memory
+    (about twice the speed of a copy to pageable memory)."""
+    if tensor.device.type != "cuda":
+        return tensor.cpu().numpy()
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    out.copy_(tensor, non_blocking=True)
+    torch.cuda.current_stream(tensor.device).synchronize()
+    return out.numpy()
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:

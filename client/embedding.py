@@ -484,24 +484,23 @@ class EmbeddingClient(ClusterAdmin):
         """lookup_pooled_features on a torch device: check, dedup and lay out the batch
         there, look the distinct keys up, copy their rows to the device once per group of
         tables of one dim, and pool them there."""
-        import torch
-
-        from tierps.client.device_pooling import plan, torch_device
+        from tierps.client.device_pooling import host_buffer, plan, torch_device
 
         on = torch_device(device)
         groups = plan(on, specs, lambda table: self.table_config(table).dim, include_last_offset)
         tables: dict[str, tuple[int, np.ndarray]] = {}
         out, buffers = {}, []
         for group in groups:
-            buffer = np.empty((group.num_unique + 1, group.dim), np.float32)
-            buffer[-1] = 0.0  # the zero row that padding entries point at
+            buffer = host_buffer((group.num_unique + 1, group.dim), on)
+            rows = buffer.numpy()
+            rows[-1] = 0.0  # the zero row that padding entries point at
             for table, (lo, hi) in group.spans.items():
-                tables[table], out[table] = (group.dim, group.unique[table]), buffer[lo:hi]
+                tables[table], out[table] = (group.dim, group.unique[table]), rows[lo:hi]
             buffers.append(buffer)
         self._lookup_unique(tables, create, out)  # the shards' replies land in the buffers
         outputs: dict[str, torch.Tensor] = {}
         for group, buffer in zip(groups, buffers, strict=True):
-            outputs.update(group.forward(torch.from_numpy(buffer).to(group.device)))
+            outputs.update(group.forward(buffer.to(on, non_blocking=True)))
         outputs = {spec.name: outputs[spec.name] for spec in specs}
         return DevicePooledLookup(self, groups, outputs, str(on))
 

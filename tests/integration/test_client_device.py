@@ -169,13 +169,9 @@ def test_mixed_devices_are_refused_before_anything_is_sent(client: EmbeddingClie
     message = str(raised.value)
     assert message.startswith("feature 'b': field 'keys' expected an array on cpu"), message
     assert "as feature 'a' field 'keys' is" in message and "got one on meta" in message
-    with pytest.raises(
-        InvalidArgumentError, match="feature 'a': field 'offsets' .* on cpu.* meta"
-    ):
+    with pytest.raises(InvalidArgumentError, match="feature 'a': field 'offsets' .* on cpu.* meta"):
         client.lookup_pooled_features({"a": (np.array([5]), meta), "b": np.array([[6]])}, features)
-    with pytest.raises(
-        InvalidArgumentError, match="feature 'a': field 'offsets' .* on cpu.* meta"
-    ):
+    with pytest.raises(InvalidArgumentError, match="feature 'a': field 'offsets' .* on cpu.* meta"):
         client.lookup_pooled_features(
             {"a": (torch.tensor([100, 101]), meta), "b": torch.tensor([[102]])}, features,
             device="cpu",

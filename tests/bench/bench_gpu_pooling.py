@@ -24,15 +24,18 @@ offsets with include_last_offset. The contenders, one step = forward and backwar
 - torch.nn.EmbeddingBag, sparse=True and sparse=False: 26 modules on the device (tables
   already there), forward, then backward of the same output gradients (grads set to None
   before each step, as zero_grad does). Their forward also gathers the rows from the full
-  tables, which tierps is handed.
+  tables, which tierps is handed. sparse=True's gradient is uncoalesced (one row per id, not
+  per distinct id), so a third row, sparse=True + coalesce(), gives the figure for the
+  result tierps' backward gives (what torch's sparse optimizers compute first).
 
 Before timing, tierps' outputs and per-key gradients are checked against torch's (sparse=False)
 outputs and weight gradients at the distinct keys. Each step is timed alone, wall clock from a
 synchronized device to a synchronized device (torch.cuda.synchronize), so a figure holds the
 host's launch work and every sync as well as the kernels; steps of all contenders are
 interleaved, and each figure is the median over the repeats. A ratio is baseline time /
-tierps time: above 1, tierps is faster; a row's "headline" holds the faster torch against
-tierps device (with dedup), the issue's target being >= 1.0x.
+tierps time: above 1, tierps is faster; a row's "headline" holds the faster torch
+(sparse=True or sparse=False: the issue's target, >= 1.0x) and the faster of those giving
+per-key gradients (sparse=True + coalesce or sparse=False) against tierps device (with dedup).
 """
 
 from __future__ import annotations
@@ -64,7 +67,9 @@ SEED = 0
 TIERPS = "tierps device (with dedup)"
 TIERPS_COPIES = "tierps device (+ host copies)"
 TORCH_SPARSE = "torch EmbeddingBag sparse=True"
+TORCH_SPARSE_COALESCED = "torch EmbeddingBag sparse=True + coalesce"
 TORCH_DENSE = "torch EmbeddingBag sparse=False"
+TORCH = (TORCH_SPARSE, TORCH_SPARSE_COALESCED, TORCH_DENSE)
 
 
 @dataclass(frozen=True)
@@ -141,7 +146,9 @@ class Shape:
         group.forward(self.host_rows[i].to(self.device, non_blocking=True))
         return group.host_gradients({f"f{f}": g for f, g in enumerate(self.grads[i])})
 
-    def torch_step(self, sparse: bool) -> tuple[Step, list[torch.nn.EmbeddingBag]]:
+    def torch_step(
+        self, sparse: bool, coalesce: bool = False
+    ) -> tuple[Step, list[torch.nn.EmbeddingBag]]:
         modules = [
             torch.nn.EmbeddingBag.from_pretrained(
                 w, freeze=False, mode=self.combiner.value, sparse=sparse, include_last_offset=True
@@ -154,6 +161,9 @@ class Shape:
                 module.weight.grad = None
             outputs = [m(k, o) for m, (k, o) in zip(modules, self.inputs[i], strict=True)]
             torch.autograd.backward(outputs, self.grads[i])
+            if coalesce:
+                for module in modules:
+                    module.weight.grad = module.weight.grad.coalesce()
             return outputs
 
         return step, modules
@@ -223,12 +233,14 @@ def bench_shape(
     """All contenders on one (dim, combiner): seconds per step, ids/s and the ratios."""
     shape = Shape(batches, dim, combiner, device)
     sparse_step, _ = shape.torch_step(sparse=True)
+    coalesced_step, _ = shape.torch_step(sparse=True, coalesce=True)
     dense_step, dense_modules = shape.torch_step(sparse=False)
     check(shape, dense_step, dense_modules)
     steps: dict[str, Step] = {
         TIERPS: shape.tierps,
         TIERPS_COPIES: shape.tierps_copies,
         TORCH_SPARSE: sparse_step,
+        TORCH_SPARSE_COALESCED: coalesced_step,
         TORCH_DENSE: dense_step,
     }
     seconds = measure(steps, len(batches), settings, device)
@@ -237,7 +249,7 @@ def bench_shape(
     contenders = {
         name: {"ms_per_step": s * 1e3, "ids_per_s": ids / s} for name, s in seconds.items()
     }
-    for name in (TORCH_SPARSE, TORCH_DENSE):
+    for name in TORCH:
         contenders[name]["ratio_vs_tierps"] = seconds[name] / seconds[TIERPS]
         contenders[name]["ratio_vs_tierps_copies"] = seconds[name] / seconds[TIERPS_COPIES]
     return {
@@ -246,9 +258,13 @@ def bench_shape(
         "ids_per_step": ids,
         "distinct_keys_per_step": statistics.mean(sum(u.size for u in b.unique) for b in batches),
         "torch_best": torch_best,
-        "headline": {  # the faster torch's time / tierps device (with dedup)'s time
+        "headline": {  # a torch time / tierps device (with dedup)'s time; target >= 1.0
             "vs_torch_best": contenders[torch_best]["ratio_vs_tierps"],
-            "target": 1.0,
+            # the faster of the two that yield one gradient per distinct key, as tierps does
+            "vs_torch_per_key_best": min(
+                contenders[TORCH_SPARSE_COALESCED]["ratio_vs_tierps"],
+                contenders[TORCH_DENSE]["ratio_vs_tierps"],
+            ),
         },
         "contenders": contenders,
     }

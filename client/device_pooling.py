@@ -101,7 +101,7 @@ def _is_int(tensor: torch.Tensor) -> bool:
 class _Parts:
     """A feature's bags on the device, laid out for stacking, values not checked yet: keys
     [nnz] int64, starts [B] int64 (bag i starts at entry starts[i], the last bag runs to
-    nnz), weights [nnz] (float32 unless bad: the group checks them) or None. `first` and
+    nnz), weights [nnz] float32 (the group checks them finite) or None. `first` and
     `last` are CSR offsets the group checks (offsets[0] must be 0; with include_last_offset
     the last must be nnz); `checks` are 0-d bool tensors, True where the batch is bad;
     `order` is a COO's entry order, which its weights follow."""

@@ -1,7 +1,8 @@
 """EmbeddingClient: what a trainer talks to. It routes keys to their shards (key % N; every
 key of a table placed whole to its owner shard), removes duplicates before sending, calls
 the shards at once, one RPC per shard carrying every table of the call, and pools bags with
-the fused kernel of `pooling`.
+the fused kernel of `pooling`, or, for a batch on a GPU (CUDA tensors, cupy arrays), on that
+GPU with `device_pooling`.
 
     from tierps.client import EmbeddingClient, TableConfig, optim
 
@@ -18,13 +19,21 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
 
 from tierps.client.admin import ClusterAdmin, RetryPolicy, ShardError
-from tierps.client.formats import COO, Bags, as_array, float_array, to_bags
+from tierps.client.formats import (
+    COO,
+    Bags,
+    array_device,
+    as_array,
+    batch_arrays,
+    float_array,
+    to_bags,
+)
 from tierps.client.initial_rows import InitialRows, read_initial_rows
 from tierps.client.pooling import (
     Combiner,
@@ -44,6 +53,11 @@ from tierps.storage.errors import (
     TableNotFoundError,
 )
 from tierps.storage.validation import check_step
+
+if TYPE_CHECKING:  # torch is imported only by a call that pools on a torch device
+    import torch
+
+    from tierps.client.device_pooling import FeatureSpec, PoolingGroup
 
 DEFAULT_MAX_CALL_BYTES = 256 << 20  # bulk bytes of one call (request or reply) per shard
 # One table's part of a call to a shard: (table, dim, keys, their positions in the table's
@@ -92,6 +106,8 @@ class PooledLookup:
     gradients of the outputs into one gradient per distinct key (the transpose of the
     forward's sparse product) and pushes them, one RPC per shard."""
 
+    device: str | None = None  # None: pooled on the host, outputs are numpy arrays
+
     def __init__(
         self,
         client: EmbeddingClient,
@@ -122,13 +138,7 @@ class PooledLookup:
         """Push d loss / d output (an array of output's shape, or a dict feature -> array
         for several features; features left out have zero gradient). Returns the number of
         distinct keys updated. `step` as in EmbeddingClient.push_gradients."""
-        if not isinstance(grad_outputs, Mapping):
-            grad_outputs = {self._single_feature(): grad_outputs}
-        unknown = sorted(set(grad_outputs) - set(self.outputs))
-        if unknown:
-            raise InvalidArgumentError(
-                f"push_gradients: features expected among {sorted(self.outputs)}, got {unknown}"
-            )
+        grad_outputs = self._by_feature(grad_outputs)
         grads = {
             name: float_array(
                 f"feature {name!r}", "grad_output", grad, self.outputs[name].shape,
@@ -154,13 +164,62 @@ class PooledLookup:
                 pushes[table] = (keys.unique, summed)
         return self._client._push_unique(pushes, step)
 
-    def _single_feature(self) -> str:
-        if len(self.outputs) != 1:
+    def _by_feature(self, grad_outputs: Any) -> Mapping[str, Any]:
+        """The gradients as a dict feature -> gradient, of known features."""
+        if not isinstance(grad_outputs, Mapping):
+            if len(self.outputs) != 1:
+                raise InvalidArgumentError(
+                    f"push_gradients: a lookup of {len(self.outputs)} features expected a dict "
+                    f"feature -> gradient, got one array"
+                )
+            grad_outputs = {next(iter(self.outputs)): grad_outputs}
+        unknown = sorted(set(grad_outputs) - set(self.outputs))
+        if unknown:
             raise InvalidArgumentError(
-                f"push_gradients: a lookup of {len(self.outputs)} features expected a dict "
-                f"feature -> gradient, got one array"
+                f"push_gradients: features expected among {sorted(self.outputs)}, got {unknown}"
             )
-        return next(iter(self.outputs))
+        return grad_outputs
+
+
+class DevicePooledLookup(PooledLookup):
+    """A PooledLookup pooled on a torch device (tierps.client.device_pooling): `outputs` are
+    torch tensors on `device`, and push_gradients takes their gradients there (torch tensors
+    or DLPack arrays such as cupy's), runs the backward there, and copies only the gradients
+    of the distinct keys to the host, for the push."""
+
+    def __init__(
+        self,
+        client: EmbeddingClient,
+        groups: list[PoolingGroup],
+        outputs: dict[str, torch.Tensor],
+        device: str,
+    ) -> None:
+        self._client = client
+        self._groups = groups
+        self.outputs = outputs  # type: ignore[assignment]
+        self.device = device
+
+    def push_gradients(self, grad_outputs: Any, step: int | None = None) -> int:
+        """Push d loss / d output (a tensor of output's shape on `device`, or a dict feature
+        -> tensor; features left out have zero gradient), as PooledLookup.push_gradients."""
+        import torch
+
+        from tierps.client.device_pooling import checked_gradient, refuse_gradient
+
+        given = self._by_feature(grad_outputs)
+        grads, bad = {}, []
+        for name, grad in given.items():
+            where, shape = f"feature {name!r}", tuple(self.outputs[name].shape)
+            grads[name], finite = checked_gradient(where, grad, torch.device(self.device), shape)
+            if finite is not None:
+                bad.append((name, finite))
+        pushes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for group in self._groups:
+            pushes.update(group.host_gradients(grads))  # syncs: the flags below are ready
+        for name, flag in bad:
+            if bool(flag):
+                refuse_gradient(f"feature {name!r}", given[name], tuple(self.outputs[name].shape))
+        return self._client._push_unique(pushes, step)
 
 
 class EmbeddingClient(ClusterAdmin):
@@ -323,13 +382,22 @@ class EmbeddingClient(ClusterAdmin):
         per_sample_weights: Any = None,
         include_last_offset: bool = False,
         create: bool = True,
+        device: str | torch.device | None = None,
     ) -> PooledLookup:
         """Pool bags of keys of one table (dense -1-padded keys [..., nnz], CSR values with
         offsets, or a COO; see tierps.client.formats). `.output` is [..., dim] for dense
         keys and [B, dim] otherwise; `.push_gradients(grad_output)` trains. Combiners:
-        tierps.client.pooling."""
+        tierps.client.pooling. `device` as in lookup_pooled_features."""
+        where = f"table {table!r}"
+        value = keys if offsets is None and per_sample_weights is None else (
+            keys, offsets, per_sample_weights
+        )  # fmt: skip
+        on = _pooling_device({where: value}, device)
+        if on is not None:
+            spec = self._spec(table, where, value, table, combiner)
+            return self._lookup_pooled_on(on, [spec], create, include_last_offset)
         batch = to_bags(
-            f"table {table!r}", keys, offsets, per_sample_weights,
+            where, keys, offsets, per_sample_weights,
             include_last_offset=include_last_offset,
         )  # fmt: skip
         return self.lookup_pooled_features(
@@ -343,11 +411,19 @@ class EmbeddingClient(ClusterAdmin):
         *,
         create: bool = True,
         include_last_offset: bool = False,
+        device: str | torch.device | None = None,
     ) -> PooledLookup:
         """Pool a batch of several features (feature name -> dense keys, (values, offsets),
         (values, offsets, per_sample_weights), a COO, or Bags), each looked up in its
         feature's table: one lookup RPC per shard for all of them, like torchrec's
-        EmbeddingBagCollection. `.outputs[name]` holds each feature's pooled rows."""
+        EmbeddingBagCollection. `.outputs[name]` holds each feature's pooled rows.
+
+        Where it pools: a batch on the host (numpy, lists, CPU tensors) is pooled by the host
+        kernels, its outputs numpy arrays. A batch on a GPU (CUDA tensors or DLPack arrays
+        such as cupy's, every array of it on one device) is pooled there, forward and
+        backward, its outputs torch tensors there: a DevicePooledLookup. `device` (a torch
+        device: "cuda:0", "cpu") pools on that device instead, with torch tensor outputs;
+        the batch's arrays must be on it (host arrays count as "cpu")."""
         by_name = {feature.name: feature for feature in features}
         if len(by_name) != len(features):
             repeated = sorted(
@@ -361,6 +437,13 @@ class EmbeddingClient(ClusterAdmin):
                 f"batch expected exactly the features {sorted(by_name)}, got "
                 f"{sorted(batch)} (missing {missing}, unknown {unknown})"
             )
+        on = _pooling_device({f"feature {name!r}": batch[name] for name in by_name}, device)
+        if on is not None:
+            specs = [
+                self._spec(name, f"feature {name!r}", batch[name], f.table, f.combiner)
+                for name, f in by_name.items()
+            ]
+            return self._lookup_pooled_on(on, specs, create, include_last_offset)
         bags = {
             name: _as_bags(f"feature {name!r}", batch[name], include_last_offset)
             for name in by_name
@@ -389,13 +472,50 @@ class EmbeddingClient(ClusterAdmin):
         outputs = {name: outputs[name] for name in by_name}  # in the features' order
         return PooledLookup(self, by_name, tables, pooling, outputs)
 
+    @staticmethod
+    def _spec(name: str, where: str, value: Any, table: str, combiner: Any) -> FeatureSpec:
+        from tierps.client.device_pooling import FeatureSpec
+
+        return FeatureSpec(name, where, value, table, Combiner.of(combiner, where))
+
+    def _lookup_pooled_on(
+        self, device: str, specs: list[FeatureSpec], create: bool, include_last_offset: bool
+    ) -> DevicePooledLookup:
+        """lookup_pooled_features on a torch device: check, dedup and lay out the batch
+        there, look the distinct keys up, copy their rows to the device once per group of
+        tables of one dim, and pool them there."""
+        from tierps.client.device_pooling import host_buffer, plan, torch_device
+
+        on = torch_device(device)
+        groups = plan(on, specs, lambda table: self.table_config(table).dim, include_last_offset)
+        tables: dict[str, tuple[int, np.ndarray]] = {}
+        out, buffers = {}, []
+        for group in groups:
+            buffer = host_buffer((group.num_unique + 1, group.dim), on)
+            rows = buffer.numpy()
+            rows[-1] = 0.0  # the zero row that padding entries point at
+            for table, (lo, hi) in group.spans.items():
+                tables[table], out[table] = (group.dim, group.unique[table]), rows[lo:hi]
+            buffers.append(buffer)
+        self._lookup_unique(tables, create, out)  # the shards' replies land in the buffers
+        outputs: dict[str, torch.Tensor] = {}
+        for group, buffer in zip(groups, buffers, strict=True):
+            outputs.update(group.forward(buffer.to(on, non_blocking=True)))
+        outputs = {spec.name: outputs[spec.name] for spec in specs}
+        return DevicePooledLookup(self, groups, outputs, str(on))
+
     # -- the wire --------------------------------------------------------------------------------
 
     def _lookup_unique(
-        self, tables: dict[str, tuple[int, np.ndarray]], create: bool
+        self,
+        tables: dict[str, tuple[int, np.ndarray]],
+        create: bool,
+        out: dict[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
-        """Rows [u, dim] of each table's distinct keys >= 0: one call per shard for all."""
-        out = {t: np.empty((keys.size, dim), np.float32) for t, (dim, keys) in tables.items()}
+        """Rows [u, dim] of each table's distinct keys >= 0: one call per shard for all.
+        `out`: arrays [u, dim] to write them into (views of a larger buffer may do)."""
+        if out is None:
+            out = {t: np.empty((keys.size, dim), np.float32) for t, (dim, keys) in tables.items()}
         calls = self._route(tables, lambda dim: max(8, 4 * dim))  # key out, row back
 
         def call(shard: int, batches: list[Batch]) -> Any:
@@ -571,6 +691,28 @@ class EmbeddingClient(ClusterAdmin):
 
 def _reply_bytes(batches: list[Batch]) -> int:
     return sum(4 * dim * keys.size for _, dim, keys, _ in batches)
+
+
+def _pooling_device(
+    batches: Mapping[str, FeatureBatch], device: str | torch.device | None
+) -> str | None:
+    """The torch device a call pools on: `device` when given (its arrays are checked where
+    they are read); else None (the host kernels) when every array of the batches (given by
+    their name in messages) is on the host, or the one GPU where all of them are."""
+    if device is not None:
+        return str(device)
+    first: tuple[str, str, str] | None = None  # where, field, device of the first array
+    for where, value in batches.items():
+        for field, array in batch_arrays(value):
+            found = array_device(array)
+            if first is None:
+                first = (where, field, found)
+            elif found != first[2]:
+                raise InvalidArgumentError(
+                    f"{where}: field {field!r} expected an array on {first[2]}, as {first[0]} "
+                    f"field {first[1]!r} is (a call pools on one device), got one on {found}"
+                )
+    return None if first is None or first[2] == "cpu" else first[2]
 
 
 def _as_bags(where: str, value: FeatureBatch, include_last_offset: bool) -> Bags:

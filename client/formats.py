@@ -12,10 +12,16 @@ comes in one of three formats, the conventions of HugeCTR, TensorFlow and torch:
   rows[j] of shape[0] bags; rows need not be sorted. The output is [shape[0], dim].
 
 Per-sample weights have the shape of the keys (dense) or of the values (CSR, COO).
+
+Any of these arrays may be numpy, a list, a torch tensor, or a DLPack array on a GPU (cupy);
+`array_device` says where one lives. Host batches are checked here; batches on a torch
+device are checked where they are (tierps.client.device_pooling), which calls `to_bags` on
+host copies only to word the refusal of a bad one.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -47,6 +53,43 @@ class Bags:
     @property
     def num_bags(self) -> int:
         return self.offsets.size - 1
+
+
+# DLPack device types (dlpack.h's DLDeviceType) that torch can import, as torch device types.
+_DLPACK_DEVICES = {1: "cpu", 2: "cuda", 3: "cpu", 10: "cuda", 13: "cuda"}
+
+
+def array_device(value: Any) -> str:
+    """Where an array-like lives, as a torch device string: "cpu" for numpy arrays, lists,
+    scalars and CPU tensors; "cuda:0" for a CUDA torch tensor or a DLPack array on GPU 0
+    (cupy). Imports neither torch nor cupy: a torch tensor can only come from a loaded torch."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return str(value.device)
+    if isinstance(value, np.ndarray) or not hasattr(value, "__dlpack_device__"):
+        return "cpu"
+    kind, index = value.__dlpack_device__()
+    name = _DLPACK_DEVICES.get(int(kind))
+    if name is None:
+        return f"DLPack device type {int(kind)}"
+    return name if name == "cpu" else f"{name}:{int(index)}"
+
+
+def batch_arrays(value: Any) -> list[tuple[str, Any]]:
+    """(field, array) of each array of a feature's batch in any format, its keys first
+    ('keys', or a COO's 'values' and 'rows'; then 'offsets', 'per_sample_weights'); none for
+    checked Bags, which live on the host."""
+    if isinstance(value, Bags):
+        return []
+    if isinstance(value, tuple) and not isinstance(value, COO):
+        keys, *rest = value or (None,)
+        # A tuple of a bad length is refused where it is read; here, name what it holds.
+        named = zip(("offsets", "per_sample_weights"), rest, strict=False)
+        arrays = [] if keys is None else batch_arrays(keys)
+        return arrays + [(name, array) for name, array in named if array is not None]
+    if isinstance(value, COO):
+        return [("values", value.values), ("rows", value.rows)]
+    return [("keys", value)]
 
 
 def as_array(where: str, field: str, value: Any) -> np.ndarray:

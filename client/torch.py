@@ -9,6 +9,12 @@ embeddings. The dense part of the model trains with any torch optimizer; the emb
 need none.
 
 In eval mode, or under torch.no_grad(), lookups create no rows and nothing is pushed.
+
+On a CUDA model: given a batch on a GPU (CUDA tensors or cupy arrays), the modules pool it
+there (tierps.client.device_pooling) and return tensors on that device; backward runs there
+too and sends only the distinct keys' gradients to the host for the push. Given a batch on
+the host, they pool on the host and return CPU tensors, as before. `device` pins the device
+to pool on instead.
 """
 
 from __future__ import annotations
@@ -22,10 +28,17 @@ import torch
 from torch import nn
 
 from tierps.client.embedding import EmbeddingClient, Feature, FeatureBatch, PooledLookup
-from tierps.client.formats import to_bags
 from tierps.client.pooling import Combiner
 
 MAX_PREFETCHED = 4  # prefetched batches kept for their forward; older ones are dropped
+
+
+def _outputs(pooled: PooledLookup, names: list[str]) -> tuple[torch.Tensor, ...]:
+    """The outputs as tensors: a host lookup's numpy arrays without a copy; a device
+    lookup's are tensors already."""
+    if pooled.device is None:
+        return tuple(torch.from_numpy(pooled.outputs[name]) for name in names)
+    return tuple(pooled.outputs[name] for name in names)
 
 
 class _Pooled(torch.autograd.Function):
@@ -34,13 +47,18 @@ class _Pooled(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, pooled: PooledLookup, names: list[str]) -> Any:
         ctx.pooled, ctx.names = pooled, names
-        return tuple(torch.from_numpy(pooled.outputs[name]) for name in names)
+        return _outputs(pooled, names)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        ctx.pooled.push_gradients(
-            {name: grad.detach().cpu().numpy() for name, grad in zip(ctx.names, grads, strict=True)}
-        )
+        if ctx.pooled.device is None:
+            given: dict[str, Any] = {
+                name: grad.detach().cpu().numpy()
+                for name, grad in zip(ctx.names, grads, strict=True)
+            }
+        else:  # the gradients stay on the device: the backward runs there
+            given = {name: grad.detach() for name, grad in zip(ctx.names, grads, strict=True)}
+        ctx.pooled.push_gradients(given)
         return None, None, None
 
 
@@ -55,6 +73,10 @@ class EmbeddingBagCollection(nn.Module):
     that same batch object then uses it. Rows prefetched before the current step's backward
     miss that step's update of the keys both batches share (one step stale, as pipelined
     embedding caches are).
+
+    A batch on a GPU is pooled there and gives tensors there; one on the host gives CPU
+    tensors. `device` ("cuda:0", "cpu"; None: where the batch is) pools on that torch
+    device, whose arrays the batch must be on (host arrays count as "cpu").
     """
 
     def __init__(
@@ -63,11 +85,13 @@ class EmbeddingBagCollection(nn.Module):
         features: Sequence[Feature],
         *,
         include_last_offset: bool = False,
+        device: str | torch.device | None = None,
     ) -> None:
         super().__init__()
         self.client = client
         self.features = list(features)
         self.include_last_offset = include_last_offset
+        self.device = device
         for feature in self.features:
             client.table_config(feature.table)  # an unknown table fails here, not mid-step
         self._prefetcher: ThreadPoolExecutor | None = None
@@ -80,15 +104,31 @@ class EmbeddingBagCollection(nn.Module):
 
     def _lookup(self, batch: Mapping[str, FeatureBatch], create: bool) -> PooledLookup:
         return self.client.lookup_pooled_features(
-            batch, self.features, create=create, include_last_offset=self.include_last_offset
+            batch,
+            self.features,
+            create=create,
+            include_last_offset=self.include_last_offset,
+            device=self.device,
         )
+
+    def _lookup_on(
+        self, batch: Mapping[str, FeatureBatch], create: bool, stream: Any
+    ) -> PooledLookup:
+        """_lookup in the prefetch thread, on the CUDA stream the caller was on: a device
+        batch's kernels then queue behind the work that made the batch."""
+        if stream is None:
+            return self._lookup(batch, create)
+        with torch.cuda.stream(stream):
+            return self._lookup(batch, create)
 
     def prefetch(self, batch: Mapping[str, FeatureBatch]) -> None:
         """Start looking up `batch` now, for a later forward(batch) of the same object."""
         if self._prefetcher is None:
             self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tierps-prefetch")
         create = self._trains()  # grad mode is per thread: read it here
-        future = self._prefetcher.submit(self._lookup, batch, create)
+        # A thread starts on the default stream; the caller may be on another.
+        stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
+        future = self._prefetcher.submit(self._lookup_on, batch, create, stream)
         self._prefetched = [*self._prefetched[-(MAX_PREFETCHED - 1) :], (batch, create, future)]
 
     def forward(self, batch: Mapping[str, FeatureBatch]) -> dict[str, torch.Tensor]:
@@ -109,7 +149,7 @@ class EmbeddingBagCollection(nn.Module):
             anchor = torch.empty(0, requires_grad=True)  # makes autograd call backward
             outputs = _Pooled.apply(anchor, pooled, names)
         else:
-            outputs = tuple(torch.from_numpy(pooled.outputs[name]) for name in names)
+            outputs = _outputs(pooled, names)
         return dict(zip(names, outputs, strict=True))
 
 
@@ -117,7 +157,8 @@ class EmbeddingBag(nn.Module):
     """torch.nn.EmbeddingBag over a table of the cluster: forward(input, offsets=None,
     per_sample_weights=None) as torch's (input 2-D [B, N] without offsets, with keys < 0 as
     padding; or 1-D values with offsets), returning [B, dim]. combiner: "sum", "mean" or
-    "sqrtn"; per_sample_weights work with all three (tierps.client.pooling)."""
+    "sqrtn"; per_sample_weights work with all three (tierps.client.pooling). Input on a GPU
+    is pooled there; `device` as in EmbeddingBagCollection."""
 
     def __init__(
         self,
@@ -126,11 +167,15 @@ class EmbeddingBag(nn.Module):
         *,
         combiner: Combiner | str = Combiner.SUM,
         include_last_offset: bool = False,
+        device: str | torch.device | None = None,
     ) -> None:
         super().__init__()
         self.table = table
         self.bags = EmbeddingBagCollection(
-            client, [Feature(table, table, combiner)], include_last_offset=include_last_offset
+            client,
+            [Feature(table, table, combiner)],
+            include_last_offset=include_last_offset,
+            device=device,
         )
 
     def forward(
@@ -139,11 +184,8 @@ class EmbeddingBag(nn.Module):
         offsets: torch.Tensor | np.ndarray | None = None,
         per_sample_weights: torch.Tensor | np.ndarray | None = None,
     ) -> torch.Tensor:
-        if offsets is None:
-            if per_sample_weights is None:
-                value: FeatureBatch = input
-            else:
-                value = to_bags(f"table {self.table!r}", input, None, per_sample_weights)
-        else:
+        if offsets is None and per_sample_weights is None:
+            value: FeatureBatch = input
+        else:  # dense keys with weights too: (keys, None, weights)
             value = (input, offsets, per_sample_weights)
         return self.bags({self.table: value})[self.table]

@@ -7,7 +7,7 @@ in tierps.client.torch (the `torch` extra).
 """
 
 from tierps.client.admin import ClusterAdmin, RetryPolicy, ShardError
-from tierps.client.embedding import EmbeddingClient, Feature, PooledLookup
+from tierps.client.embedding import DevicePooledLookup, EmbeddingClient, Feature, PooledLookup
 from tierps.client.formats import COO
 from tierps.client.pooling import Combiner
 from tierps.storage import Admission, Eviction, Placement, TableConfig, WritePolicy, init, optim
@@ -17,6 +17,7 @@ __all__ = [
     "COO",
     "ClusterAdmin",
     "Combiner",
+    "DevicePooledLookup",
     "EmbeddingClient",
     "Eviction",
     "Feature",

@@ -35,10 +35,12 @@ MAX_PREFETCHED = 4  # prefetched batches kept for their forward; older ones are 
 
 def _outputs(pooled: PooledLookup, names: list[str]) -> tuple[torch.Tensor, ...]:
     """The outputs as tensors: a host lookup's numpy arrays without a copy; a device
-    lookup's are tensors already."""
+    lookup's are views of one pooled block, copied apart (B x dim each) so that, as with
+    torch's own modules, an in-place op on one output (relu_, +=) neither hits a view made
+    inside a Function nor moves the version counter autograd checks on the others."""
     if pooled.device is None:
         return tuple(torch.from_numpy(pooled.outputs[name]) for name in names)
-    return tuple(pooled.outputs[name] for name in names)
+    return tuple(pooled.outputs[name].clone() for name in names)
 
 
 class _Pooled(torch.autograd.Function):

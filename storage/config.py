@@ -23,6 +23,12 @@ MAX_DIM = 65536
 STEP_SLOTS = 2  # float32 slots after a stored row that hold its last-update step (steps_to_live)
 
 
+def step_bits(step: int) -> np.ndarray:
+    """The STEP_SLOTS float32 slots that hold `step` as a row's last-update step: its int64
+    bits, copied bit for bit (steps_to_live > 0)."""
+    return np.array([step], dtype="<i8").view(np.float32)
+
+
 class Eviction(StrEnum):
     """Which rows a full cache tier pushes down first."""
 

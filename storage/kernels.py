@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from tierps.storage import optim
-from tierps.storage.xp import array_module
+from tierps.storage.xp import array_module, gpu_module
 
 log = logging.getLogger(__name__)
 
@@ -409,15 +409,11 @@ def cupy_launcher() -> CupyLauncher | None:
     if os.environ.get(ENV_SWITCH, "1") == "0":
         _cupy_failure = f"{ENV_SWITCH}=0"
         return None
-    try:
-        import cupy
-    except ImportError as exc:
-        _cupy_failure = f"cupy is not importable ({exc})"
+    cupy, why = gpu_module()
+    if cupy is None:
+        _cupy_failure = why
         return None
     try:
-        if not cupy.is_available():
-            _cupy_failure = "cupy finds no usable GPU"
-            return None
         _cupy_launcher = CupyLauncher()
     except Exception as exc:  # a compile or driver error: fall back to the generic code
         _cupy_failure = f"the kernels did not compile or load: {exc}"
@@ -798,7 +794,9 @@ def fused_apply(
         stride = _row_stride("arena", arena)
     except ValueError:
         return False
-    launch = _resolve(launch)
+    launch = launch or cupy_launcher()
+    if launch is None:  # TIERPS_GPU_KERNELS=0 or no compiled kernels: the array code
+        return False
     ids = _int64(xp, ids)
     grads = xp.ascontiguousarray(grads, dtype=xp.float32)
     n, dim = grads.shape

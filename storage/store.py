@@ -246,10 +246,20 @@ class EmbeddingStore:
         budget = config.gpu_cache_bytes or self.gpu_cache_bytes
         if budget == 0 or host_rows_for_budget(budget, config.stored_bytes) == 0:
             return None
-        xp = self._usable_gpu(f"{self._where(config.name)} asks for a GPU cache of {budget} bytes")
+        where = self._where(config.name)
+        xp = self._usable_gpu(f"{where} asks for a GPU cache of {budget} bytes")
         if xp is None:
             return None
-        return CacheTier(config, budget, xp=xp, name="gpu", trains_in_place=True)
+        try:
+            return CacheTier(
+                config, budget, xp=xp, name="gpu", trains_in_place=True, preallocate=True
+            )
+        except MemoryError as error:  # cupy's OutOfMemoryError: e.g. reopened on a fuller GPU
+            log.warning(
+                "%s: its GPU cache of %d bytes does not fit the GPU now (%s): served from the "
+                "host tier and RocksDB", where, budget, error,
+            )  # fmt: skip
+            return None
 
     def _usable_gpu(self, asked: str) -> ModuleType | None:
         """The GPU tiers' array module; None, with one warning per store, where no GPU is
@@ -300,17 +310,17 @@ class EmbeddingStore:
         self._check_gpu_size(config, where)
 
     def _check_gpu_size(self, config: TableConfig, where: str) -> None:
-        """A GPU tier is allocated as it fills: refuse one whose budget is over the device's
-        whole memory now, rather than fail out of memory in the middle of a call later."""
+        """Refuse a GPU tier (allocated whole when the table opens) over the GPU memory free
+        now: the driver's free memory and what cupy's pool holds unused."""
         budget = config.gpu_cache_bytes or self.gpu_cache_bytes
         xp, _ = self.gpu_module()
         if budget == 0 or xp is None or xp is np:
             return
-        total = int(xp.cuda.runtime.memGetInfo()[1])
-        if budget > total:
+        free = int(xp.cuda.runtime.memGetInfo()[0]) + int(xp.get_default_memory_pool().free_bytes())
+        if budget > free:
             raise ResourceExhaustedError(
-                f"{where}: field 'gpu_cache_bytes' expected at most the GPU's {total} bytes, "
-                f"got {budget}"
+                f"{where}: field 'gpu_cache_bytes' expected at most the {free} bytes free on "
+                f"the GPU, got {budget}"
             )
 
     def drop_table(self, name: str) -> None:

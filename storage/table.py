@@ -34,7 +34,7 @@ import numpy as np
 
 from tierps.storage.adaptive import BucketRows
 from tierps.storage.admission import make_filter
-from tierps.storage.config import STEP_SLOTS, TableConfig, WritePolicy
+from tierps.storage.config import STEP_SLOTS, TableConfig, WritePolicy, step_bits
 from tierps.storage.errors import InvalidArgumentError
 from tierps.storage.tiers import DurableTier, Spill, Tier
 from tierps.storage.validation import as_keys, as_rows, check_step
@@ -149,7 +149,7 @@ class EmbeddingTable:
     def _stamp(self, rows: np.ndarray, step: int) -> None:
         """Write `step` as the last-update step of stored rows (steps_to_live > 0): its int64
         bits in the trailing STEP_SLOTS float32 slots, copied bit for bit."""
-        rows[:, self.config.row_width :] = np.array([step], dtype="<i8").view(np.float32)
+        rows[:, self.config.row_width :] = step_bits(step)
 
     def _steps(self, rows: np.ndarray) -> np.ndarray:
         """The last-update step (int64 [n]) of stored rows (steps_to_live > 0)."""

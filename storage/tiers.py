@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tierps.storage.config import TableConfig
+from tierps.storage.config import TableConfig, step_bits
 from tierps.storage.hash_table import HashTable
 from tierps.storage.xp import to_host
 
@@ -106,12 +106,12 @@ class CacheTier:
 
     Calls take and return numpy arrays, as every tier's do; a GPU tier copies keys and rows
     to the device on the way in and found rows back on the way out, and keeps its index,
-    arena, dirty flags and free list on the device. The numpy arena grows by doubling with
+    arena, dirty flags and free list on the device. A host arena grows by doubling with
     ndarray.resize, which reallocates in place (large blocks move by mremap, without a second
-    copy in memory); a cupy arena grows by copying into a new allocation. Neither grows
-    beyond the rows the budget allows. Freed rows are reused first. When full, the rows with
-    the lowest LRU/LFU score spill to the tier below; rows of the batch being stored are
-    never chosen.
+    copy in memory), never beyond the rows the budget allows; a GPU tier (on cupy, or
+    preallocate=True) takes its whole budget when made. Freed rows are reused first. When
+    full, the rows with the lowest LRU/LFU score spill to the tier below; rows of the batch
+    being stored are never chosen.
 
     train_resident runs the optimizer in place on the rows held here (the GPU tier's fused
     update; see EmbeddingTable.apply_checked_gradients).
@@ -126,6 +126,7 @@ class CacheTier:
         name: str = "host",
         trains_in_place: bool = False,
         kernels: Any = None,
+        preallocate: bool = False,
     ) -> None:
         self.xp = xp
         self.name = name
@@ -136,7 +137,10 @@ class CacheTier:
         self.config = config
         self.width = config.stored_width
         self.max_rows = host_rows_for_budget(budget_bytes, config.stored_bytes)
-        start = min(_INITIAL_ROWS, self.max_rows)
+        # A device tier takes its whole budget now: out of memory shows when the table is
+        # made, never in the middle of a call holding rows evicted but not yet handed down.
+        whole = preallocate or xp is not np
+        start = self.max_rows if whole else min(_INITIAL_ROWS, self.max_rows)
         self.index = HashTable(start, eviction=config.eviction, xp=xp, kernels=kernels)
         self.arena = xp.empty((start, self.width), dtype=xp.float32)
         self.dirty = xp.zeros(start, dtype=bool)
@@ -150,15 +154,9 @@ class CacheTier:
         return self.index.size
 
     def _grow(self, rows: int) -> None:
-        if self.xp is np:
-            self.arena.resize((rows, self.width), refcheck=False)  # no views are ever kept
-            self.dirty.resize(rows, refcheck=False)
-            return
-        arena = self.xp.empty((rows, self.width), dtype=self.xp.float32)
-        arena[: self._high] = self.arena[: self._high]
-        dirty = self.xp.zeros(rows, dtype=bool)
-        dirty[: self._high] = self.dirty[: self._high]
-        self.arena, self.dirty = arena, dirty
+        """Numpy only: a device tier is allocated whole and never grows."""
+        self.arena.resize((rows, self.width), refcheck=False)  # no views are ever kept
+        self.dirty.resize(rows, refcheck=False)
 
     def _allocate(self, count: int) -> Any:
         xp = self.xp
@@ -253,15 +251,14 @@ class CacheTier:
             optimizer.apply(rows, resident_grads, step)
             self.arena[ids] = rows
         if stamp is not None:
-            bits = np.array([stamp], dtype="<i8").view(np.float32)
-            self.arena[ids, self.config.row_width :] = xp.asarray(bits)
+            self.arena[ids, self.config.row_width :] = xp.asarray(step_bits(stamp))
         self.dirty[ids] = True
         return to_host(hit)
 
     def _fused_apply(self, ids: Any, grads: Any, step: int) -> bool:
         """The optimizer as one CuPy RawKernel over the rows `ids`, where there is one for
         it (storage/kernels.py); False: use the generic array code."""
-        if self.xp is np and self._launch is None:
+        if not self.index.uses_kernels:  # numpy, kernels=False, or no compiled kernels
             return False
         from tierps.storage import kernels
 

@@ -293,3 +293,22 @@ def test_module_prefetch_on_a_device_serves_the_forward(client: EmbeddingClient)
     want[1, 1] = 0.0
     np.testing.assert_allclose(out.detach().numpy(), want.sum(axis=1), atol=ATOL)
     out.sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_module_outputs_on_a_device_take_in_place_ops(client: EmbeddingClient, device: str) -> None:
+    """As the host path's and torch's outputs: out.relu_() or out += b before backward."""
+    name = f"inplace-{next(_names)}"
+    client.create_table(TableConfig(name, 4, optimizer=optim.SGD(lr=1.0)))
+    pinned = "cpu" if device == "cpu" else None
+    module = tierps_torch.EmbeddingBagCollection(
+        client, [Feature("f", name), Feature("g", name)], device=pinned
+    )
+    keys = torch.tensor([[1, 2], [3, -1]]).to(device)
+    before = client.lookup(name, np.arange(1, 4), create=False)
+    out = module({"f": keys, "g": keys})
+    out["f"].relu_()
+    out["g"] += 1.0
+    (out["f"].sum() + out["g"].sum()).backward()
+    after = client.lookup(name, np.arange(1, 4), create=False)
+    assert not np.allclose(after, before)  # the push arrived

@@ -217,3 +217,25 @@ def test_gpu_tier_flags_reach_the_shard_config(tmp_path: Path) -> None:
     assert done.returncode == 1 and "gpu_cache_bytes" in done.stderr
     done = _serve(tmp_path, "--gpu-arrays", "cuda")
     assert done.returncode == 2 and "--gpu-arrays" in done.stderr
+
+
+def test_serve_gpu_cache_mb_gives_every_table_a_gpu_tier(tmp_path: Path) -> None:
+    """`tierps serve --gpu-cache-mb 1 --gpu-arrays numpy` (subprocesses): a table that leaves
+    gpu_cache_bytes 0 gets the shard's 1 MiB GPU tier, listed and counted by describe."""
+    from tierps.server.cluster import LocalCluster
+
+    flags = ("--gpu-cache-mb", "1", "--gpu-arrays", "numpy")
+    with (
+        LocalCluster(2, tmp_path / "cluster", extra_args=flags) as cluster,
+        EmbeddingClient(cluster.addresses, timeout_s=20.0) as client,
+    ):
+        client.create_table(TableConfig("t", DIM, optimizer=optim.SGD(lr=0.1)))
+        keys = np.arange(50, dtype=np.int64)
+        client.lookup("t", keys)
+        client.lookup("t", keys)
+        shards = client.describe("t")
+    for shard in shards:
+        tiers = {t["name"]: t for t in shard["tiers"]}
+        assert list(tiers) == ["gpu", "host", "rocksdb"]
+        assert tiers["gpu"]["rows"] == 25 and tiers["gpu"]["hits"] == 25
+        assert 0 < tiers["gpu"]["bytes"] <= 1 << 20

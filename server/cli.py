@@ -12,6 +12,8 @@ log = logging.getLogger("tierps.server")
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
+    from tierps.storage.xp import GPU_ARRAYS
+
     serve = commands.add_parser(
         "serve", help="run one shard daemon",
         description="Run one shard. Flags win over the --config file. SIGTERM or SIGINT: "
@@ -35,7 +37,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         help="exit with an error instead of serving without a GPU",
     )  # fmt: skip
     serve.add_argument(
-        "--gpu-arrays", choices=("auto", "numpy"),
+        "--gpu-arrays", choices=GPU_ARRAYS,
         help="auto: GPU tiers on cupy; numpy: the GPU tier's code on host arrays (tests)",
     )  # fmt: skip
     serve.add_argument("--config", type=Path, help="TOML file of ServerConfig fields")

@@ -11,6 +11,7 @@ from typing import Any
 from tierps.proto.wire import CHUNK_BYTES, MAX_MESSAGE_BYTES
 from tierps.storage import TableConfig
 from tierps.storage.validation import check_int
+from tierps.storage.xp import GPU_ARRAYS
 
 MAX_BATCH_BYTES = 1 << 30  # one call's request, or a lookup's reply, held whole by the shard
 
@@ -64,9 +65,9 @@ class ServerConfig:
         )
         check_int(owner, "max_batch_bytes", self.max_batch_bytes, 1, 1 << 40)
         check_int(owner, "gpu_cache_bytes", self.gpu_cache_bytes, 0, 2**62)
-        if self.gpu_arrays not in ("auto", "numpy"):
+        if self.gpu_arrays not in GPU_ARRAYS:
             raise ValueError(
-                f"{owner}: field 'gpu_arrays' expected 'auto' or 'numpy', got {self.gpu_arrays!r}"
+                f"{owner}: field 'gpu_arrays' expected one of {GPU_ARRAYS}, got {self.gpu_arrays!r}"
             )
         if not isinstance(self.require_gpu, bool):
             raise ValueError(

@@ -120,6 +120,12 @@ class HashTable:
         """Whether find, insert and the claim run as kernels (else the array code)."""
         return self._kernels is not None
 
+    @property
+    def launcher(self) -> _kernels.Launcher | None:
+        """What runs the kernels of this table (None: the array code); a tier over the table
+        runs its fused optimizer through the same."""
+        return self._kernels
+
     def find(self, keys: Any) -> Any:
         """Slot of each key, -1 where absent. Slots stay valid until the next insert/erase."""
         if self._kernels is not None:

@@ -240,10 +240,14 @@ class EmbeddingStore:
         self._tables[config.name] = table
         return table
 
+    def _gpu_budget(self, config: TableConfig) -> int:
+        """A table's GPU tier budget: its own gpu_cache_bytes, else the store's default."""
+        return config.gpu_cache_bytes or self.gpu_cache_bytes
+
     def _gpu_tier(self, config: TableConfig) -> CacheTier | None:
         """The table's GPU tier, or None: no GPU budget, a budget below one row, or no
         usable GPU (warned once per store)."""
-        budget = config.gpu_cache_bytes or self.gpu_cache_bytes
+        budget = self._gpu_budget(config)
         if budget == 0 or host_rows_for_budget(budget, config.stored_bytes) == 0:
             return None
         where = self._where(config.name)
@@ -312,7 +316,7 @@ class EmbeddingStore:
     def _check_gpu_size(self, config: TableConfig, where: str) -> None:
         """Refuse a GPU tier (allocated whole when the table opens) over the GPU memory free
         now: the driver's free memory and what cupy's pool holds unused."""
-        budget = config.gpu_cache_bytes or self.gpu_cache_bytes
+        budget = self._gpu_budget(config)
         xp, _ = self.gpu_module()
         if budget == 0 or xp is None or xp is np:
             return

@@ -131,9 +131,6 @@ class CacheTier:
         self.xp = xp
         self.name = name
         self.trains_in_place = trains_in_place  # the cascade runs train_resident on it first
-        # HashTable's kernels=: None runs the compiled GPU kernels on cupy (array code on
-        # numpy); a kernels.Launcher runs them through it (tests run a host build on numpy)
-        self._launch = None if kernels is None or isinstance(kernels, bool) else kernels
         self.config = config
         self.width = config.stored_width
         self.max_rows = host_rows_for_budget(budget_bytes, config.stored_bytes)
@@ -141,6 +138,8 @@ class CacheTier:
         # made, never in the middle of a call holding rows evicted but not yet handed down.
         whole = preallocate or xp is not np
         start = self.max_rows if whole else min(_INITIAL_ROWS, self.max_rows)
+        # kernels as HashTable's: None runs the compiled GPU kernels on cupy (the array code
+        # on numpy); a kernels.Launcher runs them through it (tests: a host build on numpy)
         self.index = HashTable(start, eviction=config.eviction, xp=xp, kernels=kernels)
         self.arena = xp.empty((start, self.width), dtype=xp.float32)
         self.dirty = xp.zeros(start, dtype=bool)
@@ -244,7 +243,8 @@ class CacheTier:
         hit_slots = slots if everything else slots[hit]
         self.index.touch(hit_slots)
         ids = self.index.values[hit_slots]
-        resident_grads = xp.asarray(grads if everything else grads[to_host(hit)])
+        hit = to_host(hit)
+        resident_grads = xp.asarray(grads if everything else grads[hit])
         optimizer = self.config.optimizer
         if not self._fused_apply(ids, resident_grads, step):
             rows = xp.take(self.arena, ids, axis=0)  # the generic path: gather, apply, scatter
@@ -253,17 +253,18 @@ class CacheTier:
         if stamp is not None:
             self.arena[ids, self.config.row_width :] = xp.asarray(step_bits(stamp))
         self.dirty[ids] = True
-        return to_host(hit)
+        return hit
 
     def _fused_apply(self, ids: Any, grads: Any, step: int) -> bool:
         """The optimizer as one CuPy RawKernel over the rows `ids`, where there is one for
         it (storage/kernels.py); False: use the generic array code."""
-        if not self.index.uses_kernels:  # numpy, kernels=False, or no compiled kernels
+        launch = self.index.launcher
+        if launch is None:  # numpy, kernels=False, or no compiled kernels
             return False
         from tierps.storage import kernels
 
         return kernels.fused_apply(
-            self.config.optimizer, self.arena, ids, grads, step, launch=self._launch
+            self.config.optimizer, self.arena, ids, grads, step, launch=launch
         )
 
     def _evict(self, slots: Any) -> Spill:

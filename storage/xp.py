@@ -52,6 +52,9 @@ def gpu_module() -> tuple[ModuleType | None, str]:
     return cupy, ""
 
 
+GPU_ARRAYS = ("auto", "numpy")  # the choices of a shard's gpu_arrays setting (see gpu_arrays)
+
+
 def gpu_arrays(choice: str) -> tuple[ModuleType | None, str]:
     """The array module of GPU cache tiers for a shard's `gpu_arrays` setting: "auto" gives
     gpu_module(); "numpy" runs the GPU tier's own code on host arrays (for tests, and to try
@@ -60,4 +63,4 @@ def gpu_arrays(choice: str) -> tuple[ModuleType | None, str]:
         return np, ""
     if choice == "auto":
         return gpu_module()
-    raise ValueError(f"field 'gpu_arrays' expected 'auto' or 'numpy', got {choice!r}")
+    raise ValueError(f"field 'gpu_arrays' expected one of {GPU_ARRAYS}, got {choice!r}")

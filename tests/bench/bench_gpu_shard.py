@@ -27,7 +27,7 @@ import numpy as np
 
 from tierps.storage import EmbeddingStore, TableConfig, optim
 from tierps.storage.tiers import host_rows_for_budget
-from tierps.storage.xp import gpu_arrays
+from tierps.storage.xp import GPU_ARRAYS, gpu_arrays
 
 ZIPF_A = 1.05
 
@@ -90,7 +90,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results/gpu_shard.json"))
     parser.add_argument("--quick", action="store_true", help="200,000 keys, for a smoke run")
-    parser.add_argument("--gpu-arrays", choices=("auto", "numpy"), default="auto")
+    parser.add_argument("--gpu-arrays", choices=GPU_ARRAYS, default="auto")
     parser.add_argument("--dim", type=int, default=32)
     args = parser.parse_args()
     module, why = gpu_arrays(args.gpu_arrays)

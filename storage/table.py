@@ -157,18 +157,26 @@ class EmbeddingTable:
         return tail.view("<i8").reshape(-1).astype(np.int64)
 
     def _store(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> None:
-        """Put unique keys' rows in the top tier; spills flow down."""
+        """Put unique keys' rows in the top tier; what it cannot keep flows down. A
+        write-through table writes the dirty rows to RocksDB first, as one atomic batch: if
+        that fails, no tier has changed."""
         if self.config.write_policy is WritePolicy.WRITE_THROUGH and dirty.any():
             self.durable.write(keys[dirty], rows[dirty])
             dirty = np.zeros_like(dirty)
-        self._place(Spill(keys, rows, dirty), start=0)
+        self._place(Spill(keys, rows, dirty), 0)
 
-    def _place(self, spill: Spill, start: int) -> None:
-        for tier in self.tiers[start:]:
-            if spill.keys.size == 0:
-                return
-            spill = tier.insert(spill.keys, spill.rows, spill.dirty)
-            self.spilled += spill.keys.size
+    def _place(self, spill: Spill, level: int) -> None:
+        """Store a spill in tier `level`. The tier hands what it cannot keep to the tiers
+        below before it lets go of anything (Tier.insert), so a failed write below leaves
+        every row where it was and raises."""
+        if spill.keys.size == 0:
+            return
+
+        def below(rows: Spill) -> None:
+            self._place(rows, level + 1)
+            self.spilled += rows.keys.size
+
+        self.tiers[level].insert(spill.keys, spill.rows, spill.dirty, below)
 
     # -- public calls ----------------------------------------------------------------------
 
@@ -362,15 +370,25 @@ class EmbeddingTable:
                 rows = self._with_step(rows)
             self._store(keys, rows, np.ones(keys.size, dtype=bool))
 
-    def flush(self) -> None:
-        """Write every row newer than RocksDB down to it (bucket rows included)."""
+    def flush(self, chunk_bytes: int = FLUSH_CHUNK_BYTES) -> None:
+        """Write every row newer than RocksDB down to it (bucket rows included), in chunks of
+        about chunk_bytes. Each chunk is written below and only then marked clean, under the
+        table lock; the lock is let go between chunks, so data calls wait at most one
+        chunk's write (a background flush passes small chunks). A row changed between chunks
+        is simply dirty again and goes in a later flush. If a write fails, this raises and
+        every row not yet written is still dirty where it was."""
+        chunk_rows = max(1, chunk_bytes // self.config.stored_bytes)
         with self._lock:
             if self.buckets is not None:
                 self.buckets.flush()
-            for level, tier in enumerate(self.tiers[:-1]):
-                chunk_rows = max(1, FLUSH_CHUNK_BYTES // self.config.stored_bytes)
-                for keys, rows in tier.drain_dirty(chunk_rows):
-                    self._place(Spill(keys, rows, np.ones(keys.size, dtype=bool)), level + 1)
+        for level, tier in enumerate(self.tiers[:-1]):
+            with self._lock:
+                keys = tier.dirty_keys()
+            for start in range(0, keys.size, chunk_rows):
+                with self._lock:
+                    held, rows, handle = tier.dirty_rows(keys[start : start + chunk_rows])
+                    self._place(Spill(held, rows, np.ones(held.size, dtype=bool)), level + 1)
+                    tier.mark_clean(handle)
 
     def export(
         self, chunk_rows: int = DEFAULT_CHUNK_ROWS

@@ -40,6 +40,16 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "--gpu-arrays", choices=GPU_ARRAYS,
         help="auto: GPU tiers on cupy; numpy: the GPU tier's code on host arrays (tests)",
     )  # fmt: skip
+    serve.add_argument(
+        "--flush-interval-s", type=float,
+        help="write-back tables: write dirty rows to RocksDB at least this often, seconds; "
+        "bounds what a crash can lose (default 30; 0: only at stop, snapshot and eviction)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--sync-writes", action="store_true", default=None,
+        help="fsync RocksDB's log on every write: write-through updates survive a power loss "
+        "too, not only a killed process (slower writes)",
+    )  # fmt: skip
     serve.add_argument("--config", type=Path, help="TOML file of ServerConfig fields")
     serve.add_argument("--port-file", type=Path, help="write the bound ports here (JSON)")
     serve.add_argument("--log-level", default="info", help="debug, info, warning, error")
@@ -58,6 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
         "metrics_port": args.metrics_port, "grace_s": args.grace_s,
         "gpu_cache_bytes": None if args.gpu_cache_mb is None else args.gpu_cache_mb << 20,
         "require_gpu": args.require_gpu, "gpu_arrays": args.gpu_arrays,
+        "flush_interval_s": args.flush_interval_s, "sync_writes": args.sync_writes,
     }  # fmt: skip
     try:
         if args.config is not None:

@@ -28,7 +28,7 @@ from tierps.server.lives import LIFE_HEADER
 from tierps.server.metrics import ShardMetrics
 from tierps.server.servicers import AdminServicer, EmbeddingServicer
 from tierps.server.shard import Shard
-from tierps.storage.errors import DataLossError
+from tierps.storage.errors import BackendError, DataLossError
 
 log = logging.getLogger("tierps.server")
 
@@ -218,7 +218,15 @@ def serve(config: ServerConfig, *, port_file: Path | None = None) -> int:
         os.replace(tmp, port_file)
     while not stop:
         time.sleep(0.2)
-    server.stop()
+    try:
+        server.stop()
+    except BackendError as error:  # the last flush failed: say what that means, exit 1
+        log.error(
+            "stopped without a clean flush: %s; the rows updated since the last flush are "
+            "not in RocksDB, and the next start reports an unclean stop to the clients",
+            error, extra={"shard_id": config.shard_id},
+        )  # fmt: skip
+        return 1
     return 0
 
 

@@ -46,12 +46,14 @@ def full_disk(tmp_path: Path):
         yield fs
 
 
-def test_full_disk_write_back_loses_nothing_and_recovers(full_disk: Path) -> None:
+@pytest.mark.parametrize("gpu", [False, True], ids=["host", "gpu-over-host"])
+def test_full_disk_write_back_loses_nothing_and_recovers(full_disk: Path, gpu: bool) -> None:
+    """Host tier over RocksDB, and a GPU tier (its code on numpy arrays) over both."""
     rng = np.random.default_rng(7)
     acked = np.zeros(UNIVERSE, dtype=np.int64)
     refused = 0
-    store = EmbeddingStore(full_disk / "db")
-    store.create_table(counting_table("t"))
+    store = EmbeddingStore(full_disk / "db", gpu_arrays="numpy")
+    store.create_table(counting_table("t", gpu_cache_bytes=(128 << 10) if gpu else 0))
     table = store.table("t")
     filler = fill(full_disk, leave_bytes=3 << 20)
     for _ in range(400):  # spilling batches until the disk is full, then some more
@@ -85,7 +87,7 @@ def test_full_disk_write_back_loses_nothing_and_recovers(full_disk: Path) -> Non
     assert (lost, extra) == (0, 0)
     # and after a restart (clean close, reopen)
     store.close()
-    with EmbeddingStore(full_disk / "db") as reopened:
+    with EmbeddingStore(full_disk / "db", gpu_arrays="numpy") as reopened:
         assert lost_and_extra(reopened, "t", acked) == (0, 0)
     print(f"full disk, write_back: {int(acked.sum())} acknowledged key-updates, "
           f"{refused} pushes refused, lost 0")  # fmt: skip
@@ -111,3 +113,34 @@ def test_write_through_push_is_atomic_on_a_full_disk(full_disk: Path) -> None:
     store.close()
     with EmbeddingStore(full_disk / "db") as reopened:
         assert lost_and_extra(reopened, "wt", acked) == (0, 0)
+
+
+def test_out_of_memory_in_the_gpu_tier_keeps_every_row(tmp_path: Path) -> None:
+    """An allocation failing inside a GPU tier's insert (its index rehash; injected: no GPU
+    here) fails the call after the evicted rows went below, and loses no row."""
+    store = EmbeddingStore(tmp_path / "db", gpu_arrays="numpy")
+    store.create_table(counting_table("t", gpu_cache_bytes=64 << 10, host_cache_bytes=128 << 10))
+    table = store.table("t")
+    gpu = table.tiers[0]
+    assert gpu.name == "gpu"
+    rng = np.random.default_rng(11)
+    acked = np.zeros(UNIVERSE, dtype=np.int64)
+    failures = 0
+    real_reserve = gpu.index.reserve
+    for round_ in range(60):
+        if round_ % 3 == 2:  # every third push: the GPU runs out of memory mid-insert
+            def out_of_memory(new_keys: int) -> bool:
+                raise MemoryError("injected: out of GPU memory during the index rehash")
+
+            gpu.index.reserve = out_of_memory
+        keys = rng.choice(UNIVERSE, size=300, replace=False).astype(np.int64)
+        try:
+            table.apply_gradients(keys, -np.ones((keys.size, DIM), np.float32), step=1)
+            acked[keys] += 1
+        except MemoryError:
+            failures += 1
+        finally:
+            gpu.index.reserve = real_reserve
+    assert failures >= 10
+    assert lost_and_extra(store, "t", acked)[0] == 0  # nothing acknowledged lost
+    store.close()

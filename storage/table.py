@@ -286,53 +286,67 @@ class EmbeddingTable:
             # a push moves the table's step (eviction), whatever it updates
             self.current_step = max(self.current_step, step)
             self.first_step = min(self.first_step, step) if self.first_step else step
-            resident = self._train_resident(unique, summed, step)
-            trained = int(resident.size)
-            if trained:
-                if trained == unique.size:
-                    return trained
-                rest = np.ones(unique.size, dtype=bool)
-                rest[resident] = False
-                unique, summed = unique[rest], summed[rest]
-            rows, depth, _ = self._gather(unique, sight=True)
-            bucketed = 0  # keys whose gradient trained their bucket row
-            if self.admission is not None:
-                admitted = depth != self.refused_depth
-                if not admitted.all():
-                    self.gradients_dropped += int(admitted.size - np.count_nonzero(admitted))
-                    unique, summed = unique[admitted], summed[admitted]
-                    rows, depth = rows[admitted], depth[admitted]
-            if self.buckets is not None:
-                shared = depth == self.bucket_depth
-                if shared.any():
-                    bucketed = int(np.count_nonzero(shared))
-                    self.buckets.apply(unique[shared], summed[shared], step)
-                    if self.config.write_policy is WritePolicy.WRITE_THROUGH:
-                        self.buckets.flush()
-                    own = ~shared
-                    unique, summed, rows, depth = unique[own], summed[own], rows[own], depth[own]
-            self.created += int(np.count_nonzero(depth == len(self.tiers)))
-            self.config.optimizer.apply(rows, summed, step)
-            if self.step_slots:  # the table's clock, which only moves forward: a push with
-                # an older step (a restarted trainer, a lagging worker) still marks its rows
-                # fresh, so the next evict cannot remove rows trained just now
-                self._stamp(rows, self.current_step)
-            self._store(unique, rows, np.ones(unique.size, dtype=bool))
-        return int(unique.size) + bucketed + trained
+            # Rows a top tier trains in place are trained last: the other rows' store may
+            # fail (a full disk), and then no row of this push may carry it.
+            resident = self._trains_in_place(unique)
+            if resident.all():
+                return self._train_on_top(unique, summed, step)
+            count = self._train_gathered(unique[~resident], summed[~resident], step)
+            if resident.any():
+                count += self._train_on_top(unique[resident], summed[resident], step)
+        return count
 
-    def _train_resident(self, keys: np.ndarray, grads: np.ndarray, step: int) -> np.ndarray:
-        """Train the rows of keys held by a top tier that trains in place (the GPU tier: its
-        fused optimizer, without moving rows to the host and back); returns their indices
-        into keys. A write-through table does not: each update must reach RocksDB, so its
-        rows take the host path."""
+    def _train_gathered(self, unique: np.ndarray, summed: np.ndarray, step: int) -> int:
+        """Gather the rows of unique keys, run the optimizer on the copies and store them:
+        the host path of a push. Returns the distinct keys trained (bucket ones included)."""
+        rows, depth, _ = self._gather(unique, sight=True)
+        if self.admission is not None:
+            admitted = depth != self.refused_depth
+            if not admitted.all():
+                self.gradients_dropped += int(admitted.size - np.count_nonzero(admitted))
+                unique, summed = unique[admitted], summed[admitted]
+                rows, depth = rows[admitted], depth[admitted]
+        bucketed = 0  # keys whose gradient trained their bucket row
+        if self.buckets is not None:
+            shared = depth == self.bucket_depth
+            if shared.any():
+                bucketed = int(np.count_nonzero(shared))
+                self.buckets.apply(unique[shared], summed[shared], step)
+                if self.config.write_policy is WritePolicy.WRITE_THROUGH:
+                    self.buckets.flush()
+                own = ~shared
+                unique, summed, rows, depth = unique[own], summed[own], rows[own], depth[own]
+        self.created += int(np.count_nonzero(depth == len(self.tiers)))
+        self.config.optimizer.apply(rows, summed, step)
+        if self.step_slots:  # the table's clock, which only moves forward: a push with
+            # an older step (a restarted trainer, a lagging worker) still marks its rows
+            # fresh, so the next evict cannot remove rows trained just now
+            self._stamp(rows, self.current_step)
+        self._store(unique, rows, np.ones(unique.size, dtype=bool))
+        return int(unique.size) + bucketed
+
+    def _trains_in_place(self, keys: np.ndarray) -> np.ndarray:
+        """Which keys' rows a top tier that trains in place holds (the GPU tier: its fused
+        optimizer, without moving rows to the host and back). A write-through table has
+        none: each update must reach RocksDB, so its rows take the host path."""
         top = self.tiers[0]
         if (
             not getattr(top, "trains_in_place", False)
             or self.config.write_policy is WritePolicy.WRITE_THROUGH
         ):
-            return np.empty(0, dtype=np.int64)
+            return np.zeros(keys.size, dtype=bool)
+        return top.holds(keys)
+
+    def _train_on_top(self, keys: np.ndarray, grads: np.ndarray, step: int) -> int:
+        """Train the rows of keys that the top tier holds where they lie; a key it no longer
+        holds (evicted by this push's own store) takes the host path."""
         stamp = self.current_step if self.step_slots else None
-        return top.train_resident(keys, grads, step, stamp)
+        trained = self.tiers[0].train_resident(keys, grads, step, stamp)
+        if trained.size == keys.size:
+            return int(trained.size)
+        rest = np.ones(keys.size, dtype=bool)
+        rest[trained] = False
+        return int(trained.size) + self._train_gathered(keys[rest], grads[rest], step)
 
     def check_values(self, keys: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
         """(keys, values) as assign takes them, or InvalidArgumentError."""

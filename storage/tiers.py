@@ -258,6 +258,10 @@ class CacheTier:
             self.arena[ids] = rows[placed]
             self.dirty[ids] = dirty[placed]
 
+    def holds(self, keys: np.ndarray) -> np.ndarray:
+        """Whether each key's row is here (bool [n], on the host); touches nothing."""
+        return to_host(self.index.find(self.xp.asarray(keys)) >= 0)
+
     def train_resident(
         self, keys: np.ndarray, grads: np.ndarray, step: int, stamp: int | None
     ) -> np.ndarray:

@@ -37,6 +37,7 @@ RECOVERY_INTERVAL_S = 1.0  # a store that cannot write is retried this often
 # A background flush writes chunks this large, holding a table's lock for one chunk at a
 # time: about 1-2 ms of RocksDB writes here (a shutdown or snapshot flush uses 4 MiB)
 BACKGROUND_FLUSH_CHUNK_BYTES = 256 << 10
+BACKGROUND_FLUSH_PAUSE_S = 0.0002  # between chunks, so waiting calls get the table's lock
 log = logging.getLogger("tierps.server")
 
 
@@ -484,18 +485,18 @@ class Shard:
                 self._set_store_ok(True)
                 if interval and now >= next_flush:
                     next_flush = now + interval
-                    self.flush(chunk_bytes=BACKGROUND_FLUSH_CHUNK_BYTES)
+                    self.flush(BACKGROUND_FLUSH_CHUNK_BYTES, BACKGROUND_FLUSH_PAUSE_S)
             except BackendError as error:
                 log.warning("%s: background work failed: %s", self.where, error)
             except Exception:  # noqa: BLE001 - the thread must outlive one bad round
                 log.exception("%s: background work failed", self.where)
 
-    def flush(self, chunk_bytes: int = FLUSH_CHUNK_BYTES) -> None:
+    def flush(self, chunk_bytes: int = FLUSH_CHUNK_BYTES, pause_s: float = 0.0) -> None:
         """Write every dirty row of every table down to RocksDB (and fsync its log); what
         a crash after this returns can lose starts here. Data calls wait at most one chunk
-        of chunk_bytes at a time."""
+        of chunk_bytes at a time (pause_s between chunks lets them in)."""
         with self._gate.shared():
-            self.store.flush(chunk_bytes)
+            self.store.flush(chunk_bytes, pause_s)
             self.last_flush = time.time()
             self.flushes += 1
         self.lives.flushed(self.last_flush)

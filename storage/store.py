@@ -450,15 +450,15 @@ class EmbeddingStore:
     def assign(self, name: str, keys: Any, values: Any) -> None:
         self.table(name).assign(keys, values)
 
-    def flush(self, chunk_bytes: int = FLUSH_CHUNK_BYTES) -> None:
+    def flush(self, chunk_bytes: int = FLUSH_CHUNK_BYTES, pause_s: float = 0.0) -> None:
         """Write every dirty row of every table, and the steps of those with steps_to_live,
         to RocksDB, and fsync its log (so what was flushed survives a power loss too).
         Tables flush in chunks of about chunk_bytes, letting their locks go between chunks
-        (EmbeddingTable.flush). Raises a BackendError if a write fails; what was not written
-        stays dirty in memory."""
+        for pause_s (EmbeddingTable.flush). Raises a BackendError if a write fails; what was
+        not written stays dirty in memory."""
         self.write_state.check()
         for table in list(self._tables.values()):
-            table.flush(chunk_bytes)
+            table.flush(chunk_bytes, pause_s)
             if table.step_slots:
                 steps = json.dumps([table.current_step, table.first_step]).encode()
                 self._put(_STEPS_PREFIX + table.config.name.encode(), steps)

@@ -27,6 +27,7 @@ trains the bucket rows with their summed gradients instead.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -384,13 +385,15 @@ class EmbeddingTable:
                 rows = self._with_step(rows)
             self._store(keys, rows, np.ones(keys.size, dtype=bool))
 
-    def flush(self, chunk_bytes: int = FLUSH_CHUNK_BYTES) -> None:
+    def flush(self, chunk_bytes: int = FLUSH_CHUNK_BYTES, pause_s: float = 0.0) -> None:
         """Write every row newer than RocksDB down to it (bucket rows included), in chunks of
         about chunk_bytes. Each chunk is written below and only then marked clean, under the
         table lock; the lock is let go between chunks, so data calls wait at most one
         chunk's write (a background flush passes small chunks). A row changed between chunks
         is simply dirty again and goes in a later flush. If a write fails, this raises and
-        every row not yet written is still dirty where it was."""
+        every row not yet written is still dirty where it was. pause_s: sleep this long
+        between chunks, so that calls waiting for the lock get it (Python's locks are not
+        fair: without a pause the flushing thread takes the lock again at once)."""
         chunk_rows = max(1, chunk_bytes // self.config.stored_bytes)
         with self._lock:
             if self.buckets is not None:
@@ -403,6 +406,8 @@ class EmbeddingTable:
                     held, rows, handle = tier.dirty_rows(keys[start : start + chunk_rows])
                     self._place(Spill(held, rows, np.ones(held.size, dtype=bool)), level + 1)
                     tier.mark_clean(handle)
+                if pause_s:
+                    time.sleep(pause_s)
 
     def export(
         self, chunk_rows: int = DEFAULT_CHUNK_ROWS

@@ -120,10 +120,14 @@ def main() -> None:
         r = results[name]
         print(f"{name:<20}{r['calls']:>8}{r['median_ms']:>11.3f}{r['p99_ms']:>9.2f}"
               f"{r['max_ms']:>9.2f}{r.get('flush_s', 0):>9.2f}")  # fmt: skip
-    print(f"raw rocksdict write of one chunk: 256 KiB {results['raw_write_256KiB_ms']:.2f} ms, "
-          f"4 MiB {results['raw_write_4MiB_ms']:.2f} ms")
-    print(f"max lookup latency during the background flush / without a flush: "
-          f"{results['background_256KiB']['max_ms'] / base['max_ms']:.2f}x")
+    print(
+        f"raw rocksdict write of one chunk: 256 KiB {results['raw_write_256KiB_ms']:.2f} ms, "
+        f"4 MiB {results['raw_write_4MiB_ms']:.2f} ms"
+    )
+    print(
+        f"max lookup latency during the background flush / without a flush: "
+        f"{results['background_256KiB']['max_ms'] / base['max_ms']:.2f}x"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")

@@ -129,6 +129,7 @@ def test_out_of_memory_in_the_gpu_tier_keeps_every_row(tmp_path: Path) -> None:
     real_reserve = gpu.index.reserve
     for round_ in range(60):
         if round_ % 3 == 2:  # every third push: the GPU runs out of memory mid-insert
+
             def out_of_memory(new_keys: int) -> bool:
                 raise MemoryError("injected: out of GPU memory during the index rehash")
 

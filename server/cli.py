@@ -100,6 +100,13 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
     cluster.add_argument("--data-dir", type=Path, required=True, help="shard-<i>/ per shard here")
     cluster.add_argument("--snapshot-dir", type=Path, help="shared snapshot directory")
     cluster.add_argument("--metrics", action="store_true", help="each shard serves /metrics")
+    cluster.add_argument(
+        "--flush-interval-s", type=float,
+        help="each shard's background flush interval, seconds (default 30; 0: off)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--sync-writes", action="store_true", help="each shard fsyncs every RocksDB write"
+    )
 
 
 def _cluster(args: argparse.Namespace) -> int:
@@ -107,9 +114,12 @@ def _cluster(args: argparse.Namespace) -> int:
     from tierps.server.daemon import on_stop_signal
 
     stop = on_stop_signal()
+    durability = ("--sync-writes",) if args.sync_writes else ()
+    if args.flush_interval_s is not None:
+        durability += ("--flush-interval-s", str(args.flush_interval_s))
     with LocalCluster(
         args.shards, args.data_dir, args.snapshot_dir, base_port=args.base_port,
-        metrics=args.metrics,
+        metrics=args.metrics, extra_args=durability,
     ) as cluster:  # fmt: skip
         print(f"{args.shards} shards serving (logs in {args.data_dir}/shard-<i>.log):")
         for shard_id, address in enumerate(cluster.addresses):

@@ -13,7 +13,14 @@ import pytest
 
 from tests.conftest import export_dict
 from tests.fault_fs import fill, small_tmpfs
-from tierps.storage import EmbeddingStore, StorageFullError, TableConfig, init, optim
+from tierps.storage import (
+    DataLossError,
+    EmbeddingStore,
+    StorageFullError,
+    TableConfig,
+    init,
+    optim,
+)
 
 DIM = 64  # 256 bytes of weights a row: a few thousand rows fill a few MiB
 UNIVERSE = 20_000
@@ -145,3 +152,25 @@ def test_out_of_memory_in_the_gpu_tier_keeps_every_row(tmp_path: Path) -> None:
     assert failures >= 10
     assert lost_and_extra(store, "t", acked)[0] == 0  # nothing acknowledged lost
     store.close()
+
+
+def test_a_corrupt_table_file_is_data_loss(tmp_path: Path) -> None:
+    """Bytes flipped inside a RocksDB table file (a real corrupted file): reading the rows
+    there is DATA_LOSS (DataLossError), not a retryable UNAVAILABLE."""
+    keys = np.arange(100_000, dtype=np.int64)  # 26 MB of rows: more than a memtable holds
+    with EmbeddingStore(tmp_path / "db") as store:
+        store.create_table(counting_table("t", host_cache_bytes=0))
+        table = store.table("t")
+        for start in range(0, keys.size, 10_000):
+            part = keys[start : start + 10_000]
+            table.assign(part, np.full((part.size, DIM), 3.0, np.float32))
+    tables = sorted((tmp_path / "db").glob("*.sst"), key=lambda f: f.stat().st_size)
+    assert tables, "no table file was written"
+    data = bytearray(tables[-1].read_bytes())
+    for at in range(4096, len(data) // 2, 4096):  # many blocks, away from the footer
+        data[at] ^= 0xFF
+    tables[-1].write_bytes(bytes(data))
+    with EmbeddingStore(tmp_path / "db") as store:
+        with pytest.raises(DataLossError, match="Corruption"):
+            for start in range(0, keys.size, 10_000):
+                store.table("t").lookup(keys[start : start + 10_000], create=False)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -287,15 +287,18 @@ class EmbeddingTable:
             # a push moves the table's step (eviction), whatever it updates
             self.current_step = max(self.current_step, step)
             self.first_step = min(self.first_step, step) if self.first_step else step
-            # Rows a top tier trains in place are trained last: the other rows' store may
-            # fail (a full disk), and then no row of this push may carry it.
-            resident = self._trains_in_place(unique)
-            if resident.all():
-                return self._train_on_top(unique, summed, step)
-            count = self._train_gathered(unique[~resident], summed[~resident], step)
-            if resident.any():
-                count += self._train_on_top(unique[resident], summed[resident], step)
-        return count
+            resident, undo = self._train_resident(unique, summed, step)
+            if resident.size == unique.size:
+                return int(resident.size)
+            rest = np.ones(unique.size, dtype=bool)
+            rest[resident] = False
+            try:
+                count = self._train_gathered(unique[rest], summed[rest], step)
+            except BaseException:
+                if undo is not None:  # the other rows' store failed (it changed nothing):
+                    undo()  # neither may these, so no row carries a failed push
+                raise
+        return count + int(resident.size)
 
     def _train_gathered(self, unique: np.ndarray, summed: np.ndarray, step: int) -> int:
         """Gather the rows of unique keys, run the optimizer on the copies and store them:
@@ -326,28 +329,21 @@ class EmbeddingTable:
         self._store(unique, rows, np.ones(unique.size, dtype=bool))
         return int(unique.size) + bucketed
 
-    def _trains_in_place(self, keys: np.ndarray) -> np.ndarray:
-        """Which keys' rows a top tier that trains in place holds (the GPU tier: its fused
-        optimizer, without moving rows to the host and back). A write-through table has
-        none: each update must reach RocksDB, so its rows take the host path."""
+    def _train_resident(
+        self, keys: np.ndarray, grads: np.ndarray, step: int
+    ) -> tuple[np.ndarray, Callable[[], None] | None]:
+        """Train the rows of keys held by a top tier that trains in place (the GPU tier: its
+        fused optimizer, without moving rows to the host and back); returns their indices
+        into keys and the tier's undo of it (see CacheTier.train_resident). A write-through
+        table does not: each update must reach RocksDB, so its rows take the host path."""
         top = self.tiers[0]
         if (
             not getattr(top, "trains_in_place", False)
             or self.config.write_policy is WritePolicy.WRITE_THROUGH
         ):
-            return np.zeros(keys.size, dtype=bool)
-        return top.holds(keys)
-
-    def _train_on_top(self, keys: np.ndarray, grads: np.ndarray, step: int) -> int:
-        """Train the rows of keys that the top tier holds where they lie; a key it no longer
-        holds (evicted by this push's own store) takes the host path."""
+            return np.empty(0, dtype=np.int64), None
         stamp = self.current_step if self.step_slots else None
-        trained = self.tiers[0].train_resident(keys, grads, step, stamp)
-        if trained.size == keys.size:
-            return int(trained.size)
-        rest = np.ones(keys.size, dtype=bool)
-        rest[trained] = False
-        return int(trained.size) + self._train_gathered(keys[rest], grads[rest], step)
+        return top.train_resident(keys, grads, step, stamp)
 
     def check_values(self, keys: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
         """(keys, values) as assign takes them, or InvalidArgumentError."""

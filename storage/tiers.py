@@ -258,29 +258,34 @@ class CacheTier:
             self.arena[ids] = rows[placed]
             self.dirty[ids] = dirty[placed]
 
-    def holds(self, keys: np.ndarray) -> np.ndarray:
-        """Whether each key's row is here (bool [n], on the host); touches nothing."""
-        return to_host(self.index.find(self.xp.asarray(keys)) >= 0)
-
     def train_resident(
         self, keys: np.ndarray, grads: np.ndarray, step: int, stamp: int | None
-    ) -> np.ndarray:
+    ) -> tuple[np.ndarray, Callable[[], None] | None]:
         """Run the table's optimizer on the rows of the (unique) keys held here, in place,
         and mark them dirty; returns the indices into keys of those trained (the others are
-        the cascade's). `stamp`: the last-update step written into the rows' trailing step
+        the cascade's) and, when some were not, an undo: it puts the trained rows back as
+        they were, for the cascade to call if storing the other keys fails (so a failed push
+        changes no row). `stamp`: the last-update step written into the rows' trailing step
         slots (steps_to_live > 0), or None. Hits are counted; misses are left to the find
         the cascade runs next for the other keys, so each key counts once."""
         xp = self.xp
         slots = self.index.find(xp.asarray(keys))
         hit = xp.flatnonzero(slots >= 0)
         if hit.size == 0:
-            return np.empty(0, dtype=np.int64)
+            return np.empty(0, dtype=np.int64), None
         self.hits += hit.size
         everything = hit.size == keys.size
         hit_slots = slots if everything else slots[hit]
         self.index.touch(hit_slots)
         ids = self.index.values[hit_slots]
         hit = to_host(hit)
+        undo = None
+        if not everything:  # a device copy of the rows trained now, undone in place
+            before, was_dirty = xp.take(self.arena, ids, axis=0), self.dirty[ids].copy()
+
+            def undo() -> None:
+                self.arena[ids] = before
+                self.dirty[ids] = was_dirty
         resident_grads = xp.asarray(grads if everything else grads[hit])
         optimizer = self.config.optimizer
         if not self._fused_apply(ids, resident_grads, step):
@@ -290,7 +295,7 @@ class CacheTier:
         if stamp is not None:
             self.arena[ids, self.config.row_width :] = xp.asarray(step_bits(stamp))
         self.dirty[ids] = True
-        return hit
+        return hit, undo
 
     def _fused_apply(self, ids: Any, grads: Any, step: int) -> bool:
         """The optimizer as one CuPy RawKernel over the rows `ids`, where there is one for

@@ -1032,3 +1032,92 @@ def test_the_gpu_tier_on_the_kernels_holds_the_reference_rows(
     assert launched & {"tierps_claim", "tierps_upsert"}
     fused = {f"tierps_{optimizer.kind}"} if optimizer.kind != "nesterov" else {"tierps_momentum"}
     assert kernels.has_fused(optimizer) and fused <= launched
+
+
+# --------------------------------------------------------------------------- gpu_module
+
+
+def _fake_cupy(kernel: Any) -> ModuleType:
+    """A cupy that finds a GPU (is_available() is True) whose arrays are numpy's, with
+    RawKernel as given: what cannot be made here is a GPU whose NVRTC fails."""
+    fake = ModuleType("cupy")
+    fake.is_available = lambda: True  # type: ignore[attr-defined]
+    fake.int64 = np.int64  # type: ignore[attr-defined]
+    fake.arange = np.arange  # type: ignore[attr-defined]
+    fake.asnumpy = np.asarray  # type: ignore[attr-defined]
+    fake.RawKernel = kernel  # type: ignore[attr-defined]
+    return fake
+
+
+def _nvrtc_missing(source: str, name: str) -> Any:
+    raise RuntimeError("CompileException: cannot open libnvrtc-builtins.so.12")
+
+
+class _DoesNothing:
+    """A kernel that 'runs' but computes nothing (a broken driver or a mis-set device)."""
+
+    def __init__(self, source: str, name: str) -> None:
+        assert "tierps_proof" in source and name == "tierps_proof"
+
+    def __call__(self, grid: Any, block: Any, args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def fresh_gpu_module(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """gpu_module() and the kernels' launcher asked again, then forgotten again."""
+    from tierps.storage.xp import gpu_module
+
+    gpu_module.cache_clear()
+    monkeypatch.setattr(kernels, "_cupy_launcher", None)
+    monkeypatch.setattr(kernels, "_cupy_failure", None)
+    yield gpu_module
+    gpu_module.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("kernel", "cause"),
+    [(_nvrtc_missing, "libnvrtc-builtins"), (_DoesNothing, "gave [1, 2, 3, 4]")],
+    ids=["compile-fails", "wrong-result"],
+)
+def test_a_gpu_whose_kernels_fail_is_not_used(
+    fresh_gpu_module: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+    kernel: Any,
+    cause: str,
+) -> None:
+    from tierps.storage import TableConfig
+
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(kernel))
+    with caplog.at_level("WARNING", logger="tierps.storage"):
+        module, why = fresh_gpu_module()
+        assert module is None and cause in why and "test kernel" in why
+        assert fresh_gpu_module() == (None, why)  # cached: one proof, one warning
+        assert kernels.cupy_launcher() is None and kernels.unavailable_reason() == why
+        with EmbeddingStore(tmp_path / "db", gpu_arrays="auto") as store:
+            table = store.create_table(TableConfig("t", 4, gpu_cache_bytes=1 << 20))
+            assert "gpu" not in [tier.name for tier in table.tiers]
+            keys = np.arange(5, dtype=np.int64)
+            np.testing.assert_array_equal(
+                table.lookup(keys), table.config.initial_rows(keys)[:, :4]
+            )
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("no GPU tier" in m and cause in m for m in messages) == 1
+    assert any("no GPU is usable" in m and cause in m and "'t'" in m for m in messages)
+
+
+def test_a_gpu_whose_kernels_work_is_used(
+    fresh_gpu_module: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same proof passes where the kernel adds 1 (the fake runs it on numpy)."""
+
+    class AddsOne(_DoesNothing):
+        def __call__(self, grid: Any, block: Any, args: Any) -> None:
+            x, n = args
+            x[: int(n)] += 1
+
+    fake = _fake_cupy(AddsOne)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    assert fresh_gpu_module() == (fake, "")

@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 from tests.contract import test_tier_setups as contract
+from tests.unit import test_tombstones as tombstones
 from tierps.storage import EmbeddingStore, kernels, optim
 from tierps.storage.hash_table import EMPTY, TOMBSTONE, HashTable
 from tierps.storage.hashing import hash_keys
@@ -1032,6 +1033,54 @@ def test_the_gpu_tier_on_the_kernels_holds_the_reference_rows(
     assert launched & {"tierps_claim", "tierps_upsert"}
     fused = {f"tierps_{optimizer.kind}"} if optimizer.kind != "nesterov" else {"tierps_momentum"}
     assert kernels.has_fused(optimizer) and fused <= launched
+
+
+@pytest.mark.parametrize("order", ["emu-shuffle", "emu-interleaved"])
+def test_the_kernels_spilling_at_a_power_of_two_budget_rarely_rebuild(
+    request: pytest.FixtureRequest, order: str
+) -> None:
+    """The GPU tier's index (claims in the kernel) keeps test_tombstones.py's rebuild bound,
+    checked against the same dict oracle after every batch."""
+    backend = make_backend(order, request, seed=5)
+    live = 1 << 11
+    table = HashTable(live, xp=np, kernels=backend.table_kernels)
+    assert table.uses_kernels and table.slots == 2 * live
+    k = live // 16
+    tombstones.spill_batches(table, live, k, seed=1)
+    assert table.spill_rebuilds <= tombstones.rebuild_bound(table, live, k, tombstones.BATCHES)
+
+
+def test_a_rebuild_whose_claim_kernel_fails_leaves_the_table_as_it_was(
+    emu_lib: ctypes.CDLL,
+) -> None:
+    """Out of GPU memory (or a launch failure) inside the rebuild's claim: the table is as
+    it was, and the next try rebuilds."""
+    emulated = EmuLauncher(emu_lib, order="shuffle", seed=2)
+    fail = [False]
+
+    def launch(name: str, threads: int, args: Any) -> None:
+        if fail[0] and name == "tierps_claim":
+            raise MemoryError("injected: out of memory in the claim")
+        emulated(name, threads, args)
+
+    table = HashTable(64, kernels=launch)
+    keys = np.arange(1, 65, dtype=np.int64)
+    slots, _ = table.insert(keys)
+    table.values[slots] = keys * 7
+    table.erase(keys[:40])
+    oracle = {int(key): int(key) * 7 for key in keys[40:]}
+    before = (table.keys_at(np.arange(table.slots)).copy(), table.values.copy(), table.size)
+    fail[0] = True
+    with pytest.raises(MemoryError, match="injected"):
+        table.reserve(36)  # 24 live + 36 fit at 128 slots, 64 used + 36 do not: a rebuild
+    after = (table.keys_at(np.arange(table.slots)), table.values, table.size)
+    for was, now in zip(before, after, strict=True):
+        np.testing.assert_array_equal(now, was)
+    assert table.rebuilds == 0 and table.tombstones == 40
+    tombstones.assert_matches(table, oracle, absent=keys[:40])
+    fail[0] = False
+    assert table.reserve(36) and table.rebuilds == 1 and table.tombstones == 0
+    tombstones.assert_matches(table, oracle, absent=keys[:40])
 
 
 # --------------------------------------------------------------------------- gpu_module

@@ -10,6 +10,14 @@ won, on numpy or cupy). Keys that lost move on; copies of the winner's key insid
 batch find their key in the slot and share it. Duplicates in a batch and distinct new keys
 that hash to the same empty slot are therefore both resolved without sorting.
 
+Erased keys leave tombstones, which probing walks past and claims reuse. Two limits keep
+probes short without rebuilding on every batch that evicts: live keys stay at or below
+max_load of the slots (beyond that the table grows), and live keys plus tombstones at or below
+the midpoint between max_load and 1 (beyond that it rebuilds at its size, dropping the
+tombstones). A cache that evicts k keys and inserts k per batch while full at max_load then
+rebuilds at most once every (1 - max_load) / 2 * slots / k batches, O(1) amortised per key,
+instead of on every batch.
+
 On cupy, find, insert and the claim run as CUDA kernels (storage/kernels.py: one thread per
 key, atomicCAS on the slot key) when they compile there; the array code below stays the
 reference they are tested against, the host path, and the fallback.
@@ -85,14 +93,20 @@ class HashTable:
         self._size = 0  # live keys
         self._used = 0  # live keys + tombstones: what probing sees as occupied
         self._tick = 0  # LRU clock, one tick per touch call
-        self._allocate(_slots_for(capacity, max_load))
+        self.rebuilds = 0  # rehashes so far (growth or dropping tombstones): for tests, stats
+        self._install(*self._allocate(_slots_for(capacity, max_load)))
 
-    def _allocate(self, slots: int) -> None:
+    def _allocate(self, slots: int) -> tuple[Any, Any, Any]:
+        """Empty (keys, values, scores) arrays of `slots` slots; the table is not changed."""
         xp = self.xp
-        self._keys = xp.full(slots, EMPTY, dtype=xp.int64)
-        self.values = xp.zeros(slots, dtype=xp.int64)  # the value of each slot's key
-        self._scores = xp.zeros(slots, dtype=xp.int64)  # LRU: last touch tick; LFU: touches
-        self._mask = slots - 1
+        keys = xp.full(slots, EMPTY, dtype=xp.int64)
+        values = xp.zeros(slots, dtype=xp.int64)  # the value of each slot's key
+        scores = xp.zeros(slots, dtype=xp.int64)  # LRU: last touch tick; LFU: touches
+        return keys, values, scores
+
+    def _install(self, keys: Any, values: Any, scores: Any) -> None:
+        self._keys, self.values, self._scores = keys, values, scores
+        self._mask = keys.shape[0] - 1
 
     @property
     def size(self) -> int:
@@ -102,6 +116,21 @@ class HashTable:
     @property
     def slots(self) -> int:
         return self._mask + 1
+
+    @property
+    def tombstones(self) -> int:
+        """Slots of erased keys not yet dropped by a rebuild."""
+        return self._used - self._size
+
+    def _fits(self, new_keys: int) -> bool:
+        """Whether new_keys more keys fit without a rehash, even if every one is new and takes
+        an EMPTY slot: live keys within max_load, live keys and tombstones within the
+        midpoint between max_load and 1 (see the module docstring)."""
+        slots = self.slots
+        return (
+            self._size + new_keys <= self.max_load * slots
+            and self._used + new_keys <= (1.0 + self.max_load) / 2.0 * slots
+        )
 
     @property
     def nbytes(self) -> int:
@@ -159,7 +188,7 @@ class HashTable:
                 f"HashTable: field 'keys' expected values > {TOMBSTONE} (the two lowest int64 "
                 f"are reserved), got {int(keys.min())}"
             )
-        if self._kernels is not None and self._used + keys.shape[0] <= self.max_load * self.slots:
+        if self._kernels is not None and self._fits(keys.shape[0]):
             # Room for every key even if all were new: find and claim in one kernel pass.
             slots, inserted, placed, empty = _kernels.upsert_slots(
                 self._keys,
@@ -177,7 +206,7 @@ class HashTable:
         inserted = xp.zeros(keys.shape[0], dtype=bool)
         if missing.size == 0:
             return slots, inserted
-        if self._used + missing.size > self.max_load * self.slots:
+        if not self._fits(int(missing.size)):
             # Only now count distinct new keys (a sort): repeats must not inflate growth.
             if self._make_room(int(xp.unique(keys[missing]).size)):
                 slots = self.find(keys)
@@ -199,12 +228,15 @@ class HashTable:
 
     def reserve(self, new_keys: int) -> bool:
         """Make room for new_keys more keys now (rehashing, growing if needed), so that the
-        next insert of that many does not allocate; True if it rehashed."""
+        next insert of that many does not allocate; True if it rehashed. If the rehash fails
+        (out of memory), it raises and the table is as it was."""
         return self._make_room(new_keys)
 
     def _make_room(self, new_keys: int) -> bool:
-        """Rehash (growing if needed) so new_keys more fit under max_load; True if it did."""
-        if self._used + new_keys <= self.max_load * self.slots:
+        """Rehash so new_keys more fit (see _fits): at the size that holds the live keys and
+        them under max_load, which is this size when only tombstones were in the way; True
+        if it rehashed."""
+        if self._fits(new_keys):
             return False
         self._rehash(_slots_for(self._size + new_keys, self.max_load))
         return True
@@ -255,15 +287,27 @@ class HashTable:
             pos = (pos[going] + 1) & self._mask
 
     def _rehash(self, slots: int) -> None:
+        """Rebuild into `slots` slots without tombstones. Exception-safe: the new arrays are
+        allocated and filled while the old ones stay untouched, so a failure anywhere (out of
+        memory on the GPU, MemoryError on the host) leaves the table exactly as it was."""
         xp = self.xp
+        old = (self._keys, self.values, self._scores, self._size, self._used)
         live = xp.nonzero(self._keys > TOMBSTONE)[0]
         keys, values, scores = self._keys[live], self.values[live], self._scores[live]
-        self._allocate(slots)
-        self._size = self._used = 0
-        new_slots = xp.full(keys.shape[0], -1, dtype=xp.int64)
-        self._claim(keys, xp.arange(keys.shape[0]), new_slots, xp.zeros(keys.shape[0], bool))
-        self.values[new_slots] = values
-        self._scores[new_slots] = scores
+        fresh = self._allocate(slots)
+        try:
+            self._install(*fresh)
+            self._size = self._used = 0
+            new_slots = xp.full(keys.shape[0], -1, dtype=xp.int64)
+            todo, inserted = xp.arange(keys.shape[0]), xp.zeros(keys.shape[0], bool)
+            self._claim(keys, todo, new_slots, inserted)
+            self.values[new_slots] = values
+            self._scores[new_slots] = scores
+        except BaseException:
+            self._install(*old[:3])
+            self._size, self._used = old[3], old[4]
+            raise
+        self.rebuilds += 1
 
     def find_rows(
         self, keys: Any, arena: Any, width: int | None = None, *, out: Any = None

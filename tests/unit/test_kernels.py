@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -32,6 +33,7 @@ import numpy as np
 import pytest
 
 from tests.contract import test_tier_setups as contract
+from tests.unit import test_tombstones as tombstones
 from tierps.storage import EmbeddingStore, kernels, optim
 from tierps.storage.hash_table import EMPTY, TOMBSTONE, HashTable
 from tierps.storage.hashing import hash_keys
@@ -724,6 +726,134 @@ OPTIMIZERS = {
     "ftrl": optim.FTRL(lr=0.1, l1=0.01, l2=0.02),
     "ftrl-power": optim.FTRL(lr=0.05, lr_power=-0.3, l1=0.0, l2=0.1),
 }
+# Optimizers whose update is only +, -, *, / and sqrt: IEEE 754 rounds each of those
+# correctly on every CPU, vector unit and GPU, so the kernel (built without FMA contraction)
+# and numpy agree bit for bit. A power (FTRL with lr_power != -0.5) comes from a libm (or
+# numpy's own vector code) that may be an ulp off, differently on each machine.
+EXACT_OPTIMIZERS = {"sgd", "momentum", "nesterov", "adagrad", "adam"}
+
+# Error bounds of the float32 updates, derived instead of picked. Each float32 operation on
+# inputs x (float32) returns fl(op(x)) with |fl(y) - y| <= U32 * |y| (+ TINY where y is
+# subnormal): round to nearest, unit roundoff 2**-24. A power is allowed POW_ULPS ulps (one
+# ulp of y is at most 2 * U32 * |y|): glibc's powf is within 1, numpy's vector pow and
+# CUDA's powf within a few. `Bounded` carries, per element, the float64 value v of the same
+# formula on the same float32 inputs and a bound e >= |float32 result - v|, propagated
+# operation by operation (first order is not enough where FTRL cancels, so the products of
+# errors are kept):
+#   a +- b: e = ea + eb              a * b: e = ea |b| + eb |a| + ea eb
+#   a / b:  e = (ea + |a/b| eb) / (|b| - eb)       (inf where eb >= |b|)
+#   f(a) monotone (sqrt, x**p): e = max(f(a + ea) - f(a), f(a) - f(max(a - ea, 0)))
+# and then the operation's own rounding, U32 * (|v| + e) (the float32 operand is within e of
+# v). FTRL's n'^p - n^p cancels: its error is that of n'^p and n^p, a few U32 of n'^p, divided
+# by lr and multiplied by w, then divided by (n'^p / lr + 2 l2); where |z| is within its
+# error of l1 the branch may go either way, and then the bound is |(sign(z) l1 - z) / q| + e.
+# float64's own rounding (2**-53 relative) is far below every term here.
+U32 = 2.0**-24
+TINY = 2.0**-149  # the absolute rounding error of a float32 result in the subnormal range
+POW_ULPS = 4
+
+
+@dataclass
+class Bounded:
+    """A float64 value of a float32 computation and a bound on the float32 result's error."""
+
+    v: np.ndarray
+    e: np.ndarray
+
+    @staticmethod
+    def of(x: Any) -> Bounded:
+        """A float32 input (or a float32 constant): exact."""
+        v = np.asarray(x, dtype=np.float32).astype(np.float64)
+        return Bounded(v, np.zeros_like(v))
+
+    @staticmethod
+    def _rounded(v: np.ndarray, e: np.ndarray, ulps: float = 0.5) -> Bounded:
+        return Bounded(v, e + 2 * ulps * U32 * (np.abs(v) + e) + TINY)
+
+    def __add__(self, other: Bounded) -> Bounded:
+        return self._rounded(self.v + other.v, self.e + other.e)
+
+    def __sub__(self, other: Bounded) -> Bounded:
+        return self._rounded(self.v - other.v, self.e + other.e)
+
+    def __mul__(self, other: Bounded) -> Bounded:
+        e = self.e * np.abs(other.v) + other.e * np.abs(self.v) + self.e * other.e
+        return self._rounded(self.v * other.v, e)
+
+    def __truediv__(self, other: Bounded) -> Bounded:
+        v = self.v / other.v
+        room = np.abs(other.v) - other.e
+        with np.errstate(divide="ignore"):
+            e = np.where(room > 0, (self.e + np.abs(v) * other.e) / room, np.inf)
+        return self._rounded(v, e)
+
+    def monotone(self, f: Any, ulps: float = 0.5) -> Bounded:
+        """f(self) for an increasing f on [0, inf) (sqrt, x**p with p > 0), within ulps."""
+        v = f(self.v)
+        e = np.maximum(f(self.v + self.e) - v, v - f(np.maximum(self.v - self.e, 0.0)))
+        return self._rounded(v, e, ulps)
+
+
+def _const(x: float) -> Bounded:
+    """A hyper-parameter as the float32 arithmetic sees it (numpy rounds a Python float to
+    the array's float32; the kernels get it as float32)."""
+    return Bounded.of(np.float32(x))
+
+
+def _float64_step(opt: Any, rows: np.ndarray, grads: np.ndarray, step: int) -> list[Bounded]:
+    """optim.py's documented formulas in float64 on the same float32 rows and gradients, in
+    the float32 code's order of operations: the new [weights, state slots...], bounded."""
+    dim = grads.shape[1]
+    slot = [Bounded.of(rows[:, k * dim : (k + 1) * dim]) for k in range(opt.size_factor)]
+    g, w = Bounded.of(grads), slot[0]
+    if isinstance(opt, optim.Adam):
+        c1, c2 = _const(1.0 - opt.beta1), _const(1.0 - opt.beta2)
+        step_size = _const(opt.lr * (1.0 - opt.beta2**step) ** 0.5 / (1.0 - opt.beta1**step))
+        m = slot[1] + c1 * (g - slot[1])
+        v = slot[2] + c2 * (g * g - slot[2])
+        return [w - step_size * (m / (v.monotone(np.sqrt) + _const(opt.eps))), m, v]
+    if isinstance(opt, optim.FTRL):
+        lr, power = _const(opt.lr), float(np.float32(-opt.lr_power))
+        n, z = slot[1], slot[2]
+        n_new = n + g * g
+        ulps = 0.5 if power == 0.5 else POW_ULPS  # x ** 0.5 is a correctly rounded sqrt
+        p_new = n_new.monotone(lambda x: x**power, ulps)
+        p_old = n.monotone(lambda x: x**power, ulps)
+        z_new = z + (g - ((p_new - p_old) / lr) * w)
+        quadratic = p_new / lr + _const(2.0 * opt.l2)
+        l1 = float(np.float32(opt.l1))
+        sign = Bounded(np.sign(z_new.v), np.where(np.abs(z_new.v) <= z_new.e, 2.0, 0.0))
+        shrunk = (sign * Bounded.of(l1) - z_new) / quadratic
+        # Where |z| is within its error of l1 the float32 code may take either branch.
+        either = np.abs(np.abs(z_new.v) - l1) <= z_new.e
+        above = np.abs(z_new.v) > l1
+        w_v = np.where(above, shrunk.v, 0.0)
+        w_e = np.where(either, np.abs(shrunk.v) + shrunk.e, np.where(above, shrunk.e, 0.0))
+        return [Bounded(w_v, w_e), n_new, z_new]
+    if isinstance(opt, optim.Adagrad):
+        s = slot[1] + g * g
+        return [w - (_const(opt.lr) * g) / (s.monotone(np.sqrt) + _const(opt.eps)), s]
+    if isinstance(opt, optim.Momentum):  # and Nesterov
+        lr, momentum = _const(opt.lr), _const(opt.momentum)
+        b = slot[1] * momentum + g
+        return [w - lr * (g + momentum * b if opt.nesterov else b), b]
+    if isinstance(opt, optim.SGD):
+        return [w - _const(opt.lr) * g]
+    raise AssertionError(f"no float64 reference for {opt!r}")
+
+
+def assert_within(what: str, got: np.ndarray, expected: list[Bounded]) -> None:
+    """got (float32 [n, slots * dim]) within the bound of each slot's float64 value."""
+    dim = expected[0].v.shape[1]
+    for k, slot in enumerate(expected):
+        part = got[:, k * dim : (k + 1) * dim].astype(np.float64)
+        assert np.all(np.isfinite(slot.e)), f"{what}: slot {k} has no finite bound"
+        off = np.abs(part - slot.v) - slot.e
+        worst = np.unravel_index(int(np.argmax(off)), off.shape)
+        assert off[worst] <= 0, (
+            f"{what}: slot {k} element {worst} is {part[worst]!r}, float64 reference "
+            f"{slot.v[worst]!r} +- {slot.e[worst]!r} (off by {off[worst] + slot.e[worst]!r})"
+        )
 
 
 def _reference_step(opt: Any, arena: np.ndarray, ids: np.ndarray, grads: np.ndarray, step: int):
@@ -736,6 +866,9 @@ def _reference_step(opt: Any, arena: np.ndarray, ids: np.ndarray, grads: np.ndar
 @pytest.mark.parametrize("dim", [1, 5, 32, 40])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_fused_optimizer_matches_apply(backend: Backend, name: str, dim: int) -> None:
+    """Each step starts both paths from the same float32 rows; both must land within the
+    derived bound of the float64 update, and where every operation is correctly rounded the
+    host build must equal numpy bit for bit."""
     opt = OPTIMIZERS[name]
     rng = np.random.default_rng(dim)
     rows, width = 64, opt.size_factor * dim + 2  # + 2 stored step slots, never touched
@@ -743,22 +876,93 @@ def test_fused_optimizer_matches_apply(backend: Backend, name: str, dim: int) ->
     for slot, fill in enumerate(opt.state_fill(), start=1):
         arena[:, slot * dim : (slot + 1) * dim] = fill
     reference = arena.copy()
-    device = backend.dev(arena)
     for step in range(1, 5):
         ids = rng.permutation(rows)[: int(rng.integers(1, rows))].astype(np.int64)
         grads = rng.standard_normal((ids.size, dim), dtype=np.float32)
         grads[0, 0] = 0.0  # FTRL's sign(0), Adam's zero moment
+        before = reference.copy()
+        expected = _float64_step(opt, before[ids], grads, step)
         _reference_step(opt, reference, ids, grads, step)
+        device = backend.dev(before)
         assert kernels.fused_apply(
             opt, device, backend.dev(ids), backend.dev(grads), step, launch=backend.launch
         )
         got = to_host(device)
-        if backend.xp is np and not name.startswith("ftrl"):
-            # Same float32 operations in the same order, no FMA: bit for bit.
+        assert_within(f"{name} apply, step {step}", reference[ids], expected)
+        assert_within(f"{backend.name} {name} kernel, step {step}", got[ids], expected)
+        others = np.setdiff1d(np.arange(rows), ids)
+        np.testing.assert_array_equal(got[others], before[others])
+        np.testing.assert_array_equal(got[:, -2:], before[:, -2:])  # the step slots
+        if backend.xp is np and name in EXACT_OPTIMIZERS:
             np.testing.assert_array_equal(got, reference)
-        else:
-            # powf differs by an ulp between libms (and the GPU's), and FTRL divides by it.
-            np.testing.assert_allclose(got, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_the_float64_bound_catches_a_wrong_update() -> None:
+    """The bound is tight enough to fail: an FTRL whose lr is 1e-4 off (or one ulp of power
+    off, what a float32 exponent could be) falls outside it somewhere."""
+    rng = np.random.default_rng(5)
+    dim = 32
+    for opt, wrong in [
+        (OPTIMIZERS["ftrl-power"], optim.FTRL(lr=0.05 * (1 + 1e-4), lr_power=-0.3, l2=0.1)),
+        (OPTIMIZERS["adam"], optim.Adam(lr=0.01 * (1 + 1e-4), beta1=0.8, beta2=0.99, eps=1e-6)),
+    ]:
+        rows = rng.standard_normal((64, opt.size_factor * dim), dtype=np.float32)
+        for slot, fill in enumerate(opt.state_fill(), start=1):
+            rows[:, slot * dim : (slot + 1) * dim] = fill
+        grads = rng.standard_normal((64, dim), dtype=np.float32)
+        expected = _float64_step(opt, rows, grads, 1)
+        right, bad = rows.copy(), rows.copy()
+        opt.apply(right, grads, 1)
+        wrong.apply(bad, grads, 1)
+        assert_within("right", right, expected)
+        with pytest.raises(AssertionError, match="float64 reference"):
+            assert_within("wrong", bad, expected)
+
+
+# numpy >= 2.4 groups its dispatched AVX-512 code as X86_V4 / AVX512_ICL / AVX512_SPR, older
+# numpy as AVX512F, AVX512_SKX, ...: disable whichever this numpy dispatches.
+_PROBE_AVX512 = """
+import numpy._core._multiarray_umath as m
+print(" ".join(f for f in m.__cpu_dispatch__ if f.startswith("AVX512") or f == "X86_V4"))
+"""
+
+
+def test_ftrl_power_holds_without_numpys_avx512_kernels() -> None:
+    """numpy picks its float32 power kernel by CPU at import: run the FTRL cases again in a
+    process where NPY_DISABLE_CPU_FEATURES turns its AVX-512 code off, so both are proven."""
+    probe = subprocess.run(
+        [sys.executable, "-c", _PROBE_AVX512], capture_output=True, text=True, check=True
+    )
+    features = probe.stdout.split()
+    if not features:
+        pytest.skip("this numpy dispatches no AVX-512 code: nothing to turn off")
+    if os.environ.get("NPY_DISABLE_CPU_FEATURES"):
+        pytest.skip("already running with NPY_DISABLE_CPU_FEATURES set")
+    env = {**os.environ, "NPY_DISABLE_CPU_FEATURES": " ".join(features)}
+    check = (
+        "import numpy._core._multiarray_umath as m; "
+        f"assert not any(m.__cpu_features__[f] for f in {features!r}), 'still enabled'"
+    )
+    subprocess.run([sys.executable, "-W", "error::ImportWarning", "-c", check], env=env, check=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"{__file__}::test_fused_optimizer_matches_apply",
+            "-k",
+            "emu-index and ftrl",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, f"without AVX-512 ({features}):\n{done.stdout[-3000:]}"
+    cases = 4 * sum(name.startswith("ftrl") for name in OPTIMIZERS)  # 4 dims each
+    assert f"{cases} passed" in done.stdout, done.stdout[-3000:]
 
 
 def test_fused_apply_declines_what_it_cannot_do(backend: Backend) -> None:
@@ -830,3 +1034,140 @@ def test_the_gpu_tier_on_the_kernels_holds_the_reference_rows(
     assert launched & {"tierps_claim", "tierps_upsert"}
     fused = {f"tierps_{optimizer.kind}"} if optimizer.kind != "nesterov" else {"tierps_momentum"}
     assert kernels.has_fused(optimizer) and fused <= launched
+
+
+@pytest.mark.parametrize("order", ["emu-shuffle", "emu-interleaved"])
+def test_the_kernels_spilling_at_a_power_of_two_budget_rarely_rebuild(
+    request: pytest.FixtureRequest, order: str
+) -> None:
+    """The GPU tier's index (claims in the kernel) keeps test_tombstones.py's rebuild bound,
+    checked against the same dict oracle after every batch."""
+    backend = make_backend(order, request, seed=5)
+    live = 1 << 11
+    table = HashTable(live, xp=np, kernels=backend.table_kernels)
+    assert table.uses_kernels and table.slots == 2 * live
+    k = live // 16
+    tombstones.spill_batches(table, live, k, seed=1)
+    assert table.spill_rebuilds <= tombstones.rebuild_bound(table, live, k, tombstones.BATCHES)
+
+
+def test_a_rebuild_whose_claim_kernel_fails_leaves_the_table_as_it_was(
+    emu_lib: ctypes.CDLL,
+) -> None:
+    """Out of GPU memory (or a launch failure) inside the rebuild's claim: the table is as
+    it was, and the next try rebuilds."""
+    emulated = EmuLauncher(emu_lib, order="shuffle", seed=2)
+    fail = [False]
+
+    def launch(name: str, threads: int, args: Any) -> None:
+        if fail[0] and name == "tierps_claim":
+            raise MemoryError("injected: out of memory in the claim")
+        emulated(name, threads, args)
+
+    table = HashTable(64, kernels=launch)
+    keys = np.arange(1, 65, dtype=np.int64)
+    slots, _ = table.insert(keys)
+    table.values[slots] = keys * 7
+    table.erase(keys[:40])
+    oracle = {int(key): int(key) * 7 for key in keys[40:]}
+    before = (table.keys_at(np.arange(table.slots)).copy(), table.values.copy(), table.size)
+    fail[0] = True
+    with pytest.raises(MemoryError, match="injected"):
+        table.reserve(36)  # 24 live + 36 fit at 128 slots, 64 used + 36 do not: a rebuild
+    after = (table.keys_at(np.arange(table.slots)), table.values, table.size)
+    for was, now in zip(before, after, strict=True):
+        np.testing.assert_array_equal(now, was)
+    assert table.rebuilds == 0 and table.tombstones == 40
+    tombstones.assert_matches(table, oracle, absent=keys[:40])
+    fail[0] = False
+    assert table.reserve(36) and table.rebuilds == 1 and table.tombstones == 0
+    tombstones.assert_matches(table, oracle, absent=keys[:40])
+
+
+# --------------------------------------------------------------------------- gpu_module
+
+
+def _fake_cupy(kernel: Any) -> ModuleType:
+    """A cupy that finds a GPU (is_available() is True) whose arrays are numpy's, with
+    RawKernel as given: what cannot be made here is a GPU whose NVRTC fails."""
+    fake = ModuleType("cupy")
+    fake.is_available = lambda: True  # type: ignore[attr-defined]
+    fake.int64 = np.int64  # type: ignore[attr-defined]
+    fake.arange = np.arange  # type: ignore[attr-defined]
+    fake.asnumpy = np.asarray  # type: ignore[attr-defined]
+    fake.RawKernel = kernel  # type: ignore[attr-defined]
+    return fake
+
+
+def _nvrtc_missing(source: str, name: str) -> Any:
+    raise RuntimeError("CompileException: cannot open libnvrtc-builtins.so.12")
+
+
+class _DoesNothing:
+    """A kernel that 'runs' but computes nothing (a broken driver or a mis-set device)."""
+
+    def __init__(self, source: str, name: str) -> None:
+        assert "tierps_proof" in source and name == "tierps_proof"
+
+    def __call__(self, grid: Any, block: Any, args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def fresh_gpu_module(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """gpu_module() and the kernels' launcher asked again, then forgotten again."""
+    from tierps.storage.xp import gpu_module
+
+    gpu_module.cache_clear()
+    monkeypatch.setattr(kernels, "_cupy_launcher", None)
+    monkeypatch.setattr(kernels, "_cupy_failure", None)
+    yield gpu_module
+    gpu_module.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("kernel", "cause"),
+    [(_nvrtc_missing, "libnvrtc-builtins"), (_DoesNothing, "gave [1, 2, 3, 4]")],
+    ids=["compile-fails", "wrong-result"],
+)
+def test_a_gpu_whose_kernels_fail_is_not_used(
+    fresh_gpu_module: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+    kernel: Any,
+    cause: str,
+) -> None:
+    from tierps.storage import TableConfig
+
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(kernel))
+    with caplog.at_level("WARNING", logger="tierps.storage"):
+        module, why = fresh_gpu_module()
+        assert module is None and cause in why and "test kernel" in why
+        assert fresh_gpu_module() == (None, why)  # cached: one proof, one warning
+        assert kernels.cupy_launcher() is None and kernels.unavailable_reason() == why
+        with EmbeddingStore(tmp_path / "db", gpu_arrays="auto") as store:
+            table = store.create_table(TableConfig("t", 4, gpu_cache_bytes=1 << 20))
+            assert "gpu" not in [tier.name for tier in table.tiers]
+            keys = np.arange(5, dtype=np.int64)
+            np.testing.assert_array_equal(
+                table.lookup(keys), table.config.initial_rows(keys)[:, :4]
+            )
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("no GPU tier" in m and cause in m for m in messages) == 1
+    assert any("no GPU is usable" in m and cause in m and "'t'" in m for m in messages)
+
+
+def test_a_gpu_whose_kernels_work_is_used(
+    fresh_gpu_module: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same proof passes where the kernel adds 1 (the fake runs it on numpy)."""
+
+    class AddsOne(_DoesNothing):
+        def __call__(self, grid: Any, block: Any, args: Any) -> None:
+            x, n = args
+            x[: int(n)] += 1
+
+    fake = _fake_cupy(AddsOne)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    assert fresh_gpu_module() == (fake, "")

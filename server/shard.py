@@ -384,8 +384,13 @@ class Shard:
         yield Progress(rows, rows, str(root / name), done=True)
 
     def load_snapshot(self, name: str) -> Iterator[Progress]:
-        """Replace the snapshot's tables with its rows of this shard's keys. Everything is
-        checked before anything changes; data calls wait and health is NOT_SERVING meanwhile."""
+        """Replace the snapshot's tables with its rows of this shard's keys, all of them or
+        none. The whole snapshot is checked (snapshot.Snapshot: manifest, part headers,
+        every file's content), every part read, checked and this shard's rows written to
+        staged column families while the live tables serve on unchanged; only when all of
+        it passed do data calls wait (health NOT_SERVING) while one atomic RocksDB write
+        swaps the staged tables in. A refused or failed load leaves every live row as it
+        was and drops what it staged."""
         root = self._snapshot_root()
         opened = snapshot.Snapshot(root, name)
         for config in opened.configs.values():
@@ -396,27 +401,34 @@ class Shard:
                     f"snapshot {name!r} cannot load into this cluster of {self.num_shards} "
                     f"shards: {error}"
                 ) from None
-            self.store.check_creatable(config)  # before any table is dropped
-        opened.verify()
-        total = sum(entry["rows"] for entry in opened.tables.values())
+            self.store.check_creatable(config)  # before anything is staged
+        opened.check_files()
+        opened.check_headers()
+        total = opened.rows_total
         done = kept = 0
-        with self._admin, self._gate.exclusive():
-            self.on_serving_change(False)
+        with self._admin:
+            staged: list[Any] = []
             try:
                 for table_name, config in opened.configs.items():
-                    if table_name in {t.name for t in self.store.tables()}:
-                        self.store.drop_table(table_name)
-                    table = self.store.create_table(config)
+                    stage = self.store.stage_table(config)
+                    staged.append(stage)
                     for keys, rows, scanned in opened.rows_for_shard(
                         table_name, self.shard_id, self.num_shards, SNAPSHOT_CHUNK_ROWS
                     ):
-                        table.restore(keys, rows)
+                        if keys.size:
+                            stage.rows.write(keys, _stored_rows(config, rows))
                         done += scanned
                         kept += keys.size
                         yield Progress(done, total, str(opened.path), rows_kept=kept)
-                self.store.flush()
+                with self._gate.exclusive():
+                    self.on_serving_change(False)
+                    try:
+                        self.store.install_staged(staged)
+                    finally:
+                        self.on_serving_change(True)
             finally:
-                self.on_serving_change(True)
+                for stage in staged:  # a refused, failed or cancelled load: drop the staging
+                    self.store.discard_staged(stage)
         yield Progress(done, total, str(opened.path), rows_kept=kept, done=True)
 
     def list_snapshots(self) -> list[dict[str, Any]]:
@@ -429,6 +441,16 @@ class Shard:
             self.store.flush()  # durable now, even if the process is killed while it waits
         with self._admin, self._gate.exclusive():
             self.store.close()
+
+
+def _stored_rows(config: TableConfig, rows: np.ndarray) -> np.ndarray:
+    """Snapshot rows [n, row_width] as the tiers store them: with steps_to_live, widened by
+    the last-update step (0: counted from the table's first push, as a new row)."""
+    if not config.steps_to_live:
+        return rows
+    out = np.zeros((rows.shape[0], config.stored_width), dtype=np.float32)
+    out[:, : config.row_width] = rows
+    return out
 
 
 def _proc_status_bytes(field: str) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import uuid
@@ -35,6 +36,54 @@ class ShardError(RuntimeError):
         # Of a call sent to several shards: the shards where it went through (a data call
         # whose other shards failed; EmbeddingClient fills it in).
         self.succeeded: list[int] = []
+
+
+LIFE_HEADER = "tierps-life"  # as server/lives.py: the shard life a client last talked to
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    """grpc.ClientCallDetails with other metadata (grpc's own interceptor examples do so)."""
+
+
+class _LifeHeader(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the life of the shard this client last talked to (when known) to every call:
+    the shard refuses a data call with DATA_LOSS if that life ended without a clean stop."""
+
+    def __init__(self, life: Callable[[], int | None]) -> None:
+        self.life = life
+
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        life = self.life()
+        if life is None:
+            return details
+        metadata = [*(details.metadata or ()), (LIFE_HEADER, str(life))]
+        return _CallDetails(
+            details.method, details.timeout, metadata, details.credentials,
+            details.wait_for_ready, details.compression,
+        )  # fmt: skip
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
 
 
 @dataclass(frozen=True)
@@ -113,7 +162,17 @@ class ClusterAdmin:
         self.timeout_s = timeout_s
         self.retry = RetryPolicy() if retry is None else retry
         options = channel_options() + self.retry.channel_options()
-        self._channels = [grpc.insecure_channel(a, options=options) for a in addresses]
+        # The life each shard was in when this client last learned it (None: not yet; data
+        # calls learn it first, from Stats): a shard that restarted uncleanly since refuses
+        # this client's data calls with DATA_LOSS until it accepts the restart.
+        self._lives: list[int | None] = [None] * len(addresses)
+        self._channels = [
+            grpc.intercept_channel(
+                grpc.insecure_channel(address, options=options),
+                _LifeHeader(lambda i=i: self._lives[i]),
+            )
+            for i, address in enumerate(addresses)
+        ]
         self._stubs = [pb_grpc.AdminServiceStub(channel) for channel in self._channels]
         self._pool = ThreadPoolExecutor(len(addresses), thread_name_prefix="tierps-admin")
 
@@ -129,6 +188,23 @@ class ClusterAdmin:
     def _each(self, call: Callable[[int, pb_grpc.AdminServiceStub], T]) -> list[T]:
         """call(shard_id, stub) on every shard at once; the first failure is raised."""
         return list(self._pool.map(lambda i: self._on(i, call), range(len(self.addresses))))
+
+    def _learn_lives(self, shards: list[int]) -> None:
+        """Learn the life of each of these shards not yet known (one Stats call each)."""
+        for shard_id in shards:
+            if self._lives[shard_id] is None:
+                reply = self._on(
+                    shard_id, lambda i, stub: stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
+                )
+                self._lives[shard_id] = int(reply.life)
+
+    def accept_restart(self, shards: list[int] | None = None) -> None:
+        """Go on after a shard restarted without a clean stop (its data calls were refused
+        with DATA_LOSS): forget the life this client knew of those shards (all by default),
+        so the next data call learns the new one. Only after deciding that the rows as they
+        are now will do - a snapshot load accepts by itself."""
+        for shard_id in range(len(self.addresses)) if shards is None else shards:
+            self._lives[shard_id] = None
 
     def check_topology(self) -> None:
         """Every shard says it is shard i of len(addresses), at position i."""
@@ -239,6 +315,7 @@ class ClusterAdmin:
         self.check_topology()
         request = pb.LoadSnapshotRequest(name=name)
         shards = self._stream(lambda i, stub: stub.LoadSnapshot(request), progress)
+        self.accept_restart()  # every row is the snapshot's now, whatever a restart lost
         return {"name": name, "rows": sum(s.rows_kept for s in shards), "path": shards[0].path}
 
     def list_snapshots(self) -> list[dict[str, Any]]:

@@ -665,6 +665,7 @@ class EmbeddingClient(ClusterAdmin):
         `succeeded` set to the shards whose calls went through."""
         if not calls:
             return []
+        self._learn_lives([shard for shard, _ in calls])
         *others, (last_shard, last_batches) = calls
         futures = [
             self._calls.submit(self._on, shard, lambda i, _, b=batches: call(i, b))

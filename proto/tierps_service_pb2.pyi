@@ -314,17 +314,25 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("shard_id", "num_shards", "tables", "rss_bytes", "peak_rss_bytes", "uptime_s")
+    __slots__ = ("shard_id", "num_shards", "tables", "rss_bytes", "peak_rss_bytes", "uptime_s", "life", "previous_life_clean", "last_flush_unix_s", "writable")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    LIFE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_LIFE_CLEAN_FIELD_NUMBER: _ClassVar[int]
+    LAST_FLUSH_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    WRITABLE_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     num_shards: int
     tables: _containers.RepeatedCompositeFieldContainer[TableDescription]
     rss_bytes: int
     peak_rss_bytes: int
     uptime_s: float
-    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableDescription, _Mapping]]] = ..., rss_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    life: int
+    previous_life_clean: bool
+    last_flush_unix_s: float
+    writable: bool
+    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableDescription, _Mapping]]] = ..., rss_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., life: _Optional[int] = ..., previous_life_clean: _Optional[bool] = ..., last_flush_unix_s: _Optional[float] = ..., writable: _Optional[bool] = ...) -> None: ...

@@ -40,6 +40,16 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "--gpu-arrays", choices=GPU_ARRAYS,
         help="auto: GPU tiers on cupy; numpy: the GPU tier's code on host arrays (tests)",
     )  # fmt: skip
+    serve.add_argument(
+        "--flush-interval-s", type=float,
+        help="write-back tables: write dirty rows to RocksDB at least this often, seconds; "
+        "bounds what a crash can lose (default 30; 0: only at stop, snapshot and eviction)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--sync-writes", action="store_true", default=None,
+        help="fsync RocksDB's log on every write: write-through updates survive a power loss "
+        "too, not only a killed process (slower writes)",
+    )  # fmt: skip
     serve.add_argument("--config", type=Path, help="TOML file of ServerConfig fields")
     serve.add_argument("--port-file", type=Path, help="write the bound ports here (JSON)")
     serve.add_argument("--log-level", default="info", help="debug, info, warning, error")
@@ -58,6 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
         "metrics_port": args.metrics_port, "grace_s": args.grace_s,
         "gpu_cache_bytes": None if args.gpu_cache_mb is None else args.gpu_cache_mb << 20,
         "require_gpu": args.require_gpu, "gpu_arrays": args.gpu_arrays,
+        "flush_interval_s": args.flush_interval_s, "sync_writes": args.sync_writes,
     }  # fmt: skip
     try:
         if args.config is not None:
@@ -89,6 +100,13 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
     cluster.add_argument("--data-dir", type=Path, required=True, help="shard-<i>/ per shard here")
     cluster.add_argument("--snapshot-dir", type=Path, help="shared snapshot directory")
     cluster.add_argument("--metrics", action="store_true", help="each shard serves /metrics")
+    cluster.add_argument(
+        "--flush-interval-s", type=float,
+        help="each shard's background flush interval, seconds (default 30; 0: off)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--sync-writes", action="store_true", help="each shard fsyncs every RocksDB write"
+    )
 
 
 def _cluster(args: argparse.Namespace) -> int:
@@ -96,9 +114,12 @@ def _cluster(args: argparse.Namespace) -> int:
     from tierps.server.daemon import on_stop_signal
 
     stop = on_stop_signal()
+    durability = ("--sync-writes",) if args.sync_writes else ()
+    if args.flush_interval_s is not None:
+        durability += ("--flush-interval-s", str(args.flush_interval_s))
     with LocalCluster(
         args.shards, args.data_dir, args.snapshot_dir, base_port=args.base_port,
-        metrics=args.metrics,
+        metrics=args.metrics, extra_args=durability,
     ) as cluster:  # fmt: skip
         print(f"{args.shards} shards serving (logs in {args.data_dir}/shard-<i>.log):")
         for shard_id, address in enumerate(cluster.addresses):

@@ -32,6 +32,11 @@ class ServerConfig:
     gpu_cache_bytes is 0 (0: none). require_gpu: refuse to start where no GPU is usable
     (otherwise GPU tiers are left out with one warning). gpu_arrays: "auto" (cupy) or
     "numpy" (the GPU tier's code on host arrays: tests, trying a configuration).
+    flush_interval_s: a background flush writes every dirty row (write-back tables) down to
+    RocksDB at least this often, so a crash loses at most about this many seconds of
+    acknowledged updates (0: flush only at stop, snapshot save and eviction).
+    sync_writes: fsync RocksDB's log on every write, so write-through updates survive a power
+    loss, not only a killed process.
     """
 
     shard_id: int
@@ -50,6 +55,8 @@ class ServerConfig:
     gpu_cache_bytes: int = 0
     require_gpu: bool = False
     gpu_arrays: str = "auto"
+    flush_interval_s: float = 30.0
+    sync_writes: bool = False
 
     def __post_init__(self) -> None:
         owner = "ServerConfig"
@@ -72,6 +79,16 @@ class ServerConfig:
         if not isinstance(self.require_gpu, bool):
             raise ValueError(
                 f"{owner}: field 'require_gpu' expected a bool, got {self.require_gpu!r}"
+            )
+        if not isinstance(self.sync_writes, bool):
+            raise ValueError(
+                f"{owner}: field 'sync_writes' expected a bool, got {self.sync_writes!r}"
+            )
+        if not (isinstance(self.flush_interval_s, int | float) and 0 <= self.flush_interval_s
+                < float("inf")):  # fmt: skip
+            raise ValueError(
+                f"{owner}: field 'flush_interval_s' expected seconds >= 0 (0: off), got "
+                f"{self.flush_interval_s!r}"
             )
         if not self.grace_s >= 0:
             raise ValueError(f"{owner}: field 'grace_s' expected >= 0, got {self.grace_s!r}")

@@ -24,14 +24,54 @@ from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto.wire import channel_options
 from tierps.server.config import ServerConfig
+from tierps.server.lives import LIFE_HEADER
 from tierps.server.metrics import ShardMetrics
 from tierps.server.servicers import AdminServicer, EmbeddingServicer
 from tierps.server.shard import Shard
+from tierps.storage.errors import BackendError, DataLossError
 
 log = logging.getLogger("tierps.server")
 
 OUR_SERVICES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by_name.values())
 PARENT_PID_ENV = "TIERPS_PARENT_PID"  # set by LocalCluster: the daemon exits with its parent
+
+
+class LifeCheck(grpc.ServerInterceptor):
+    """Refuses, with DATA_LOSS, a data call from a client that last talked to an earlier
+    life of this shard which ended without a clean stop (server/lives.py). The check runs
+    before the call reaches the servicer; admin calls (Stats tells a client the life) pass."""
+
+    DATA_METHODS = f"/{pb.DESCRIPTOR.services_by_name['EmbeddingService'].full_name}/"
+
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or not details.method.startswith(self.DATA_METHODS):
+            return handler
+        known = next((v for k, v in details.invocation_metadata if k == LIFE_HEADER), None)
+        try:
+            self.shard.lives.check(known)
+        except DataLossError as error:
+            message = str(error)
+
+            def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+                context.abort(grpc.StatusCode.DATA_LOSS, message)
+
+            kind = (handler.request_streaming, handler.response_streaming)
+            make = {
+                (False, False): grpc.unary_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler,
+            }[kind]
+            return make(
+                refuse,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
 
 
 class ShardServer:
@@ -47,7 +87,9 @@ class ShardServer:
             # so_reuseport off: a port in use is an error, never two servers on one port.
             options = [*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)]
             self._executor = ThreadPoolExecutor(config.max_workers, thread_name_prefix="tierps-rpc")
-            self._server = grpc.server(self._executor, options=options)
+            self._server = grpc.server(
+                self._executor, options=options, interceptors=[LifeCheck(self.shard)]
+            )
             pb_grpc.add_EmbeddingServiceServicer_to_server(
                 EmbeddingServicer(self.shard, self._observe), self._server
             )
@@ -97,6 +139,7 @@ class ShardServer:
 
     def start(self) -> ShardServer:
         self._server.start()
+        self.shard.start_background()
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
         self._set_serving(True)
@@ -175,7 +218,15 @@ def serve(config: ServerConfig, *, port_file: Path | None = None) -> int:
         os.replace(tmp, port_file)
     while not stop:
         time.sleep(0.2)
-    server.stop()
+    try:
+        server.stop()
+    except BackendError as error:  # the last flush failed: say what that means, exit 1
+        log.error(
+            "stopped without a clean flush: %s; the rows updated since the last flush are "
+            "not in RocksDB, and the next start reports an unclean stop to the clients",
+            error, extra={"shard_id": config.shard_id},
+        )  # fmt: skip
+        return 1
     return 0
 
 

@@ -17,19 +17,27 @@ from typing import Any
 import numpy as np
 
 from tierps.server.config import ServerConfig
+from tierps.server.lives import Lives
 from tierps.storage import (
+    BackendError,
     EmbeddingStore,
     FailedPreconditionError,
     InvalidArgumentError,
     TableConfig,
     snapshot,
 )
-from tierps.storage.config import Placement, owner_shard
+from tierps.storage.config import Placement, WritePolicy, owner_shard
 from tierps.storage.snapshot import Progress
-from tierps.storage.table import EmbeddingTable
+from tierps.storage.table import FLUSH_CHUNK_BYTES, EmbeddingTable
 from tierps.storage.xp import gpu_arrays
 
 SNAPSHOT_CHUNK_ROWS = 65536
+MAINTENANCE_TICK_S = 0.1  # how often the background thread looks at the store
+RECOVERY_INTERVAL_S = 1.0  # a store that cannot write is retried this often
+# A background flush writes chunks this large, holding a table's lock for one chunk at a
+# time: about 1-2 ms of RocksDB writes here (a shutdown or snapshot flush uses 4 MiB)
+BACKGROUND_FLUSH_CHUNK_BYTES = 256 << 10
+BACKGROUND_FLUSH_PAUSE_S = 0.0002  # between chunks, so waiting calls get the table's lock
 log = logging.getLogger("tierps.server")
 
 
@@ -147,18 +155,41 @@ class Shard:
             shard_id=self.shard_id,
             gpu_cache_bytes=config.gpu_cache_bytes,
             gpu_arrays=config.gpu_arrays,
+            sync_writes=config.sync_writes,
         )
         self._gate = Gate()
         self._admin = threading.Lock()  # one table or snapshot change at a time
-        # Told False while a snapshot loads and True after; the server wires it to health.
+        # Told whether the shard serves: False while a snapshot loads or while the store
+        # cannot write; the server wires it to health.
         self.on_serving_change: Callable[[bool], None] = lambda serving: None
+        self._loading = False
+        self._store_ok = True
+        self._serving = True
+        self._stop = threading.Event()
+        self._maintainer: threading.Thread | None = None
+        self.flushes = 0  # background flushes completed
+        self.last_flush: float | None = None  # when the last flush of every dirty row ended
         try:
             for table in config.tables:
                 self.owner(table)
                 self.store.create_table(table)
+            self.lives = Lives(Path(config.data_dir), self.where)
+            at_risk = any(
+                t.write_policy is WritePolicy.WRITE_BACK or t.promote_after
+                for t in self.store.tables()
+            )
+            self.lives.begin(at_risk)
         except BaseException:
             self.store.close()  # release RocksDB's lock: the data dir can be opened again
             raise
+        if not self.lives.ended_cleanly:
+            log.warning(
+                "%s: its previous life %d ended without a clean stop (killed, crashed or lost "
+                "power); %s", self.where, self.lives.life - 1,
+                "clients that knew it are told, once" if self.lives.life - 1 in self.lives.unclean
+                else "its tables are all write-through: nothing acknowledged is missing",
+                extra={"shard_id": self.shard_id, "life": self.lives.life},
+            )  # fmt: skip
 
     def _check_identity(self, data_dir: Path) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -320,6 +351,10 @@ class Shard:
             "rss_bytes": _proc_status_bytes("VmRSS"),
             "peak_rss_bytes": _proc_status_bytes("VmHWM"),
             "uptime_s": time.time() - self.started,
+            "life": self.lives.life,
+            "previous_life_clean": self.lives.ended_cleanly,
+            "last_flush_unix_s": self.last_flush or 0.0,
+            "writable": self.store.writable,
         }
 
     # -- eviction ----------------------------------------------------------------------------
@@ -421,11 +456,11 @@ class Shard:
                         kept += keys.size
                         yield Progress(done, total, str(opened.path), rows_kept=kept)
                 with self._gate.exclusive():
-                    self.on_serving_change(False)
+                    self._set_loading(True)
                     try:
                         self.store.install_staged(staged)
                     finally:
-                        self.on_serving_change(True)
+                        self._set_loading(False)
             finally:
                 for stage in staged:  # a refused, failed or cancelled load: drop the staging
                     self.store.discard_staged(stage)
@@ -434,13 +469,94 @@ class Shard:
     def list_snapshots(self) -> list[dict[str, Any]]:
         return snapshot.list_snapshots(self._snapshot_root())
 
+    # -- background work: flushes, recovery, health ------------------------------------------
+
+    def start_background(self) -> None:
+        """Start the maintenance thread: a flush of every dirty row each flush_interval_s
+        (0: none), and while the store cannot write, a recovery attempt each
+        RECOVERY_INTERVAL_S, with health NOT_SERVING until it succeeds."""
+        if self._maintainer is None:
+            self._maintainer = threading.Thread(
+                target=self._maintain, name=f"tierps-maintain-{self.shard_id}", daemon=True
+            )
+            self._maintainer.start()
+
+    def _maintain(self) -> None:
+        interval = self.config.flush_interval_s
+        next_flush = time.monotonic() + interval
+        next_recovery = 0.0
+        while not self._stop.wait(MAINTENANCE_TICK_S):
+            now = time.monotonic()
+            try:
+                if not self.store.writable:
+                    self._set_store_ok(False)
+                    if now >= next_recovery:
+                        next_recovery = now + RECOVERY_INTERVAL_S
+                        self._recover()
+                    continue
+                self._set_store_ok(True)
+                if interval and now >= next_flush:
+                    next_flush = now + interval
+                    self.flush(BACKGROUND_FLUSH_CHUNK_BYTES, BACKGROUND_FLUSH_PAUSE_S)
+            except BackendError as error:
+                log.warning("%s: background work failed: %s", self.where, error)
+            except Exception:  # noqa: BLE001 - the thread must outlive one bad round
+                log.exception("%s: background work failed", self.where)
+
+    def flush(self, chunk_bytes: int = FLUSH_CHUNK_BYTES, pause_s: float = 0.0) -> None:
+        """Write every dirty row of every table down to RocksDB (and fsync its log); what
+        a crash after this returns can lose starts here. Data calls wait at most one chunk
+        of chunk_bytes at a time (pause_s between chunks lets them in)."""
+        with self._gate.shared():
+            self.store.flush(chunk_bytes, pause_s)
+            self.last_flush = time.time()
+            self.flushes += 1
+        self.lives.flushed(self.last_flush)
+
+    def _recover(self) -> bool:
+        # not while a snapshot save or load reads or stages (_admin): reopening RocksDB
+        # would pull the database from under them
+        with self._admin, self._gate.exclusive():
+            recovered = self.store.recover()
+        if recovered:
+            self.last_flush = time.time()
+            self.lives.flushed(self.last_flush)
+            self._set_store_ok(True)
+        return recovered
+
+    def _set_store_ok(self, ok: bool) -> None:
+        self._store_ok = ok
+        self._publish()
+
+    def _set_loading(self, loading: bool) -> None:
+        self._loading = loading
+        self._publish()
+
+    def _publish(self) -> None:
+        serving = self._store_ok and not self._loading
+        if serving != self._serving:
+            self._serving = serving
+            if not self._store_ok:
+                log.warning("%s: its store cannot write: %s", self.where,
+                            self.store.write_state.failure)  # fmt: skip
+            self.on_serving_change(serving)
+
     def close(self) -> None:
         """Flush dirty rows at once; then, after running data calls and any snapshot save
-        or load (which read RocksDB until they finish), close RocksDB."""
+        or load (which read RocksDB until they finish), close RocksDB and record a clean
+        stop. If the store cannot write (a full disk), one recovery is tried first; if the
+        flush still fails this raises, RocksDB stays as it was and no clean stop is
+        recorded: the next start knows rows may be lost."""
+        self._stop.set()
+        if self._maintainer is not None:
+            self._maintainer.join()
+        if not self.store.writable:
+            self._recover()
         with self._gate.exclusive():
             self.store.flush()  # durable now, even if the process is killed while it waits
         with self._admin, self._gate.exclusive():
             self.store.close()
+        self.lives.end_cleanly()
 
 
 def _stored_rows(config: TableConfig, rows: np.ndarray) -> np.ndarray:

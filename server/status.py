@@ -16,10 +16,12 @@ import grpc
 
 from tierps.storage.errors import (
     BackendError,
+    DataLossError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
+    StorageFullError,
 )
 
 log = logging.getLogger("tierps.server")
@@ -30,6 +32,8 @@ STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (StorageFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),  # a full disk: retrying won't help
+    (DataLossError, grpc.StatusCode.DATA_LOSS),  # before BackendError: both are backend errors
     (BackendError, grpc.StatusCode.UNAVAILABLE),
 )
 

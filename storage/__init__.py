@@ -4,10 +4,12 @@ from tierps.storage import init, optim
 from tierps.storage.config import Admission, Eviction, Placement, TableConfig, WritePolicy
 from tierps.storage.errors import (
     BackendError,
+    DataLossError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
+    StorageFullError,
     TableNotFoundError,
     TierpsError,
 )
@@ -18,6 +20,7 @@ from tierps.storage.table import EmbeddingTable
 __all__ = [
     "Admission",
     "BackendError",
+    "DataLossError",
     "EmbeddingStore",
     "EmbeddingTable",
     "Eviction",
@@ -27,6 +30,7 @@ __all__ = [
     "NotFoundError",
     "Placement",
     "ResourceExhaustedError",
+    "StorageFullError",
     "TableConfig",
     "TableNotFoundError",
     "TierpsError",

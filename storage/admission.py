@@ -12,7 +12,11 @@ admitted; those get their initial row, the others read default_value and are not
 Two filters behind one batched interface (`observe(keys) -> admitted mask`, `estimate`,
 `stats`); neither loops over keys in Python:
 - CounterFilter: an exact count per key in the vectorised HashTable; an admitted key's count
-  is erased, so memory grows with the distinct keys sighted and not yet admitted.
+  is erased. It holds at most max_elements keys (DEFAULT_COUNTER_KEYS = 2**18 when
+  max_elements is 0): when a call leaves more, the counts of the least recently sighted keys
+  are dropped (a quarter of max_elements at a time) and those keys start over from 0 - a
+  key is admitted when it is sighted admit_after times before max_elements other keys push
+  its count out. Memory: O(max_elements + the distinct keys of one call).
 - BloomFilter: a counting Bloom filter of m small saturating counters and k hash functions,
   sized from max_elements (n) and false_positive_rate (p) by the standard formulas
   m = ceil(-n ln p / (ln 2)^2), k = round(m / n ln 2); a key's estimated count is the minimum
@@ -56,8 +60,27 @@ class AdmissionFilter(Protocol):
 
     def stats(self) -> dict[str, int]:
         """keys_counted, counters, counters_used, hash_functions, bytes, sightings,
-        keys_admitted (see TableDescription.lifecycle in the proto)."""
+        keys_admitted (see TableDescription.lifecycle in the proto), keys_dropped (counts
+        the exact counter forgot because it was full; 0 for the Bloom filter)."""
         ...
+
+    def begin(self) -> None:
+        """Start recording what observe changes, so that a call refused after its sighting
+        (EmbeddingTable.apply_gradients' numeric guard) can undo it."""
+        ...
+
+    def commit(self) -> None:
+        """Keep what observe changed since begin; stop recording."""
+        ...
+
+    def rollback(self) -> None:
+        """Undo what observe changed since begin (counts and figures); stop recording."""
+        ...
+
+
+DEFAULT_COUNTER_KEYS = 1 << 18
+"""Keys an exact counter holds at most when TableConfig.max_elements is 0: about 35 MiB
+(a hash table of 2**20 slots and the id arrays, with calls of up to 8192 new keys)."""
 
 
 def make_filter(config: TableConfig) -> AdmissionFilter | None:
@@ -68,49 +91,151 @@ def make_filter(config: TableConfig) -> AdmissionFilter | None:
         return BloomFilter(
             config.admit_after, config.max_elements, config.false_positive_rate, config.seed
         )
-    return CounterFilter(config.admit_after)
+    return CounterFilter(config.admit_after, config.max_elements or DEFAULT_COUNTER_KEYS)
 
 
 class CounterFilter:
-    """Exact counts: key -> sightings in a HashTable, erased when the key is admitted."""
+    """Exact counts: key -> (sightings, the observe call of its latest sighting), erased
+    when the key is admitted, and bounded: after a call leaves more than max_keys keys
+    counted, the least recently sighted are dropped (ties: the lower count first, then the
+    smaller key) until keep_keys = max_keys - max_keys // 4 remain. A dropped key's count is
+    forgotten: its next sighting counts 1 again, as a key never seen. Dropping a quarter at
+    a time keeps the sort that picks them to about one per max_keys / 4 new keys.
 
-    def __init__(self, admit_after: int, capacity: int = 16) -> None:
+    Memory: a HashTable (key -> id) plus two int64 arrays by id (count, latest call); all
+    three grow with the keys counted at once, which is at most max_keys plus the distinct
+    keys of one call (the trim runs at the end of the call that went over)."""
+
+    def __init__(
+        self, admit_after: int, max_keys: int = DEFAULT_COUNTER_KEYS, capacity: int = 16
+    ) -> None:
         if admit_after < 1:
             raise ValueError(f"CounterFilter: admit_after expected >= 1, got {admit_after}")
+        if max_keys < 1:
+            raise ValueError(f"CounterFilter: max_keys expected >= 1, got {max_keys}")
         self.admit_after = admit_after
-        self._counts = HashTable(capacity)  # values: sightings so far
+        self.max_keys = max_keys
+        self.keep_keys = max_keys - max_keys // 4  # what a trim leaves
+        self._index = HashTable(capacity)  # key -> id into _count and _seen
+        self._count = np.zeros(0, dtype=np.int64)  # sightings so far, by id
+        self._seen = np.zeros(0, dtype=np.int64)  # the call of the latest sighting, by id
+        self._free = np.zeros(0, dtype=np.int64)  # ids not in use
+        self.calls = 0  # observe calls so far: the recency clock
         self.sightings = 0
         self.keys_admitted = 0
+        self.keys_dropped = 0  # counts forgotten because the counter was full
+        self._journal: list[tuple[str, tuple[np.ndarray, ...]]] | None = None
+
+    def _take(self, n: int) -> np.ndarray:
+        """n ids for new keys, growing the id arrays (doubling) when too few are free."""
+        if self._free.size < n:
+            old = self._count.size
+            size = max(2 * old, old + n - self._free.size, 16)
+            self._count = np.concatenate([self._count, np.zeros(size - old, np.int64)])
+            self._seen = np.concatenate([self._seen, np.zeros(size - old, np.int64)])
+            self._free = np.concatenate([self._free, np.arange(size - 1, old - 1, -1)])
+        ids = self._free[self._free.size - n :]
+        self._free = self._free[: self._free.size - n]
+        return ids
+
+    def _release(self, slots: np.ndarray) -> None:
+        """Erase the keys of these (unique, live) slots and free their ids."""
+        if slots.size:
+            self._free = np.concatenate([self._free, self._index.values[slots]])
+            self._index.remove_slots(slots)
+
+    def _held(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(count, latest call) of unique keys, (0, 0) where not counted."""
+        slots = self._index.find(keys)
+        found = slots >= 0
+        ids = self._index.values[slots[found]]
+        count, seen = np.zeros((2, keys.size), dtype=np.int64)
+        count[found], seen[found] = self._count[ids], self._seen[ids]
+        return count, seen
+
+    def _put(self, keys: np.ndarray, count: np.ndarray, seen: np.ndarray) -> None:
+        """Set (count, latest call) of unique keys, inserting the absent ones."""
+        slots, inserted = self._index.insert(keys)
+        self._index.values[slots[inserted]] = self._take(int(np.count_nonzero(inserted)))
+        ids = self._index.values[slots]
+        self._count[ids], self._seen[ids] = count, seen
 
     def observe(self, keys: np.ndarray) -> np.ndarray:
         unique, inverse = np.unique(keys, return_inverse=True)
-        slots, inserted = self._counts.insert(unique)
-        counts = self._counts.values
-        counts[slots[inserted]] = 0  # a new key's value is scratch until set
-        counts[slots] += 1  # unique keys: one slot each
-        admitted = counts[slots] >= self.admit_after
-        self._counts.remove_slots(slots[admitted])
+        if self._journal is not None:
+            self._journal.append(("sighted", (unique, *self._held(unique))))
+        self.calls += 1
+        slots, inserted = self._index.insert(unique)
+        self._index.values[slots[inserted]] = self._take(int(np.count_nonzero(inserted)))
+        ids = self._index.values[slots]
+        self._count[ids[inserted]] = 0  # a new key starts from no sightings
+        self._count[ids] += 1  # unique keys: one id each
+        self._seen[ids] = self.calls
+        admitted = self._count[ids] >= self.admit_after
+        self._release(slots[admitted])
         self.sightings += int(unique.size)
         self.keys_admitted += int(np.count_nonzero(admitted))
+        if self._index.size > self.max_keys:
+            self._trim()
         return admitted[inverse.reshape(-1)]
 
+    def _trim(self) -> None:
+        """Drop the least recently sighted counts until keep_keys remain."""
+        keys, ids = self._index.export()
+        count, seen = self._count[ids], self._seen[ids]
+        drop = np.lexsort((keys, count, seen))[: keys.size - self.keep_keys]
+        if self._journal is not None:
+            self._journal.append(("dropped", (keys[drop], count[drop], seen[drop])))
+        self._release(self._index.find(keys[drop]))
+        self.keys_dropped += int(drop.size)
+
+    def begin(self) -> None:
+        """Record what observe changes from now on, for `rollback` (until `commit`)."""
+        self._journal = []
+
+    def commit(self) -> None:
+        """Keep the changes since `begin`; stop recording."""
+        self._journal = None
+
+    def rollback(self) -> None:
+        """Undo every observe since `begin`: each key's count and latest sighting, the call
+        clock and the figures return to what they were; stop recording."""
+        journal, self._journal = self._journal or [], None
+        for kind, (keys, count, seen) in reversed(journal):
+            if kind == "dropped":  # put the trimmed counts back
+                self._put(keys, count, seen)
+                self.keys_dropped -= int(keys.size)
+                continue
+            # a sighting: keys counted before get their (count, seen) back (admitted ones
+            # are inserted again); keys first counted by it are erased
+            self.calls -= 1
+            self.sightings -= int(keys.size)
+            self.keys_admitted -= int(np.count_nonzero(self._held(keys)[0] == 0))  # erased
+            before = count > 0
+            self._put(keys[before], count[before], seen[before])
+            gone = self._index.find(keys[~before])
+            self._release(gone[gone >= 0])
+
     def estimate(self, keys: np.ndarray) -> np.ndarray:
-        slots = self._counts.find(keys)
-        out = np.zeros(keys.shape[0], dtype=np.int64)
-        found = slots >= 0
-        out[found] = self._counts.values[slots[found]]
-        return out
+        return self._held(keys)[0]
 
     def stats(self) -> dict[str, int]:
         return {
-            "keys_counted": self._counts.size,
-            "counters": self._counts.slots,
-            "counters_used": self._counts.size,
+            "keys_counted": self._index.size,
+            "counters": self._index.slots,
+            "counters_used": self._index.size,
             "hash_functions": 0,
-            "bytes": self._counts.nbytes,
+            "bytes": self.nbytes,
             "sightings": self.sightings,
             "keys_admitted": self.keys_admitted,
+            "keys_dropped": self.keys_dropped,
         }
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the counter holds: its hash table and its id arrays."""
+        arrays = (self._count, self._seen, self._free)
+        return self._index.nbytes + sum(int(a.nbytes) for a in arrays)
 
 
 def bloom_size(max_elements: int, false_positive_rate: float) -> tuple[int, int]:
@@ -159,6 +284,7 @@ class BloomFilter:
         self.counters_used = 0  # counters above 0
         self.sightings = 0
         self.keys_admitted = 0
+        self._journal: list[tuple[np.ndarray, np.ndarray, int, int, int]] | None = None
 
     def positions(self, keys: np.ndarray) -> np.ndarray:
         """[n, k] int64 counter indices of keys."""
@@ -176,9 +302,31 @@ class BloomFilter:
         after = np.minimum(before.astype(np.uint64) + uses.astype(np.uint64), self._ceiling)
         self._counters[where] = after.astype(self._counters.dtype)
         admitted = self._counters[positions].min(axis=1) >= self.admit_after
+        if self._journal is not None:
+            self._journal.append(
+                (where, before, int(np.count_nonzero(before == 0)), int(unique.size),
+                 int(np.count_nonzero(admitted)))
+            )  # fmt: skip
         self.sightings += int(unique.size)
         self.keys_admitted += int(np.count_nonzero(admitted))
         return admitted[inverse.reshape(-1)]
+
+    def begin(self) -> None:
+        """Record what observe changes from now on, for `rollback` (until `commit`)."""
+        self._journal = []
+
+    def commit(self) -> None:
+        """Keep the changes since `begin`; stop recording."""
+        self._journal = None
+
+    def rollback(self) -> None:
+        """Undo every observe since `begin` (counters and figures); stop recording."""
+        journal, self._journal = self._journal or [], None
+        for where, before, newly_used, sighted, admitted in reversed(journal):
+            self._counters[where] = before
+            self.counters_used -= newly_used
+            self.sightings -= sighted
+            self.keys_admitted -= admitted
 
     def estimate(self, keys: np.ndarray) -> np.ndarray:
         return self._counters[self.positions(keys)].min(axis=1).astype(np.int64)
@@ -200,4 +348,5 @@ class BloomFilter:
             "bytes": int(self._counters.nbytes),
             "sightings": self.sightings,
             "keys_admitted": self.keys_admitted,
+            "keys_dropped": 0,  # counts are never dropped: keys share saturating counters
         }

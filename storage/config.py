@@ -53,7 +53,7 @@ class Placement(StrEnum):
 class Admission(StrEnum):
     """How the sightings of a key not yet admitted are counted (admit_after > 0)."""
 
-    COUNTER = "counter"  # an exact count per key: memory grows with the distinct keys seen
+    COUNTER = "counter"  # an exact count per key, of max_elements keys at most (0: 2**18)
     BLOOM = "bloom"  # a counting Bloom filter: memory bounded by max_elements and the rate
 
 
@@ -79,7 +79,9 @@ class TableConfig:
     - admit_after (admission, DeepRec): a key gets a row only once seen admit_after times;
       until then it looks up as default_value and its gradients are dropped and counted.
       admission="bloom" counts in a counting Bloom filter of max_elements at
-      false_positive_rate instead of exactly.
+      false_positive_rate instead of exactly. The exact counter (admission="counter") holds
+      at most max_elements keys (0: 2**18); when full it forgets the counts of the least
+      recently sighted keys, which then start over (storage/admission.py).
     - steps_to_live and min_l2_norm (eviction, DeepRec and Monolith): rows not updated for
       steps_to_live steps, or whose weights' L2 norm is below min_l2_norm, are removed by an
       admin evict call, and before each snapshot when evict_before_snapshot.

@@ -29,4 +29,16 @@ class ResourceExhaustedError(TierpsError):
 
 
 class BackendError(TierpsError, RuntimeError):
-    """A storage backend failed; the message names the backend, table and shard. UNAVAILABLE."""
+    """A storage backend failed; the message names the backend, table and shard. UNAVAILABLE:
+    the shard is starting, stopping or recovering, and the same call may succeed later."""
+
+
+class StorageFullError(BackendError):
+    """The store's file system is full (or over a space limit): the write did not happen and
+    every row is still where it was. RESOURCE_EXHAUSTED: retrying will not help until space
+    is freed; the shard reports NOT_SERVING and recovers on its own once it is."""
+
+
+class DataLossError(BackendError):
+    """Stored data is corrupt or rows may be gone (RocksDB reports corruption, or the shard
+    restarted after an unclean stop). DATA_LOSS: a person or the trainer must decide."""

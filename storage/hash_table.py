@@ -197,6 +197,11 @@ class HashTable:
             self._reset_scores(slots)
         return slots
 
+    def reserve(self, new_keys: int) -> bool:
+        """Make room for new_keys more keys now (rehashing, growing if needed), so that the
+        next insert of that many does not allocate; True if it rehashed."""
+        return self._make_room(new_keys)
+
     def _make_room(self, new_keys: int) -> bool:
         """Rehash (growing if needed) so new_keys more fit under max_load; True if it did."""
         if self._used + new_keys <= self.max_load * self.slots:

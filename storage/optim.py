@@ -15,17 +15,44 @@ Formulas (g: gradient, w: weights, t: the step passed in, counted from 1):
 - FTRL:      FTRL-Proximal (McMahan et al. 2013) as TensorFlow's ApplyFtrl: n' = n + g*g;
              z += g - (n'**-p - n**-p)/lr * w;  w = (sign(z)*l1 - z) / (n'**-p/lr + 2*l2)
              where |z| > l1, else 0;  n = n'   (p = lr_power)
+
+The rows are float32, so each config is also checked as float32 sees it, at create: every
+field must be finite in float32 (1e39 is inf there), and no combination may turn a finite
+gradient into NaN or inf by itself - Adagrad with eps and initial_accumulator_value both 0
+divides 0 by 0 at the first zero gradient component; FTRL whose first n**-p is 0 (or inf)
+with l2 = 0 divides by 0. What finite configs can still overflow with extreme gradients
+(1e20 squared is inf in float32) is refused per push instead (EmbeddingTable.apply_gradients).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
+
+import numpy as np
 
 from tierps.storage.validation import check_range
 from tierps.storage.xp import array_module
 
 _INF = float("inf")
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _check_float32(config: Any) -> None:
+    """Every field of an optimizer config finite as float32 (the rows' type): 1e39 passes
+    check_range but is inf in float32, and lr=inf turns a zero gradient into NaN."""
+    for item in fields(config):
+        value = getattr(config, item.name)
+        if abs(value) > _F32_MAX:
+            raise ValueError(
+                f"optim.{type(config).__name__}: field '{item.name}' expected a value float32 "
+                f"holds (|x| <= {_F32_MAX:.8g}: rows are float32), got {value!r}"
+            )
+
+
+def _f32(value: float) -> float:
+    """value as float32 rounds it (what the rows' arithmetic uses)."""
+    return float(np.float32(value))
 
 
 @dataclass(frozen=True)
@@ -38,6 +65,7 @@ class SGD:
 
     def __post_init__(self) -> None:
         check_range("optim.SGD", "lr", self.lr, 0.0, _INF, low_open=True)
+        _check_float32(self)
 
     def state_fill(self) -> tuple[float, ...]:
         """Initial value of each state slot (after the weights)."""
@@ -62,6 +90,7 @@ class Momentum:
         owner = f"optim.{type(self).__name__}"
         check_range(owner, "lr", self.lr, 0.0, _INF, low_open=True)
         check_range(owner, "momentum", self.momentum, 0.0, 1.0, low_open=True, high_open=True)
+        _check_float32(self)
 
     def state_fill(self) -> tuple[float, ...]:
         return (0.0,)
@@ -98,6 +127,15 @@ class Adagrad:
         check_range(
             "optim.Adagrad", "initial_accumulator_value", self.initial_accumulator_value, 0.0, _INF
         )
+        _check_float32(self)
+        if _f32(self.eps) == 0.0 and _f32(self.initial_accumulator_value) == 0.0:
+            # s = 0 + 0*0 at a zero gradient component: w -= lr * 0 / (0 + 0) is NaN
+            raise ValueError(
+                f"optim.Adagrad: fields 'eps' and 'initial_accumulator_value' expected at "
+                f"least one > 0 as float32 (else the first zero gradient component gives "
+                f"0 / (sqrt(0) + 0) = NaN), got eps={self.eps!r} and "
+                f"initial_accumulator_value={self.initial_accumulator_value!r}"
+            )
 
     def state_fill(self) -> tuple[float, ...]:
         return (self.initial_accumulator_value,)
@@ -126,6 +164,13 @@ class Adam:
         check_range("optim.Adam", "beta1", self.beta1, 0.0, 1.0, high_open=True)
         check_range("optim.Adam", "beta2", self.beta2, 0.0, 1.0, high_open=True)
         check_range("optim.Adam", "eps", self.eps, 0.0, _INF, low_open=True)
+        _check_float32(self)
+        if _f32(self.eps) == 0.0:  # m / (sqrt(v) + eps) at m = v = 0 is 0 / 0
+            raise ValueError(
+                f"optim.Adam: field 'eps' expected > 0 as float32 (>= {_f32(1e-45):.3g}; "
+                f"else a zero gradient component gives 0 / (sqrt(0) + 0) = NaN), got "
+                f"{self.eps!r}"
+            )
 
     def state_fill(self) -> tuple[float, ...]:
         return (0.0, 0.0)
@@ -160,6 +205,21 @@ class FTRL:
         check_range(
             "optim.FTRL", "initial_accumulator_value", self.initial_accumulator_value, 0.0, _INF
         )
+        _check_float32(self)
+        # The first update divides by n'**-p / lr + 2*l2. n' is at least the initial value
+        # (a gradient too small to square in float32 adds 0), so with l2 = 0 that initial
+        # value's power must be finite and above 0 in float32, or a finite gradient makes
+        # the weights inf or NaN.
+        with np.errstate(all="ignore"):
+            first = float(np.float32(self.initial_accumulator_value) ** np.float32(-self.lr_power))
+        if not np.isfinite(first) or (first == 0.0 and self.l2 == 0.0):
+            raise ValueError(
+                f"optim.FTRL: fields 'initial_accumulator_value' and 'lr_power' expected "
+                f"initial_accumulator_value**-lr_power finite and > 0 as float32 unless "
+                f"l2 > 0 (it divides the first update: {first!r} / lr + 2*l2 would be 0 or "
+                f"inf), got initial_accumulator_value={self.initial_accumulator_value!r}, "
+                f"lr_power={self.lr_power!r}, l2={self.l2!r}"
+            )
 
     def state_fill(self) -> tuple[float, ...]:
         return (self.initial_accumulator_value, 0.0)

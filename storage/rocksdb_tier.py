@@ -13,16 +13,56 @@ from collections import deque
 from collections.abc import Iterator
 from itertools import islice, repeat
 from operator import is_not
+from typing import Any
 
 import numpy as np
 from rocksdict import Rdict, WriteBatch, WriteOptions
 
-from tierps.storage.errors import BackendError
-from tierps.storage.tiers import Spill
+from tierps.storage.errors import BackendError, DataLossError, StorageFullError
+from tierps.storage.tiers import HandDown
 
 KEY_DTYPE = np.dtype(">i8")
-WRITE_BATCH_BYTES = 4 << 20  # a large write goes in batches of this size: each is copied
-# about four times on its way in (rows, bytes objects, write batch, memtable)
+# RocksDB's words for a full file system or a space limit, and for corrupt data
+_FULL_MARKS = ("No space left on device", "Space limit", "NoSpace")
+_CORRUPT_MARKS = ("Corruption",)
+
+
+def backend_error(action: str, where: str, error: Exception) -> BackendError:
+    """The tierps error for a RocksDB failure: StorageFullError for a full file system,
+    DataLossError for corruption, BackendError for anything else. rocksdict raises plain
+    Exception with RocksDB's status text, so the text is what tells them apart."""
+    text = str(error)
+    kind: type[BackendError] = BackendError
+    if any(mark in text for mark in _FULL_MARKS):
+        kind = StorageFullError
+    elif any(mark in text for mark in _CORRUPT_MARKS):
+        kind = DataLossError
+    return kind(f"rocksdb backend failed to {action} for {where}: {text}")
+
+
+class WriteState:
+    """Whether one store's RocksDB can write, shared by all its RocksDBTiers.
+
+    After a failed write RocksDB keeps its writer in an error state ("Writer has previous
+    error") until the database is reopened, so the first failure is remembered here and every
+    later write is refused with that same cause at once, without touching RocksDB, until the
+    store recovers (EmbeddingStore.recover) and clears it. Nothing is written meanwhile, and
+    no tier lets go of a row that a refused write was to hold."""
+
+    def __init__(self) -> None:
+        self.failure: BackendError | None = None
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise type(self.failure)(
+                f"{self.failure} (the store has refused writes since; it recovers on its own "
+                f"once the cause is gone)"
+            )
+
+    def failed(self, error: BackendError) -> BackendError:
+        if self.failure is None:
+            self.failure = error
+        return error
 
 
 def encode_keys(keys: np.ndarray) -> list[bytes]:
@@ -45,21 +85,50 @@ class RocksDBTier:
     name = "rocksdb"
 
     def __init__(
-        self, db: Rdict, column_family: str, width: int, *, where: str, sync: bool = False
+        self,
+        db: Rdict,
+        column_family: str,
+        width: int,
+        *,
+        where: str,
+        sync: bool = False,
+        state: WriteState | None = None,
     ) -> None:
-        self._db = db
-        self._cf = db.get_column_family(column_family)
-        self._handle = db.get_column_family_handle(column_family)
+        self.column_family = column_family
         self._write_options = WriteOptions()
-        self._write_options.sync = sync
+        self._write_options.sync = sync  # fsync the log on every write (survives power loss)
+        self.state = WriteState() if state is None else state
         self.width = width
         self.where = where  # "table 'x' on shard 0", for error messages
         self.hits = 0
         self.misses = 0
         self.rows_written = 0
+        self.bind(db)
+
+    def bind(self, db: Rdict) -> None:
+        """Use (reopened) database `db`: how a store that recovers hands its tiers the new
+        handle."""
+        self._db = db
+        self._cf = db.get_column_family(self.column_family)
+        self._handle = db.get_column_family_handle(self.column_family)
 
     def _fail(self, action: str, error: Exception) -> BackendError:
-        return BackendError(f"rocksdb backend failed to {action} for {self.where}: {error}")
+        return backend_error(action, self.where, error)
+
+    def _family(self) -> Any:
+        """The column family; while a recovering store has its database closed, the cause."""
+        if self._cf is None:
+            self.state.check()
+            raise BackendError(f"rocksdb backend of {self.where} is closed")
+        return self._cf
+
+    def _write_batch(self, batch: WriteBatch, action: str) -> None:
+        """Write one batch atomically (all of it or none), or raise and remember the cause."""
+        self.state.check()
+        try:
+            self._db.write(batch, self._write_options)
+        except Exception as error:  # rocksdict raises plain Exception for I/O errors
+            raise self.state.failed(self._fail(action, error)) from error
 
     def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         hit, rows = self._get(keys)
@@ -71,14 +140,14 @@ class RocksDBTier:
         if keys.size == 0:
             return np.empty(0, np.int64), np.empty((0, self.width), np.float32)
         try:
-            values = self._cf.get(encode_keys(keys))
+            values = self._family().get(encode_keys(keys))
         except Exception as error:  # rocksdict raises plain Exception for I/O errors
             raise self._fail("read rows", error) from error
         found = np.fromiter(map(is_not, values, repeat(None)), dtype=bool, count=keys.size)
         hit = np.flatnonzero(found)
         blob = b"".join(filter(None, values))
         if len(blob) != hit.size * self.width * 4:
-            raise BackendError(
+            raise DataLossError(
                 f"rocksdb backend holds corrupt rows for {self.where}: expected "
                 f"{hit.size} rows of {self.width * 4} bytes, got {len(blob)} bytes"
             )
@@ -86,49 +155,43 @@ class RocksDBTier:
         return hit, rows
 
     def write(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Put rows, in write batches of at most WRITE_BATCH_BYTES (each atomic)."""
-        step = max(1, WRITE_BATCH_BYTES // (4 * self.width))
-        for start in range(0, keys.size, step):
-            end = start + step
-            batch = WriteBatch(raw_mode=True)
-            puts = map(
-                batch.put,
-                encode_keys(keys[start:end]),
-                encode_rows(rows[start:end]),
-                repeat(self._handle),
-            )
-            deque(puts, 0)
-            try:
-                self._db.write(batch, self._write_options)
-            except Exception as error:
-                raise self._fail("write rows", error) from error
-            self.rows_written += min(end, keys.size) - start
+        """Put rows as one atomic write batch: after a failure none of them is written (a
+        write-through push refused for a full disk is not half applied). Callers bound the
+        size: a flush and a snapshot load write chunks of a few MiB."""
+        if keys.size == 0:
+            return
+        batch = WriteBatch(raw_mode=True)
+        deque(map(batch.put, encode_keys(keys), encode_rows(rows), repeat(self._handle)), 0)
+        self._write_batch(batch, "write rows")
+        self.rows_written += keys.size
 
-    def insert(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> Spill:
+    def insert(
+        self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray, below: HandDown
+    ) -> None:
+        """Write the dirty rows (the others are RocksDB's already); nothing is below."""
         self.write(keys[dirty], rows[dirty])
-        return Spill.empty(self.width)
 
     def remove(self, keys: np.ndarray) -> int:
-        """Delete the rows of keys, in atomic write batches; returns how many were present."""
-        present = self.contains(keys)
-        gone = keys[present]
-        step = max(1, WRITE_BATCH_BYTES // 8)
-        for start in range(0, gone.size, step):
+        """Delete the rows of keys in one atomic write batch; returns how many were present."""
+        gone = keys[self.contains(keys)]
+        if gone.size:
             batch = WriteBatch(raw_mode=True)
-            deque(map(batch.delete, encode_keys(gone[start : start + step]),
-                      repeat(self._handle)), 0)  # fmt: skip
-            try:
-                self._db.write(batch, self._write_options)
-            except Exception as error:
-                raise self._fail("delete rows", error) from error
+            deque(map(batch.delete, encode_keys(gone), repeat(self._handle)), 0)
+            self._write_batch(batch, "delete rows")
         return int(gone.size)
 
-    def drain_dirty(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        return iter(())
+    def dirty_keys(self) -> np.ndarray:
+        return np.empty(0, dtype=np.int64)  # RocksDB's rows are the durable copy
+
+    def dirty_rows(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, Any]:
+        return np.empty(0, np.int64), np.empty((0, self.width), np.float32), None
+
+    def mark_clean(self, handle: Any) -> None:
+        return None
 
     def export(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Chunks in key order from a RocksDB iterator opened now (an implicit snapshot)."""
-        return self._chunks(self._cf.items(), chunk_rows)
+        return self._chunks(self._family().items(), chunk_rows)
 
     def _chunks(self, items: Iterator, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         while chunk := list(islice(items, chunk_rows)):
@@ -142,6 +205,9 @@ class RocksDBTier:
         return mask
 
     def stats(self) -> dict[str, int]:
+        if self._cf is None:  # closed while the store recovers
+            return {"rows": 0, "bytes": 0, "hits": self.hits, "misses": self.misses,
+                    "rows_written": self.rows_written}  # fmt: skip
         return {
             "rows": int(self._cf.property_int_value("rocksdb.estimate-num-keys") or 0),
             "bytes": int(self._cf.property_int_value("rocksdb.total-sst-files-size") or 0)
@@ -153,5 +219,9 @@ class RocksDBTier:
 
     def close(self) -> None:
         """Drop this tier's column-family references so the database can close."""
-        self._cf.close()
-        del self._cf, self._handle
+        if self._cf is not None:
+            try:
+                self._cf.close()
+            except Exception:  # noqa: BLE001 - a failed writer says so again; released anyway
+                pass
+        self._cf = self._handle = None

@@ -540,10 +540,11 @@ class Snapshot:
         self, table_name: str, part: dict[str, Any], chunk_rows: int = READ_CHUNK_ROWS
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Every (keys, rows) chunk of one part, each checked as it is read (keys strictly
-        ascending, >= 0, on the part's shard for a row-placed table, below a direct table's capacity; every value
-        finite) and every file's SHA-256 compared after its last byte: SnapshotRefusedError
-        naming the part, file, key and what was expected otherwise. A caller must not make
-        anything it did with the chunks live before the generator ends."""
+        ascending, >= 0, on the part's shard for a row-placed table, below a direct table's
+        capacity; every value finite) and every file's SHA-256 compared after its last
+        byte: SnapshotRefusedError naming the part, file, key and what was expected
+        otherwise. A caller must not make anything it did with the chunks live before the
+        generator ends."""
         config = self.configs[table_name]
         where = self._part_where(table_name, part)
         shard, rows_total, width = int(part["shard_id"]), int(part["rows"]), config.row_width

@@ -30,7 +30,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,8 +52,8 @@ from tierps.storage.errors import (
     ResourceExhaustedError,
     TableNotFoundError,
 )
-from tierps.storage.rocksdb_tier import RocksDBTier
-from tierps.storage.table import EmbeddingTable
+from tierps.storage.rocksdb_tier import RocksDBTier, WriteState, backend_error
+from tierps.storage.table import FLUSH_CHUNK_BYTES, EmbeddingTable
 from tierps.storage.tiers import (
     CacheTier,
     DirectTier,
@@ -72,6 +74,8 @@ _STEPS_PREFIX = b"tierps/steps/"  # sorts before _CONFIG_PREFIX: the table scan 
 _FAMILY_PREFIX = b"tierps/family/"
 _CF_PREFIX = "table."
 _BUCKETS_CF_PREFIX = "buckets."  # adaptive embedding's bucket rows of a table
+_PROBE_KEY = b"tierps/probe"  # written by recover() to prove the store writes again
+RECOVERY_HEADROOM_BYTES = 4 << 20  # free space recover() wants beyond RocksDB's log files
 
 
 DIRECT_MEMORY_FRACTION = 0.5  # a direct table's arena may take at most this share of RAM
@@ -183,6 +187,13 @@ class EmbeddingStore:
     gpu_arrays: "auto" puts GPU tiers on cupy where a GPU is usable; "numpy" runs the same
     tier code on host arrays (tests; trying a GPU configuration without a GPU).
 
+    sync_writes: fsync RocksDB's log on every write (WriteOptions.sync), so that what a
+    write-through table acknowledged survives a power loss too, not only a killed process.
+
+    A failed RocksDB write (a full disk, an I/O error) is remembered (write_state): the store
+    refuses writes from then on with that cause, while every row not yet written stays in
+    the memory tiers, until recover() reopens RocksDB and writes them down.
+
     Use as a context manager, or call close(): it flushes dirty rows and releases RocksDB.
     """
 
@@ -193,28 +204,22 @@ class EmbeddingStore:
         shard_id: int = 0,
         gpu_cache_bytes: int = 0,
         gpu_arrays: str = "auto",
+        sync_writes: bool = False,
     ) -> None:
         self.path = Path(path)
         self.shard_id = shard_id
+        self.sync_writes = sync_writes
+        self.write_state = WriteState()
+        self.recoveries = 0  # times recover() made a failed store writable again
         self.gpu_cache_bytes = gpu_cache_bytes
         self.gpu_arrays = gpu_arrays
         self._gpu_warned = False
         self._lock = threading.Lock()
         self.path.mkdir(parents=True, exist_ok=True)
-        families = Rdict.list_cf(str(self.path)) if (self.path / "CURRENT").exists() else []
-        try:
-            self._db = Rdict(
-                str(self.path),
-                _options(),
-                column_families={cf: _options() for cf in families if cf != "default"},
-            )
-        except Exception as error:
-            raise BackendError(
-                f"rocksdb backend failed to open {self.path} for shard {shard_id}: {error}"
-            ) from error
+        self._db: Rdict | None = self._open_db()
         version = self._db.get(_FORMAT_KEY)
         if version is None:
-            self._db[_FORMAT_KEY] = str(FORMAT_VERSION).encode()
+            self._put(_FORMAT_KEY, str(FORMAT_VERSION).encode())
         elif int(version) != FORMAT_VERSION:
             raise FailedPreconditionError(
                 f"shard {shard_id}: store at {self.path} has format version {int(version)}, "
@@ -232,6 +237,88 @@ class EmbeddingStore:
 
     def _where(self, name: str) -> str:
         return f"table '{name}' on shard {self.shard_id}"
+
+    def _open_db(self) -> Rdict:
+        families = Rdict.list_cf(str(self.path)) if (self.path / "CURRENT").exists() else []
+        try:
+            return Rdict(
+                str(self.path),
+                _options(),
+                column_families={cf: _options() for cf in families if cf != "default"},
+            )
+        except Exception as error:
+            raise backend_error(f"open {self.path}", f"shard {self.shard_id}", error) from error
+
+    def _write_options(self) -> WriteOptions:
+        options = WriteOptions()
+        options.sync = self.sync_writes
+        return options
+
+    def _put(self, key: bytes, value: bytes | None) -> None:
+        """Write (or delete, value None) one metadata key of the default column family, as
+        the tiers write rows: refused while the store has failed, and a failure remembered."""
+        self.write_state.check()
+        try:
+            if value is None:
+                self._db.delete(key, self._write_options())
+            else:
+                self._db.put(key, value, self._write_options())
+        except Exception as error:
+            where = f"shard {self.shard_id}"
+            raise self.write_state.failed(backend_error("write metadata", where, error)) from error
+
+    def _durables(self) -> list[RocksDBTier]:
+        """Every RocksDB tier of this store: each table's rows and adaptive bucket rows."""
+        tiers = [table.durable for table in self._tables.values()]
+        tiers += [t.buckets.durable for t in self._tables.values() if t.buckets is not None]
+        return [tier for tier in tiers if isinstance(tier, RocksDBTier)]
+
+    @property
+    def writable(self) -> bool:
+        """False after a failed write, until recover() succeeds."""
+        return self.write_state.failure is None
+
+    def recover(self, min_free_bytes: int = RECOVERY_HEADROOM_BYTES) -> bool:
+        """Make a store whose writes failed writable again, without losing a row: True once
+        it is (at once when nothing failed), False while it cannot be yet.
+
+        RocksDB keeps refusing writes after a failed one until the database is reopened, so
+        this reopens it - when the file system has room for RocksDB to replay its log into
+        tables (the log's size plus min_free_bytes) - rebinds every table's tier to it, writes
+        a probe, and then flushes every dirty row, which the memory tiers kept all along. The
+        caller keeps data calls out meanwhile (the shard's gate)."""
+        if self.writable:
+            return True
+        logs = sum(f.stat().st_size for f in self.path.glob("*.log"))
+        if shutil.disk_usage(self.path).free < logs + min_free_bytes:
+            return False
+        tiers = self._durables()
+        for tier in tiers:
+            tier.close()
+        try:
+            self._db.close()
+        except Exception:  # noqa: BLE001 - RocksDB says "Writer has previous error"; closed
+            log.debug("closing the failed store of shard %d", self.shard_id, exc_info=True)
+        try:
+            self._db = self._open_db()
+        except BackendError as error:
+            log.warning("shard %d: reopening its store failed: %s", self.shard_id, error)
+            return False  # the tiers stay closed and refuse with the first cause meanwhile
+        for tier in tiers:
+            tier.bind(self._db)
+        failure, self.write_state.failure = self.write_state.failure, None
+        try:
+            self._put(_PROBE_KEY, str(time.time()).encode())
+            self.flush()
+        except BackendError as error:
+            log.warning("shard %d: its store is still not writable: %s", self.shard_id, error)
+            return False
+        self.recoveries += 1
+        log.warning(
+            "shard %d: its store is writable again (it had failed: %s); every dirty row is "
+            "written", self.shard_id, failure,
+        )  # fmt: skip
+        return True
 
     def _family(self, family: str) -> str:
         """Make sure column family `family` exists; returns its name."""
@@ -258,7 +345,7 @@ class EmbeddingStore:
             tiers.append(DirectTier(config))
         elif host_rows_for_budget(config.host_cache_bytes, config.stored_bytes) > 0:
             tiers.append(CacheTier(config, config.host_cache_bytes))
-        tiers.append(RocksDBTier(self._db, family, config.stored_width, where=where))
+        tiers.append(self._rocksdb_tier(family, config.stored_width, where))
         gpu = self._gpu_tier(config)
         if gpu is not None:
             tiers.insert(0, gpu)
@@ -266,8 +353,7 @@ class EmbeddingStore:
         if config.promote_after:
             bucket_family = self._family(buckets_family)
             buckets = BucketRows(
-                config,
-                RocksDBTier(self._db, bucket_family, config.row_width, where=f"{where} buckets"),
+                config, self._rocksdb_tier(bucket_family, config.row_width, f"{where} buckets")
             )
         table = EmbeddingTable(config, tiers, where=where, buckets=buckets)
         steps = self._db.get(_STEPS_PREFIX + config.name.encode())
@@ -275,6 +361,11 @@ class EmbeddingStore:
             table.current_step, table.first_step = json.loads(steps)
         self._tables[config.name] = table
         return table
+
+    def _rocksdb_tier(self, family: str, width: int, where: str) -> RocksDBTier:
+        return RocksDBTier(
+            self._db, family, width, where=where, sync=self.sync_writes, state=self.write_state
+        )
 
     def _gpu_budget(self, config: TableConfig) -> int:
         """A table's GPU tier budget: its own gpu_cache_bytes, else the store's default."""
@@ -336,7 +427,7 @@ class EmbeddingStore:
                     )
                 return existing
             self.check_creatable(config)
-            self._db[_CONFIG_PREFIX + config.name.encode()] = json.dumps(config.to_dict()).encode()
+            self._put(_CONFIG_PREFIX + config.name.encode(), json.dumps(config.to_dict()).encode())
             return self._open_table(config)
 
     def check_creatable(self, config: TableConfig) -> None:
@@ -373,9 +464,9 @@ class EmbeddingStore:
             self._db.drop_column_family(rows_family)
             if table.config.promote_after:
                 self._db.drop_column_family(buckets_family)
-            del self._db[_CONFIG_PREFIX + name.encode()]
-            self._db.delete(_STEPS_PREFIX + name.encode())
-            self._db.delete(_FAMILY_PREFIX + name.encode())
+            self._put(_CONFIG_PREFIX + name.encode(), None)
+            self._put(_STEPS_PREFIX + name.encode(), None)
+            self._put(_FAMILY_PREFIX + name.encode(), None)
 
     # -- snapshot loads: stage a table's rows aside, then swap them in at once ----------
 
@@ -387,13 +478,13 @@ class EmbeddingStore:
         rows_family = self._family(f"{_CF_PREFIX}{config.name}@{tag}")
         buckets_family = f"{_BUCKETS_CF_PREFIX}{config.name}@{tag}"
         staged = StagedTable(
-            config, RocksDBTier(self._db, rows_family, config.stored_width, where=where),
+            config, self._rocksdb_tier(rows_family, config.stored_width, where),
             None, (rows_family, buckets_family),
         )  # fmt: skip
         if config.promote_after:
             self._family(buckets_family)
-            staged.buckets = RocksDBTier(
-                self._db, buckets_family, config.row_width, where=f"{where} buckets"
+            staged.buckets = self._rocksdb_tier(
+                buckets_family, config.row_width, f"{where} buckets"
             )
         return staged
 
@@ -419,14 +510,14 @@ class EmbeddingStore:
             }  # fmt: skip
             sync = WriteOptions()
             sync.sync = True
+            self.write_state.check()
             try:
                 self._db.flush_wal(True)  # the staged rows are durable before they are live
                 self._db.write(batch, sync)
-            except Exception as error:
-                raise BackendError(
-                    f"rocksdb backend failed to install a snapshot load's tables on shard "
-                    f"{self.shard_id}: {error}; the live tables are unchanged"
-                ) from error
+            except Exception as error:  # the live tables are unchanged
+                action = "install a snapshot load's tables"
+                where = f"shard {self.shard_id}"
+                raise self.write_state.failed(backend_error(action, where, error)) from error
             opened = []
             for table in staged:
                 table.installed = True
@@ -477,15 +568,23 @@ class EmbeddingStore:
     def assign(self, name: str, keys: Any, values: Any) -> None:
         self.table(name).assign(keys, values)
 
-    def flush(self) -> None:
+    def flush(self, chunk_bytes: int = FLUSH_CHUNK_BYTES, pause_s: float = 0.0) -> None:
         """Write every dirty row of every table, and the steps of those with steps_to_live,
-        to RocksDB."""
+        to RocksDB, and fsync its log (so what was flushed survives a power loss too).
+        Tables flush in chunks of about chunk_bytes, letting their locks go between chunks
+        for pause_s (EmbeddingTable.flush). Raises a BackendError if a write fails; what was
+        not written stays dirty in memory."""
+        self.write_state.check()
         for table in list(self._tables.values()):
-            table.flush()
+            table.flush(chunk_bytes, pause_s)
             if table.step_slots:
                 steps = json.dumps([table.current_step, table.first_step]).encode()
-                self._db[_STEPS_PREFIX + table.config.name.encode()] = steps
-        self._db.flush_wal(True)
+                self._put(_STEPS_PREFIX + table.config.name.encode(), steps)
+        try:
+            self._db.flush_wal(True)
+        except Exception as error:
+            where = f"shard {self.shard_id}"
+            raise self.write_state.failed(backend_error("sync its log", where, error)) from error
 
     def checkpoint(self, directory: str | os.PathLike[str]) -> Path:
         """Flush, then write a RocksDB checkpoint (hard links where possible) to a new
@@ -505,7 +604,9 @@ class EmbeddingStore:
         return target
 
     def close(self) -> None:
-        """Flush dirty rows and release RocksDB. Idempotent."""
+        """Flush dirty rows and release RocksDB. Idempotent. If the flush fails (a full disk)
+        this raises and keeps the store open, rows in memory, so the caller can recover()
+        and close again."""
         if self._db is None:
             return
         self.flush()

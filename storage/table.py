@@ -27,7 +27,8 @@ trains the bucket rows with their summed gradients instead.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -157,18 +158,26 @@ class EmbeddingTable:
         return tail.view("<i8").reshape(-1).astype(np.int64)
 
     def _store(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> None:
-        """Put unique keys' rows in the top tier; spills flow down."""
+        """Put unique keys' rows in the top tier; what it cannot keep flows down. A
+        write-through table writes the dirty rows to RocksDB first, as one atomic batch: if
+        that fails, no tier has changed."""
         if self.config.write_policy is WritePolicy.WRITE_THROUGH and dirty.any():
             self.durable.write(keys[dirty], rows[dirty])
             dirty = np.zeros_like(dirty)
-        self._place(Spill(keys, rows, dirty), start=0)
+        self._place(Spill(keys, rows, dirty), 0)
 
-    def _place(self, spill: Spill, start: int) -> None:
-        for tier in self.tiers[start:]:
-            if spill.keys.size == 0:
-                return
-            spill = tier.insert(spill.keys, spill.rows, spill.dirty)
-            self.spilled += spill.keys.size
+    def _place(self, spill: Spill, level: int) -> None:
+        """Store a spill in tier `level`. The tier hands what it cannot keep to the tiers
+        below before it lets go of anything (Tier.insert), so a failed write below leaves
+        every row where it was and raises."""
+        if spill.keys.size == 0:
+            return
+
+        def below(rows: Spill) -> None:
+            self._place(rows, level + 1)
+            self.spilled += rows.keys.size
+
+        self.tiers[level].insert(spill.keys, spill.rows, spill.dirty, below)
 
     # -- public calls ----------------------------------------------------------------------
 
@@ -234,18 +243,50 @@ class EmbeddingTable:
     def check_gradients(
         self, keys: Any, grads: Any, step: Any
     ) -> tuple[np.ndarray, np.ndarray, int]:
-        """(keys, grads, step) as apply_gradients takes them, or InvalidArgumentError."""
+        """(keys, grads, step) as apply_gradients takes them, or InvalidArgumentError: int64
+        keys, finite gradients of the table's dim, a step in [1, 2**53) (MAX_STEP in
+        storage/validation.py)."""
         where = f"{self.where}: apply_gradients"
         keys = as_keys(where, keys)
         self.check_keys(keys, "apply_gradients")
         grads = as_rows(where, "grads", grads, keys.size, self.config.dim)
         return keys, grads, check_step(where, step)
 
+    # A leap held back by the eviction guard (_advance_clock): its step, 0 when none. Soft
+    # state, like the admission counts: a restart forgets it.
+    leap_step = 0
+
+    def _advance_clock(self, step: int) -> int:
+        """Move the table's clock for a push at `step`; returns the step its rows are
+        stamped with. The eviction guard: with steps_to_live = L, a push L or more steps
+        ahead of the clock (a leap; the first push of a table is none) would alone make
+        every row it does not update stale, and the next evict would remove them all (a
+        step of 10**12 once did). Its rows are trained and stamped with its step, but the
+        clock stays until a later push confirms the leap by leaping too, to within L of
+        it; a push that does not leap forgets it. So one stray push cannot age a table,
+        while a trainer that really moved on (a shard that got none of the table's keys
+        for L pushes, or missed them while down) moves the clock at its next push."""
+        self.first_step = min(self.first_step, step) if self.first_step else step
+        limit = self.config.steps_to_live
+        if limit and self.current_step and step - self.current_step >= limit:
+            if not (self.leap_step and abs(step - self.leap_step) < limit):
+                self.leap_step = step  # held back: the clock stays
+                return step
+        self.leap_step = 0
+        self.current_step = max(self.current_step, step)
+        return self.current_step
+
     def apply_gradients(self, keys: Any, grads: Any, step: int) -> int:
         """Run the table's optimizer on the rows of keys, wherever they live. Gradients of
         duplicate keys are summed first; keys < 0 are ignored; unseen keys are created.
         `step` (from 1) is the optimizer step, used by Adam's bias correction. Returns the
         number of distinct keys updated.
+
+        A push whose update would make any stored value non-finite (weights or optimizer
+        state, a bucket row's too: Adam's v from a finite 1e20 gradient is inf in float32)
+        is refused whole with InvalidArgumentError naming the first such key, and changes
+        nothing: no row, no optimizer state, no admission or promotion count, not the
+        table's step. So is a push whose step is out of bounds (check_gradients).
 
         With admission (admit_after > 0), a push is a sighting of each distinct key without
         a row; a key this sighting does not admit has its gradient dropped (not applied,
@@ -263,6 +304,7 @@ class EmbeddingTable:
     def apply_checked_gradients(self, keys: np.ndarray, grads: np.ndarray, step: int) -> int:
         """apply_gradients of what check_gradients returned: a caller that checks every
         batch of a call before applying any (the shard) checks each batch once."""
+        where = f"{self.where}: apply_gradients"
         valid = keys >= 0
         if not valid.all():
             keys, grads = keys[valid], grads[valid]
@@ -275,54 +317,156 @@ class EmbeddingTable:
             flat = (inverse[:, None] * dim + np.arange(dim)).reshape(-1)
             np.add.at(summed.reshape(-1), flat, grads.reshape(-1))
         with self._lock:
+            if getattr(self.tiers[0], "trains_in_place", False):
+                # the GPU tier trains its rows in place, unchecked: refuse here, before any
+                # change, what surely overflows there (a gradient whose square is inf)
+                self._refuse_non_finite(where, unique, summed, step, squares=True)
+            clock = self.current_step, self.first_step, self.leap_step
             # a push moves the table's step (eviction), whatever it updates
-            self.current_step = max(self.current_step, step)
-            self.first_step = min(self.first_step, step) if self.first_step else step
-            resident = self._train_resident(unique, summed, step)
-            trained = int(resident.size)
-            if trained:
-                if trained == unique.size:
-                    return trained
-                rest = np.ones(unique.size, dtype=bool)
-                rest[resident] = False
-                unique, summed = unique[rest], summed[rest]
+            stamp = self._advance_clock(step)
+            now = self.current_step
+            undo: Callable[[], None] | None = None
+            try:
+                self.current_step = stamp  # what _train_resident stamps (a held-back leap's)
+                try:
+                    resident, undo = self._train_resident(unique, summed, step)
+                finally:
+                    self.current_step = now
+                trained = int(resident.size)
+                if trained:
+                    if trained == unique.size:
+                        return trained
+                    rest = np.ones(unique.size, dtype=bool)
+                    rest[resident] = False
+                    unique, summed = unique[rest], summed[rest]
+                return self._train_gathered(where, unique, summed, step, stamp) + trained
+            except BaseException:
+                # refused (non-finite) or the other rows' store failed: either changed
+                # nothing, and neither may the rows trained in place nor the clock
+                if undo is not None:
+                    undo()
+                self.current_step, self.first_step, self.leap_step = clock
+                raise
+
+    def _train_gathered(
+        self, where: str, unique: np.ndarray, summed: np.ndarray, step: int, stamp: int
+    ) -> int:
+        """The host path of apply_checked_gradients, all or nothing: gather copies of the
+        rows of distinct keys (sighting the final misses), run the optimizer on the copies
+        and on the bucket rows, and refuse (InvalidArgumentError) before storing anything
+        if a value went non-finite - the sightings rolled back, the bucket rows put back."""
+        counters = [self.admission, self.buckets.counts if self.buckets is not None else None]
+        counters = [counter for counter in counters if counter is not None]
+        initialized = self.initialized
+        for counter in counters:
+            counter.begin()
+        try:
             rows, depth, _ = self._gather(unique, sight=True)
-            bucketed = 0  # keys whose gradient trained their bucket row
+            dropped = 0
             if self.admission is not None:
                 admitted = depth != self.refused_depth
                 if not admitted.all():
-                    self.gradients_dropped += int(admitted.size - np.count_nonzero(admitted))
+                    dropped = int(admitted.size - np.count_nonzero(admitted))
                     unique, summed = unique[admitted], summed[admitted]
                     rows, depth = rows[admitted], depth[admitted]
+            shared = np.zeros(unique.size, dtype=bool)
             if self.buckets is not None:
                 shared = depth == self.bucket_depth
-                if shared.any():
-                    bucketed = int(np.count_nonzero(shared))
-                    self.buckets.apply(unique[shared], summed[shared], step)
-                    if self.config.write_policy is WritePolicy.WRITE_THROUGH:
-                        self.buckets.flush()
-                    own = ~shared
-                    unique, summed, rows, depth = unique[own], summed[own], rows[own], depth[own]
-            self.created += int(np.count_nonzero(depth == len(self.tiers)))
-            self.config.optimizer.apply(rows, summed, step)
-            if self.step_slots:  # the table's clock, which only moves forward: a push with
-                # an older step (a restarted trainer, a lagging worker) still marks its rows
-                # fresh, so the next evict cannot remove rows trained just now
-                self._stamp(rows, self.current_step)
-            self._store(unique, rows, np.ones(unique.size, dtype=bool))
-        return int(unique.size) + bucketed + trained
+                own = ~shared
+                shared_keys, shared_grads = unique[shared], summed[shared]
+                unique, summed, rows, depth = unique[own], summed[own], rows[own], depth[own]
+            self.config.optimizer.apply(rows, summed, step)  # on copies: nothing changed yet
+            self._refuse_non_finite(where, unique, rows, step)
+            bucketed = int(np.count_nonzero(shared))
+            if bucketed:
+                self._train_buckets(where, shared_keys, shared_grads, step)
+        except BaseException:
+            for counter in counters:
+                counter.rollback()
+            self.initialized = initialized
+            raise
+        for counter in counters:
+            counter.commit()
+        self.gradients_dropped += dropped
+        if bucketed and self.config.write_policy is WritePolicy.WRITE_THROUGH:
+            self.buckets.flush()  # type: ignore[union-attr]
+        self.created += int(np.count_nonzero(depth == len(self.tiers)))
+        if self.step_slots:  # the table's clock, which only moves forward: a push with
+            # an older step (a restarted trainer, a lagging worker) still marks its rows
+            # fresh, so the next evict cannot remove rows trained just now
+            self._stamp(rows, stamp)
+        self._store(unique, rows, np.ones(unique.size, dtype=bool))
+        return int(unique.size) + bucketed
 
-    def _train_resident(self, keys: np.ndarray, grads: np.ndarray, step: int) -> np.ndarray:
+    def _train_buckets(self, where: str, keys: np.ndarray, grads: np.ndarray, step: int) -> None:
+        """BucketRows.apply, put back and refused if a bucket row went non-finite."""
+        buckets = self.buckets
+        assert buckets is not None
+        index = np.unique(buckets.of(keys))
+        saved = buckets.rows[index], buckets.dirty[index], buckets.gradients, buckets.updates
+        buckets.apply(keys, grads, step)
+        try:
+            self._refuse_non_finite(where, index, buckets.rows[index], step, bucket=True)
+        except InvalidArgumentError:
+            buckets.rows[index], buckets.dirty[index] = saved[0], saved[1]
+            buckets.gradients, buckets.updates = saved[2], saved[3]
+            raise
+
+    def _refuse_non_finite(
+        self,
+        where: str,
+        keys: np.ndarray,
+        rows: np.ndarray,
+        step: int,
+        *,
+        squares: bool = False,
+        bucket: bool = False,
+    ) -> None:
+        """InvalidArgumentError naming the first key (bucket: bucket index) whose updated
+        row [n, >= row_width] holds a non-finite weight or optimizer state value (the step
+        slots after row_width are int64 bits, not numbers). squares: `rows` are gradients,
+        refused where the optimizer squares them (Adagrad, Adam, FTRL) and g*g is inf."""
+        optimizer = self.config.optimizer
+        if squares:
+            if optimizer.kind not in ("adagrad", "adam", "ftrl"):
+                return
+            with np.errstate(over="ignore"):
+                values = rows * rows
+        else:
+            values = rows[:, : self.config.row_width]
+        finite = np.isfinite(values)
+        if finite.all():
+            return
+        row, column = (int(i) for i in np.argwhere(~finite)[0])
+        what = f"bucket row {int(keys[row])}" if bucket else f"key {int(keys[row])}"
+        if squares:
+            raise InvalidArgumentError(
+                f"{where}: field 'grads' expected values whose square float32 holds "
+                f"(|g| < 1.8e19: {type(optimizer).__name__} squares them, and its state "
+                f"would be inf), got {rows[row, column]!r} for {what} at column {column}; "
+                f"nothing was changed"
+            )
+        part = "weights" if column < self.config.dim else "optimizer state"
+        raise InvalidArgumentError(
+            f"{where}: expected an update that keeps every stored value finite, got "
+            f"{values[row, column]!r} in the {part} of {what} (column {column}) after "
+            f"{type(optimizer).__name__} at step {step}; the gradients are too large for "
+            f"float32 rows: the whole push is refused and nothing was changed"
+        )
+
+    def _train_resident(
+        self, keys: np.ndarray, grads: np.ndarray, step: int
+    ) -> tuple[np.ndarray, Callable[[], None] | None]:
         """Train the rows of keys held by a top tier that trains in place (the GPU tier: its
         fused optimizer, without moving rows to the host and back); returns their indices
-        into keys. A write-through table does not: each update must reach RocksDB, so its
-        rows take the host path."""
+        into keys and the tier's undo of it (see CacheTier.train_resident). A write-through
+        table does not: each update must reach RocksDB, so its rows take the host path."""
         top = self.tiers[0]
         if (
             not getattr(top, "trains_in_place", False)
             or self.config.write_policy is WritePolicy.WRITE_THROUGH
         ):
-            return np.empty(0, dtype=np.int64)
+            return np.empty(0, dtype=np.int64), None
         stamp = self.current_step if self.step_slots else None
         return top.train_resident(keys, grads, step, stamp)
 
@@ -362,15 +506,29 @@ class EmbeddingTable:
                 rows = self._with_step(rows)
             self._store(keys, rows, np.ones(keys.size, dtype=bool))
 
-    def flush(self) -> None:
-        """Write every row newer than RocksDB down to it (bucket rows included)."""
+    def flush(self, chunk_bytes: int = FLUSH_CHUNK_BYTES, pause_s: float = 0.0) -> None:
+        """Write every row newer than RocksDB down to it (bucket rows included), in chunks of
+        about chunk_bytes. Each chunk is written below and only then marked clean, under the
+        table lock; the lock is let go between chunks, so data calls wait at most one
+        chunk's write (a background flush passes small chunks). A row changed between chunks
+        is simply dirty again and goes in a later flush. If a write fails, this raises and
+        every row not yet written is still dirty where it was. pause_s: sleep this long
+        between chunks, so that calls waiting for the lock get it (Python's locks are not
+        fair: without a pause the flushing thread takes the lock again at once)."""
+        chunk_rows = max(1, chunk_bytes // self.config.stored_bytes)
         with self._lock:
             if self.buckets is not None:
                 self.buckets.flush()
-            for level, tier in enumerate(self.tiers[:-1]):
-                chunk_rows = max(1, FLUSH_CHUNK_BYTES // self.config.stored_bytes)
-                for keys, rows in tier.drain_dirty(chunk_rows):
-                    self._place(Spill(keys, rows, np.ones(keys.size, dtype=bool)), level + 1)
+        for level, tier in enumerate(self.tiers[:-1]):
+            with self._lock:
+                keys = tier.dirty_keys()
+            for start in range(0, keys.size, chunk_rows):
+                with self._lock:
+                    held, rows, handle = tier.dirty_rows(keys[start : start + chunk_rows])
+                    self._place(Spill(held, rows, np.ones(held.size, dtype=bool)), level + 1)
+                    tier.mark_clean(handle)
+                if pause_s:
+                    time.sleep(pause_s)
 
     def export(
         self, chunk_rows: int = DEFAULT_CHUNK_ROWS

@@ -9,12 +9,17 @@ tiers move rows as opaque float32 slots and never look inside.
 
 - find(keys) -> (hit, rows, dirty): indices into keys of the hits, their rows, and whether
   each is newer than RocksDB. A miss is not an error; a backend failure is.
-- insert(keys, rows, dirty) -> Spill: store (or overwrite) rows; return what the tier could
-  not keep - rows it evicted and rows that did not fit - for the tier below.
+- insert(keys, rows, dirty, below): store (or overwrite) rows. What the tier cannot keep -
+  rows it must evict to make room and rows that do not fit - it hands to `below` (which
+  places them in the tiers below) *before* it changes anything: a row is let go of only once
+  the tier below holds it, and if `below` raises, this tier is as it was.
 - remove(keys) -> int: drop the rows of these keys (absent ones are skipped); returns how
   many were dropped. Eviction (steps_to_live, min_l2_norm) runs it on every tier.
-- drain_dirty(chunk_rows) -> iterator of (keys, rows): the rows newer than the tier below,
-  each chunk marked clean as it is handed out.
+- dirty_keys() -> keys of the rows newer than the tier below; dirty_rows(keys) -> (keys,
+  rows, handle): those of `keys` still here and dirty, with their rows now; mark_clean(handle)
+  after the caller has stored them below (under the same table lock, so nothing changed them
+  in between). A flush walks a table's dirty keys in chunks this way, and releases the table
+  lock between chunks.
 - stats() -> dict; close().
 
 Calls take and return numpy arrays whatever a tier keeps its rows in: the GPU tier moves keys
@@ -28,7 +33,7 @@ The last tier is durable (DurableTier): it also writes rows directly and exports
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol
@@ -65,13 +70,20 @@ class Spill:
         )
 
 
+HandDown = Callable[[Spill], None]  # places a spill in the tiers below, or raises
+
+
 class Tier(Protocol):
     name: str
 
     def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
-    def insert(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> Spill: ...
+    def insert(
+        self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray, below: HandDown
+    ) -> None: ...
     def remove(self, keys: np.ndarray) -> int: ...
-    def drain_dirty(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
+    def dirty_keys(self) -> np.ndarray: ...
+    def dirty_rows(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, Any]: ...
+    def mark_clean(self, handle: Any) -> None: ...
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None: ...
 
@@ -187,8 +199,13 @@ class CacheTier:
             found = rows if everything else rows[hit]
         return to_host(hit), to_host(found), to_host(self.dirty[ids])
 
-    def insert(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> Spill:
-        """keys must be unique. Present keys are overwritten in place."""
+    def insert(
+        self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray, below: HandDown
+    ) -> None:
+        """Store rows of unique keys; present keys are overwritten in place. Rows this tier
+        cannot keep - the lowest-scored rows evicted to make room, and new rows beyond its
+        capacity - go to `below` first; only when it returns does this tier change (evicted
+        slots freed, rows written). If `below` raises, nothing here has changed."""
         xp = self.xp
         keys, rows, dirty = xp.asarray(keys), xp.asarray(rows), xp.asarray(dirty)
         slots = self.index.find(keys)
@@ -198,24 +215,41 @@ class CacheTier:
             self.arena[ids] = rows
             self.dirty[ids] = dirty
             self.index.touch(slots)
-            return Spill.empty(self.width)
+            return
         old_slots = slots[present]
-        ids = self.index.values[old_slots]
-        self.arena[ids] = rows[present]
-        self.dirty[ids] = dirty[present]
-        self.index.touch(old_slots)
-
         new = xp.flatnonzero(~present)
-        spills = []
-        shortfall = new.size - (self.max_rows - self.index.size)
-        if shortfall > 0:
-            spills.append(self._evict(self.index.eviction_candidates(shortfall, old_slots)))
-        fits = min(new.size, self.max_rows - self.index.size)
+        room = self.max_rows - self.index.size
+        victims = xp.empty(0, dtype=xp.int64)
+        if new.size > room:
+            victims = self.index.eviction_candidates(new.size - room, old_slots)
+        fits = min(new.size, room + int(victims.size))
         placed, overflow = new[:fits], new[fits:]
+        spills = []
+        if victims.size:
+            ids = self.index.values[victims]
+            spills.append(
+                Spill(
+                    to_host(self.index.keys_at(victims)),
+                    to_host(xp.take(self.arena, ids, axis=0)),
+                    to_host(self.dirty[ids]),
+                )
+            )
         if overflow.size:
             spills.append(
                 Spill(to_host(keys[overflow]), to_host(rows[overflow]), to_host(dirty[overflow]))
             )
+        if spills:
+            below(Spill.concat(spills))  # the tier below holds them now, or this raised
+        if victims.size:
+            self._release(victims)
+        # Any index rehash (allocation: on a GPU it may fail for memory) before this call's
+        # rows are written, so a failure there leaves this tier holding none of them.
+        if self.index.reserve(fits) and old_slots.size:  # a rehash moved the slots
+            old_slots = self.index.find(keys[present])
+        ids = self.index.values[old_slots]
+        self.arena[ids] = rows[present]
+        self.dirty[ids] = dirty[present]
+        self.index.touch(old_slots)
         if fits:
             ids = self._allocate(fits)
             new_slots = self.index.insert_absent(keys[placed])  # the find above missed them
@@ -223,27 +257,35 @@ class CacheTier:
             self.index.touch(new_slots)
             self.arena[ids] = rows[placed]
             self.dirty[ids] = dirty[placed]
-        return Spill.concat(spills) if spills else Spill.empty(self.width)
 
     def train_resident(
         self, keys: np.ndarray, grads: np.ndarray, step: int, stamp: int | None
-    ) -> np.ndarray:
+    ) -> tuple[np.ndarray, Callable[[], None] | None]:
         """Run the table's optimizer on the rows of the (unique) keys held here, in place,
         and mark them dirty; returns the indices into keys of those trained (the others are
-        the cascade's). `stamp`: the last-update step written into the rows' trailing step
+        the cascade's) and, when some were not, an undo: it puts the trained rows back as
+        they were, for the cascade to call if storing the other keys fails (so a failed push
+        changes no row). `stamp`: the last-update step written into the rows' trailing step
         slots (steps_to_live > 0), or None. Hits are counted; misses are left to the find
         the cascade runs next for the other keys, so each key counts once."""
         xp = self.xp
         slots = self.index.find(xp.asarray(keys))
         hit = xp.flatnonzero(slots >= 0)
         if hit.size == 0:
-            return np.empty(0, dtype=np.int64)
+            return np.empty(0, dtype=np.int64), None
         self.hits += hit.size
         everything = hit.size == keys.size
         hit_slots = slots if everything else slots[hit]
         self.index.touch(hit_slots)
         ids = self.index.values[hit_slots]
         hit = to_host(hit)
+        undo = None
+        if not everything:  # a device copy of the rows trained now, undone in place
+            before, was_dirty = xp.take(self.arena, ids, axis=0), self.dirty[ids].copy()
+
+            def undo() -> None:
+                self.arena[ids] = before
+                self.dirty[ids] = was_dirty
         resident_grads = xp.asarray(grads if everything else grads[hit])
         optimizer = self.config.optimizer
         if not self._fused_apply(ids, resident_grads, step):
@@ -253,7 +295,7 @@ class CacheTier:
         if stamp is not None:
             self.arena[ids, self.config.row_width :] = xp.asarray(step_bits(stamp))
         self.dirty[ids] = True
-        return hit
+        return hit, undo
 
     def _fused_apply(self, ids: Any, grads: Any, step: int) -> bool:
         """The optimizer as one CuPy RawKernel over the rows `ids`, where there is one for
@@ -266,16 +308,6 @@ class CacheTier:
         return kernels.fused_apply(
             self.config.optimizer, self.arena, ids, grads, step, launch=launch
         )
-
-    def _evict(self, slots: Any) -> Spill:
-        ids = self.index.values[slots]
-        spill = Spill(
-            to_host(self.index.keys_at(slots)),
-            to_host(self.xp.take(self.arena, ids, axis=0)),
-            to_host(self.dirty[ids]),
-        )
-        self._release(slots)
-        return spill
 
     def _release(self, slots: Any) -> None:
         """Erase the keys of these (unique, live) slots and free their rows for reuse."""
@@ -292,17 +324,23 @@ class CacheTier:
         self._release(slots)
         return int(slots.size)
 
-    def drain_dirty(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def dirty_keys(self) -> np.ndarray:
         keys, ids = self.index.export()
+        return to_host(keys[self.dirty[ids]])
+
+    def dirty_rows(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, Any]:
+        """Those of keys still here and dirty, their rows now, and their row ids."""
+        xp = self.xp
+        keys_here = xp.asarray(keys)
+        slots = self.index.find(keys_here)
+        held = xp.flatnonzero(slots >= 0)
+        ids = self.index.values[slots[held]]
         dirty = self.dirty[ids]
-        keys, ids = keys[dirty], ids[dirty]
-        for start in range(0, keys.size, chunk_rows):  # chunks bound the memory a flush takes
-            chunk = ids[start : start + chunk_rows]
-            self.dirty[chunk] = False
-            yield (
-                to_host(keys[start : start + chunk_rows]),
-                to_host(self.xp.take(self.arena, chunk, axis=0)),
-            )
+        ids, held = ids[dirty], held[dirty]
+        return to_host(keys_here[held]), to_host(xp.take(self.arena, ids, axis=0)), ids
+
+    def mark_clean(self, handle: Any) -> None:
+        self.dirty[handle] = False
 
     def stats(self) -> dict[str, int]:
         return {
@@ -365,13 +403,14 @@ class DirectTier:
         self.misses += keys.size - hit.size
         return hit, np.take(self.arena, ids, axis=0), self.dirty[ids]
 
-    def insert(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> Spill:
-        """keys must be unique. Every row is kept: the spill is always empty."""
+    def insert(
+        self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray, below: HandDown
+    ) -> None:
+        """keys must be unique. Every row is kept: nothing is ever handed below."""
         self.rows += keys.size - int(np.count_nonzero(self.present[keys]))
         self.arena[keys] = rows
         self.present[keys] = True
         self.dirty[keys] = dirty
-        return Spill.empty(self.width)
 
     def remove(self, keys: np.ndarray) -> int:
         """Mark the rows of keys absent (their arena rows are left as they are, unread)."""
@@ -382,12 +421,15 @@ class DirectTier:
         self.rows -= keys.size
         return int(keys.size)
 
-    def drain_dirty(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        keys = np.flatnonzero(self.dirty)  # in key order; a key is its own row id
-        for start in range(0, keys.size, chunk_rows):  # chunks bound the memory a flush takes
-            chunk = keys[start : start + chunk_rows]
-            self.dirty[chunk] = False
-            yield chunk.astype(np.int64, copy=False), np.take(self.arena, chunk, axis=0)
+    def dirty_keys(self) -> np.ndarray:
+        return np.flatnonzero(self.dirty).astype(np.int64)  # a key is its own row id
+
+    def dirty_rows(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, Any]:
+        keys = keys[self.dirty[keys]]
+        return keys, np.take(self.arena, keys, axis=0), keys
+
+    def mark_clean(self, handle: Any) -> None:
+        self.dirty[handle] = False
 
     def stats(self) -> dict[str, int]:
         return {

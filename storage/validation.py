@@ -51,10 +51,25 @@ def check_int(owner: str, field: str, value: Any, low: int, high: int) -> None:
         raise ValueError(f"{owner}: field '{field}' expected in [{low}, {high}], got {value!r}")
 
 
+MAX_STEP = 2**53 - 1
+"""The largest step a push may carry. Steps count from 1, so [1, 2**53) holds any training
+run (2**53 steps at a million a second take 285 years), and every place a step goes holds
+it exactly: a table's step figures cross the wire as doubles (TableDescription.lifecycle,
+exact below 2**53), the store keeps current_step in JSON (exact in every JSON reader below
+2**53), and rows keep their last-update step as int64 bits (below 2**63). A larger step -
+2**63 and up overflowed int64 and broke every later push of a steps_to_live table - is
+refused before anything changes."""
+
+
 def check_step(where: str, step: Any) -> int:
-    """An optimizer step: an int >= 1 (Adam's bias correction counts from 1)."""
+    """An optimizer step: an int in [1, MAX_STEP] (Adam's bias correction counts from 1)."""
     if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 1:
-        raise InvalidArgumentError(f"{where}: field 'step' expected an int >= 1, got {step!r}")
+        raise InvalidArgumentError(
+            f"{where}: field 'step' expected an int >= 1 and < 2**53, got {step!r}"
+        )
+    if step > MAX_STEP:
+        expected = f"an int >= 1 and < 2**53 (<= {MAX_STEP})"
+        raise InvalidArgumentError(f"{where}: field 'step' expected {expected}, got {step!r}")
     return int(step)
 
 

@@ -171,5 +171,9 @@ def test_a_push_with_an_older_step_still_marks_its_rows_fresh(
     client.push_gradients("clicks", np.arange(4), np.ones((4, DIM), np.float32), step=1)
     removed = client.evict("clicks")["removed"]
     assert removed == 0, removed
+    # 110 leaps steps_to_live (5) or more past the clock: held back until the next push
+    # leaps too (the eviction guard, EmbeddingTable._advance_clock)
     client.push_gradients("clicks", np.arange(2), np.ones((2, DIM), np.float32), step=110)
+    assert client.evict("clicks")["removed"] == 0
+    client.push_gradients("clicks", np.arange(2), np.ones((2, DIM), np.float32), step=111)
     assert client.evict("clicks")["removed"] == 6  # keys 2..7: last updated at the clock's 100

@@ -92,7 +92,10 @@ def test_the_exact_counter_equals_a_dict_of_counts(admit_after: int) -> None:
     stats = counter.stats()
     assert stats["keys_counted"] == stats["counters_used"] == len(+counts)
     assert stats["keys_admitted"] == admitted_total and stats["sightings"] == sightings
-    assert stats["bytes"] == 24 * stats["counters"]  # keys, values, scores: 8 bytes a slot
+    # the hash table (keys, values, scores: 8 bytes a slot) and the id arrays (count, latest
+    # sighting: 8 bytes an id each; the free ids: 8 bytes each)
+    ids, free = counter._count.size, counter._free.size
+    assert stats["bytes"] == 24 * stats["counters"] + 16 * ids + 8 * free
 
 
 def test_the_bloom_filter_never_counts_below_a_dict_of_counts() -> None:

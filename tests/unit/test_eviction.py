@@ -199,23 +199,25 @@ def test_last_update_steps_survive_a_restart(tmp_path: Path) -> None:
 
 
 def test_steps_whose_bits_are_float_nans_are_kept_bit_for_bit(tmp_path: Path) -> None:
-    """The step lives in two float32 slots: steps whose halves read as NaNs (signalling or
-    not) must come back exact through the cache, RocksDB and a restart."""
-    nan_low = 0x7F800001  # a signalling NaN as float32
-    nan_both = (0x7FA00000 << 32) | 0x7FC00001
+    """The step lives in two float32 slots: steps whose low half reads as a NaN (signalling
+    or quiet) must come back exact through the cache, RocksDB and a restart. (A step is
+    below 2**53, so its high half is below 0x00200000 and never a NaN; pushes move the
+    clock by less than steps_to_live.)"""
+    signalling = 0x7FBFFFFF  # a signalling NaN as float32; + 2 is a quiet one (0x7FC00001)
     config = config_of("spilled", steps_to_live=3)
     oracle = Oracle()
     store, table = open_table(tmp_path / "db", config)
     with store:
-        push(table, oracle, np.arange(100), nan_low)
-        push(table, oracle, np.arange(50), nan_low + 3)
+        push(table, oracle, np.arange(100), signalling)
+        push(table, oracle, np.arange(50), signalling + 2)
     with EmbeddingStore(tmp_path / "db") as store:
         table = store.table("t")
         stored = np.concatenate([table._steps(rows) for _, rows in table.durable.export(64)])
-        assert sorted(set(stored.tolist())) == [nan_low, nan_low + 3]
-        push(table, oracle, np.arange(10), nan_both)
-        push(table, oracle, np.arange(10, 20), nan_both - 2)
-        gone = oracle.stale(3)  # keys 20..99: 50..99 at nan_low, 20..49 at nan_low + 3
+        assert sorted(set(stored.tolist())) == [signalling, signalling + 2]
+        push(table, oracle, np.arange(10), signalling + 4)
+        push(table, oracle, np.arange(10, 20), signalling + 3)  # older: stamped + 4
+        push(table, oracle, np.arange(20), signalling + 5)
+        gone = oracle.stale(3)  # keys 20..99: 50..99 at the first step, 20..49 at + 2
         assert gone == set(range(20, 100))
         assert table.evict() == len(gone)
         assert set(export_dict(table)) == set(range(20))
@@ -234,6 +236,8 @@ def test_snapshot_rows_hold_row_width_floats_and_restored_rows_take_the_first_pu
         np.testing.assert_array_equal(export_dict(table)[5], rows[5])
         table.apply_gradients(np.array([0]), np.ones((1, DIM), np.float32), 100)
         assert table.evict() == 0  # 100 - max(0, first step 100) = 0
+        # a push moves the clock by less than steps_to_live (3 here): two pushes walk it
+        table.apply_gradients(np.array([1]), np.ones((1, DIM), np.float32), 102)
         table.apply_gradients(np.array([1]), np.ones((1, DIM), np.float32), 104)
         assert table.evict() == 19  # 104 - 100 >= 4: all but key 1
 

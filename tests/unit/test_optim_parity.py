@@ -532,7 +532,10 @@ def test_every_field_has_a_bad_value_case() -> None:
 
 def test_boundary_values_accepted() -> None:
     optim.Adam(beta1=0.0)
-    optim.Adagrad(eps=0.0, initial_accumulator_value=0.0)
+    optim.Adagrad(eps=0.0, initial_accumulator_value=1e-45)  # float32's least subnormal
+    optim.Adagrad(eps=1e-45, initial_accumulator_value=0.0)
+    optim.Adam(eps=1e-45)
+    optim.FTRL(lr_power=-0.5, l2=0.1, initial_accumulator_value=0.0)  # l2 keeps it > 0
     optim.FTRL(lr_power=0.0, l1=0.0, l2=0.0, initial_accumulator_value=0.0)
     optim.FTRL(lr_power=-2.0)
     optim.Momentum(momentum=0.999)

@@ -1,0 +1,176 @@
+"""Acknowledged means kept, at the storage layer, with real faults: a RocksDB on a small
+tmpfs that fills up. Each table trains with SGD(lr=1) from zeros and every gradient is -1, so
+a row's weight is exactly the number of pushes applied to it (integers, exact in float32):
+the oracle is the count of acknowledged pushes per key, and a row above it means a refused
+push was applied, a row below it means an acknowledged one was lost."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import export_dict
+from tests.fault_fs import fill, small_tmpfs
+from tierps.storage import (
+    DataLossError,
+    EmbeddingStore,
+    StorageFullError,
+    TableConfig,
+    init,
+    optim,
+)
+
+DIM = 64  # 256 bytes of weights a row: a few thousand rows fill a few MiB
+UNIVERSE = 20_000
+
+
+def counting_table(name: str, **overrides: object) -> TableConfig:
+    return TableConfig(
+        name,
+        DIM,
+        initializer=init.Zeros(),
+        optimizer=optim.SGD(lr=1.0),
+        host_cache_bytes=overrides.pop("host_cache_bytes", 256 << 10),  # type: ignore[arg-type]
+        **overrides,  # type: ignore[arg-type]
+    )
+
+
+def lost_and_extra(store: EmbeddingStore, name: str, acked: np.ndarray) -> tuple[int, int]:
+    """(acknowledged updates missing, updates present that were never acknowledged)."""
+    rows = export_dict(store.table(name))
+    weight = np.zeros(UNIVERSE, dtype=np.int64)
+    for key, row in rows.items():
+        assert np.all(row[:DIM] == row[0]), f"key {key}: columns differ: {row[:DIM]}"
+        weight[key] = int(row[0])
+    return int(np.maximum(acked - weight, 0).sum()), int(np.maximum(weight - acked, 0).sum())
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path):
+    with small_tmpfs(tmp_path / "fs", megabytes=30) as fs:
+        yield fs
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["host", "gpu-over-host"])
+def test_full_disk_write_back_loses_nothing_and_recovers(full_disk: Path, gpu: bool) -> None:
+    """Host tier over RocksDB, and a GPU tier (its code on numpy arrays) over both."""
+    rng = np.random.default_rng(7)
+    acked = np.zeros(UNIVERSE, dtype=np.int64)
+    refused = 0
+    store = EmbeddingStore(full_disk / "db", gpu_arrays="numpy")
+    store.create_table(counting_table("t", gpu_cache_bytes=(128 << 10) if gpu else 0))
+    table = store.table("t")
+    filler = fill(full_disk, leave_bytes=3 << 20)
+    for _ in range(400):  # spilling batches until the disk is full, then some more
+        keys = rng.choice(UNIVERSE, size=512, replace=False).astype(np.int64)
+        try:
+            table.apply_gradients(keys, -np.ones((keys.size, DIM), np.float32), step=1)
+        except StorageFullError as error:
+            assert "No space left" in str(error) and "table 't' on shard 0" in str(error)
+            refused += 1
+            if refused >= 20:
+                break
+            continue
+        acked[keys] += 1
+    assert refused >= 20, "the disk never filled: the test proves nothing"
+    assert not store.writable
+    # a read-only lookup of rows below the host tier promotes them: evicting dirty rows
+    # needs a write, which fails; nothing may be lost by it
+    cold = np.flatnonzero(acked)[:2000].astype(np.int64)
+    try:
+        out = table.lookup(cold, create=False)
+        assert np.array_equal(out[:, 0], acked[cold].astype(np.float32))
+    except StorageFullError:
+        pass
+    with pytest.raises(StorageFullError):
+        store.flush()
+    assert store.recover() is False  # still no space: it does not even try to reopen
+    filler.unlink()  # space is back
+    assert store.recover() is True
+    assert store.writable and store.recoveries == 1
+    lost, extra = lost_and_extra(store, "t", acked)
+    assert (lost, extra) == (0, 0)
+    # and after a restart (clean close, reopen)
+    store.close()
+    with EmbeddingStore(full_disk / "db", gpu_arrays="numpy") as reopened:
+        assert lost_and_extra(reopened, "t", acked) == (0, 0)
+    print(f"full disk, write_back: {int(acked.sum())} acknowledged key-updates, "
+          f"{refused} pushes refused, lost 0")  # fmt: skip
+
+
+def test_write_through_push_is_atomic_on_a_full_disk(full_disk: Path) -> None:
+    """A write-through push of 20,000 rows (5 MiB: more than one 4 MiB batch used to be) on
+    a nearly full disk is refused whole: after recovery and restart no row carries it."""
+    store = EmbeddingStore(full_disk / "db")
+    store.create_table(counting_table("wt", write_policy="write_through"))
+    table = store.table("wt")
+    keys = np.arange(UNIVERSE, dtype=np.int64)
+    grads = -np.ones((keys.size, DIM), np.float32)
+    table.apply_gradients(keys[:100], grads[:100], step=1)  # acknowledged: durable at once
+    acked = np.zeros(UNIVERSE, dtype=np.int64)
+    acked[:100] = 1
+    filler = fill(full_disk, leave_bytes=2 << 20)
+    with pytest.raises(StorageFullError):
+        table.apply_gradients(keys, grads, step=2)
+    filler.unlink()
+    assert store.recover()
+    assert lost_and_extra(store, "wt", acked) == (0, 0)
+    store.close()
+    with EmbeddingStore(full_disk / "db") as reopened:
+        assert lost_and_extra(reopened, "wt", acked) == (0, 0)
+
+
+def test_out_of_memory_in_the_gpu_tier_keeps_every_row(tmp_path: Path) -> None:
+    """An allocation failing inside a GPU tier's insert (its index rehash; injected: no GPU
+    here) fails the call after the evicted rows went below, and loses no row."""
+    store = EmbeddingStore(tmp_path / "db", gpu_arrays="numpy")
+    store.create_table(counting_table("t", gpu_cache_bytes=64 << 10, host_cache_bytes=128 << 10))
+    table = store.table("t")
+    gpu = table.tiers[0]
+    assert gpu.name == "gpu"
+    rng = np.random.default_rng(11)
+    acked = np.zeros(UNIVERSE, dtype=np.int64)
+    failures = 0
+    real_reserve = gpu.index.reserve
+    for round_ in range(60):
+        if round_ % 3 == 2:  # every third push: the GPU runs out of memory mid-insert
+
+            def out_of_memory(new_keys: int) -> bool:
+                raise MemoryError("injected: out of GPU memory during the index rehash")
+
+            gpu.index.reserve = out_of_memory
+        keys = rng.choice(UNIVERSE, size=300, replace=False).astype(np.int64)
+        try:
+            table.apply_gradients(keys, -np.ones((keys.size, DIM), np.float32), step=1)
+            acked[keys] += 1
+        except MemoryError:
+            failures += 1
+        finally:
+            gpu.index.reserve = real_reserve
+    assert failures >= 10
+    assert lost_and_extra(store, "t", acked)[0] == 0  # nothing acknowledged lost
+    store.close()
+
+
+def test_a_corrupt_table_file_is_data_loss(tmp_path: Path) -> None:
+    """Bytes flipped inside a RocksDB table file (a real corrupted file): reading the rows
+    there is DATA_LOSS (DataLossError), not a retryable UNAVAILABLE."""
+    keys = np.arange(100_000, dtype=np.int64)  # 26 MB of rows: more than a memtable holds
+    with EmbeddingStore(tmp_path / "db") as store:
+        store.create_table(counting_table("t", host_cache_bytes=0))
+        table = store.table("t")
+        for start in range(0, keys.size, 10_000):
+            part = keys[start : start + 10_000]
+            table.assign(part, np.full((part.size, DIM), 3.0, np.float32))
+    tables = sorted((tmp_path / "db").glob("*.sst"), key=lambda f: f.stat().st_size)
+    assert tables, "no table file was written"
+    data = bytearray(tables[-1].read_bytes())
+    for at in range(4096, len(data) // 2, 4096):  # many blocks, away from the footer
+        data[at] ^= 0xFF
+    tables[-1].write_bytes(bytes(data))
+    with EmbeddingStore(tmp_path / "db") as store:
+        with pytest.raises(DataLossError, match="Corruption"):
+            for start in range(0, keys.size, 10_000):
+                store.table("t").lookup(keys[start : start + 10_000], create=False)

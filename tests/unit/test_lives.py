@@ -1,0 +1,72 @@
+"""A shard's lives (server/lives.py) and the durability settings of ServerConfig."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierps.server.config import ServerConfig
+from tierps.server.lives import Lives
+from tierps.storage import DataLossError
+
+
+def start(data_dir: Path, at_risk: bool = True) -> Lives:
+    lives = Lives(data_dir, "shard 0 of 1")
+    lives.begin(at_risk)
+    return lives
+
+
+def test_clean_stops_keep_every_client_going(tmp_path: Path) -> None:
+    first = start(tmp_path)
+    assert (first.life, first.ended_cleanly) == (1, True)
+    first.end_cleanly()
+    second = start(tmp_path)
+    assert (second.life, second.ended_cleanly) == (2, True)
+    for known in (None, "1", "2"):
+        second.check(known)  # nothing acknowledged can be missing
+
+
+def test_an_unclean_stop_is_told_to_clients_of_that_life_only(tmp_path: Path) -> None:
+    first = start(tmp_path)
+    first.flushed(1_700_000_000.0)  # then killed: no end_cleanly
+    second = start(tmp_path)
+    assert (second.life, second.ended_cleanly) == (2, False)
+    second.check(None)  # a new client
+    second.check("2")  # a client that learned the new life (accepted the restart)
+    with pytest.raises(DataLossError, match=r"life 1 ended.*2023-11-14T22:13:20Z.*may be lost"):
+        second.check("1")
+    second.end_cleanly()
+    third = start(tmp_path)  # a clean restart later: the loss of life 1 is still told
+    with pytest.raises(DataLossError, match="life 1 ended"):
+        third.check("1")
+    third.check("2")
+
+
+def test_write_through_only_stores_lose_nothing_on_an_unclean_stop(tmp_path: Path) -> None:
+    start(tmp_path, at_risk=False)  # killed
+    again = start(tmp_path, at_risk=False)
+    assert not again.ended_cleanly
+    again.check("1")  # every acknowledged update was in RocksDB's log
+
+
+@pytest.mark.parametrize("known", ["7", "banana", "0"])
+def test_a_life_this_shard_never_had_is_refused(tmp_path: Path, known: str) -> None:
+    lives = start(tmp_path)
+    with pytest.raises(DataLossError):
+        lives.check(known)
+
+
+def test_durability_settings_are_checked(tmp_path: Path) -> None:
+    config = ServerConfig(0, 1, tmp_path, flush_interval_s=0, sync_writes=True)
+    assert (config.flush_interval_s, config.sync_writes) == (0, True)
+    assert ServerConfig(0, 1, tmp_path).flush_interval_s == 30.0
+    for bad in (-1, float("nan"), float("inf"), "30"):
+        with pytest.raises(ValueError, match="flush_interval_s"):
+            ServerConfig(0, 1, tmp_path, flush_interval_s=bad)
+    with pytest.raises(ValueError, match="sync_writes"):
+        ServerConfig(0, 1, tmp_path, sync_writes="yes")
+    toml = tmp_path / "shard.toml"
+    toml.write_text(f'shard_id = 0\nnum_shards = 1\ndata_dir = "{tmp_path}"\n'
+                    "flush_interval_s = 5\n")  # fmt: skip
+    assert ServerConfig.from_file(toml).flush_interval_s == 5

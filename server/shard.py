@@ -405,7 +405,12 @@ class Shard:
                         removed = table.evict()
                         self._log_eviction(table, removed, f"before snapshot {name!r}")
                         evicted += removed
-                exports = [(t.config, t.export(SNAPSHOT_CHUNK_ROWS)) for t in tables]
+                # rows with their step stamps, and the rest of the training state (clock,
+                # bucket rows, admission and promotion counts), all as of this cut
+                exports = [
+                    (t.config, t.export_stored(SNAPSHOT_CHUNK_ROWS), t.export_state())
+                    for t in tables
+                ]
             estimate = sum(t.durable.stats()["rows"] for t in tables)
             for progress in snapshot.write_part(
                 root, name, save_id, self.shard_id, self.num_shards, exports, estimate
@@ -439,6 +444,12 @@ class Shard:
             self.store.check_creatable(config)  # before anything is staged
         opened.check_files()
         opened.check_headers()
+        # every part's state files read and checked (the other shards' too) before any
+        # row is staged; this shard's share resolved (see snapshot.CARRIES for a reshard)
+        states = {
+            table_name: opened.state_for_shard(table_name, self.shard_id, self.num_shards)
+            for table_name in opened.configs
+        }
         total = opened.rows_total
         done = kept = 0
         with self._admin:
@@ -447,18 +458,25 @@ class Shard:
                 for table_name, config in opened.configs.items():
                     stage = self.store.stage_table(config)
                     staged.append(stage)
-                    for keys, rows, scanned in opened.rows_for_shard(
+                    state = states[table_name]
+                    stage.steps = (state.get("current_step", 0), state.get("first_step", 0))
+                    if stage.buckets is not None and "buckets" in state:
+                        index = np.arange(config.hash_bucket_size, dtype=np.int64)
+                        stage.buckets.write(index, state["buckets"])
+                    for keys, rows, steps, scanned in opened.rows_and_steps_for_shard(
                         table_name, self.shard_id, self.num_shards, SNAPSHOT_CHUNK_ROWS
                     ):
                         if keys.size:
-                            stage.rows.write(keys, _stored_rows(config, rows))
+                            stage.rows.write(keys, _stored_rows(config, rows, steps))
                         done += scanned
                         kept += keys.size
                         yield Progress(done, total, str(opened.path), rows_kept=kept)
                 with self._gate.exclusive():
                     self._set_loading(True)
                     try:
-                        self.store.install_staged(staged)
+                        tables = self.store.install_staged(staged)
+                        for table in tables:  # the soft state: clock and counts, in memory
+                            table.restore_state(states[table.config.name])
                     finally:
                         self._set_loading(False)
             finally:
@@ -559,13 +577,19 @@ class Shard:
         self.lives.end_cleanly()
 
 
-def _stored_rows(config: TableConfig, rows: np.ndarray) -> np.ndarray:
+def _stored_rows(
+    config: TableConfig, rows: np.ndarray, steps: np.ndarray | None = None
+) -> np.ndarray:
     """Snapshot rows [n, row_width] as the tiers store them: with steps_to_live, widened by
-    the last-update step (0: counted from the table's first push, as a new row)."""
+    each row's last-update step as the snapshot carries it (int64 bits, bit for bit), or 0
+    where it carries none (a format version 2 snapshot: counted from the table's first
+    push, as a new row)."""
     if not config.steps_to_live:
         return rows
     out = np.zeros((rows.shape[0], config.stored_width), dtype=np.float32)
     out[:, : config.row_width] = rows
+    if steps is not None:
+        out[:, config.row_width :] = steps.astype("<i8").view(np.float32).reshape(-1, 2)
     return out
 
 

@@ -51,15 +51,43 @@ from typing import Any
 
 import numpy as np
 
-from tierps.storage.config import Placement, TableConfig, owner_shard
+from tierps.storage.admission import bloom_size, counter_dtype
+from tierps.storage.config import Admission, Placement, TableConfig, owner_shard
 from tierps.storage.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from tierps.storage.validation import MAX_STEP
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)  # version 2 snapshots load too: rows only (see CARRIES)
 MANIFEST = "MANIFEST.json"
 CHECKSUM = "manifest_sha256"  # the manifest's field holding the SHA-256 of the rest of it
 KEY_DTYPE = "<i8"
 ROW_DTYPE = "<f4"
 READ_CHUNK_ROWS = 65536
+COUNT_DTYPE = "<i8"  # admission and promotion counts: [n, 3] rows (key, count, latest call)
+STEP_DTYPE = "<i8"  # a row's last-update step (steps_to_live)
+# What a snapshot carries, and how each piece loads into another shard count (written into
+# every manifest as "carries", so a reader of the snapshot can tell without the code).
+CARRIES: dict[str, str] = {
+    "rows": "weights and optimizer state of every stored key, exact; reshards by key",
+    "step_stamps": "each row's last-update step (steps_to_live), exact; reshards by key",
+    "step_clock": "each shard's current_step and first_step: a load into the same shard "
+    "count gives shard i part i's clock; a reshard gives every shard the largest "
+    "current_step and the smallest first_step of the parts",
+    "admission_counts": "admission='counter': every key's sightings and recency, exact; "
+    "reshards by key (more keys than max_elements on a shard are trimmed as a call trims)",
+    "admission_bloom": "admission='bloom': each shard's counters, exact into the same shard "
+    "count; a Bloom filter cannot be split by key, so a reshard gives every shard the "
+    "element-wise max of the parts' counters: no key's estimate falls below its count, but "
+    "more keys collide (keys may be admitted earlier than on the source cluster)",
+    "promotion_counts": "adaptive embedding (promote_after): every key's sightings, exact; "
+    "reshards by key",
+    "bucket_rows": "adaptive embedding: each shard's bucket rows, exact into the same shard "
+    "count; bucket rows are per shard and cannot be split by key, so a reshard gives every "
+    "shard the mean of the parts' bucket rows (weights and optimizer state): keys not yet "
+    "promoted then read a blend, not their old shard's bucket",
+    "not_carried": "figures (sightings, keys_admitted, lookups and gradients to buckets, "
+    "evictions) and the eviction guard's held-back leap step start over at a load",
+}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _SAVE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 Chunk = tuple[np.ndarray, np.ndarray]
@@ -180,12 +208,16 @@ def write_part(
     save_id: str,
     shard_id: int,
     num_shards: int,
-    exports: Iterable[tuple[TableConfig, Iterator[Chunk]]],
+    exports: Iterable[tuple[Any, ...]],
     rows_estimate: int,
 ) -> Iterator[Progress]:
-    """Write one shard's part from each table's export (chunks in key order), yielding
-    progress after every chunk; the last Progress has done=True. A non-finite value or keys
-    out of order are refused (FailedPreconditionError) and the part is removed."""
+    """Write one shard's part from each table's export, yielding progress after every chunk;
+    the last Progress has done=True. Each export is (config, chunks) or (config, chunks,
+    state): chunks in key order, each (keys, rows [c, row_width]) or (keys, rows, steps:
+    int64 last-update steps, or None), as EmbeddingTable.export_stored gives them; state as
+    EmbeddingTable.export_state gives it (the step clock, bucket rows, admission and
+    promotion counts; none: an empty table's). A non-finite value or keys out of order are
+    refused (FailedPreconditionError) and the part is removed."""
     snapshot = snapshot_path(root, name)
     staging = snapshot / check_save_id(save_id)
     check_new(root, name)
@@ -197,34 +229,48 @@ def write_part(
     tables: dict[str, Any] = {}
     done = 0
     try:
-        for config, chunks in exports:
+        for config, chunks, *rest in exports:
+            table_state = rest[0] if rest else {}
             where = f"snapshot {name!r}: table {config.name!r} on shard {shard_id}"
             rows_in_table = 0
-            paths = {kind: part_dir / f"{config.name}.{kind}" for kind in ("keys", "rows")}
+            kinds = ("keys", "rows", "steps") if config.steps_to_live else ("keys", "rows")
+            paths = {kind: part_dir / f"{config.name}.{kind}" for kind in kinds}
             digests = {kind: hashlib.sha256() for kind in paths}
+            outs = {kind: open(path, "wb") for kind, path in paths.items()}  # noqa: SIM115
             previous = -1
-            with open(paths["keys"], "wb") as keys_out, open(paths["rows"], "wb") as rows_out:
-                for keys, rows in chunks:
+            try:
+                for keys, rows, *more in chunks:
+                    steps = more[0] if more else None
                     _check_chunk(where, keys, rows, previous)
                     if keys.size:
                         previous = int(keys[-1])
-                    for kind, out, array in (
-                        ("keys", keys_out, keys.astype(KEY_DTYPE, copy=False)),
-                        ("rows", rows_out, rows.astype(ROW_DTYPE, copy=False)),
-                    ):
+                    arrays = {
+                        "keys": keys.astype(KEY_DTYPE, copy=False),
+                        "rows": rows.astype(ROW_DTYPE, copy=False),
+                    }
+                    if "steps" in outs:  # no steps (an old export): 0, as a new row's
+                        arrays["steps"] = (
+                            np.zeros(keys.size, STEP_DTYPE) if steps is None
+                            else np.asarray(steps).astype(STEP_DTYPE, copy=False)
+                        )  # fmt: skip
+                    for kind, array in arrays.items():
                         data = memoryview(np.ascontiguousarray(array)).cast("B")
-                        out.write(data)
+                        outs[kind].write(data)
                         digests[kind].update(data)
                     rows_in_table += keys.size
                     done += keys.size
                     yield Progress(done, max(done, rows_estimate), str(part_dir))
-                for out in (keys_out, rows_out):
+                for out in outs.values():
                     out.flush()
                     os.fsync(out.fileno())
+            finally:
+                for out in outs.values():
+                    out.close()
             entry: dict[str, Any] = {
                 "config": config.to_dict(),
                 "layout": layout(config),
                 "rows": rows_in_table,
+                "state": _write_state(where, part_dir, config, table_state, paths, digests),
             }
             for kind, path in paths.items():
                 entry[f"{kind}_file"] = {
@@ -245,6 +291,75 @@ def write_part(
     }
     _write_json_atomic(staging / f"{part}.json", header)
     yield Progress(done, done, str(part_dir), done=True)
+
+
+def _state_arrays(config: TableConfig, state: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The state files a table's part holds, as the arrays to write: bucket rows and
+    promotion counts (promote_after), admission counts or Bloom counters (admit_after);
+    an absent piece is written empty or initial (a table without state of that kind)."""
+    arrays: dict[str, np.ndarray] = {}
+    if config.promote_after:
+        buckets = state.get("buckets")
+        if buckets is None:
+            from tierps.storage.adaptive import BucketRows  # initial bucket rows
+
+            buckets = BucketRows(config).rows
+        arrays["buckets"] = np.asarray(buckets).astype(ROW_DTYPE, copy=False)
+        arrays["promotion"] = _counts(state.get("promotion"))
+    if config.admit_after:
+        if config.admission is Admission.BLOOM:
+            size, _ = bloom_size(config.max_elements, config.false_positive_rate)
+            counters = state.get("admission")
+            dtype = counter_dtype(config.admit_after).newbyteorder("<")
+            arrays["admission"] = (
+                np.zeros(size, dtype) if counters is None else counters.astype(dtype, copy=False)
+            )
+        else:
+            arrays["admission"] = _counts(state.get("admission"))
+    return arrays
+
+
+def _counts(counts: np.ndarray | None) -> np.ndarray:
+    return np.zeros((0, 3), COUNT_DTYPE) if counts is None else counts.astype(COUNT_DTYPE)
+
+
+def _write_state(
+    where: str,
+    part_dir: Path,
+    config: TableConfig,
+    state: dict[str, Any],
+    paths: dict[str, Path],
+    digests: dict[str, Any],
+) -> dict[str, int]:
+    """Write a table's state files into its part (adding them to paths and digests) and
+    return the header's "state": the step clock and the counters' call clocks. A bucket
+    row holding a non-finite value is refused (FailedPreconditionError)."""
+    for kind, array in _state_arrays(config, state).items():
+        if kind == "buckets" and not np.isfinite(array).all():
+            row, column = np.argwhere(~np.isfinite(array))[0]
+            raise FailedPreconditionError(
+                f"{where}: every bucket row value expected finite, got {array[row, column]} "
+                f"in bucket {int(row)} at column {int(column)}; the snapshot is not written"
+            )
+        paths[kind] = part_dir / f"{config.name}.{kind}"
+        data = memoryview(np.ascontiguousarray(array)).cast("B")
+        with open(paths[kind], "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        digests[kind] = hashlib.sha256(data)
+    out = {
+        "current_step": int(state.get("current_step", 0)),
+        "first_step": int(state.get("first_step", 0)),
+    }
+    for field in ("admission_calls", "promotion_calls"):
+        if (field == "promotion_calls" and config.promote_after) or (
+            field == "admission_calls"
+            and config.admit_after
+            and config.admission is not Admission.BLOOM
+        ):
+            out[field] = int(state.get(field, 0))
+    return out
 
 
 def _file_entry(path: Path, relative: str) -> dict[str, Any]:
@@ -302,6 +417,7 @@ def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
                     "shard_id": shard_id,
                     "rows": entry["rows"],
                     "header_file": headers[shard_id],
+                    "state": entry["state"],
                     **{key: value for key, value in entry.items() if key.endswith("_file")},
                 }
             )
@@ -311,6 +427,7 @@ def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
         "save_id": save_id,
         "num_shards": num_shards,
         "created_unix": time.time(),
+        "carries": CARRIES,
         "tables": tables,
     }
     manifest[CHECKSUM] = manifest_checksum(manifest)
@@ -327,9 +444,9 @@ def _read_json(path: Path, what: str, error: type[Exception] = FailedPreconditio
             data = json.load(source)
     except (OSError, ValueError) as problem:
         raise error(f"{what} is unreadable or corrupted: {problem}") from None
-    if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
+    if not isinstance(data, dict) or data.get("format_version") not in READABLE_VERSIONS:
         version = data.get("format_version") if isinstance(data, dict) else None
-        raise error(f"{what}: format_version expected {FORMAT_VERSION}, got {version!r}")
+        raise error(f"{what}: format_version expected one of {READABLE_VERSIONS}, got {version!r}")
     return data
 
 
@@ -352,6 +469,7 @@ class Snapshot:
             )
         where = f"snapshot {name!r}: {MANIFEST}"
         self.manifest = _read_json(self.path / MANIFEST, where, SnapshotRefusedError)
+        self.version = int(self.manifest["format_version"])
         try:
             self.num_shards = int(self.manifest["num_shards"])
             self.save_id = check_save_id(self.manifest["save_id"])
@@ -372,21 +490,49 @@ class Snapshot:
                 f"but its content hashes to {found!r}"
             )
 
+    def state_kinds(self, config: TableConfig) -> dict[str, int | None]:
+        """The files besides keys and rows that each part of a table holds in this
+        snapshot's format version, with their size in bytes (None: per row, as `steps`, or
+        a multiple of one count row, as exact counts); version 2 has none."""
+        if self.version < 3:
+            return {}
+        kinds: dict[str, int | None] = {}
+        if config.steps_to_live:
+            kinds["steps"] = None
+        if config.promote_after:
+            kinds["buckets"] = 4 * config.row_width * config.hash_bucket_size
+            kinds["promotion"] = None
+        if config.admit_after:
+            if config.admission is Admission.BLOOM:
+                size, _ = bloom_size(config.max_elements, config.false_positive_rate)
+                kinds["admission"] = size * counter_dtype(config.admit_after).itemsize
+            else:
+                kinds["admission"] = None
+        return kinds
+
     def _check_sizes(self, table_name: str, entry: dict[str, Any]) -> None:
         """The manifest's row counts and config must agree with its file sizes, or a load
         would read past the end or misread rows."""
-        width = self.configs[table_name].row_width
+        config = self.configs[table_name]
+        width = config.row_width
         for part in entry["parts"]:
             rows = int(part["rows"])
-            for file, expected in (
-                (part["keys_file"], 8 * rows),
-                (part["rows_file"], 4 * width * rows),
-            ):
+            sizes = [(part["keys_file"], 8 * rows), (part["rows_file"], 4 * width * rows)]
+            for kind, size in self.state_kinds(config).items():
+                file = part[f"{kind}_file"]
+                if kind == "steps":
+                    sizes.append((file, 8 * rows))
+                elif size is None:  # exact counts: whole [n, 3] int64 rows
+                    sizes.append((file, file["bytes"] - file["bytes"] % 24))
+                else:
+                    sizes.append((file, size))
+            for file, expected in sizes:
                 if file["bytes"] != expected:
                     raise SnapshotRefusedError(
                         f"snapshot {self.name!r}: {MANIFEST} is corrupted: table {table_name!r} "
-                        f"lists {rows} rows of {width} floats in {file['path']}, which needs "
-                        f"{expected} bytes, but the manifest gives {file['bytes']}"
+                        f"(dim {config.dim}, {config.optimizer.kind}: rows of {width} floats, "
+                        f"{rows} rows in this part) needs {expected} bytes in {file['path']}, "
+                        f"but the manifest gives {file['bytes']}"
                     )
         if sum(int(part["rows"]) for part in entry["parts"]) != int(entry["rows"]):
             raise SnapshotRefusedError(
@@ -411,8 +557,21 @@ class Snapshot:
                 f"snapshot {self.name!r}: {MANIFEST} is corrupted: table {table_name!r} "
                 f"expected one part per shard 0..{self.num_shards - 1}, got shards {shards}"
             )
+        config = self.configs[table_name]
+        kinds = sorted(["header", "keys", "rows", *self.state_kinds(config)])
         for part in entry["parts"]:
             name = part_name(part["shard_id"], self.num_shards)
+            found = sorted(kind for kind, _ in self._part_files(part))
+            if found != kinds:
+                raise SnapshotRefusedError(
+                    f"{self._part_where(table_name, part)}: files expected {kinds} (format "
+                    f"version {self.version}, {config.name!r}'s config), got {found}"
+                )
+            if self.version >= 3 and not isinstance(part.get("state"), dict):
+                raise SnapshotRefusedError(
+                    f"{self._part_where(table_name, part)}: field 'state' expected (the "
+                    f"table's step clock and counter clocks), got {part.get('state')!r}"
+                )
             for kind, file in self._part_files(part):
                 expected = (
                     f"{self.save_id}/{name}.json" if kind == "header"
@@ -524,6 +683,7 @@ class Snapshot:
                     ("layout", written.get("layout"), layout(config)),
                     ("layout", written.get("layout"), entry.get("layout")),
                     ("rows", written.get("rows"), part["rows"]),
+                    ("state", written.get("state"), part.get("state")),
                 ]
                 for kind, manifest_file in self._part_files(part):
                     if kind != "header":
@@ -538,29 +698,34 @@ class Snapshot:
 
     def read_part(
         self, table_name: str, part: dict[str, Any], chunk_rows: int = READ_CHUNK_ROWS
-    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Every (keys, rows) chunk of one part, each checked as it is read (keys strictly
-        ascending, >= 0, on the part's shard for a row-placed table, below a direct table's
-        capacity; every value finite) and every file's SHA-256 compared after its last
-        byte: SnapshotRefusedError naming the part, file, key and what was expected
-        otherwise. A caller must not make anything it did with the chunks live before the
-        generator ends."""
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+        """Every (keys, rows, steps) chunk of one part - steps: each row's last-update step
+        (int64), None where the part has none (no steps_to_live, or format version 2) -
+        each checked as it is read (keys strictly ascending, >= 0, on the part's shard for a
+        row-placed table, below a direct table's capacity; every value finite; steps in
+        [0, MAX_STEP]) and every file's SHA-256 compared after its last byte:
+        SnapshotRefusedError naming the part, file, key and what was expected otherwise. A
+        caller must not make anything it did with the chunks live before the generator
+        ends."""
         config = self.configs[table_name]
         where = self._part_where(table_name, part)
         shard, rows_total, width = int(part["shard_id"]), int(part["rows"]), config.row_width
-        files = {kind: part[f"{kind}_file"] for kind in ("keys", "rows")}
+        kinds = ("keys", "rows", "steps") if "steps_file" in part else ("keys", "rows")
+        per_row = {"keys": 8, "rows": 4 * width, "steps": 8}
+        files = {kind: part[f"{kind}_file"] for kind in kinds}
         paths = {kind: self._resolve(where, kind, file) for kind, file in files.items()}
         digests = {kind: hashlib.sha256() for kind in files}
         previous = -1
         problem: SnapshotRefusedError | None = None
-        with open(paths["keys"], "rb") as keys_in, open(paths["rows"], "rb") as rows_in:
+        sources = {kind: open(path, "rb") for kind, path in paths.items()}  # noqa: SIM115
+        try:
             try:
                 for start in range(0, rows_total, chunk_rows):
                     n = min(chunk_rows, rows_total - start)
-                    raw = {"keys": keys_in.read(8 * n), "rows": rows_in.read(4 * width * n)}
+                    raw = {kind: sources[kind].read(per_row[kind] * n) for kind in kinds}
                     for kind, data in raw.items():
                         digests[kind].update(data)
-                        if len(data) != (8 if kind == "keys" else 4 * width) * n:
+                        if len(data) != per_row[kind] * n:
                             raise SnapshotRefusedError(
                                 f"{where}: {kind} file {files[kind]['path']} is corrupted: it "
                                 f"ended early (changed while it was read)"
@@ -570,12 +735,25 @@ class Snapshot:
                     self._check_keys(where, files["keys"]["path"], config, shard, keys, previous)
                     previous = int(keys[-1])
                     self._check_rows(where, files["rows"]["path"], config, keys, rows)
-                    yield keys, rows.astype(np.float32)
+                    steps = None
+                    if "steps" in raw:
+                        steps = np.frombuffer(raw["steps"], dtype=STEP_DTYPE).astype(np.int64)
+                        bad = np.flatnonzero((steps < 0) | (steps > MAX_STEP))
+                        if bad.size:
+                            raise SnapshotRefusedError(
+                                f"{where}: steps file {files['steps']['path']}: last-update "
+                                f"steps expected in [0, {MAX_STEP}], got {int(steps[bad[0]])} "
+                                f"for key {int(keys[bad[0]])}"
+                            )
+                    yield keys, rows.astype(np.float32), steps
             except SnapshotRefusedError as error:
                 problem = error  # a checksum mismatch, if any, is the better explanation
-            for kind, source in (("keys", keys_in), ("rows", rows_in)):
+            for kind, source in sources.items():
                 while data := source.read(1 << 22):  # to the end: bytes past the rows too
                     digests[kind].update(data)
+        finally:
+            for source in sources.values():
+                source.close()
         for kind, file in files.items():
             digest = digests[kind].hexdigest()
             if digest != file["sha256"]:
@@ -664,22 +842,160 @@ class Snapshot:
                         )
         del maps
 
+    def read_state(self, table_name: str, part: dict[str, Any]) -> dict[str, Any]:
+        """One part's training state besides its rows, as EmbeddingTable.export_state gave
+        it (the step clock; bucket rows and promotion counts; admission counts or Bloom
+        counters), every state file read whole, its SHA-256 compared and its content
+        checked: bucket rows finite; counts on distinct ascending keys of the part's shard,
+        each in [1, admit_after or promote_after), its latest call in [1, the counter's call
+        clock]; clocks in [0, MAX_STEP]. SnapshotRefusedError otherwise. Version 2 parts
+        carry none: {}."""
+        if self.version < 3:
+            return {}
+        config = self.configs[table_name]
+        where = self._part_where(table_name, part)
+        header = part["state"]
+        state: dict[str, Any] = {}
+        for field in ("current_step", "first_step", "admission_calls", "promotion_calls"):
+            if field in header:
+                value = header[field]
+                if not isinstance(value, int) or not 0 <= value <= MAX_STEP:
+                    raise SnapshotRefusedError(
+                        f"{where}: state field {field!r} expected an int in [0, {MAX_STEP}], "
+                        f"got {value!r}"
+                    )
+                state[field] = value
+        for kind in self.state_kinds(config):
+            if kind == "steps":
+                continue  # per row: read_part reads it with the rows
+            file = part[f"{kind}_file"]
+            data = self._resolve(where, kind, file).read_bytes()
+            digest = hashlib.sha256(data).hexdigest()
+            if digest != file["sha256"] or len(data) != file["bytes"]:
+                raise SnapshotRefusedError(
+                    f"{where}: {kind} file {file['path']} is corrupted: expected sha256 "
+                    f"{file['sha256']} of {file['bytes']} bytes, got {digest} of {len(data)}"
+                )
+            label = f"{where}: {kind} file {file['path']}"
+            if kind == "buckets":
+                rows = np.frombuffer(data, ROW_DTYPE).reshape(-1, config.row_width)
+                if not np.isfinite(rows).all():
+                    row, column = np.argwhere(~np.isfinite(rows))[0]
+                    raise SnapshotRefusedError(
+                        f"{label}: every bucket row value expected finite, got "
+                        f"{rows[row, column]} in bucket {int(row)} at column {int(column)}"
+                    )
+                state[kind] = rows.astype(np.float32)
+            elif kind == "admission" and config.admission is Admission.BLOOM:
+                dtype = counter_dtype(config.admit_after).newbyteorder("<")
+                state[kind] = np.frombuffer(data, dtype).astype(counter_dtype(config.admit_after))
+            else:
+                limit = config.admit_after if kind == "admission" else config.promote_after
+                calls = state.get(f"{kind}_calls", 0)
+                counts = np.frombuffer(data, COUNT_DTYPE).reshape(-1, 3).astype(np.int64)
+                self._check_counts(label, config, int(part["shard_id"]), counts, limit, calls)
+                state[kind] = counts
+        return state
+
+    def _check_counts(
+        self,
+        label: str,
+        config: TableConfig,
+        shard: int,
+        counts: np.ndarray,
+        limit: int,
+        calls: int,
+    ) -> None:
+        if counts.shape[0] == 0:
+            return
+        keys, count, seen = counts[:, 0], counts[:, 1], counts[:, 2]
+        problems = [
+            ("keys expected >= 0 and strictly ascending (distinct)",
+             np.concatenate(([keys[0] < 0], keys[1:] <= keys[:-1]))),
+            (f"counts expected in [1, {limit}) (a key counted {limit} times has its row)",
+             (count < 1) | (count >= limit)),
+            (f"latest calls expected in [1, {calls}] (the counter's call clock)",
+             (seen < 1) | (seen > calls)),
+        ]  # fmt: skip
+        if config.placement is not Placement.TABLE:
+            problems.append(
+                (f"keys expected on shard {shard} (key % {self.num_shards} == {shard})",
+                 keys % self.num_shards != shard)
+            )  # fmt: skip
+        for what, bad in problems:
+            if bad.any():
+                at = int(np.argmax(bad))
+                raise SnapshotRefusedError(
+                    f"{label}: {what}, got key {int(keys[at])} with count {int(count[at])}, "
+                    f"latest call {int(seen[at])}"
+                )
+
+    def state_for_shard(self, table_name: str, shard_id: int, num_shards: int) -> dict[str, Any]:
+        """The training state shard `shard_id` of `num_shards` takes from this snapshot (as
+        EmbeddingTable.restore_state takes it, bucket rows included), every part's state
+        read and checked (read_state). Into the same shard count, shard i takes part i's
+        state as it is. Into another (see CARRIES): exact and Bloom counts of its own keys
+        go by key; the step clock is the largest current_step and the smallest first_step
+        of the parts; Bloom counters are the element-wise max of the parts'; bucket rows the
+        mean of the parts'. A table placed whole takes its old owner's part's state, on its
+        new owner only. Version 2 snapshots carry none: {}."""
+        config = self.configs[table_name]
+        parts = sorted(self.tables[table_name]["parts"], key=lambda p: int(p["shard_id"]))
+        states = [self.read_state(table_name, part) for part in parts]  # every part checked
+        if self.version < 3:
+            return {}
+        if config.placement is Placement.TABLE:
+            if shard_id != owner_shard(config, num_shards):
+                return {}
+            return states[owner_shard(config, self.num_shards)]
+        if num_shards == self.num_shards:
+            return states[shard_id]
+        out: dict[str, Any] = {
+            "current_step": max(s["current_step"] for s in states),
+            "first_step": min((s["first_step"] for s in states if s["first_step"]), default=0),
+        }
+        for kind in ("admission", "promotion"):
+            if kind not in states[0]:
+                continue
+            if kind == "admission" and config.admission is Admission.BLOOM:
+                out[kind] = np.maximum.reduce([s[kind] for s in states])
+                continue
+            counts = np.concatenate([s[kind] for s in states])
+            counts = counts[counts[:, 0] % num_shards == shard_id]
+            out[kind] = counts[np.argsort(counts[:, 0], kind="stable")]
+            out[f"{kind}_calls"] = max(s[f"{kind}_calls"] for s in states)
+        if "buckets" in states[0]:
+            mean = np.mean([s["buckets"].astype(np.float64) for s in states], axis=0)
+            out["buckets"] = mean.astype(np.float32)
+        return out
+
     def verify(self) -> None:
         """The whole snapshot, checked as a load checks it before anything changes: the
-        files, the part headers, and every part's content (SnapshotRefusedError naming the
-        snapshot, table, part and file)."""
+        files, the part headers, and every part's content and state (SnapshotRefusedError
+        naming the snapshot, table, part and file)."""
         self.check_files()
         self.check_headers()
         for table_name, entry in self.tables.items():
             for part in entry["parts"]:
                 for _ in self.read_part(table_name, part):
                     pass
+                self.read_state(table_name, part)
             self.check_disjoint(table_name)
 
     def rows_for_shard(
         self, table_name: str, shard_id: int, num_shards: int, chunk_rows: int = READ_CHUNK_ROWS
     ) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-        """(keys, rows, rows scanned) chunks of the keys with key % num_shards == shard_id,
+        """rows_and_steps_for_shard without the steps: (keys, rows, rows scanned)."""
+        for keys, rows, _, scanned in self.rows_and_steps_for_shard(
+            table_name, shard_id, num_shards, chunk_rows
+        ):
+            yield keys, rows, scanned
+
+    def rows_and_steps_for_shard(
+        self, table_name: str, shard_id: int, num_shards: int, chunk_rows: int = READ_CHUNK_ROWS
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None, int]]:
+        """(keys, rows, steps, rows scanned) chunks of the keys with key % num_shards ==
+        shard_id (steps: their last-update steps, None where the snapshot has none),
         read from every part, every part checked whole as `read_part` checks it (the parts
         of other shards' keys too, so every shard refuses the same snapshot); memory stays
         bounded by chunk_rows. A table placed whole gives every row to
@@ -689,13 +1005,13 @@ class Snapshot:
         whole = config.placement is Placement.TABLE
         owner = owner_shard(config, num_shards) if whole else -1
         for part in self.tables[table_name]["parts"]:
-            for keys, rows in self.read_part(table_name, part, chunk_rows):
+            for keys, rows, steps in self.read_part(table_name, part, chunk_rows):
                 mine = (
                     slice(None) if owner == shard_id
                     else slice(0) if whole
                     else np.flatnonzero(keys % num_shards == shard_id)
                 )  # fmt: skip
-                yield keys[mine], rows[mine], keys.size
+                yield keys[mine], rows[mine], None if steps is None else steps[mine], keys.size
         self.check_disjoint(table_name)  # the parts read whole and verified: no repeats
 
 

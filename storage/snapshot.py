@@ -478,8 +478,8 @@ class Snapshot:
                 for table_name, entry in self.manifest["tables"].items()
             }
             for table_name, entry in self.tables.items():
+                self._check_parts(table_name, entry)  # the files first: sizes read them
                 self._check_sizes(table_name, entry)
-                self._check_parts(table_name, entry)
         except (KeyError, TypeError, ValueError) as error:
             raise SnapshotRefusedError(f"{where} is corrupted: {error!r}") from None
         found = manifest_checksum(self.manifest)

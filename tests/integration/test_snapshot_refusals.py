@@ -18,11 +18,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
+from tierps.client.admin import ClusterAdmin, ShardError
 from tierps.server.config import ServerConfig
-from tierps.server.shard import PushBatch, Shard
+from tierps.server.shard import LookupBatch, PushBatch, Shard
 from tierps.storage import FailedPreconditionError, TableConfig, optim
 from tierps.storage import snapshot as fmt
 from tierps.storage.errors import BackendError
@@ -31,7 +33,10 @@ from tierps.storage.store import EmbeddingStore
 SHARDS = 2
 ADAM16 = TableConfig("adam16", 16, optimizer=optim.Adam(lr=0.01))
 ADA = TableConfig("ada", 4, optimizer=optim.Adagrad(), steps_to_live=50)
-TABLES = (ADAM16, ADA)
+# adaptive buckets and admission counts: their state files are crafted too
+ADAPT = TableConfig("adapt", 4, optimizer=optim.Adagrad(), hash_bucket_size=5, promote_after=3)
+ADMIT = TableConfig("admit", 4, optimizer=optim.Adagrad(), admit_after=3)
+TABLES = (ADAM16, ADA, ADAPT, ADMIT)
 KEYS = np.arange(0, 600, dtype=np.int64)
 
 
@@ -53,11 +58,13 @@ def make_cluster(root: Path, tag: str) -> list[Shard]:
 def push(shards: list[Shard], seed: int, step: int) -> None:
     generator = np.random.default_rng(seed)
     for config in TABLES:
-        grads = generator.normal(size=(KEYS.size, config.dim)).astype(np.float32)
+        # the counting tables see a part of the keys each step: some counted, not admitted
+        keys = KEYS if not config.admit_after + config.promote_after else KEYS[seed::3]
+        grads = generator.normal(size=(keys.size, config.dim)).astype(np.float32)
         for shard in shards:
-            mine = KEYS % SHARDS == shard.shard_id
+            mine = keys % SHARDS == shard.shard_id
             shard.push_gradients(
-                [PushBatch(config.name, config.dim, KEYS[mine], grads[mine], step)]
+                [PushBatch(config.name, config.dim, keys[mine], grads[mine], step)]
             )
 
 
@@ -88,9 +95,24 @@ def state(shards: list[Shard]) -> list[dict[str, Any]]:
                 table.first_step,
                 keys,
                 rows.view(np.uint32),
+                soft_state(shard, config),
             )
         out.append(tables)
     return out
+
+
+def soft_state(shard: Shard, config: TableConfig) -> bytes:
+    """What a create=False lookup of every key reads, as bits, and the state held in
+    memory only (admission and promotion counts, bucket rows), as bytes to compare."""
+    table = shard.store.table(config.name)
+    mine = KEYS[KEYS % SHARDS == shard.shard_id]
+    parts = [shard.lookup([LookupBatch(config.name, config.dim, mine, False)])[0].tobytes()]
+    for counter in (table.admission, table.buckets and table.buckets.counts):
+        if counter:
+            parts.append(counter.estimate(mine).tobytes())
+    if table.buckets is not None:
+        parts.append(table.buckets.rows.tobytes())
+    return b"".join(parts)
 
 
 def changed_rows(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> int:
@@ -98,11 +120,12 @@ def changed_rows(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> i
     changed = 0
     for old, new in zip(before, after, strict=True):
         assert sorted(old) == sorted(new)
-        for name, (_, _, _, keys, bits) in old.items():
+        for name, (_, _, _, keys, bits, soft) in old.items():
             if not np.array_equal(new[name][3], keys):
                 changed += max(keys.size, new[name][3].size)
                 continue
             changed += int(np.count_nonzero((new[name][4] != bits).any(axis=1)))
+            changed += int(new[name][5] != soft)  # lookups, counts or bucket rows differ
     return changed
 
 
@@ -249,6 +272,43 @@ def header_edited(snapshot: Path) -> None:
     header.write_text(json.dumps(data))
 
 
+def inf_in_a_bucket_row(snapshot: Path) -> None:
+    path = part_file(snapshot, 1, "adapt", "buckets")
+    edit_array(path, "<f4", lambda r: r.__setitem__(ADAPT.row_width + 1, np.inf))
+    reseal(snapshot)
+
+
+def count_at_admit_after(snapshot: Path) -> None:
+    """A count of admit_after: such a key would have been admitted (and have a row)."""
+    path = part_file(snapshot, 1, "admit", "admission")
+    edit_array(path, "<i8", lambda c: c.__setitem__(1, ADMIT.admit_after))
+    reseal(snapshot)
+
+
+def stamp_out_of_range(snapshot: Path) -> None:
+    edit_array(part_file(snapshot, 0, "ada", "steps"), "<i8", lambda s: s.__setitem__(2, -5))
+    reseal(snapshot)
+
+
+def clock_edited(snapshot: Path) -> None:
+    """A step clock of 2**60 written into the part header and the manifest alike."""
+    header = next((snapshot / "sid").glob("part-00001-*.json"))
+    data = json.loads(header.read_text())
+    data["tables"]["ada"]["state"]["current_step"] = 2**60
+    header.write_text(json.dumps(data))
+    edit_manifest(
+        snapshot,
+        lambda m: m["tables"]["ada"]["parts"][1]["state"].__setitem__("current_step", 2**60),
+    )
+    reseal(snapshot)
+
+
+def steps_file_dropped(snapshot: Path) -> None:
+    """The manifest no longer lists part 0's step stamps (checksum recomputed)."""
+    edit_manifest(snapshot, lambda m: m["tables"]["ada"]["parts"][0].pop("steps_file"))
+    reseal(snapshot, headers=False)
+
+
 CASES: dict[str, tuple[Callable[[Path], None], list[str]]] = {
     "duplicate key in a part": (
         duplicate_key,
@@ -282,6 +342,20 @@ CASES: dict[str, tuple[Callable[[Path], None], list[str]]] = {
     ),
     "truncated part": (truncated_part, ["'ada'", "ada.rows", "expected", "bytes, got"]),
     "part header edited": (header_edited, ["part-00001-of-00002", "header file", "corrupted"]),
+    "inf in a bucket row": (
+        inf_in_a_bucket_row,
+        ["'adapt'", "part-00001-of-00002", "adapt.buckets", "expected finite", "inf"],
+    ),
+    "admission count at admit_after": (
+        count_at_admit_after,
+        ["'admit'", "part-00001-of-00002", "admit.admission", "counts expected in [1, 3)"],
+    ),
+    "step stamp below 0": (stamp_out_of_range, ["'ada'", "ada.steps", "expected in [0", "-5"]),
+    "step clock 2**60": (clock_edited, ["'ada'", "'current_step'", str(2**60)]),
+    "steps file dropped from the manifest": (
+        steps_file_dropped,
+        ["'ada'", "part-00000-of-00002", "files expected", "'steps'"],
+    ),
 }
 
 
@@ -413,3 +487,51 @@ def test_save_refuses_a_non_finite_row(tmp_path: Path) -> None:
     finally:
         for shard in shards:
             shard.close()
+
+
+def test_every_crafted_snapshot_is_refused_by_every_shard_with_no_live_row_changed(
+    clusters: tuple[list[Shard], Path],
+) -> None:
+    """The figure for the closing note: every crafted case, loaded into both shards one
+    after the other (the bad part is on one shard only in most cases: the other must
+    refuse too, since each shard checks every part before it stages anything)."""
+    shards, root = clusters
+    before = state(shards)
+    refused = changed = 0
+    for index, (craft, _) in enumerate(CASES.values()):
+        name = f"bad{index}"
+        shutil.copytree(root / "good", root / name, symlinks=True)
+        craft(root / name)
+        for shard in shards:
+            with pytest.raises(FailedPreconditionError):
+                list(shard.load_snapshot(name))
+        refused += 1
+        changed += changed_rows(before, state(shards))
+    print(f"\n{refused} crafted snapshots refused by each of {SHARDS} shards, "
+          f"{changed} live rows changed")  # fmt: skip
+    assert refused == len(CASES) >= 16
+    assert changed == 0
+
+
+def test_a_bad_part_on_shard_1_is_refused_through_the_cluster_admin(
+    shard_server: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Through gRPC and ClusterAdmin's fan-out (both shards load at once): an inf in part
+    1 only is refused by shard 0 as well, and neither shard's rows change."""
+    servers = [shard_server(shard_id=i, num_shards=SHARDS, tables=TABLES) for i in range(SHARDS)]
+    shards = [server.shard for server in servers]
+    push(shards, seed=1, step=1)
+    save(shards, "good")
+    push(shards, seed=2, step=2)
+    root = tmp_path / "snapshots"
+    shutil.copytree(root / "good", root / "bad", symlinks=True)
+    inf_in_adam_state(root / "bad")
+    before = state(shards)
+    with ClusterAdmin([s.address for s in servers], timeout_s=10.0) as admin:
+        with pytest.raises(ShardError) as raised:
+            admin.load_snapshot("bad")
+        assert raised.value.code is grpc.StatusCode.FAILED_PRECONDITION
+        assert "part-00001-of-00002" in raised.value.details  # the bad part: shard 1's
+        assert changed_rows(before, state(shards)) == 0
+        admin.load_snapshot("good")  # the good one loads through the same path
+    assert changed_rows(before, state(shards)) > 0

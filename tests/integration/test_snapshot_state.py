@@ -46,8 +46,11 @@ def cluster(root: Path, tag: str, n: int) -> list[Shard]:
     return [
         Shard(
             ServerConfig(
-                shard_id=i, num_shards=n, data_dir=root / f"{tag}-{i}",
-                snapshot_dir=root / "snapshots", tables=TABLES,
+                shard_id=i,
+                num_shards=n,
+                data_dir=root / f"{tag}-{i}",
+                snapshot_dir=root / "snapshots",
+                tables=TABLES,
             )
         )  # fmt: skip
         for i in range(n)

@@ -254,7 +254,7 @@ def write_part(
                             else np.asarray(steps).astype(STEP_DTYPE, copy=False)
                         )  # fmt: skip
                     for kind, array in arrays.items():
-                        data = memoryview(np.ascontiguousarray(array)).cast("B")
+                        data = _raw(array)
                         outs[kind].write(data)
                         digests[kind].update(data)
                     rows_in_table += keys.size
@@ -291,6 +291,12 @@ def write_part(
     }
     _write_json_atomic(staging / f"{part}.json", header)
     yield Progress(done, done, str(part_dir), done=True)
+
+
+def _raw(array: np.ndarray) -> memoryview:
+    """An array's bytes, without a copy where it is contiguous (empty arrays too)."""
+    array = np.ascontiguousarray(array)
+    return memoryview(array).cast("B") if array.size else memoryview(b"")
 
 
 def _state_arrays(config: TableConfig, state: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -342,7 +348,7 @@ def _write_state(
                 f"in bucket {int(row)} at column {int(column)}; the snapshot is not written"
             )
         paths[kind] = part_dir / f"{config.name}.{kind}"
-        data = memoryview(np.ascontiguousarray(array)).cast("B")
+        data = _raw(array)
         with open(paths[kind], "wb") as out:
             out.write(data)
             out.flush()

@@ -230,3 +230,73 @@ def test_the_next_step_and_an_evict_are_the_same_after_a_round_trip(
     assert np.array_equal(removed["a"], removed["c"])
     print(f"\nsnapshot state: {len(TABLES)} lifecycle tables identical after 2->2 and 2->3; "
           f"evict removed the same {removed['a'].size} keys on all three")  # fmt: skip
+
+
+def as_version_2(snapshot: Path) -> None:
+    """Rewrite a format 3 snapshot as format 2 wrote it: keys and rows files only, no
+    state, no "carries"; every checksum recomputed."""
+    import hashlib
+
+    def entry(path: Path) -> dict[str, Any]:
+        data = path.read_bytes()
+        return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    state_files = ("steps_file", "buckets_file", "promotion_file", "admission_file")
+    manifest = json.loads((snapshot / fmt.MANIFEST).read_text())
+    for header_path in (snapshot / manifest["save_id"]).glob("part-*.json"):
+        header = json.loads(header_path.read_text())
+        header["format_version"] = 2
+        for table in header["tables"].values():
+            table.pop("state")
+            for field in state_files:
+                if field in table:
+                    (snapshot / table.pop(field)["path"]).unlink()
+        header_path.write_text(json.dumps(header))
+    manifest["format_version"] = 2
+    manifest.pop("carries")
+    for table in manifest["tables"].values():
+        for part in table["parts"]:
+            part.pop("state")
+            for field in state_files:
+                part.pop(field, None)
+            part["header_file"].update(entry(snapshot / part["header_file"]["path"]))
+    manifest[fmt.CHECKSUM] = fmt.manifest_checksum(manifest)
+    (snapshot / fmt.MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_version_2_snapshot_still_loads_with_rows_only(clusters: dict[str, Any]) -> None:
+    """Format 2 carried rows only: they load as they are; step stamps and clocks start at
+    0, bucket rows at their initial values, and no key is counted."""
+    import shutil
+
+    from tierps.storage.adaptive import BucketRows
+
+    root = clusters["root"] / "snapshots"
+    shutil.copytree(root / "s", root / "old")
+    as_version_2(root / "old")
+    opened = fmt.Snapshot(root, "old")
+    assert opened.version == 2
+    opened.verify()
+    shards = cluster(clusters["root"], "d", 2)
+    try:
+        for shard in shards:
+            list(shard.load_snapshot("old"))
+        for config in TABLES:
+            parts = [
+                chunk for part in opened.tables[config.name]["parts"]
+                for chunk in opened.read_part(config.name, part)
+            ]  # fmt: skip
+            keys = np.concatenate([k for k, _, _ in parts])
+            rows = np.concatenate([r for _, r, _ in parts])[np.argsort(keys)]
+            got_keys, got = stored(shards, config.name)
+            assert np.array_equal(got_keys, np.sort(keys))
+            assert np.array_equal(got[:, : config.row_width], rows.view(np.uint32))
+            assert not got[:, config.row_width :].any()  # step stamps 0
+            assert clocks(shards, config.name) == {(0, 0)}
+        assert not counts(shards, "counter").any() and not counts(shards, "adaptive").any()
+        initial = BucketRows(TABLES[-1]).rows
+        for shard in shards:
+            assert np.array_equal(shard.store.table("adaptive").buckets.rows, initial)
+    finally:
+        for shard in shards:
+            shard.close()

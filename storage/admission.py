@@ -24,10 +24,13 @@ Two filters behind one batched interface (`observe(keys) -> admitted mask`, `est
   false positive admits a key early). Memory is fixed: m counters of the smallest unsigned
   type that holds admit_after. Its counts are never erased.
 
-Filter state is soft: it lives in memory only and is lost when the shard restarts, the table
-is dropped or a snapshot is loaded into it (a key not yet admitted then starts counting from
-0 again). What admission decided persists: an admitted key has a row, and rows are durable and
-saved in snapshots.
+Filter state is soft: it lives in memory only and is lost when the shard restarts or the table
+is dropped (a key not yet admitted then starts counting from 0 again). What admission decided
+persists: an admitted key has a row, and rows are durable and saved in snapshots. Snapshots
+(format 3) carry the counts too (export_counts / counters): the exact counter's by key, into
+any shard count; a Bloom filter's counters as they are into the same shard count, and as the
+element-wise max of every part's into another (it cannot be split by key: no key's estimate
+falls below its count, more keys collide). The figures (sightings, keys_admitted) start over.
 """
 
 from __future__ import annotations

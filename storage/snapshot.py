@@ -4,13 +4,22 @@
       <save-id>/part-00000-of-00002/<table>.keys  int64 little-endian keys, strictly ascending
       <save-id>/part-00000-of-00002/<table>.rows  float32 little-endian [n, row_width] rows:
                                                   weights and optimizer state side by side
+      .../<table>.steps      (steps_to_live)      int64 [n]: each row's last-update step
+      .../<table>.buckets    (promote_after)      float32 [B, row_width]: the shard's buckets
+      .../<table>.promotion  (promote_after)      int64 [c, 3]: key, sightings, latest call
+      .../<table>.admission  (admit_after)        counter: int64 [c, 3] as promotion;
+                                                  bloom: the m counters (uint8..uint64, LE)
       <save-id>/part-00000-of-00002.json          the part's header: for each table its config,
                                                   layout (dim, optimizer, row_width, dtypes),
                                                   rows, and each file's size and SHA-256
       MANIFEST.json                               written last and exclusively; a snapshot
                                                   without it is incomplete, never loaded
 
-Format version 2. The manifest lists every part's files and header with their sizes and
+Format version 3: a part holds all training state (CARRIES says what, and how each piece
+loads into another shard count): rows, step stamps, and in the header's "state" the step
+clock (current_step, first_step) and the counters' call clocks. Version 2 snapshots (keys and
+rows only) still load: step stamps and clocks then start at 0, bucket rows at their initial
+values, and no key is counted. The manifest lists every part's files and header with their sizes and
 SHA-256, and carries a SHA-256 of itself (`manifest_sha256`: of its canonical JSON - sorted
 keys, no spaces - without that field), so an edited manifest is refused, and an edit that
 recomputes that checksum still disagrees with the part headers the shards wrote.
@@ -22,10 +31,12 @@ whole to its owner among the M, owner_shard(config, M), and the other shards tak
 Before a load changes anything, every shard checks the whole snapshot, not only its own keys
 (so every shard refuses the same snapshot): the manifest's checksum and its configs against
 the part headers; every file path is the one the format names, inside the snapshot's own
-directory (no '..', not absolute, no symlink out); every file's size and SHA-256; keys
-strictly ascending (so distinct in a part), >= 0, each on the part's shard (key % N, so
-distinct across parts; a table placed whole: no key in two parts), below capacity for a
-direct table; every weight and optimizer value finite. A refusal is SnapshotRefusedError
+directory (no '..', not absolute, no symlink out), and exactly the files the table's config
+needs; every file's size and SHA-256; keys strictly ascending (so distinct in a part), >= 0,
+each on the part's shard (key % N, so distinct across parts; a table placed whole: no key in
+two parts), below capacity for a direct table; every weight, optimizer and bucket value
+finite; step stamps and clocks in [0, MAX_STEP]; counts below the admit/promote threshold,
+on distinct keys of their part's shard. A refusal is SnapshotRefusedError
 (FAILED_PRECONDITION: the request is fine, the stored snapshot is not in a state that can be
 loaded; the client does not retry it), naming the snapshot, table, part and file, with what
 was expected and what was found.

@@ -958,32 +958,50 @@ class Snapshot:
         new owner only. Version 2 snapshots carry none: {}."""
         config = self.configs[table_name]
         parts = sorted(self.tables[table_name]["parts"], key=lambda p: int(p["shard_id"]))
-        states = [self.read_state(table_name, part) for part in parts]  # every part checked
-        if self.version < 3:
-            return {}
         if config.placement is Placement.TABLE:
-            if shard_id != owner_shard(config, num_shards):
-                return {}
-            return states[owner_shard(config, self.num_shards)]
-        if num_shards == self.num_shards:
-            return states[shard_id]
-        out: dict[str, Any] = {
-            "current_step": max(s["current_step"] for s in states),
-            "first_step": min((s["first_step"] for s in states if s["first_step"]), default=0),
-        }
-        for kind in ("admission", "promotion"):
-            if kind not in states[0]:
+            source = owner_shard(config, self.num_shards)
+            take = source if shard_id == owner_shard(config, num_shards) else -1
+        else:
+            take = shard_id if num_shards == self.num_shards else None  # None: merge all
+        # every part is read and checked, but only one part's state (or the running merge)
+        # is held at a time: a Bloom filter's counters can be large
+        out: dict[str, Any] = {}
+        kept: dict[str, Any] = {}
+        counts: dict[str, list[np.ndarray]] = {"admission": [], "promotion": []}
+        buckets: np.ndarray | None = None
+        for part in parts:
+            state = self.read_state(table_name, part)
+            if not state:
+                continue  # format version 2: nothing but rows
+            if take is not None:
+                if int(part["shard_id"]) == take:
+                    kept = state
                 continue
-            if kind == "admission" and config.admission is Admission.BLOOM:
-                out[kind] = np.maximum.reduce([s[kind] for s in states])
-                continue
-            counts = np.concatenate([s[kind] for s in states])
-            counts = counts[counts[:, 0] % num_shards == shard_id]
-            out[kind] = counts[np.argsort(counts[:, 0], kind="stable")]
-            out[f"{kind}_calls"] = max(s[f"{kind}_calls"] for s in states)
-        if "buckets" in states[0]:
-            mean = np.mean([s["buckets"].astype(np.float64) for s in states], axis=0)
-            out["buckets"] = mean.astype(np.float32)
+            out["current_step"] = max(out.get("current_step", 0), state["current_step"])
+            if state["first_step"]:
+                out["first_step"] = min(out.get("first_step") or MAX_STEP, state["first_step"])
+            out.setdefault("first_step", 0)
+            for kind in ("admission", "promotion"):
+                if kind not in state:
+                    continue
+                if kind == "admission" and config.admission is Admission.BLOOM:
+                    held = out.get(kind)
+                    out[kind] = state[kind] if held is None else np.maximum(held, state[kind])
+                    continue
+                mine = state[kind][state[kind][:, 0] % num_shards == shard_id]
+                counts[kind].append(mine)
+                out[f"{kind}_calls"] = max(out.get(f"{kind}_calls", 0), state[f"{kind}_calls"])
+            if "buckets" in state:
+                rows = state["buckets"].astype(np.float64)
+                buckets = rows if buckets is None else buckets + rows
+        if take is not None or self.version < 3:
+            return kept
+        for kind, pieces in counts.items():
+            if pieces:
+                merged = np.concatenate(pieces)
+                out[kind] = merged[np.argsort(merged[:, 0], kind="stable")]
+        if buckets is not None:
+            out["buckets"] = (buckets / len(parts)).astype(np.float32)
         return out
 
     def verify(self) -> None:

@@ -405,7 +405,12 @@ class Shard:
                         removed = table.evict()
                         self._log_eviction(table, removed, f"before snapshot {name!r}")
                         evicted += removed
-                exports = [(t.config, t.export(SNAPSHOT_CHUNK_ROWS)) for t in tables]
+                # rows with their step stamps, and the rest of the training state (clock,
+                # bucket rows, admission and promotion counts), all as of this cut
+                exports = [
+                    (t.config, t.export_stored(SNAPSHOT_CHUNK_ROWS), t.export_state())
+                    for t in tables
+                ]
             estimate = sum(t.durable.stats()["rows"] for t in tables)
             for progress in snapshot.write_part(
                 root, name, save_id, self.shard_id, self.num_shards, exports, estimate
@@ -419,8 +424,13 @@ class Shard:
         yield Progress(rows, rows, str(root / name), done=True)
 
     def load_snapshot(self, name: str) -> Iterator[Progress]:
-        """Replace the snapshot's tables with its rows of this shard's keys. Everything is
-        checked before anything changes; data calls wait and health is NOT_SERVING meanwhile."""
+        """Replace the snapshot's tables with its rows of this shard's keys, all of them or
+        none. The whole snapshot is checked (snapshot.Snapshot: manifest, part headers,
+        every file's content), every part read, checked and this shard's rows written to
+        staged column families while the live tables serve on unchanged; only when all of
+        it passed do data calls wait (health NOT_SERVING) while one atomic RocksDB write
+        swaps the staged tables in. A refused or failed load leaves every live row as it
+        was and drops what it staged."""
         root = self._snapshot_root()
         opened = snapshot.Snapshot(root, name)
         for config in opened.configs.values():
@@ -431,27 +441,47 @@ class Shard:
                     f"snapshot {name!r} cannot load into this cluster of {self.num_shards} "
                     f"shards: {error}"
                 ) from None
-            self.store.check_creatable(config)  # before any table is dropped
-        opened.verify()
-        total = sum(entry["rows"] for entry in opened.tables.values())
+            self.store.check_creatable(config)  # before anything is staged
+        opened.check_files()
+        opened.check_headers()
+        # every part's state files read and checked (the other shards' too) before any
+        # row is staged; this shard's share resolved (see snapshot.CARRIES for a reshard)
+        states = {
+            table_name: opened.state_for_shard(table_name, self.shard_id, self.num_shards)
+            for table_name in opened.configs
+        }
+        total = opened.rows_total
         done = kept = 0
-        with self._admin, self._gate.exclusive():
-            self._set_loading(True)
+        with self._admin:
+            staged: list[Any] = []
             try:
                 for table_name, config in opened.configs.items():
-                    if table_name in {t.name for t in self.store.tables()}:
-                        self.store.drop_table(table_name)
-                    table = self.store.create_table(config)
-                    for keys, rows, scanned in opened.rows_for_shard(
+                    stage = self.store.stage_table(config)
+                    staged.append(stage)
+                    state = states[table_name]
+                    stage.steps = (state.get("current_step", 0), state.get("first_step", 0))
+                    if stage.buckets is not None and "buckets" in state:
+                        index = np.arange(config.hash_bucket_size, dtype=np.int64)
+                        stage.buckets.write(index, state["buckets"])
+                    for keys, rows, steps, scanned in opened.rows_and_steps_for_shard(
                         table_name, self.shard_id, self.num_shards, SNAPSHOT_CHUNK_ROWS
                     ):
-                        table.restore(keys, rows)
+                        if keys.size:
+                            stage.rows.write(keys, _stored_rows(config, rows, steps))
                         done += scanned
                         kept += keys.size
                         yield Progress(done, total, str(opened.path), rows_kept=kept)
-                self.store.flush()
+                with self._gate.exclusive():
+                    self._set_loading(True)
+                    try:
+                        tables = self.store.install_staged(staged)
+                        for table in tables:  # the soft state: clock and counts, in memory
+                            table.restore_state(states[table.config.name])
+                    finally:
+                        self._set_loading(False)
             finally:
-                self._set_loading(False)
+                for stage in staged:  # a refused, failed or cancelled load: drop the staging
+                    self.store.discard_staged(stage)
         yield Progress(done, total, str(opened.path), rows_kept=kept, done=True)
 
     def list_snapshots(self) -> list[dict[str, Any]]:
@@ -502,7 +532,9 @@ class Shard:
         self.lives.flushed(self.last_flush)
 
     def _recover(self) -> bool:
-        with self._gate.exclusive():
+        # not while a snapshot save or load reads or stages (_admin): reopening RocksDB
+        # would pull the database from under them
+        with self._admin, self._gate.exclusive():
             recovered = self.store.recover()
         if recovered:
             self.last_flush = time.time()
@@ -543,6 +575,22 @@ class Shard:
         with self._admin, self._gate.exclusive():
             self.store.close()
         self.lives.end_cleanly()
+
+
+def _stored_rows(
+    config: TableConfig, rows: np.ndarray, steps: np.ndarray | None = None
+) -> np.ndarray:
+    """Snapshot rows [n, row_width] as the tiers store them: with steps_to_live, widened by
+    each row's last-update step as the snapshot carries it (int64 bits, bit for bit), or 0
+    where it carries none (a format version 2 snapshot: counted from the table's first
+    push, as a new row)."""
+    if not config.steps_to_live:
+        return rows
+    out = np.zeros((rows.shape[0], config.stored_width), dtype=np.float32)
+    out[:, : config.row_width] = rows
+    if steps is not None:
+        out[:, config.row_width :] = steps.astype("<i8").view(np.float32).reshape(-1, 2)
+    return out
 
 
 def _proc_status_bytes(field: str) -> int:

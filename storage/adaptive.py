@@ -7,9 +7,10 @@ from its bucket row's current weights.
 Sightings are counted exactly as admission counts them (a CounterFilter with admit_after = P,
 erased on promotion): a training lookup or a push in which the key has no row in any tier,
 once per call per distinct key; create=False lookups neither count nor promote. The counts
-are soft state (memory only): after a restart, a drop or a snapshot load a key without a row
-starts counting from 0 again. EmbeddingTable asks them in one place, the last step of its
-cascade, like the admission filter.
+are soft state (memory only): after a restart or a drop a key without a row starts counting
+from 0 again; a snapshot carries them (exact, by key, also into another shard count).
+EmbeddingTable asks them in one place, the last step of its cascade, like the admission
+filter.
 
 A promoted row starts with FRESH optimizer state (the optimizer's initial fill), not the
 bucket's: the bucket's state - Adagrad's sum of squares, Adam's moments, a momentum buffer -
@@ -23,8 +24,10 @@ RocksDB column family of their own ("buckets.<table>", key = bucket index), writ
 flush (and so at close, checkpoint and snapshot save) when changed, and at once with
 write_policy="write_through". A bucket never written reads its initial row: the table's
 initializer at seed `bucket_seed(config)` - a stream of its own, derived from the table seed
-and a salt, so bucket b's initial row is not key b's. Bucket rows are NOT in snapshots: a
-snapshot holds the keys' own rows; a table loaded from one starts with initial bucket rows.
+and a salt, so bucket b's initial row is not key b's. Snapshots (format 3) carry each
+shard's bucket rows: a load into the same shard count gives shard i part i's; bucket rows
+cannot be split by key, so a load into another shard count gives every shard the mean of the
+parts' bucket rows (weights and optimizer state; storage/snapshot.py CARRIES).
 """
 
 from __future__ import annotations

@@ -24,10 +24,13 @@ Two filters behind one batched interface (`observe(keys) -> admitted mask`, `est
   false positive admits a key early). Memory is fixed: m counters of the smallest unsigned
   type that holds admit_after. Its counts are never erased.
 
-Filter state is soft: it lives in memory only and is lost when the shard restarts, the table
-is dropped or a snapshot is loaded into it (a key not yet admitted then starts counting from
-0 again). What admission decided persists: an admitted key has a row, and rows are durable and
-saved in snapshots.
+Filter state is soft: it lives in memory only and is lost when the shard restarts or the table
+is dropped (a key not yet admitted then starts counting from 0 again). What admission decided
+persists: an admitted key has a row, and rows are durable and saved in snapshots. Snapshots
+(format 3) carry the counts too (export_counts / counters): the exact counter's by key, into
+any shard count; a Bloom filter's counters as they are into the same shard count, and as the
+element-wise max of every part's into another (it cannot be split by key: no key's estimate
+falls below its count, more keys collide). The figures (sightings, keys_admitted) start over.
 """
 
 from __future__ import annotations
@@ -219,6 +222,30 @@ class CounterFilter:
     def estimate(self, keys: np.ndarray) -> np.ndarray:
         return self._held(keys)[0]
 
+    def export_counts(self) -> np.ndarray:
+        """Every count held, as int64 [n, 3] rows (key, sightings, call of the latest
+        sighting) in ascending key order: what a snapshot carries (import_counts takes it)."""
+        keys, ids = self._index.export()
+        order = np.argsort(keys, kind="stable")
+        keys, ids = keys[order], ids[order]
+        return np.stack([keys, self._count[ids], self._seen[ids]], axis=1).astype(np.int64)
+
+    def import_counts(self, counts: np.ndarray, calls: int) -> None:
+        """Replace every count with `counts` (rows of export_counts, distinct keys, each
+        count in [1, admit_after)) and the recency clock with `calls`; the figures
+        (sightings, keys_admitted, keys_dropped) start over. More than max_keys counts (a
+        snapshot of more shards loaded into fewer) are trimmed as observe trims them."""
+        self._index = HashTable(1 << max(4, (2 * int(counts.shape[0])).bit_length()))
+        self._count = np.zeros(0, dtype=np.int64)
+        self._seen = np.zeros(0, dtype=np.int64)
+        self._free = np.zeros(0, dtype=np.int64)
+        self.calls = int(calls)
+        self.sightings = self.keys_admitted = self.keys_dropped = 0
+        if counts.shape[0]:
+            self._put(counts[:, 0].copy(), counts[:, 1].copy(), counts[:, 2].copy())
+        if self._index.size > self.max_keys:
+            self._trim()
+
     def stats(self) -> dict[str, int]:
         return {
             "keys_counted": self._index.size,
@@ -330,6 +357,25 @@ class BloomFilter:
 
     def estimate(self, keys: np.ndarray) -> np.ndarray:
         return self._counters[self.positions(keys)].min(axis=1).astype(np.int64)
+
+    @property
+    def counters(self) -> np.ndarray:
+        """The m counters (read-only view): what a snapshot carries (import_counters)."""
+        view = self._counters.view()
+        view.flags.writeable = False
+        return view
+
+    def import_counters(self, counters: np.ndarray) -> None:
+        """Replace the m counters with `counters` (this filter's size and dtype, as
+        `counters` gave them); the figures (sightings, keys_admitted) start over."""
+        if counters.shape != self._counters.shape or counters.dtype != self._counters.dtype:
+            raise ValueError(
+                f"BloomFilter: counters expected {self._counters.shape} of "
+                f"{self._counters.dtype}, got {counters.shape} of {counters.dtype}"
+            )
+        self._counters = counters.copy()
+        self.counters_used = int(np.count_nonzero(self._counters))
+        self.sightings = self.keys_admitted = 0
 
     def estimated_keys(self) -> int:
         """Distinct keys sighted, estimated from the share of counters in use:

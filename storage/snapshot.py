@@ -1,20 +1,50 @@
 """The snapshot format: the part each shard writes, and the manifest that completes them.
 
     <snapshot-dir>/<name>/
-      <save-id>/part-00000-of-00002/<table>.keys  int64 little-endian keys, ascending
+      <save-id>/part-00000-of-00002/<table>.keys  int64 little-endian keys, strictly ascending
       <save-id>/part-00000-of-00002/<table>.rows  float32 little-endian [n, row_width] rows:
                                                   weights and optimizer state side by side
-      <save-id>/part-00000-of-00002.json          the part's summary: tables, rows, checksums
+      .../<table>.steps      (steps_to_live)      int64 [n]: each row's last-update step
+      .../<table>.buckets    (promote_after)      float32 [B, row_width]: the shard's buckets
+      .../<table>.promotion  (promote_after)      int64 [c, 3]: key, sightings, latest call
+      .../<table>.admission  (admit_after)        counter: int64 [c, 3] as promotion;
+                                                  bloom: the m counters (uint8..uint64, LE)
+      <save-id>/part-00000-of-00002.json          the part's header: for each table its config,
+                                                  layout (dim, optimizer, row_width, dtypes),
+                                                  rows, and each file's size and SHA-256
       MANIFEST.json                               written last and exclusively; a snapshot
                                                   without it is incomplete, never loaded
+
+Format version 3: a part holds all training state (CARRIES says what, and how each piece
+loads into another shard count): rows, step stamps, and in the header's "state" the step
+clock (current_step, first_step) and the counters' call clocks. Version 2 snapshots (keys and
+rows only) still load: step stamps and clocks then start at 0, bucket rows at their initial
+values, and no key is counted. The manifest lists every part's files and header with their sizes and
+SHA-256, and carries a SHA-256 of itself (`manifest_sha256`: of its canonical JSON - sorted
+keys, no spaces - without that field), so an edited manifest is refused, and an edit that
+recomputes that checksum still disagrees with the part headers the shards wrote.
 
 A load into a cluster of M shards makes shard i read the keys with key % M == i from every
 part, so a snapshot loads into any shard count; a table placed whole (placement="table") goes
 whole to its owner among the M, owner_shard(config, M), and the other shards take none of it.
-Every file's size and SHA-256 are in the manifest and are checked before a load changes
-anything. Each save writes under its own save id, so two saves under one name (two clusters
-sharing a snapshot directory) never touch each other's files, and only one of them can commit
-the manifest.
+
+Before a load changes anything, every shard checks the whole snapshot, not only its own keys
+(so every shard refuses the same snapshot): the manifest's checksum and its configs against
+the part headers; every file path is the one the format names, inside the snapshot's own
+directory (no '..', not absolute, no symlink out), and exactly the files the table's config
+needs; every file's size and SHA-256; keys strictly ascending (so distinct in a part), >= 0,
+each on the part's shard (key % N, so distinct across parts; a table placed whole: no key in
+two parts), below capacity for a direct table; every weight, optimizer and bucket value
+finite; step stamps and clocks in [0, MAX_STEP]; counts below the admit/promote threshold,
+on distinct keys of their part's shard. A refusal is SnapshotRefusedError
+(FAILED_PRECONDITION: the request is fine, the stored snapshot is not in a state that can be
+loaded; the client does not retry it), naming the snapshot, table, part and file, with what
+was expected and what was found.
+
+Each save writes under its own save id, so two saves under one name (two clusters sharing a
+snapshot directory) never touch each other's files, and only one of them can commit the
+manifest. A save refuses (FailedPreconditionError) to write a row with a non-finite value or
+keys out of order, rather than write a snapshot no load would accept.
 """
 
 from __future__ import annotations
@@ -27,19 +57,57 @@ import shutil
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
 
-from tierps.storage.config import Placement, TableConfig, owner_shard
+from tierps.storage.admission import bloom_size, counter_dtype
+from tierps.storage.config import Admission, Placement, TableConfig, owner_shard
 from tierps.storage.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from tierps.storage.validation import MAX_STEP
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)  # version 2 snapshots load too: rows only (see CARRIES)
 MANIFEST = "MANIFEST.json"
+CHECKSUM = "manifest_sha256"  # the manifest's field holding the SHA-256 of the rest of it
+KEY_DTYPE = "<i8"
+ROW_DTYPE = "<f4"
+READ_CHUNK_ROWS = 65536
+COUNT_DTYPE = "<i8"  # admission and promotion counts: [n, 3] rows (key, count, latest call)
+STEP_DTYPE = "<i8"  # a row's last-update step (steps_to_live)
+# What a snapshot carries, and how each piece loads into another shard count (written into
+# every manifest as "carries", so a reader of the snapshot can tell without the code).
+CARRIES: dict[str, str] = {
+    "rows": "weights and optimizer state of every stored key, exact; reshards by key",
+    "step_stamps": "each row's last-update step (steps_to_live), exact; reshards by key",
+    "step_clock": "each shard's current_step and first_step: a load into the same shard "
+    "count gives shard i part i's clock; a reshard gives every shard the largest "
+    "current_step and the smallest first_step of the parts",
+    "admission_counts": "admission='counter': every key's sightings and recency, exact; "
+    "reshards by key (more keys than max_elements on a shard are trimmed as a call trims)",
+    "admission_bloom": "admission='bloom': each shard's counters, exact into the same shard "
+    "count; a Bloom filter cannot be split by key, so a reshard gives every shard the "
+    "element-wise max of the parts' counters: no key's estimate falls below its count, but "
+    "more keys collide (keys may be admitted earlier than on the source cluster)",
+    "promotion_counts": "adaptive embedding (promote_after): every key's sightings, exact; "
+    "reshards by key",
+    "bucket_rows": "adaptive embedding: each shard's bucket rows, exact into the same shard "
+    "count; bucket rows are per shard and cannot be split by key, so a reshard gives every "
+    "shard the mean of the parts' bucket rows (weights and optimizer state): keys not yet "
+    "promoted then read a blend, not their old shard's bucket",
+    "not_carried": "figures (sightings, keys_admitted, lookups and gradients to buckets, "
+    "evictions) and the eviction guard's held-back leap step start over at a load",
+}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _SAVE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 Chunk = tuple[np.ndarray, np.ndarray]
+
+
+class SnapshotRefusedError(FailedPreconditionError):
+    """A snapshot that cannot be loaded as it is: altered, corrupted or inconsistent with
+    itself. FAILED_PRECONDITION (the caller's request is well formed; the stored snapshot
+    is not loadable, and retrying does not help)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +150,26 @@ def snapshot_path(root: Path, name: str) -> Path:
     return Path(root) / check_name(name)
 
 
+def layout(config: TableConfig) -> dict[str, Any]:
+    """What a table's files hold, recorded in each part header and checked against the
+    manifest's config at load: a config edited to another dim or optimizer of the same
+    row width is refused."""
+    return {
+        "dim": config.dim,
+        "optimizer": config.optimizer.kind,
+        "row_width": config.row_width,
+        "key_dtype": KEY_DTYPE,
+        "row_dtype": ROW_DTYPE,
+    }
+
+
+def manifest_checksum(manifest: dict[str, Any]) -> str:
+    """SHA-256 (hex) of the manifest's canonical JSON without its CHECKSUM field."""
+    body = {key: value for key, value in manifest.items() if key != CHECKSUM}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _write_json_atomic(path: Path, data: dict[str, Any], *, exclusive: bool = False) -> None:
     """Write to a temporary file, fsync, then rename (or, exclusive, hard-link, which fails
     if `path` exists): readers see the whole file or none."""
@@ -106,17 +194,41 @@ def check_new(root: Path, name: str) -> None:
         raise FailedPreconditionError(f"snapshot {name!r} already exists in {root}")
 
 
+def _check_chunk(where: str, keys: np.ndarray, rows: np.ndarray, previous: int) -> None:
+    """Refuse (FailedPreconditionError) to save keys not strictly ascending after `previous`
+    or a row holding a non-finite value: a load would refuse the snapshot."""
+    if keys.size and (keys[0] <= previous or bool(np.any(keys[1:] <= keys[:-1]))):
+        at = 0 if keys[0] <= previous else int(np.argmax(keys[1:] <= keys[:-1])) + 1
+        raise FailedPreconditionError(
+            f"{where}: keys expected strictly ascending (distinct), got key {int(keys[at])} "
+            f"after key {previous if at == 0 else int(keys[at - 1])}; nothing was committed"
+        )
+    finite = np.isfinite(rows)
+    if not finite.all():
+        row, column = np.argwhere(~finite)[0]
+        raise FailedPreconditionError(
+            f"{where}: every weight and optimizer value expected finite, got "
+            f"{rows[row, column]} in the row of key {int(keys[row])} at column {int(column)}; "
+            f"the snapshot is not written (a load would refuse it)"
+        )
+
+
 def write_part(
     root: Path,
     name: str,
     save_id: str,
     shard_id: int,
     num_shards: int,
-    exports: Iterable[tuple[TableConfig, Iterator[Chunk]]],
+    exports: Iterable[tuple[Any, ...]],
     rows_estimate: int,
 ) -> Iterator[Progress]:
-    """Write one shard's part from each table's export (chunks in key order), yielding
-    progress after every chunk; the last Progress has done=True."""
+    """Write one shard's part from each table's export, yielding progress after every chunk;
+    the last Progress has done=True. Each export is (config, chunks) or (config, chunks,
+    state): chunks in key order, each (keys, rows [c, row_width]) or (keys, rows, steps:
+    int64 last-update steps, or None), as EmbeddingTable.export_stored gives them; state as
+    EmbeddingTable.export_state gives it (the step clock, bucket rows, admission and
+    promotion counts; none: an empty table's). A non-finite value or keys out of order are
+    refused (FailedPreconditionError) and the part is removed."""
     snapshot = snapshot_path(root, name)
     staging = snapshot / check_save_id(save_id)
     check_new(root, name)
@@ -127,42 +239,149 @@ def write_part(
     part_dir.mkdir(parents=True)
     tables: dict[str, Any] = {}
     done = 0
-    for config, chunks in exports:
-        files: dict[str, Any] = {}
-        rows_in_table = 0
-        paths = {kind: part_dir / f"{config.name}.{kind}" for kind in ("keys", "rows")}
-        digests = {kind: hashlib.sha256() for kind in paths}
-        with open(paths["keys"], "wb") as keys_out, open(paths["rows"], "wb") as rows_out:
-            for keys, rows in chunks:
-                for kind, out, array in (
-                    ("keys", keys_out, keys.astype("<i8", copy=False)),
-                    ("rows", rows_out, rows.astype("<f4", copy=False)),
-                ):
-                    data = memoryview(np.ascontiguousarray(array)).cast("B")
-                    out.write(data)
-                    digests[kind].update(data)
-                rows_in_table += keys.size
-                done += keys.size
-                yield Progress(done, max(done, rows_estimate), str(part_dir))
-            for out in (keys_out, rows_out):
-                out.flush()
-                os.fsync(out.fileno())
-        for kind, path in paths.items():
-            files[f"{kind}_file"] = {
-                "path": f"{save_id}/{part}/{path.name}",
-                "bytes": path.stat().st_size,
-                "sha256": digests[kind].hexdigest(),
+    try:
+        for config, chunks, *rest in exports:
+            table_state = rest[0] if rest else {}
+            where = f"snapshot {name!r}: table {config.name!r} on shard {shard_id}"
+            rows_in_table = 0
+            kinds = ("keys", "rows", "steps") if config.steps_to_live else ("keys", "rows")
+            paths = {kind: part_dir / f"{config.name}.{kind}" for kind in kinds}
+            digests = {kind: hashlib.sha256() for kind in paths}
+            outs = {kind: open(path, "wb") for kind, path in paths.items()}  # noqa: SIM115
+            previous = -1
+            try:
+                for keys, rows, *more in chunks:
+                    steps = more[0] if more else None
+                    _check_chunk(where, keys, rows, previous)
+                    if keys.size:
+                        previous = int(keys[-1])
+                    arrays = {
+                        "keys": keys.astype(KEY_DTYPE, copy=False),
+                        "rows": rows.astype(ROW_DTYPE, copy=False),
+                    }
+                    if "steps" in outs:  # no steps (an old export): 0, as a new row's
+                        arrays["steps"] = (
+                            np.zeros(keys.size, STEP_DTYPE) if steps is None
+                            else np.asarray(steps).astype(STEP_DTYPE, copy=False)
+                        )  # fmt: skip
+                    for kind, array in arrays.items():
+                        data = _raw(array)
+                        outs[kind].write(data)
+                        digests[kind].update(data)
+                    rows_in_table += keys.size
+                    done += keys.size
+                    yield Progress(done, max(done, rows_estimate), str(part_dir))
+                for out in outs.values():
+                    out.flush()
+                    os.fsync(out.fileno())
+            finally:
+                for out in outs.values():
+                    out.close()
+            entry: dict[str, Any] = {
+                "config": config.to_dict(),
+                "layout": layout(config),
+                "rows": rows_in_table,
+                "state": _write_state(where, part_dir, config, table_state, paths, digests),
             }
-        tables[config.name] = {"config": config.to_dict(), "rows": rows_in_table, **files}
-    summary = {
+            for kind, path in paths.items():
+                entry[f"{kind}_file"] = {
+                    "path": f"{save_id}/{part}/{path.name}",
+                    "bytes": path.stat().st_size,
+                    "sha256": digests[kind].hexdigest(),
+                }
+            tables[config.name] = entry
+    except BaseException:
+        shutil.rmtree(part_dir, ignore_errors=True)  # never leave half a part behind
+        raise
+    header = {
         "format_version": FORMAT_VERSION,
         "save_id": save_id,
         "shard_id": shard_id,
         "num_shards": num_shards,
         "tables": tables,
     }
-    _write_json_atomic(staging / f"{part}.json", summary)
+    _write_json_atomic(staging / f"{part}.json", header)
     yield Progress(done, done, str(part_dir), done=True)
+
+
+def _raw(array: np.ndarray) -> memoryview:
+    """An array's bytes, without a copy where it is contiguous (empty arrays too)."""
+    array = np.ascontiguousarray(array)
+    return memoryview(array).cast("B") if array.size else memoryview(b"")
+
+
+def _state_arrays(config: TableConfig, state: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The state files a table's part holds, as the arrays to write: bucket rows and
+    promotion counts (promote_after), admission counts or Bloom counters (admit_after);
+    an absent piece is written empty or initial (a table without state of that kind)."""
+    arrays: dict[str, np.ndarray] = {}
+    if config.promote_after:
+        buckets = state.get("buckets")
+        if buckets is None:
+            from tierps.storage.adaptive import BucketRows  # initial bucket rows
+
+            buckets = BucketRows(config).rows
+        arrays["buckets"] = np.asarray(buckets).astype(ROW_DTYPE, copy=False)
+        arrays["promotion"] = _counts(state.get("promotion"))
+    if config.admit_after:
+        if config.admission is Admission.BLOOM:
+            size, _ = bloom_size(config.max_elements, config.false_positive_rate)
+            counters = state.get("admission")
+            dtype = counter_dtype(config.admit_after).newbyteorder("<")
+            arrays["admission"] = (
+                np.zeros(size, dtype) if counters is None else counters.astype(dtype, copy=False)
+            )
+        else:
+            arrays["admission"] = _counts(state.get("admission"))
+    return arrays
+
+
+def _counts(counts: np.ndarray | None) -> np.ndarray:
+    return np.zeros((0, 3), COUNT_DTYPE) if counts is None else counts.astype(COUNT_DTYPE)
+
+
+def _write_state(
+    where: str,
+    part_dir: Path,
+    config: TableConfig,
+    state: dict[str, Any],
+    paths: dict[str, Path],
+    digests: dict[str, Any],
+) -> dict[str, int]:
+    """Write a table's state files into its part (adding them to paths and digests) and
+    return the header's "state": the step clock and the counters' call clocks. A bucket
+    row holding a non-finite value is refused (FailedPreconditionError)."""
+    for kind, array in _state_arrays(config, state).items():
+        if kind == "buckets" and not np.isfinite(array).all():
+            row, column = np.argwhere(~np.isfinite(array))[0]
+            raise FailedPreconditionError(
+                f"{where}: every bucket row value expected finite, got {array[row, column]} "
+                f"in bucket {int(row)} at column {int(column)}; the snapshot is not written"
+            )
+        paths[kind] = part_dir / f"{config.name}.{kind}"
+        data = _raw(array)
+        with open(paths[kind], "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        digests[kind] = hashlib.sha256(data)
+    out = {
+        "current_step": int(state.get("current_step", 0)),
+        "first_step": int(state.get("first_step", 0)),
+    }
+    for field in ("admission_calls", "promotion_calls"):
+        if (field == "promotion_calls" and config.promote_after) or (
+            field == "admission_calls"
+            and config.admit_after
+            and config.admission is not Admission.BLOOM
+        ):
+            out[field] = int(state.get(field, 0))
+    return out
+
+
+def _file_entry(path: Path, relative: str) -> dict[str, Any]:
+    data = path.read_bytes()
+    return {"path": relative, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
@@ -174,12 +393,13 @@ def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
     if (snapshot / MANIFEST).exists():
         raise FailedPreconditionError(f"snapshot {name!r} already exists in {root}")
     parts: dict[int, dict[str, Any]] = {}
+    headers: dict[int, dict[str, Any]] = {}
     num_shards = None
     for path in sorted((snapshot / check_save_id(save_id)).glob("part-*-of-*.json")):
-        summary = _read_json(path, f"snapshot {name!r}: part summary {path.name}")
+        summary = _read_json(path, f"snapshot {name!r}: part header {path.name}")
         if summary.get("save_id") != save_id:
             raise FailedPreconditionError(
-                f"snapshot {name!r}: part summary {path} names save {summary.get('save_id')!r}"
+                f"snapshot {name!r}: part header {path} names save {summary.get('save_id')!r}"
             )
         if num_shards is None:
             num_shards = summary["num_shards"]
@@ -189,6 +409,7 @@ def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
                 f"{num_shards} and {summary['num_shards']} ({path.name})"
             )
         parts[summary["shard_id"]] = summary
+        headers[summary["shard_id"]] = _file_entry(path, f"{save_id}/{path.name}")
     missing = sorted(set(range(num_shards or 1)) - set(parts))
     if num_shards is None or missing:
         raise FailedPreconditionError(
@@ -199,9 +420,10 @@ def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
     for shard_id in range(num_shards):
         for table_name, entry in parts[shard_id]["tables"].items():
             table = tables.setdefault(
-                table_name, {"config": entry["config"], "rows": 0, "parts": []}
+                table_name,
+                {"config": entry["config"], "layout": entry["layout"], "rows": 0, "parts": []},
             )
-            if table["config"] != entry["config"]:
+            if table["config"] != entry["config"] or table["layout"] != entry["layout"]:
                 raise FailedPreconditionError(
                     f"snapshot {name!r}: table {table_name!r} has another config on shard "
                     f"{shard_id}: {entry['config']} vs {table['config']}"
@@ -211,18 +433,21 @@ def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
                 {
                     "shard_id": shard_id,
                     "rows": entry["rows"],
-                    "keys_file": entry["keys_file"],
-                    "rows_file": entry["rows_file"],
+                    "header_file": headers[shard_id],
+                    "state": entry["state"],
+                    **{key: value for key, value in entry.items() if key.endswith("_file")},
                 }
             )
-    manifest = {
+    manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "name": name,
         "save_id": save_id,
         "num_shards": num_shards,
         "created_unix": time.time(),
+        "carries": CARRIES,
         "tables": tables,
     }
+    manifest[CHECKSUM] = manifest_checksum(manifest)
     try:
         _write_json_atomic(snapshot / MANIFEST, manifest, exclusive=True)
     except FileExistsError:
@@ -230,23 +455,23 @@ def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
     return manifest
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
+def _read_json(path: Path, what: str, error: type[Exception] = FailedPreconditionError) -> Any:
     try:
         with open(path) as source:
             data = json.load(source)
-    except (OSError, ValueError) as error:
-        raise FailedPreconditionError(f"{what} is unreadable or corrupted: {error}") from None
-    if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
+    except (OSError, ValueError) as problem:
+        raise error(f"{what} is unreadable or corrupted: {problem}") from None
+    if not isinstance(data, dict) or data.get("format_version") not in READABLE_VERSIONS:
         version = data.get("format_version") if isinstance(data, dict) else None
-        raise FailedPreconditionError(
-            f"{what}: format_version expected {FORMAT_VERSION}, got {version!r}"
-        )
+        raise error(f"{what}: format_version expected one of {READABLE_VERSIONS}, got {version!r}")
     return data
 
 
 class Snapshot:
-    """A complete snapshot, opened for loading. Opening checks the manifest; `verify` checks
-    every file's size and checksum."""
+    """A complete snapshot, opened for loading. Opening checks the manifest: its structure,
+    sizes, file paths and its own checksum. `check_files` checks that every file is where
+    the manifest says with its size, `check_headers` the part headers against the manifest,
+    and `read_part` (so `rows_for_shard` and `verify`) each file's content and SHA-256."""
 
     def __init__(self, root: Path, name: str) -> None:
         self.name = check_name(name)
@@ -259,109 +484,570 @@ class Snapshot:
                 f"snapshot {name!r} in {root} is incomplete: no {MANIFEST} (parts written: "
                 f"{parts or 'none'}); it was never committed and cannot be loaded"
             )
-        self.manifest = _read_json(self.path / MANIFEST, f"snapshot {name!r}: {MANIFEST}")
+        where = f"snapshot {name!r}: {MANIFEST}"
+        self.manifest = _read_json(self.path / MANIFEST, where, SnapshotRefusedError)
+        self.version = int(self.manifest["format_version"])
         try:
             self.num_shards = int(self.manifest["num_shards"])
+            self.save_id = check_save_id(self.manifest["save_id"])
             self.configs = {
                 table_name: TableConfig.from_dict(entry["config"])
                 for table_name, entry in self.manifest["tables"].items()
             }
             for table_name, entry in self.tables.items():
+                self._check_parts(table_name, entry)  # the files first: sizes read them
                 self._check_sizes(table_name, entry)
         except (KeyError, TypeError, ValueError) as error:
-            raise FailedPreconditionError(
-                f"snapshot {name!r}: {MANIFEST} is corrupted: {error!r}"
-            ) from None
+            raise SnapshotRefusedError(f"{where} is corrupted: {error!r}") from None
+        found = manifest_checksum(self.manifest)
+        expected = self.manifest.get(CHECKSUM)
+        if found != expected:
+            raise SnapshotRefusedError(
+                f"{where} was altered after it was written: its {CHECKSUM} is {expected!r}, "
+                f"but its content hashes to {found!r}"
+            )
+
+    def state_kinds(self, config: TableConfig) -> dict[str, int | None]:
+        """The files besides keys and rows that each part of a table holds in this
+        snapshot's format version, with their size in bytes (None: per row, as `steps`, or
+        a multiple of one count row, as exact counts); version 2 has none."""
+        if self.version < 3:
+            return {}
+        kinds: dict[str, int | None] = {}
+        if config.steps_to_live:
+            kinds["steps"] = None
+        if config.promote_after:
+            kinds["buckets"] = 4 * config.row_width * config.hash_bucket_size
+            kinds["promotion"] = None
+        if config.admit_after:
+            if config.admission is Admission.BLOOM:
+                size, _ = bloom_size(config.max_elements, config.false_positive_rate)
+                kinds["admission"] = size * counter_dtype(config.admit_after).itemsize
+            else:
+                kinds["admission"] = None
+        return kinds
 
     def _check_sizes(self, table_name: str, entry: dict[str, Any]) -> None:
         """The manifest's row counts and config must agree with its file sizes, or a load
         would read past the end or misread rows."""
-        width = self.configs[table_name].row_width
+        config = self.configs[table_name]
+        width = config.row_width
         for part in entry["parts"]:
             rows = int(part["rows"])
-            for file, expected in (
-                (part["keys_file"], 8 * rows),
-                (part["rows_file"], 4 * width * rows),
-            ):
+            sizes = [(part["keys_file"], 8 * rows), (part["rows_file"], 4 * width * rows)]
+            for kind, size in self.state_kinds(config).items():
+                file = part[f"{kind}_file"]
+                if kind == "steps":
+                    sizes.append((file, 8 * rows))
+                elif size is None:  # exact counts: whole [n, 3] int64 rows
+                    sizes.append((file, file["bytes"] - file["bytes"] % 24))
+                else:
+                    sizes.append((file, size))
+            for file, expected in sizes:
                 if file["bytes"] != expected:
-                    raise FailedPreconditionError(
+                    raise SnapshotRefusedError(
                         f"snapshot {self.name!r}: {MANIFEST} is corrupted: table {table_name!r} "
-                        f"lists {rows} rows of {width} floats in {file['path']}, which needs "
-                        f"{expected} bytes, but the manifest gives {file['bytes']}"
+                        f"(dim {config.dim}, {config.optimizer.kind}: rows of {width} floats, "
+                        f"{rows} rows in this part) needs {expected} bytes in {file['path']}, "
+                        f"but the manifest gives {file['bytes']}"
                     )
         if sum(int(part["rows"]) for part in entry["parts"]) != int(entry["rows"]):
-            raise FailedPreconditionError(
+            raise SnapshotRefusedError(
                 f"snapshot {self.name!r}: {MANIFEST} is corrupted: table {table_name!r} has "
                 f"{entry['rows']} rows in all but its parts sum to another count"
             )
+
+    def _part_where(self, table_name: str, part: dict[str, Any]) -> str:
+        shard = part["shard_id"]
+        return (
+            f"snapshot {self.name!r}: table {table_name!r}, part "
+            f"{part_name(shard, self.num_shards)} (shard {shard} of {self.num_shards})"
+        )
+
+    def _check_parts(self, table_name: str, entry: dict[str, Any]) -> None:
+        """One part per source shard, and every file path exactly the one the format names
+        for it: relative, inside the snapshot, no '..' (a manifest cannot point a load at
+        another file)."""
+        shards = sorted(int(part["shard_id"]) for part in entry["parts"])
+        if shards != list(range(self.num_shards)):
+            raise SnapshotRefusedError(
+                f"snapshot {self.name!r}: {MANIFEST} is corrupted: table {table_name!r} "
+                f"expected one part per shard 0..{self.num_shards - 1}, got shards {shards}"
+            )
+        config = self.configs[table_name]
+        kinds = sorted(["header", "keys", "rows", *self.state_kinds(config)])
+        for part in entry["parts"]:
+            name = part_name(part["shard_id"], self.num_shards)
+            found = sorted(kind for kind, _ in self._part_files(part))
+            if found != kinds:
+                raise SnapshotRefusedError(
+                    f"{self._part_where(table_name, part)}: files expected {kinds} (format "
+                    f"version {self.version}, {config.name!r}'s config), got {found}"
+                )
+            if self.version >= 3 and not isinstance(part.get("state"), dict):
+                raise SnapshotRefusedError(
+                    f"{self._part_where(table_name, part)}: field 'state' expected (the "
+                    f"table's step clock and counter clocks), got {part.get('state')!r}"
+                )
+            for kind, file in self._part_files(part):
+                expected = (
+                    f"{self.save_id}/{name}.json" if kind == "header"
+                    else f"{self.save_id}/{name}/{table_name}.{kind}"
+                )  # fmt: skip
+                path = file["path"]
+                pure = PurePosixPath(path) if isinstance(path, str) else None
+                if pure is None or pure.is_absolute() or ".." in pure.parts or "\\" in path:
+                    raise SnapshotRefusedError(
+                        f"{self._part_where(table_name, part)}: {kind} file path expected "
+                        f"inside the snapshot directory ({expected!r}), got {path!r}: it "
+                        f"leaves the snapshot directory"
+                    )
+                if path != expected:
+                    raise SnapshotRefusedError(
+                        f"{self._part_where(table_name, part)}: {kind} file path expected "
+                        f"{expected!r}, got {path!r}"
+                    )
+
+    @staticmethod
+    def _part_files(part: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        return [
+            (key.removesuffix("_file"), file) for key, file in part.items() if key.endswith("_file")
+        ]
 
     @property
     def tables(self) -> dict[str, Any]:
         return self.manifest["tables"]
 
+    @property
+    def rows_total(self) -> int:
+        return sum(int(entry["rows"]) for entry in self.tables.values())
+
     def files(self) -> Iterator[dict[str, Any]]:
         for entry in self.tables.values():
             for part in entry["parts"]:
-                yield part["keys_file"]
-                yield part["rows_file"]
+                for _, file in self._part_files(part):
+                    yield file
 
-    def verify(self) -> None:
-        """Refuse (FailedPreconditionError naming the file) a missing, truncated or altered
-        file."""
-        for file in self.files():
-            path = self.path / file["path"]
-            where = f"snapshot {self.name!r}: file {file['path']}"
-            try:
-                size = path.stat().st_size
-                if size != file["bytes"]:
-                    raise FailedPreconditionError(
-                        f"{where} is corrupted: expected {file['bytes']} bytes, got {size}"
+    def _resolve(self, where: str, kind: str, file: dict[str, Any]) -> Path:
+        """The file's real path, refused (SnapshotRefusedError) where it is missing, not a
+        regular file, resolves outside the snapshot directory (a symlink out) or has another
+        size than the manifest says."""
+        path = self.path / file["path"]
+        label = f"{where}: {kind} file {file['path']}"
+        try:
+            real = path.resolve(strict=True)
+            size = real.stat().st_size
+        except (OSError, RuntimeError) as error:
+            raise SnapshotRefusedError(f"{label} is missing or unreadable: {error}") from None
+        inside = self.path.resolve()
+        if not real.is_relative_to(inside):
+            raise SnapshotRefusedError(
+                f"{label} expected inside the snapshot directory {inside}, got a link to {real}"
+            )
+        if not real.is_file():
+            raise SnapshotRefusedError(f"{label} expected a regular file, got {real}")
+        if size != file["bytes"]:
+            raise SnapshotRefusedError(
+                f"{label} is corrupted: expected {file['bytes']} bytes, got {size}"
+            )
+        return real
+
+    def check_files(self) -> None:
+        """Every file the manifest names is a regular file inside the snapshot directory
+        with the size the manifest gives (SnapshotRefusedError naming it otherwise)."""
+        for table_name, entry in self.tables.items():
+            for part in entry["parts"]:
+                for kind, file in self._part_files(part):
+                    self._resolve(self._part_where(table_name, part), kind, file)
+
+    def check_headers(self) -> None:
+        """Each part header (written by the shard that saved the part, its SHA-256 in the
+        manifest) agrees with the manifest: the table's config and layout, its row count
+        and its files. A manifest edited to another config, even one with its checksum
+        recomputed, is refused here."""
+        headers: dict[str, dict[str, Any]] = {}
+        for table_name, entry in self.tables.items():
+            config = self.configs[table_name]
+            for part in entry["parts"]:
+                where = self._part_where(table_name, part)
+                file = part["header_file"]
+                if file["path"] not in headers:
+                    path = self._resolve(where, "header", file)
+                    data = path.read_bytes()
+                    digest = hashlib.sha256(data).hexdigest()
+                    if digest != file["sha256"]:
+                        raise SnapshotRefusedError(
+                            f"{where}: header file {file['path']} is corrupted: expected "
+                            f"sha256 {file['sha256']}, got {digest}"
+                        )
+                    try:
+                        header = json.loads(data)
+                    except ValueError as error:
+                        raise SnapshotRefusedError(
+                            f"{where}: header file {file['path']} is corrupted: {error}"
+                        ) from None
+                    headers[file["path"]] = header
+                header = headers[file["path"]]
+                written = header.get("tables", {}).get(table_name)
+                if written is None:
+                    raise SnapshotRefusedError(
+                        f"{where}: the part header {file['path']} has no table {table_name!r}"
                     )
-                with open(path, "rb") as source:
-                    digest = hashlib.file_digest(source, "sha256").hexdigest()
-            except OSError as error:
-                raise FailedPreconditionError(
-                    f"{where} is missing or unreadable: {error}"
-                ) from None
+                checks = [
+                    ("shard_id", header.get("shard_id"), part["shard_id"]),
+                    ("num_shards", header.get("num_shards"), self.num_shards),
+                    ("config", written.get("config"), entry["config"]),
+                    ("layout", written.get("layout"), layout(config)),
+                    ("layout", written.get("layout"), entry.get("layout")),
+                    ("rows", written.get("rows"), part["rows"]),
+                    ("state", written.get("state"), part.get("state")),
+                ]
+                for kind, manifest_file in self._part_files(part):
+                    if kind != "header":
+                        checks.append((f"{kind}_file", written.get(f"{kind}_file"), manifest_file))
+                for field, in_header, in_manifest in checks:
+                    if in_header != in_manifest:
+                        raise SnapshotRefusedError(
+                            f"{where}: the manifest's {field} disagrees with the part header "
+                            f"the shard wrote ({file['path']}): manifest {in_manifest!r}, "
+                            f"header {in_header!r}"
+                        )
+
+    def read_part(
+        self, table_name: str, part: dict[str, Any], chunk_rows: int = READ_CHUNK_ROWS
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+        """Every (keys, rows, steps) chunk of one part - steps: each row's last-update step
+        (int64), None where the part has none (no steps_to_live, or format version 2) -
+        each checked as it is read (keys strictly ascending, >= 0, on the part's shard for a
+        row-placed table, below a direct table's capacity; every value finite; steps in
+        [0, MAX_STEP]) and every file's SHA-256 compared after its last byte:
+        SnapshotRefusedError naming the part, file, key and what was expected otherwise. A
+        caller must not make anything it did with the chunks live before the generator
+        ends."""
+        config = self.configs[table_name]
+        where = self._part_where(table_name, part)
+        shard, rows_total, width = int(part["shard_id"]), int(part["rows"]), config.row_width
+        kinds = ("keys", "rows", "steps") if "steps_file" in part else ("keys", "rows")
+        per_row = {"keys": 8, "rows": 4 * width, "steps": 8}
+        files = {kind: part[f"{kind}_file"] for kind in kinds}
+        paths = {kind: self._resolve(where, kind, file) for kind, file in files.items()}
+        digests = {kind: hashlib.sha256() for kind in files}
+        previous = -1
+        problem: SnapshotRefusedError | None = None
+        sources = {kind: open(path, "rb") for kind, path in paths.items()}  # noqa: SIM115
+        try:
+            try:
+                for start in range(0, rows_total, chunk_rows):
+                    n = min(chunk_rows, rows_total - start)
+                    raw = {kind: sources[kind].read(per_row[kind] * n) for kind in kinds}
+                    for kind, data in raw.items():
+                        digests[kind].update(data)
+                        if len(data) != per_row[kind] * n:
+                            raise SnapshotRefusedError(
+                                f"{where}: {kind} file {files[kind]['path']} is corrupted: it "
+                                f"ended early (changed while it was read)"
+                            )
+                    keys = np.frombuffer(raw["keys"], dtype=KEY_DTYPE).astype(np.int64)
+                    rows = np.frombuffer(raw["rows"], dtype=ROW_DTYPE).reshape(n, width)
+                    self._check_keys(where, files["keys"]["path"], config, shard, keys, previous)
+                    previous = int(keys[-1])
+                    self._check_rows(where, files["rows"]["path"], config, keys, rows)
+                    steps = None
+                    if "steps" in raw:
+                        steps = np.frombuffer(raw["steps"], dtype=STEP_DTYPE).astype(np.int64)
+                        bad = np.flatnonzero((steps < 0) | (steps > MAX_STEP))
+                        if bad.size:
+                            raise SnapshotRefusedError(
+                                f"{where}: steps file {files['steps']['path']}: last-update "
+                                f"steps expected in [0, {MAX_STEP}], got {int(steps[bad[0]])} "
+                                f"for key {int(keys[bad[0]])}"
+                            )
+                    yield keys, rows.astype(np.float32), steps
+            except SnapshotRefusedError as error:
+                problem = error  # a checksum mismatch, if any, is the better explanation
+            for kind, source in sources.items():
+                while data := source.read(1 << 22):  # to the end: bytes past the rows too
+                    digests[kind].update(data)
+        finally:
+            for source in sources.values():
+                source.close()
+        for kind, file in files.items():
+            digest = digests[kind].hexdigest()
             if digest != file["sha256"]:
-                raise FailedPreconditionError(
-                    f"{where} is corrupted: expected sha256 {file['sha256']}, got {digest}"
+                found = f"; reading it found: {problem}" if problem is not None else ""
+                raise SnapshotRefusedError(
+                    f"{where}: {kind} file {file['path']} is corrupted: expected sha256 "
+                    f"{file['sha256']}, got {digest}{found}"
+                )
+        if problem is not None:
+            raise problem
+
+    @staticmethod
+    def _check_rows(
+        where: str, path: str, config: TableConfig, keys: np.ndarray, rows: np.ndarray
+    ) -> None:
+        finite = np.isfinite(rows)
+        if not finite.all():
+            row, column = np.argwhere(~finite)[0]
+            raise SnapshotRefusedError(
+                f"{where}: rows file {path}: every weight and optimizer value expected "
+                f"finite, got {rows[row, column]} in the row of key {int(keys[row])} at "
+                f"column {int(column)} (of row_width {config.row_width}: dim {config.dim} "
+                f"with {config.optimizer.kind}'s state)"
+            )
+
+    def _check_keys(
+        self,
+        where: str,
+        path: str,
+        config: TableConfig,
+        shard: int,
+        keys: np.ndarray,
+        previous: int,
+    ) -> None:
+        label = f"{where}: keys file {path}"
+        order = np.concatenate(([previous], keys))
+        repeat = np.flatnonzero(order[1:] <= order[:-1])
+        if repeat.size:
+            at = int(repeat[0])
+            what = "duplicate" if order[at + 1] == order[at] else "out of order"
+            raise SnapshotRefusedError(
+                f"{label}: keys expected distinct and strictly ascending, got key "
+                f"{int(order[at + 1])} after key {int(order[at])} ({what})"
+                if previous >= 0 or at > 0
+                else f"{label}: keys expected >= 0, got {int(order[at + 1])}"
+            )
+        if config.placement is not Placement.TABLE:
+            wrong = np.flatnonzero(keys % self.num_shards != shard)
+            if wrong.size:
+                key = int(keys[wrong[0]])
+                raise SnapshotRefusedError(
+                    f"{label}: keys expected on shard {shard} (key % {self.num_shards} == "
+                    f"{shard}), got key {key}, which belongs to part {key % self.num_shards} "
+                    f"(a key in two parts, or a part of another snapshot)"
+                )
+        if not config.use_hashtable and int(keys[-1]) >= config.capacity:
+            raise SnapshotRefusedError(
+                f"{label}: keys expected below the direct table's capacity {config.capacity}, "
+                f"got key {int(keys[-1])}"
+            )
+
+    def check_disjoint(self, table_name: str) -> None:
+        """A table placed whole may have rows in several parts (a loader takes them from
+        wherever they were written), so its parts' keys, each strictly ascending, must not
+        overlap: every key of each part is searched in every later part (memory-mapped,
+        chunked). Row-placed tables need no search: each part's keys are on its own shard."""
+        config = self.configs[table_name]
+        parts = [p for p in self.tables[table_name]["parts"] if int(p["rows"])]
+        if config.placement is not Placement.TABLE or len(parts) < 2:
+            return
+        maps = [
+            np.memmap(self.path / p["keys_file"]["path"], dtype=KEY_DTYPE, mode="r") for p in parts
+        ]
+        for i, part in enumerate(parts):
+            for j in range(i + 1, len(parts)):
+                for start in range(0, maps[i].size, READ_CHUNK_ROWS):
+                    chunk = np.asarray(maps[i][start : start + READ_CHUNK_ROWS])
+                    at = np.minimum(np.searchsorted(maps[j], chunk), maps[j].size - 1)
+                    same = np.flatnonzero(np.asarray(maps[j][at]) == chunk)
+                    if same.size:
+                        raise SnapshotRefusedError(
+                            f"{self._part_where(table_name, part)}: keys expected in one part "
+                            f"only, got key {int(chunk[same[0]])} in parts "
+                            f"{part_name(part['shard_id'], self.num_shards)} and "
+                            f"{part_name(parts[j]['shard_id'], self.num_shards)} (duplicate)"
+                        )
+        del maps
+
+    def read_state(self, table_name: str, part: dict[str, Any]) -> dict[str, Any]:
+        """One part's training state besides its rows, as EmbeddingTable.export_state gave
+        it (the step clock; bucket rows and promotion counts; admission counts or Bloom
+        counters), every state file read whole, its SHA-256 compared and its content
+        checked: bucket rows finite; counts on distinct ascending keys of the part's shard,
+        each in [1, admit_after or promote_after), its latest call in [1, the counter's call
+        clock]; clocks in [0, MAX_STEP]. SnapshotRefusedError otherwise. Version 2 parts
+        carry none: {}."""
+        if self.version < 3:
+            return {}
+        config = self.configs[table_name]
+        where = self._part_where(table_name, part)
+        header = part["state"]
+        state: dict[str, Any] = {}
+        for field in ("current_step", "first_step", "admission_calls", "promotion_calls"):
+            if field in header:
+                value = header[field]
+                if not isinstance(value, int) or not 0 <= value <= MAX_STEP:
+                    raise SnapshotRefusedError(
+                        f"{where}: state field {field!r} expected an int in [0, {MAX_STEP}], "
+                        f"got {value!r}"
+                    )
+                state[field] = value
+        for kind in self.state_kinds(config):
+            if kind == "steps":
+                continue  # per row: read_part reads it with the rows
+            file = part[f"{kind}_file"]
+            data = self._resolve(where, kind, file).read_bytes()
+            digest = hashlib.sha256(data).hexdigest()
+            if digest != file["sha256"] or len(data) != file["bytes"]:
+                raise SnapshotRefusedError(
+                    f"{where}: {kind} file {file['path']} is corrupted: expected sha256 "
+                    f"{file['sha256']} of {file['bytes']} bytes, got {digest} of {len(data)}"
+                )
+            label = f"{where}: {kind} file {file['path']}"
+            if kind == "buckets":
+                rows = np.frombuffer(data, ROW_DTYPE).reshape(-1, config.row_width)
+                if not np.isfinite(rows).all():
+                    row, column = np.argwhere(~np.isfinite(rows))[0]
+                    raise SnapshotRefusedError(
+                        f"{label}: every bucket row value expected finite, got "
+                        f"{rows[row, column]} in bucket {int(row)} at column {int(column)}"
+                    )
+                state[kind] = rows.astype(np.float32)
+            elif kind == "admission" and config.admission is Admission.BLOOM:
+                dtype = counter_dtype(config.admit_after).newbyteorder("<")
+                state[kind] = np.frombuffer(data, dtype).astype(counter_dtype(config.admit_after))
+            else:
+                limit = config.admit_after if kind == "admission" else config.promote_after
+                calls = state.get(f"{kind}_calls", 0)
+                counts = np.frombuffer(data, COUNT_DTYPE).reshape(-1, 3).astype(np.int64)
+                self._check_counts(label, config, int(part["shard_id"]), counts, limit, calls)
+                state[kind] = counts
+        return state
+
+    def _check_counts(
+        self,
+        label: str,
+        config: TableConfig,
+        shard: int,
+        counts: np.ndarray,
+        limit: int,
+        calls: int,
+    ) -> None:
+        if counts.shape[0] == 0:
+            return
+        keys, count, seen = counts[:, 0], counts[:, 1], counts[:, 2]
+        problems = [
+            ("keys expected >= 0 and strictly ascending (distinct)",
+             np.concatenate(([keys[0] < 0], keys[1:] <= keys[:-1]))),
+            (f"counts expected in [1, {limit}) (a key counted {limit} times has its row)",
+             (count < 1) | (count >= limit)),
+            (f"latest calls expected in [1, {calls}] (the counter's call clock)",
+             (seen < 1) | (seen > calls)),
+        ]  # fmt: skip
+        if config.placement is not Placement.TABLE:
+            problems.append(
+                (f"keys expected on shard {shard} (key % {self.num_shards} == {shard})",
+                 keys % self.num_shards != shard)
+            )  # fmt: skip
+        for what, bad in problems:
+            if bad.any():
+                at = int(np.argmax(bad))
+                raise SnapshotRefusedError(
+                    f"{label}: {what}, got key {int(keys[at])} with count {int(count[at])}, "
+                    f"latest call {int(seen[at])}"
                 )
 
+    def state_for_shard(self, table_name: str, shard_id: int, num_shards: int) -> dict[str, Any]:
+        """The training state shard `shard_id` of `num_shards` takes from this snapshot (as
+        EmbeddingTable.restore_state takes it, bucket rows included), every part's state
+        read and checked (read_state). Into the same shard count, shard i takes part i's
+        state as it is. Into another (see CARRIES): exact and Bloom counts of its own keys
+        go by key; the step clock is the largest current_step and the smallest first_step
+        of the parts; Bloom counters are the element-wise max of the parts'; bucket rows the
+        mean of the parts'. A table placed whole takes its old owner's part's state, on its
+        new owner only. Version 2 snapshots carry none: {}."""
+        config = self.configs[table_name]
+        parts = sorted(self.tables[table_name]["parts"], key=lambda p: int(p["shard_id"]))
+        if config.placement is Placement.TABLE:
+            source = owner_shard(config, self.num_shards)
+            take = source if shard_id == owner_shard(config, num_shards) else -1
+        else:
+            take = shard_id if num_shards == self.num_shards else None  # None: merge all
+        # every part is read and checked, but only one part's state (or the running merge)
+        # is held at a time: a Bloom filter's counters can be large
+        out: dict[str, Any] = {}
+        kept: dict[str, Any] = {}
+        counts: dict[str, list[np.ndarray]] = {"admission": [], "promotion": []}
+        buckets: np.ndarray | None = None
+        for part in parts:
+            state = self.read_state(table_name, part)
+            if not state:
+                continue  # format version 2: nothing but rows
+            if take is not None:
+                if int(part["shard_id"]) == take:
+                    kept = state
+                continue
+            out["current_step"] = max(out.get("current_step", 0), state["current_step"])
+            if state["first_step"]:
+                out["first_step"] = min(out.get("first_step") or MAX_STEP, state["first_step"])
+            out.setdefault("first_step", 0)
+            for kind in ("admission", "promotion"):
+                if kind not in state:
+                    continue
+                if kind == "admission" and config.admission is Admission.BLOOM:
+                    held = out.get(kind)
+                    out[kind] = state[kind] if held is None else np.maximum(held, state[kind])
+                    continue
+                mine = state[kind][state[kind][:, 0] % num_shards == shard_id]
+                counts[kind].append(mine)
+                out[f"{kind}_calls"] = max(out.get(f"{kind}_calls", 0), state[f"{kind}_calls"])
+            if "buckets" in state:
+                rows = state["buckets"].astype(np.float64)
+                buckets = rows if buckets is None else buckets + rows
+        if take is not None or self.version < 3:
+            return kept
+        for kind, pieces in counts.items():
+            if pieces:
+                merged = np.concatenate(pieces)
+                out[kind] = merged[np.argsort(merged[:, 0], kind="stable")]
+        if buckets is not None:
+            out["buckets"] = (buckets / len(parts)).astype(np.float32)
+        return out
+
+    def verify(self) -> None:
+        """The whole snapshot, checked as a load checks it before anything changes: the
+        files, the part headers, and every part's content and state (SnapshotRefusedError
+        naming the snapshot, table, part and file)."""
+        self.check_files()
+        self.check_headers()
+        for table_name, entry in self.tables.items():
+            for part in entry["parts"]:
+                for _ in self.read_part(table_name, part):
+                    pass
+                self.read_state(table_name, part)
+            self.check_disjoint(table_name)
+
     def rows_for_shard(
-        self, table_name: str, shard_id: int, num_shards: int, chunk_rows: int = 65536
+        self, table_name: str, shard_id: int, num_shards: int, chunk_rows: int = READ_CHUNK_ROWS
     ) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-        """(keys, rows, rows scanned) chunks of the keys with key % num_shards == shard_id,
-        read from every part; memory stays bounded by chunk_rows. A table placed whole gives
-        every row to owner_shard(config, num_shards) and none to the others (they read
-        nothing, but count its rows as scanned). InvalidArgumentError if the table's
-        table_shard is not below num_shards."""
+        """rows_and_steps_for_shard without the steps: (keys, rows, rows scanned)."""
+        for keys, rows, _, scanned in self.rows_and_steps_for_shard(
+            table_name, shard_id, num_shards, chunk_rows
+        ):
+            yield keys, rows, scanned
+
+    def rows_and_steps_for_shard(
+        self, table_name: str, shard_id: int, num_shards: int, chunk_rows: int = READ_CHUNK_ROWS
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None, int]]:
+        """(keys, rows, steps, rows scanned) chunks of the keys with key % num_shards ==
+        shard_id (steps: their last-update steps, None where the snapshot has none),
+        read from every part, every part checked whole as `read_part` checks it (the parts
+        of other shards' keys too, so every shard refuses the same snapshot); memory stays
+        bounded by chunk_rows. A table placed whole gives every row to
+        owner_shard(config, num_shards) and none to the others. InvalidArgumentError if the
+        table's table_shard is not below num_shards."""
         config = self.configs[table_name]
         whole = config.placement is Placement.TABLE
         owner = owner_shard(config, num_shards) if whole else -1
         for part in self.tables[table_name]["parts"]:
-            n = part["rows"]
-            if n == 0:
-                continue
-            if whole and owner != shard_id:
-                yield np.empty(0, np.int64), np.empty((0, config.row_width), np.float32), n
-                continue
-            keys = np.memmap(self.path / part["keys_file"]["path"], dtype="<i8", mode="r")
-            rows = np.memmap(
-                self.path / part["rows_file"]["path"],
-                dtype="<f4",
-                mode="r",
-                shape=(n, config.row_width),
-            )
-            for start in range(0, n, chunk_rows):
-                window = np.asarray(keys[start : start + chunk_rows])
-                mine = slice(None) if whole else np.flatnonzero(window % num_shards == shard_id)
-                yield (
-                    window[mine].astype(np.int64),
-                    np.asarray(rows[start : start + chunk_rows][mine], dtype=np.float32),
-                    window.size,
-                )
-            del keys, rows
+            for keys, rows, steps in self.read_part(table_name, part, chunk_rows):
+                mine = (
+                    slice(None) if owner == shard_id
+                    else slice(0) if whole
+                    else np.flatnonzero(keys % num_shards == shard_id)
+                )  # fmt: skip
+                yield keys[mine], rows[mine], None if steps is None else steps[mine], keys.size
+        self.check_disjoint(table_name)  # the parts read whole and verified: no repeats
 
 
 def list_snapshots(root: Path) -> list[dict[str, Any]]:

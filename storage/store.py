@@ -33,12 +33,14 @@ import os
 import shutil
 import threading
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import numpy as np
-from rocksdict import Checkpoint, Options, Rdict, WriteOptions
+from rocksdict import Checkpoint, Options, Rdict, WriteBatch, WriteOptions
 
 from tierps.storage.adaptive import BucketRows
 from tierps.storage.admission import bloom_bytes
@@ -67,6 +69,9 @@ FORMAT_VERSION = 1
 _FORMAT_KEY = b"tierps/format_version"
 _CONFIG_PREFIX = b"tierps/table/"
 _STEPS_PREFIX = b"tierps/steps/"  # sorts before _CONFIG_PREFIX: the table scan never sees it
+# A table's column families where a snapshot load staged them (sorts before _CONFIG_PREFIX
+# too); without it, "table.<name>" and "buckets.<name>".
+_FAMILY_PREFIX = b"tierps/family/"
 _CF_PREFIX = "table."
 _BUCKETS_CF_PREFIX = "buckets."  # adaptive embedding's bucket rows of a table
 _PROBE_KEY = b"tierps/probe"  # written by recover() to prove the store writes again
@@ -151,6 +156,28 @@ def _options() -> Options:
     options.set_max_write_buffer_number(2)
     options.set_db_write_buffer_size(DB_MEMTABLE_BYTES)
     return options
+
+
+@dataclass
+class StagedTable:
+    """A table's rows that a snapshot load writes aside (EmbeddingStore.stage_table):
+    `rows` (stored_width) and `buckets` (adaptive bucket rows) in column families of their
+    own, and the step clock (current_step, first_step) it installs with them."""
+
+    config: TableConfig
+    rows: RocksDBTier
+    buckets: RocksDBTier | None
+    families: tuple[str, str]
+    steps: tuple[int, int] = (0, 0)
+    installed: bool = False  # live now: its families are the table's, never to be dropped
+    closed: bool = False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            for tier in (self.rows, self.buckets):
+                if tier is not None:
+                    tier.close()
 
 
 class EmbeddingStore:
@@ -301,9 +328,18 @@ class EmbeddingStore:
             self._db.create_column_family(family, _options()).close()
         return family
 
+    def _families(self, name: str) -> tuple[str, str]:
+        """The column families of a table's rows and bucket rows."""
+        staged = self._db.get(_FAMILY_PREFIX + name.encode())
+        if staged is None:
+            return _CF_PREFIX + name, _BUCKETS_CF_PREFIX + name
+        rows, buckets = json.loads(staged)
+        return rows, buckets
+
     def _open_table(self, config: TableConfig) -> EmbeddingTable:
         where = self._where(config.name)
-        family = self._family(_CF_PREFIX + config.name)
+        rows_family, buckets_family = self._families(config.name)
+        family = self._family(rows_family)
         tiers: list[Tier] = []
         if not config.use_hashtable:
             tiers.append(DirectTier(config))
@@ -315,7 +351,7 @@ class EmbeddingStore:
             tiers.insert(0, gpu)
         buckets = None
         if config.promote_after:
-            bucket_family = self._family(_BUCKETS_CF_PREFIX + config.name)
+            bucket_family = self._family(buckets_family)
             buckets = BucketRows(
                 config, self._rocksdb_tier(bucket_family, config.row_width, f"{where} buckets")
             )
@@ -422,13 +458,95 @@ class EmbeddingStore:
         """Delete a table and all its rows."""
         with self._lock:
             table = self.table(name)
+            rows_family, buckets_family = self._families(name)
             table.close()
             del self._tables[name]
-            self._db.drop_column_family(_CF_PREFIX + name)
+            self._db.drop_column_family(rows_family)
             if table.config.promote_after:
-                self._db.drop_column_family(_BUCKETS_CF_PREFIX + name)
+                self._db.drop_column_family(buckets_family)
             self._put(_CONFIG_PREFIX + name.encode(), None)
             self._put(_STEPS_PREFIX + name.encode(), None)
+            self._put(_FAMILY_PREFIX + name.encode(), None)
+
+    # -- snapshot loads: stage a table's rows aside, then swap them in at once ----------
+
+    def stage_table(self, config: TableConfig) -> StagedTable:
+        """Empty column families for a table's rows (and bucket rows) that a snapshot load
+        fills while the live table serves on, untouched; install_staged makes them live."""
+        tag = uuid.uuid4().hex[:12]  # '@' is in no table name: never a live table's family
+        where = f"{self._where(config.name)} (staged by a snapshot load)"
+        rows_family = self._family(f"{_CF_PREFIX}{config.name}@{tag}")
+        buckets_family = f"{_BUCKETS_CF_PREFIX}{config.name}@{tag}"
+        staged = StagedTable(
+            config, self._rocksdb_tier(rows_family, config.stored_width, where),
+            None, (rows_family, buckets_family),
+        )  # fmt: skip
+        if config.promote_after:
+            self._family(buckets_family)
+            staged.buckets = self._rocksdb_tier(
+                buckets_family, config.row_width, f"{where} buckets"
+            )
+        return staged
+
+    def install_staged(self, staged: list[StagedTable]) -> list[EmbeddingTable]:
+        """Make staged tables live in one atomic, synced RocksDB write (every table's config,
+        column families and step clock, or none of them), then drop the families they
+        replace. A failure of that write (BackendError) changes nothing live; the caller
+        still owns `staged`. Returns the new tables."""
+        with self._lock:
+            batch = WriteBatch(raw_mode=True)
+            for table in staged:
+                name = table.config.name.encode()
+                batch.put(_CONFIG_PREFIX + name, json.dumps(table.config.to_dict()).encode())
+                batch.put(_FAMILY_PREFIX + name, json.dumps(list(table.families)).encode())
+                if table.config.steps_to_live:
+                    batch.put(_STEPS_PREFIX + name, json.dumps(list(table.steps)).encode())
+                else:
+                    batch.delete(_STEPS_PREFIX + name)
+            replaced = {
+                table.config.name: (self._tables[table.config.name],
+                                    self._families(table.config.name))
+                for table in staged if table.config.name in self._tables
+            }  # fmt: skip
+            sync = WriteOptions()
+            sync.sync = True
+            self.write_state.check()
+            try:
+                self._db.flush_wal(True)  # the staged rows are durable before they are live
+                self._db.write(batch, sync)
+            except Exception as error:  # the live tables are unchanged
+                action = "install a snapshot load's tables"
+                where = f"shard {self.shard_id}"
+                raise self.write_state.failed(backend_error(action, where, error)) from error
+            opened = []
+            for table in staged:
+                table.installed = True
+            for table in staged:
+                table.close()
+                old = replaced.get(table.config.name)
+                if old is not None:
+                    live, families = old
+                    live.close()
+                    del self._tables[table.config.name]
+                    self._drop_families(families[: 2 if live.config.promote_after else 1])
+                opened.append(self._open_table(table.config))
+            return opened
+
+    def discard_staged(self, staged: StagedTable) -> None:
+        """Drop a staged table's column families (a load that failed or was cancelled); a
+        table installed already is left as it is."""
+        staged.close()
+        if staged.installed:
+            return
+        self._drop_families(staged.families[: 2 if staged.config.promote_after else 1])
+
+    def _drop_families(self, families: tuple[str, ...]) -> None:
+        for family in families:
+            try:
+                self._db.drop_column_family(family)
+            except Exception as error:  # garbage left behind, nothing lost: say so
+                log.warning("shard %d: could not drop column family %r: %s", self.shard_id,
+                            family, error)  # fmt: skip
 
     def table(self, name: str) -> EmbeddingTable:
         try:

@@ -544,6 +544,65 @@ class EmbeddingTable:
         width = self.config.row_width
         return ((keys, np.ascontiguousarray(rows[:, :width])) for keys, rows in chunks)
 
+    def export_stored(
+        self, chunk_rows: int = DEFAULT_CHUNK_ROWS
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+        """export's chunks with each row's last-update step: (keys [c], rows [c,
+        row_width], steps int64 [c], or None without steps_to_live), as of the call."""
+        with self._lock:  # now, not at the first chunk: the cut is the call
+            self.flush()
+            chunks = self.durable.export(chunk_rows)
+        width = self.config.row_width
+        return (
+            (
+                keys,
+                np.ascontiguousarray(rows[:, :width]),
+                self._steps(rows) if self.step_slots else None,
+            )
+            for keys, rows in chunks
+        )
+
+    def export_state(self) -> dict[str, Any]:
+        """The training state a snapshot carries besides the rows, copied as of the call
+        (take it in the same cut as export_stored): the step clock, the adaptive bucket
+        rows and promotion counts, the admission counts (exact counter: [n, 3] int64 rows
+        of key, count, latest call, with the counter's call clock; Bloom filter: its
+        counters). Figures (sightings, lookups answered by buckets, ...) and the eviction
+        guard's held-back leap are not training state and are not carried."""
+        with self._lock:
+            state: dict[str, Any] = {
+                "current_step": int(self.current_step),
+                "first_step": int(self.first_step),
+            }
+            if self.buckets is not None:
+                state["buckets"] = self.buckets.rows.copy()
+                state["promotion"] = self.buckets.counts.export_counts()
+                state["promotion_calls"] = int(self.buckets.counts.calls)
+            if self.admission is not None:
+                if hasattr(self.admission, "export_counts"):
+                    state["admission"] = self.admission.export_counts()
+                    state["admission_calls"] = int(self.admission.calls)
+                else:
+                    state["admission"] = np.array(self.admission.counters)
+        return state
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """Put back what export_state gave (as a snapshot load resolved it for this shard):
+        the step clock, and the admission and promotion counts (soft state, in memory).
+        Bucket rows are not set here: a load stages them in the table's durable bucket
+        column family, which the table reads when it opens."""
+        with self._lock:
+            self.current_step = int(state.get("current_step", 0))
+            self.first_step = int(state.get("first_step", 0))
+            self.leap_step = 0
+            if self.buckets is not None and "promotion" in state:
+                self.buckets.counts.import_counts(state["promotion"], state["promotion_calls"])
+            if self.admission is not None and "admission" in state:
+                if hasattr(self.admission, "import_counts"):
+                    self.admission.import_counts(state["admission"], state["admission_calls"])
+                else:
+                    self.admission.import_counters(state["admission"])
+
     @property
     def evicts(self) -> bool:
         """Whether evict can remove anything: steps_to_live or min_l2_norm is set."""

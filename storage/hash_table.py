@@ -39,6 +39,11 @@ TOMBSTONE = EMPTY + 1  # a slot whose key was erased: probing continues past it
 _MIN_SLOTS = 16
 
 
+def _tombstone_limit(max_load: float) -> float:
+    """The share of slots live keys and tombstones may use together before a rebuild."""
+    return (1.0 + max_load) / 2.0
+
+
 def _slots_for(n: int, max_load: float) -> int:
     """The power-of-two slot count that holds n keys at or below max_load."""
     return max(_MIN_SLOTS, 1 << max(0, int(np.ceil(n / max_load)) - 1).bit_length())
@@ -122,14 +127,15 @@ class HashTable:
         """Slots of erased keys not yet dropped by a rebuild."""
         return self._used - self._size
 
-    def _fits(self, new_keys: int) -> bool:
+    def _fits(self, new_keys: int, leaving: int = 0) -> bool:
         """Whether new_keys more keys fit without a rehash, even if every one is new and takes
         an EMPTY slot: live keys within max_load, live keys and tombstones within the
-        midpoint between max_load and 1 (see the module docstring)."""
+        midpoint between max_load and 1 (see the module docstring); `leaving` live keys
+        are erased before they come (their slots stay used, as tombstones)."""
         slots = self.slots
         return (
-            self._size + new_keys <= self.max_load * slots
-            and self._used + new_keys <= (1.0 + self.max_load) / 2.0 * slots
+            self._size - leaving + new_keys <= self.max_load * slots
+            and self._used + new_keys <= _tombstone_limit(self.max_load) * slots
         )
 
     @property
@@ -226,11 +232,19 @@ class HashTable:
             self._reset_scores(slots)
         return slots
 
-    def reserve(self, new_keys: int) -> bool:
+    def reserve(self, new_keys: int, leaving: int = 0) -> bool:
         """Make room for new_keys more keys now (rehashing, growing if needed), so that the
-        next insert of that many does not allocate; True if it rehashed. If the rehash fails
+        next insert of that many does not allocate, even after `leaving` live keys are
+        erased first (a cache's victims, kept until the tier below holds them: they are
+        live in a rehash now and tombstones then); True if it rehashed. If the rehash fails
         (out of memory), it raises and the table is as it was."""
-        return self._make_room(new_keys)
+        if self._fits(new_keys, leaving):
+            return False
+        slots = _slots_for(self._size - leaving + new_keys, self.max_load)
+        while self._size + new_keys > _tombstone_limit(self.max_load) * slots:
+            slots *= 2  # every key live now is used after the rebuild, the leaving ones too
+        self._rehash(slots)
+        return True
 
     def _make_room(self, new_keys: int) -> bool:
         """Rehash so new_keys more fit (see _fits): at the size that holds the live keys and

@@ -169,6 +169,13 @@ class CacheTier:
         self.arena.resize((rows, self.width), refcheck=False)  # no views are ever kept
         self.dirty.resize(rows, refcheck=False)
 
+    def _make_rows(self, count: int, freed: int) -> None:
+        """Grow the arena now (numpy) so that `count` rows can be allocated once `freed`
+        more rows are released, without growing then."""
+        fresh = count - self._free.shape[0] - freed
+        if fresh > 0 and self._high + fresh > self.arena.shape[0]:
+            self._grow(min(self.max_rows, max(self._high + fresh, 2 * self.arena.shape[0])))
+
     def _allocate(self, count: int) -> Any:
         xp = self.xp
         reused, self._free = self._free[:count], self._free[count:]
@@ -213,7 +220,7 @@ class CacheTier:
         if bool(present.all()):  # an update of resident rows (a push): no masked copies
             ids = self.index.values[slots]
             self.arena[ids] = rows
-            self.dirty[ids] = dirty
+            self.dirty[ids] = self.dirty[ids] | dirty  # see below: never cleared here
             self.index.touch(slots)
             return
         old_slots = slots[present]
@@ -224,12 +231,20 @@ class CacheTier:
             victims = self.index.eviction_candidates(new.size - room, old_slots)
         fits = min(new.size, room + int(victims.size))
         placed, overflow = new[:fits], new[fits:]
+        # What allocates (an index rehash, arena growth: on a GPU either may run out of
+        # memory) runs before anything is handed down, so that a failure leaves every tier
+        # as it was: the victims stay here until the tier below holds them.
+        victim_keys = self.index.keys_at(victims)
+        if self.index.reserve(fits, leaving=int(victims.size)):  # a rehash moved the slots
+            victims = self.index.find(victim_keys)
+            old_slots = self.index.find(keys[present])
+        self._make_rows(fits, freed=int(victims.size))
         spills = []
         if victims.size:
             ids = self.index.values[victims]
             spills.append(
                 Spill(
-                    to_host(self.index.keys_at(victims)),
+                    to_host(victim_keys),
                     to_host(xp.take(self.arena, ids, axis=0)),
                     to_host(self.dirty[ids]),
                 )
@@ -242,13 +257,12 @@ class CacheTier:
             below(Spill.concat(spills))  # the tier below holds them now, or this raised
         if victims.size:
             self._release(victims)
-        # Any index rehash (allocation: on a GPU it may fail for memory) before this call's
-        # rows are written, so a failure there leaves this tier holding none of them.
-        if self.index.reserve(fits) and old_slots.size:  # a rehash moved the slots
-            old_slots = self.index.find(keys[present])
         ids = self.index.values[old_slots]
         self.arena[ids] = rows[present]
-        self.dirty[ids] = dirty[present]
+        # A clean row handed down equals the copy here (clean: "equal to the tier below"),
+        # which may be dirty still, not yet in RocksDB (a flush between levels): a dirty
+        # flag is cleared only by mark_clean, once the row is written below.
+        self.dirty[ids] = self.dirty[ids] | dirty[present]
         self.index.touch(old_slots)
         if fits:
             ids = self._allocate(fits)
@@ -286,6 +300,7 @@ class CacheTier:
             def undo() -> None:
                 self.arena[ids] = before
                 self.dirty[ids] = was_dirty
+
         resident_grads = xp.asarray(grads if everything else grads[hit])
         optimizer = self.config.optimizer
         if not self._fused_apply(ids, resident_grads, step):
@@ -410,7 +425,7 @@ class DirectTier:
         self.rows += keys.size - int(np.count_nonzero(self.present[keys]))
         self.arena[keys] = rows
         self.present[keys] = True
-        self.dirty[keys] = dirty
+        self.dirty[keys] |= dirty  # cleared only by mark_clean (see CacheTier.insert)
 
     def remove(self, keys: np.ndarray) -> int:
         """Mark the rows of keys absent (their arena rows are left as they are, unread)."""

@@ -96,6 +96,11 @@ class Gate:
                 if self._active == 0:
                     self._cond.notify_all()
 
+    def contended(self) -> bool:
+        """Whether an exclusive section waits: long shared work (a background flush) should
+        let go at its next chance, as new data calls already wait behind it."""
+        return self._waiting > 0
+
     @contextmanager
     def exclusive(self) -> Iterator[None]:
         with self._cond:
@@ -165,10 +170,11 @@ class Shard:
         self._loading = False
         self._store_ok = True
         self._serving = True
+        self._publish_lock = threading.Lock()  # one health change at a time, in order
         self._stop = threading.Event()
         self._maintainer: threading.Thread | None = None
         self.flushes = 0  # background flushes completed
-        self.last_flush: float | None = None  # when the last flush of every dirty row ended
+        self.last_flush: float | None = None  # when the last whole flush began
         try:
             for table in config.tables:
                 self.owner(table)
@@ -514,22 +520,36 @@ class Shard:
                     continue
                 self._set_store_ok(True)
                 if interval and now >= next_flush:
-                    next_flush = now + interval
-                    self.flush(BACKGROUND_FLUSH_CHUNK_BYTES, BACKGROUND_FLUSH_PAUSE_S)
+                    done = self.flush(
+                        BACKGROUND_FLUSH_CHUNK_BYTES, BACKGROUND_FLUSH_PAUSE_S, background=True
+                    )
+                    next_flush = now + interval if done else now  # yielded: again next tick
             except BackendError as error:
                 log.warning("%s: background work failed: %s", self.where, error)
             except Exception:  # noqa: BLE001 - the thread must outlive one bad round
                 log.exception("%s: background work failed", self.where)
 
-    def flush(self, chunk_bytes: int = FLUSH_CHUNK_BYTES, pause_s: float = 0.0) -> None:
+    def flush(
+        self,
+        chunk_bytes: int = FLUSH_CHUNK_BYTES,
+        pause_s: float = 0.0,
+        *,
+        background: bool = False,
+    ) -> bool:
         """Write every dirty row of every table down to RocksDB (and fsync its log); what
-        a crash after this returns can lose starts here. Data calls wait at most one chunk
-        of chunk_bytes at a time (pause_s between chunks lets them in)."""
+        a crash after this returns can lose starts where it started. Data calls wait at
+        most one chunk of chunk_bytes at a time (pause_s between chunks lets them in). A
+        background flush also yields to a snapshot, load or drop waiting for the gate:
+        it stops between chunks and returns False (the rest stays dirty for the next)."""
+        started = time.time()
         with self._gate.shared():
-            self.store.flush(chunk_bytes, pause_s)
-            self.last_flush = time.time()
+            stop = self._gate.contended if background else None
+            if not self.store.flush(chunk_bytes, pause_s, stop):
+                return False
+            self.last_flush = started
             self.flushes += 1
-        self.lives.flushed(self.last_flush)
+        self.lives.flushed(started)
+        return True
 
     def _recover(self) -> bool:
         # not while a snapshot save or load reads or stages (_admin): reopening RocksDB
@@ -550,14 +570,21 @@ class Shard:
         self._loading = loading
         self._publish()
 
+    def publish_serving(self) -> None:
+        """Tell on_serving_change the state now: SERVING if the store can write and no
+        load runs (a server starting up; later changes are told as they happen)."""
+        with self._publish_lock:
+            self.on_serving_change(self._serving)
+
     def _publish(self) -> None:
-        serving = self._store_ok and not self._loading
-        if serving != self._serving:
-            self._serving = serving
-            if not self._store_ok:
-                log.warning("%s: its store cannot write: %s", self.where,
-                            self.store.write_state.failure)  # fmt: skip
-            self.on_serving_change(serving)
+        with self._publish_lock:
+            serving = self._store_ok and not self._loading
+            if serving != self._serving:
+                self._serving = serving
+                if not self._store_ok:
+                    log.warning("%s: its store cannot write: %s", self.where,
+                                self.store.write_state.failure)  # fmt: skip
+                self.on_serving_change(serving)
 
     def close(self) -> None:
         """Flush dirty rows at once; then, after running data calls and any snapshot save

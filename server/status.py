@@ -35,6 +35,9 @@ STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (StorageFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),  # a full disk: retrying won't help
     (DataLossError, grpc.StatusCode.DATA_LOSS),  # before BackendError: both are backend errors
     (BackendError, grpc.StatusCode.UNAVAILABLE),
+    # out of host or GPU memory (cupy's OutOfMemoryError is a MemoryError): the call changed
+    # nothing (a tier allocates before it lets go of anything); smaller batches may pass
+    (MemoryError, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )
 
 

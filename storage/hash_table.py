@@ -25,6 +25,7 @@ reference they are tested against, the host path, and the fallback.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -37,6 +38,16 @@ from tierps.storage.hashing import hash_keys
 EMPTY = np.iinfo(np.int64).min  # a slot never used since the last rehash
 TOMBSTONE = EMPTY + 1  # a slot whose key was erased: probing continues past it
 _MIN_SLOTS = 16
+
+
+@dataclass
+class Rebuilt:
+    """A hash table's arrays rebuilt by HashTable.prepare_room, not yet installed."""
+
+    keys: Any
+    values: Any
+    scores: Any
+    size: int
 
 
 def _tombstone_limit(max_load: float) -> float:
@@ -232,19 +243,29 @@ class HashTable:
             self._reset_scores(slots)
         return slots
 
-    def reserve(self, new_keys: int, leaving: int = 0) -> bool:
+    def reserve(self, new_keys: int) -> bool:
         """Make room for new_keys more keys now (rehashing, growing if needed), so that the
-        next insert of that many does not allocate, even after `leaving` live keys are
-        erased first (a cache's victims, kept until the tier below holds them: they are
-        live in a rehash now and tombstones then); True if it rehashed. If the rehash fails
+        next insert of that many does not allocate; True if it rehashed. If the rehash fails
         (out of memory), it raises and the table is as it was."""
-        if self._fits(new_keys, leaving):
-            return False
-        slots = _slots_for(self._size - leaving + new_keys, self.max_load)
-        while self._size + new_keys > _tombstone_limit(self.max_load) * slots:
-            slots *= 2  # every key live now is used after the rebuild, the leaving ones too
-        self._rehash(slots)
-        return True
+        return self._make_room(new_keys)
+
+    def prepare_room(self, new_keys: int, leaving: Any) -> Rebuilt | None:
+        """For an insert of new_keys keys after the keys in slots `leaving` (a cache's
+        victims, kept until the tier below holds them) are erased: None if they will fit
+        as the table is, else this table rebuilt without the leaving keys (and without
+        tombstones) at the size that fits them all, for `install` to put in place once
+        the victims are gone. Allocates now, changes nothing: an out-of-memory here leaves
+        the table as it was."""
+        if self._fits(new_keys, int(leaving.shape[0])):
+            return None
+        size = self._size - int(leaving.shape[0])
+        return self._rebuilt(_slots_for(size + new_keys, self.max_load), leaving)
+
+    def install(self, rebuilt: Rebuilt) -> None:
+        """Put a table prepare_room built in place of this one (no allocation)."""
+        self._install(rebuilt.keys, rebuilt.values, rebuilt.scores)
+        self._size = self._used = rebuilt.size
+        self.rebuilds += 1
 
     def _make_room(self, new_keys: int) -> bool:
         """Rehash so new_keys more fit (see _fits): at the size that holds the live keys and
@@ -252,7 +273,7 @@ class HashTable:
         if it rehashed."""
         if self._fits(new_keys):
             return False
-        self._rehash(_slots_for(self._size + new_keys, self.max_load))
+        self.install(self._rebuilt(_slots_for(self._size + new_keys, self.max_load)))
         return True
 
     def _new_score(self) -> int:
@@ -300,13 +321,17 @@ class HashTable:
             todo, probe_keys = todo[going], probe_keys[going]
             pos = (pos[going] + 1) & self._mask
 
-    def _rehash(self, slots: int) -> None:
-        """Rebuild into `slots` slots without tombstones. Exception-safe: the new arrays are
-        allocated and filled while the old ones stay untouched, so a failure anywhere (out of
-        memory on the GPU, MemoryError on the host) leaves the table exactly as it was."""
+    def _rebuilt(self, slots: int, leaving: Any = None) -> Rebuilt:
+        """This table's live keys (but those in slots `leaving`) with their values and
+        scores, rebuilt into `slots` slots without tombstones. Exception-safe and leaves
+        this table as it was: the new arrays are allocated and filled while the old ones
+        are put aside, and put back whatever happens (out of memory on the GPU, a
+        MemoryError on the host)."""
         xp = self.xp
         old = (self._keys, self.values, self._scores, self._size, self._used)
         live = xp.nonzero(self._keys > TOMBSTONE)[0]
+        if leaving is not None and leaving.shape[0]:
+            live = live[~xp.isin(live, leaving)]
         keys, values, scores = self._keys[live], self.values[live], self._scores[live]
         fresh = self._allocate(slots)
         try:
@@ -317,11 +342,10 @@ class HashTable:
             self._claim(keys, todo, new_slots, inserted)
             self.values[new_slots] = values
             self._scores[new_slots] = scores
-        except BaseException:
+            return Rebuilt(*fresh, size=int(keys.shape[0]))
+        finally:
             self._install(*old[:3])
             self._size, self._used = old[3], old[4]
-            raise
-        self.rebuilds += 1
 
     def find_rows(
         self, keys: Any, arena: Any, width: int | None = None, *, out: Any = None

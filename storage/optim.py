@@ -212,7 +212,7 @@ class FTRL:
         # the weights inf or NaN.
         with np.errstate(all="ignore"):
             first = float(np.float32(self.initial_accumulator_value) ** np.float32(-self.lr_power))
-        if not np.isfinite(first) or (first == 0.0 and self.l2 == 0.0):
+        if not np.isfinite(first) or (first == 0.0 and _f32(self.l2) == 0.0):
             raise ValueError(
                 f"optim.FTRL: fields 'initial_accumulator_value' and 'lr_power' expected "
                 f"initial_accumulator_value**-lr_power finite and > 0 as float32 unless "

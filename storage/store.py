@@ -34,6 +34,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -568,23 +569,33 @@ class EmbeddingStore:
     def assign(self, name: str, keys: Any, values: Any) -> None:
         self.table(name).assign(keys, values)
 
-    def flush(self, chunk_bytes: int = FLUSH_CHUNK_BYTES, pause_s: float = 0.0) -> None:
+    def flush(
+        self,
+        chunk_bytes: int = FLUSH_CHUNK_BYTES,
+        pause_s: float = 0.0,
+        stop: Callable[[], bool] | None = None,
+    ) -> bool:
         """Write every dirty row of every table, and the steps of those with steps_to_live,
-        to RocksDB, and fsync its log (so what was flushed survives a power loss too).
-        Tables flush in chunks of about chunk_bytes, letting their locks go between chunks
-        for pause_s (EmbeddingTable.flush). Raises a BackendError if a write fails; what was
-        not written stays dirty in memory."""
+        to RocksDB, and fsync its log (so what was flushed survives a power loss too); True
+        when done. Tables flush in chunks of about chunk_bytes, letting their locks go
+        between chunks for pause_s; `stop` is asked between chunks, and if it says True the
+        flush ends there and returns False (EmbeddingTable.flush). Raises a BackendError if
+        a write fails; what was not written stays dirty in memory."""
         self.write_state.check()
+        done = True
         for table in list(self._tables.values()):
-            table.flush(chunk_bytes, pause_s)
+            done = table.flush(chunk_bytes, pause_s, stop)
             if table.step_slots:
-                steps = json.dumps([table.current_step, table.first_step]).encode()
+                steps = json.dumps(table.clock()).encode()
                 self._put(_STEPS_PREFIX + table.config.name.encode(), steps)
+            if not done:
+                break
         try:
             self._db.flush_wal(True)
         except Exception as error:
             where = f"shard {self.shard_id}"
             raise self.write_state.failed(backend_error("sync its log", where, error)) from error
+        return done
 
     def checkpoint(self, directory: str | os.PathLike[str]) -> Path:
         """Flush, then write a RocksDB checkpoint (hard links where possible) to a new

@@ -26,6 +26,7 @@ trains the bucket rows with their summed gradients instead.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,9 +37,11 @@ import numpy as np
 from tierps.storage.adaptive import BucketRows
 from tierps.storage.admission import make_filter
 from tierps.storage.config import STEP_SLOTS, TableConfig, WritePolicy, step_bits
-from tierps.storage.errors import InvalidArgumentError
+from tierps.storage.errors import BackendError, InvalidArgumentError
 from tierps.storage.tiers import DurableTier, Spill, Tier
 from tierps.storage.validation import as_keys, as_rows, check_step
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_ROWS = 65536
 FLUSH_CHUNK_BYTES = 4 << 20  # a flush moves dirty rows down in chunks of this size
@@ -163,7 +166,15 @@ class EmbeddingTable:
         that fails, no tier has changed."""
         if self.config.write_policy is WritePolicy.WRITE_THROUGH and dirty.any():
             self.durable.write(keys[dirty], rows[dirty])
-            dirty = np.zeros_like(dirty)
+            try:
+                self._place(Spill(keys, rows, np.zeros_like(dirty)), 0)
+            except Exception as error:  # noqa: BLE001 - out of memory in a cache tier
+                # RocksDB holds the rows: the call succeeded. A cache tier that could not
+                # take them drops its older copies, so reads come from RocksDB.
+                for tier in self.tiers[:-1]:
+                    tier.remove(keys)
+                log.warning("%s: rows written but not cached: %s", self.where, error)
+            return
         self._place(Spill(keys, rows, dirty), 0)
 
     def _place(self, spill: Spill, level: int) -> None:
@@ -220,25 +231,55 @@ class EmbeddingTable:
         all_valid = valid.size == keys.size
         live = keys if all_valid else keys[valid]
         with self._lock:
-            rows, depth, dirty = self._gather(live, sight=create)
-            # promoted: rows found below the top and, in training, rows initialised now
-            # (never a key the admission filter kept out: refused_depth is deeper still)
-            deepest = len(self.tiers) if create else len(self.tiers) - 1
-            promote = (depth > 0) & (depth <= deepest)
-            if self.admission is not None:
-                self.lookups_default += int(np.count_nonzero(depth == self.refused_depth))
-            if self.buckets is not None:
-                self.buckets.lookups += int(np.count_nonzero(depth == self.bucket_depth))
-            if promote.any():
-                moved, first = np.unique(live[promote], return_index=True)
-                picked = np.flatnonzero(promote)[first]
-                self.created += int(np.count_nonzero(depth[picked] == len(self.tiers)))
-                self._store(moved, rows[picked], dirty[picked])
+            rows, depth = self._lookup_rows(live, create)
         if all_valid:
             return np.ascontiguousarray(rows[:, :dim])
         out = np.zeros((keys.size, dim), dtype=np.float32)
         out[valid] = rows[:, :dim]
         return out
+
+    def _lookup_rows(self, keys: np.ndarray, create: bool) -> tuple[np.ndarray, np.ndarray]:
+        """lookup's rows and depths (see _gather), under the table lock. Rows found below
+        the top move up; in training, rows initialised now are stored, all or nothing: if
+        storing fails, the call's sightings roll back and it raises. An evaluation lookup
+        (create=False) that cannot move its rows up (a full disk under the evictions)
+        still answers: it stores nothing, and nothing was let go of."""
+        counters = self._counters() if create else []
+        initialized = self.initialized
+        for counter in counters:
+            counter.begin()
+        try:
+            rows, depth, dirty = self._gather(keys, sight=create)
+            # promoted: rows found below the top and, in training, rows initialised now
+            # (never a key the admission filter kept out: refused_depth is deeper still)
+            deepest = len(self.tiers) if create else len(self.tiers) - 1
+            promote = (depth > 0) & (depth <= deepest)
+            created = 0
+            if promote.any():
+                moved, first = np.unique(keys[promote], return_index=True)
+                picked = np.flatnonzero(promote)[first]
+                created = int(np.count_nonzero(depth[picked] == len(self.tiers)))
+                try:
+                    self._store(moved, rows[picked], dirty[picked])
+                except BackendError as error:
+                    if create:
+                        raise
+                    log.warning(
+                        "%s: lookup answered without caching its rows: %s", self.where, error
+                    )
+        except BaseException:
+            for counter in counters:
+                counter.rollback()
+            self.initialized = initialized
+            raise
+        for counter in counters:
+            counter.commit()
+        self.created += created
+        if self.admission is not None:
+            self.lookups_default += int(np.count_nonzero(depth == self.refused_depth))
+        if self.buckets is not None:
+            self.buckets.lookups += int(np.count_nonzero(depth == self.bucket_depth))
+        return rows, depth
 
     def check_gradients(
         self, keys: Any, grads: Any, step: Any
@@ -317,21 +358,14 @@ class EmbeddingTable:
             flat = (inverse[:, None] * dim + np.arange(dim)).reshape(-1)
             np.add.at(summed.reshape(-1), flat, grads.reshape(-1))
         with self._lock:
-            if getattr(self.tiers[0], "trains_in_place", False):
-                # the GPU tier trains its rows in place, unchecked: refuse here, before any
-                # change, what surely overflows there (a gradient whose square is inf)
-                self._refuse_non_finite(where, unique, summed, step, squares=True)
             clock = self.current_step, self.first_step, self.leap_step
             # a push moves the table's step (eviction), whatever it updates
             stamp = self._advance_clock(step)
-            now = self.current_step
             undo: Callable[[], None] | None = None
             try:
-                self.current_step = stamp  # what _train_resident stamps (a held-back leap's)
-                try:
-                    resident, undo = self._train_resident(unique, summed, step)
-                finally:
-                    self.current_step = now
+                resident, undo, refused = self._train_resident(unique, summed, step, stamp)
+                if refused is not None:  # a value went non-finite; put back already
+                    self._refuse_non_finite(where, unique[resident], refused, step)
                 trained = int(resident.size)
                 if trained:
                     if trained == unique.size:
@@ -355,11 +389,12 @@ class EmbeddingTable:
         rows of distinct keys (sighting the final misses), run the optimizer on the copies
         and on the bucket rows, and refuse (InvalidArgumentError) before storing anything
         if a value went non-finite - the sightings rolled back, the bucket rows put back."""
-        counters = [self.admission, self.buckets.counts if self.buckets is not None else None]
-        counters = [counter for counter in counters if counter is not None]
+        counters = self._counters()
         initialized = self.initialized
         for counter in counters:
             counter.begin()
+        put_back: Callable[[bool], None] | None = None
+        buckets_written = False
         try:
             rows, depth, _ = self._gather(unique, sight=True)
             dropped = 0
@@ -379,38 +414,58 @@ class EmbeddingTable:
             self._refuse_non_finite(where, unique, rows, step)
             bucketed = int(np.count_nonzero(shared))
             if bucketed:
-                self._train_buckets(where, shared_keys, shared_grads, step)
+                put_back = self._train_buckets(where, shared_keys, shared_grads, step)
+                if self.config.write_policy is WritePolicy.WRITE_THROUGH:
+                    self.buckets.flush()  # type: ignore[union-attr]
+                    buckets_written = True
+            if self.step_slots:  # the table's clock, which only moves forward: a push with
+                # an older step (a restarted trainer, a lagging worker) still marks its rows
+                # fresh, so the next evict cannot remove rows trained just now
+                self._stamp(rows, stamp)
+            self._store(unique, rows, np.ones(unique.size, dtype=bool))
         except BaseException:
             for counter in counters:
                 counter.rollback()
             self.initialized = initialized
+            if put_back is not None:
+                put_back(buckets_written)
             raise
         for counter in counters:
             counter.commit()
         self.gradients_dropped += dropped
-        if bucketed and self.config.write_policy is WritePolicy.WRITE_THROUGH:
-            self.buckets.flush()  # type: ignore[union-attr]
         self.created += int(np.count_nonzero(depth == len(self.tiers)))
-        if self.step_slots:  # the table's clock, which only moves forward: a push with
-            # an older step (a restarted trainer, a lagging worker) still marks its rows
-            # fresh, so the next evict cannot remove rows trained just now
-            self._stamp(rows, stamp)
-        self._store(unique, rows, np.ones(unique.size, dtype=bool))
         return int(unique.size) + bucketed
 
-    def _train_buckets(self, where: str, keys: np.ndarray, grads: np.ndarray, step: int) -> None:
-        """BucketRows.apply, put back and refused if a bucket row went non-finite."""
+    def _counters(self) -> list[Any]:
+        """The sighting counters of admission and adaptive promotion, those in use: a call
+        that sights keys begins them, and commits its sightings or rolls them back."""
+        counts = [self.admission, self.buckets.counts if self.buckets is not None else None]
+        return [counter for counter in counts if counter is not None]
+
+    def _train_buckets(
+        self, where: str, keys: np.ndarray, grads: np.ndarray, step: int
+    ) -> Callable[[bool], None]:
+        """BucketRows.apply, put back and refused if a bucket row went non-finite; returns
+        put_back(written), which puts the trained bucket rows back as they were (if storing
+        the push's rows fails). written: a write-through flush wrote the trained rows to
+        RocksDB already, so the rows put back stay dirty, for the next flush to write."""
         buckets = self.buckets
         assert buckets is not None
         index = np.unique(buckets.of(keys))
         saved = buckets.rows[index], buckets.dirty[index], buckets.gradients, buckets.updates
+
+        def put_back(written: bool) -> None:
+            buckets.rows[index] = saved[0]
+            buckets.dirty[index] = True if written else saved[1]
+            buckets.gradients, buckets.updates = saved[2], saved[3]
+
         buckets.apply(keys, grads, step)
         try:
             self._refuse_non_finite(where, index, buckets.rows[index], step, bucket=True)
         except InvalidArgumentError:
-            buckets.rows[index], buckets.dirty[index] = saved[0], saved[1]
-            buckets.gradients, buckets.updates = saved[2], saved[3]
+            put_back(False)
             raise
+        return put_back
 
     def _refuse_non_finite(
         self,
@@ -419,56 +474,40 @@ class EmbeddingTable:
         rows: np.ndarray,
         step: int,
         *,
-        squares: bool = False,
         bucket: bool = False,
     ) -> None:
         """InvalidArgumentError naming the first key (bucket: bucket index) whose updated
         row [n, >= row_width] holds a non-finite weight or optimizer state value (the step
-        slots after row_width are int64 bits, not numbers). squares: `rows` are gradients,
-        refused where the optimizer squares them (Adagrad, Adam, FTRL) and g*g is inf."""
-        optimizer = self.config.optimizer
-        if squares:
-            if optimizer.kind not in ("adagrad", "adam", "ftrl"):
-                return
-            with np.errstate(over="ignore"):
-                values = rows * rows
-        else:
-            values = rows[:, : self.config.row_width]
+        slots after row_width are int64 bits, not numbers)."""
+        values = rows[:, : self.config.row_width]
         finite = np.isfinite(values)
         if finite.all():
             return
         row, column = (int(i) for i in np.argwhere(~finite)[0])
         what = f"bucket row {int(keys[row])}" if bucket else f"key {int(keys[row])}"
-        if squares:
-            raise InvalidArgumentError(
-                f"{where}: field 'grads' expected values whose square float32 holds "
-                f"(|g| < 1.8e19: {type(optimizer).__name__} squares them, and its state "
-                f"would be inf), got {rows[row, column]!r} for {what} at column {column}; "
-                f"nothing was changed"
-            )
         part = "weights" if column < self.config.dim else "optimizer state"
         raise InvalidArgumentError(
             f"{where}: expected an update that keeps every stored value finite, got "
             f"{values[row, column]!r} in the {part} of {what} (column {column}) after "
-            f"{type(optimizer).__name__} at step {step}; the gradients are too large for "
-            f"float32 rows: the whole push is refused and nothing was changed"
+            f"{type(self.config.optimizer).__name__} at step {step}; the gradients are too "
+            f"large for float32 rows: the whole push is refused and nothing was changed"
         )
 
     def _train_resident(
-        self, keys: np.ndarray, grads: np.ndarray, step: int
-    ) -> tuple[np.ndarray, Callable[[], None] | None]:
+        self, keys: np.ndarray, grads: np.ndarray, step: int, stamp: int
+    ) -> tuple[np.ndarray, Callable[[], None] | None, np.ndarray | None]:
         """Train the rows of keys held by a top tier that trains in place (the GPU tier: its
-        fused optimizer, without moving rows to the host and back); returns their indices
-        into keys and the tier's undo of it (see CacheTier.train_resident). A write-through
-        table does not: each update must reach RocksDB, so its rows take the host path."""
+        fused optimizer, without moving rows to the host and back); returns what
+        CacheTier.train_resident does: their indices into keys, its undo, and the rows if
+        a value went non-finite. A write-through table does not: each update must reach
+        RocksDB, so its rows take the host path."""
         top = self.tiers[0]
         if (
             not getattr(top, "trains_in_place", False)
             or self.config.write_policy is WritePolicy.WRITE_THROUGH
         ):
-            return np.empty(0, dtype=np.int64), None
-        stamp = self.current_step if self.step_slots else None
-        return top.train_resident(keys, grads, step, stamp)
+            return np.empty(0, dtype=np.int64), None, None
+        return top.train_resident(keys, grads, step, stamp if self.step_slots else None)
 
     def check_values(self, keys: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
         """(keys, values) as assign takes them, or InvalidArgumentError."""
@@ -506,15 +545,22 @@ class EmbeddingTable:
                 rows = self._with_step(rows)
             self._store(keys, rows, np.ones(keys.size, dtype=bool))
 
-    def flush(self, chunk_bytes: int = FLUSH_CHUNK_BYTES, pause_s: float = 0.0) -> None:
+    def flush(
+        self,
+        chunk_bytes: int = FLUSH_CHUNK_BYTES,
+        pause_s: float = 0.0,
+        stop: Callable[[], bool] | None = None,
+    ) -> bool:
         """Write every row newer than RocksDB down to it (bucket rows included), in chunks of
-        about chunk_bytes. Each chunk is written below and only then marked clean, under the
-        table lock; the lock is let go between chunks, so data calls wait at most one
-        chunk's write (a background flush passes small chunks). A row changed between chunks
-        is simply dirty again and goes in a later flush. If a write fails, this raises and
-        every row not yet written is still dirty where it was. pause_s: sleep this long
-        between chunks, so that calls waiting for the lock get it (Python's locks are not
-        fair: without a pause the flushing thread takes the lock again at once)."""
+        about chunk_bytes; True when done. Each chunk is written below and only then marked
+        clean, under the table lock; the lock is let go between chunks, so data calls wait
+        at most one chunk's write (a background flush passes small chunks). A row changed
+        between chunks is simply dirty again and goes in a later flush. If a write fails,
+        this raises and every row not yet written is still dirty where it was. pause_s:
+        sleep this long between chunks, so that calls waiting for the lock get it (Python's
+        locks are not fair: without a pause the flushing thread takes the lock again at
+        once). stop: asked between chunks; if it says True, the flush returns False there,
+        the rows not yet written still dirty (a background flush yields to a snapshot)."""
         chunk_rows = max(1, chunk_bytes // self.config.stored_bytes)
         with self._lock:
             if self.buckets is not None:
@@ -523,12 +569,20 @@ class EmbeddingTable:
             with self._lock:
                 keys = tier.dirty_keys()
             for start in range(0, keys.size, chunk_rows):
+                if stop is not None and stop():
+                    return False
                 with self._lock:
                     held, rows, handle = tier.dirty_rows(keys[start : start + chunk_rows])
                     self._place(Spill(held, rows, np.ones(held.size, dtype=bool)), level + 1)
                     tier.mark_clean(handle)
                 if pause_s:
                     time.sleep(pause_s)
+        return True
+
+    def clock(self) -> tuple[int, int]:
+        """(current_step, first_step), read under the table lock (a push moves them)."""
+        with self._lock:
+            return self.current_step, self.first_step
 
     def export(
         self, chunk_rows: int = DEFAULT_CHUNK_ROWS

@@ -24,7 +24,8 @@ tiers move rows as opaque float32 slots and never look inside.
 
 Calls take and return numpy arrays whatever a tier keeps its rows in: the GPU tier moves keys
 and rows across itself. A top tier whose trains_in_place is True also has train_resident
-(keys, grads, step, stamp) -> indices of the keys whose rows it trained where they lie.
+(keys, grads, step, stamp) -> (indices of the keys whose rows it trained where they lie, an
+undo of that, the trained rows if a value went non-finite).
 
 The last tier is durable (DurableTier): it also writes rows directly and exports them all.
 
@@ -234,19 +235,16 @@ class CacheTier:
         # What allocates (an index rehash, arena growth: on a GPU either may run out of
         # memory) runs before anything is handed down, so that a failure leaves every tier
         # as it was: the victims stay here until the tier below holds them.
-        victim_keys = self.index.keys_at(victims)
-        if self.index.reserve(fits, leaving=int(victims.size)):  # a rehash moved the slots
-            victims = self.index.find(victim_keys)
-            old_slots = self.index.find(keys[present])
+        rebuilt = self.index.prepare_room(fits, leaving=victims)
         self._make_rows(fits, freed=int(victims.size))
         spills = []
         if victims.size:
-            ids = self.index.values[victims]
+            victim_ids = self.index.values[victims]
             spills.append(
                 Spill(
-                    to_host(victim_keys),
-                    to_host(xp.take(self.arena, ids, axis=0)),
-                    to_host(self.dirty[ids]),
+                    to_host(self.index.keys_at(victims)),
+                    to_host(xp.take(self.arena, victim_ids, axis=0)),
+                    to_host(self.dirty[victim_ids]),
                 )
             )
         if overflow.size:
@@ -255,7 +253,12 @@ class CacheTier:
             )
         if spills:
             below(Spill.concat(spills))  # the tier below holds them now, or this raised
-        if victims.size:
+        if rebuilt is not None:  # the index without the victims: their rows are free now
+            self.index.install(rebuilt)
+            old_slots = self.index.find(keys[present])
+            if victims.size:
+                self._free_rows(victim_ids)
+        elif victims.size:
             self._release(victims)
         ids = self.index.values[old_slots]
         self.arena[ids] = rows[present]
@@ -274,32 +277,34 @@ class CacheTier:
 
     def train_resident(
         self, keys: np.ndarray, grads: np.ndarray, step: int, stamp: int | None
-    ) -> tuple[np.ndarray, Callable[[], None] | None]:
+    ) -> tuple[np.ndarray, Callable[[], None] | None, np.ndarray | None]:
         """Run the table's optimizer on the rows of the (unique) keys held here, in place,
-        and mark them dirty; returns the indices into keys of those trained (the others are
-        the cascade's) and, when some were not, an undo: it puts the trained rows back as
-        they were, for the cascade to call if storing the other keys fails (so a failed push
-        changes no row). `stamp`: the last-update step written into the rows' trailing step
-        slots (steps_to_live > 0), or None. Hits are counted; misses are left to the find
-        the cascade runs next for the other keys, so each key counts once."""
+        and mark them dirty. Returns (hit, undo, refused):
+        - hit: the indices into keys of those trained (the others are the cascade's);
+        - undo: puts the trained rows back as they were, for the cascade to call if storing
+          the other keys fails (so a failed push changes no row); None when none trained;
+        - refused: None, or if the update made any weight or optimizer state value
+          non-finite, the trained rows [hit.size, row_width] on the host, for the cascade
+          to name in its refusal; the rows are put back already (and undo is None).
+        `stamp`: the last-update step written into the rows' trailing step slots
+        (steps_to_live > 0), or None. Hits are counted; misses are left to the find the
+        cascade runs next for the other keys, so each key counts once."""
         xp = self.xp
         slots = self.index.find(xp.asarray(keys))
         hit = xp.flatnonzero(slots >= 0)
         if hit.size == 0:
-            return np.empty(0, dtype=np.int64), None
+            return np.empty(0, dtype=np.int64), None, None
         self.hits += hit.size
         everything = hit.size == keys.size
         hit_slots = slots if everything else slots[hit]
         self.index.touch(hit_slots)
         ids = self.index.values[hit_slots]
         hit = to_host(hit)
-        undo = None
-        if not everything:  # a device copy of the rows trained now, undone in place
-            before, was_dirty = xp.take(self.arena, ids, axis=0), self.dirty[ids].copy()
+        before, was_dirty = xp.take(self.arena, ids, axis=0), self.dirty[ids].copy()
 
-            def undo() -> None:
-                self.arena[ids] = before
-                self.dirty[ids] = was_dirty
+        def undo() -> None:
+            self.arena[ids] = before
+            self.dirty[ids] = was_dirty
 
         resident_grads = xp.asarray(grads if everything else grads[hit])
         optimizer = self.config.optimizer
@@ -307,10 +312,16 @@ class CacheTier:
             rows = xp.take(self.arena, ids, axis=0)  # the generic path: gather, apply, scatter
             optimizer.apply(rows, resident_grads, step)
             self.arena[ids] = rows
+        width = self.config.row_width
+        trained = self.arena[ids, :width]
+        if not bool(xp.isfinite(trained).all()):
+            refused = to_host(trained)
+            undo()
+            return hit, None, refused
         if stamp is not None:
-            self.arena[ids, self.config.row_width :] = xp.asarray(step_bits(stamp))
+            self.arena[ids, width:] = xp.asarray(step_bits(stamp))
         self.dirty[ids] = True
-        return hit, undo
+        return hit, undo, None
 
     def _fused_apply(self, ids: Any, grads: Any, step: int) -> bool:
         """The optimizer as one CuPy RawKernel over the rows `ids`, where there is one for
@@ -328,6 +339,10 @@ class CacheTier:
         """Erase the keys of these (unique, live) slots and free their rows for reuse."""
         ids = self.index.values[slots]
         self.index.remove_slots(slots)
+        self._free_rows(ids)
+
+    def _free_rows(self, ids: Any) -> None:
+        """Rows no key uses any more: reused first by the next allocation."""
         self.dirty[ids] = False
         self._free = self.xp.concatenate([self._free, ids])
 

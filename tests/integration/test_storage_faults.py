@@ -21,6 +21,7 @@ from tierps.storage import (
     init,
     optim,
 )
+from tierps.storage.table import EmbeddingTable
 from tierps.storage.tiers import Spill
 
 DIM = 64  # 256 bytes of weights a row: a few thousand rows fill a few MiB
@@ -78,13 +79,10 @@ def test_full_disk_write_back_loses_nothing_and_recovers(full_disk: Path, gpu: b
     assert refused >= 20, "the disk never filled: the test proves nothing"
     assert not store.writable
     # a read-only lookup of rows below the host tier promotes them: evicting dirty rows
-    # needs a write, which fails; nothing may be lost by it
+    # needs a write, which fails: the lookup still answers, and nothing may be lost by it
     cold = np.flatnonzero(acked)[:2000].astype(np.int64)
-    try:
-        out = table.lookup(cold, create=False)
-        assert np.array_equal(out[:, 0], acked[cold].astype(np.float32))
-    except StorageFullError:
-        pass
+    out = table.lookup(cold, create=False)
+    assert np.array_equal(out[:, 0], acked[cold].astype(np.float32))
     with pytest.raises(StorageFullError):
         store.flush()
     assert store.recover() is False  # still no space: it does not even try to reopen
@@ -99,6 +97,83 @@ def test_full_disk_write_back_loses_nothing_and_recovers(full_disk: Path, gpu: b
         assert lost_and_extra(reopened, "t", acked) == (0, 0)
     print(f"full disk, write_back: {int(acked.sum())} acknowledged key-updates, "
           f"{refused} pushes refused, lost 0")  # fmt: skip
+
+
+def sighting_state(table: EmbeddingTable) -> dict[str, object]:
+    """What a push may change besides rows: the table's figures (counts of sightings,
+    promotions, creations, dropped gradients, bucket updates; not the tiers' hits and
+    misses, which a refused call's reads count too), the bucket rows, the clock."""
+    stats = table.stats()
+    del stats["tiers"]
+    buckets = table.buckets
+    return {
+        **stats,
+        "bucket_rows": buckets.rows.tobytes() if buckets is not None else None,
+        "clock": (table.current_step, table.first_step, table.leap_step),
+    }
+
+
+@pytest.mark.parametrize(
+    "lifecycle",
+    [{"admit_after": 2}, {"promote_after": 2, "hash_bucket_size": 64}],
+    ids=["admission", "adaptive"],
+)
+def test_a_push_refused_by_a_full_disk_counts_nothing(
+    full_disk: Path, lifecycle: dict[str, int]
+) -> None:
+    """A push whose rows cannot be stored (its evictions need RocksDB, whose disk is full)
+    leaves no trace: no sighting or promotion counted, no bucket row trained, nothing
+    created, the clock where it was; and once space is back nothing acknowledged is lost."""
+    store = EmbeddingStore(full_disk / "db")
+    store.create_table(counting_table("t", steps_to_live=1_000, **lifecycle))
+    table = store.table("t")
+    rng = np.random.default_rng(5)
+    filler = fill(full_disk, leave_bytes=3 << 20)
+    refused = 0
+    for step in range(1, 400):
+        keys = rng.choice(UNIVERSE, size=512, replace=False).astype(np.int64)
+        before = sighting_state(table)
+        try:
+            table.apply_gradients(keys, -np.ones((keys.size, DIM), np.float32), step=step)
+        except StorageFullError:
+            refused += 1
+            assert sighting_state(table) == before, f"refused push {refused} changed state"
+            if refused >= 5:
+                break
+    assert refused >= 5, "the disk never filled: the test proves nothing"
+    filler.unlink()
+    assert store.recover()
+    store.close()
+
+
+def test_a_write_through_row_a_cache_cannot_take_is_read_from_rocksdb(tmp_path: Path) -> None:
+    """Write-through: once RocksDB holds a push's rows the push succeeded. If the host tier
+    then fails to take them (out of memory, injected), it drops its older copies, so no
+    lookup reads a stale row, and the rows are there after a restart."""
+    store = EmbeddingStore(tmp_path / "db")
+    store.create_table(counting_table("wt", write_policy="write_through"))
+    table = store.table("wt")
+    host = table.tiers[0]
+    keys = np.arange(300, dtype=np.int64)
+    grads = -np.ones((keys.size, DIM), np.float32)
+    table.apply_gradients(keys, grads, step=1)
+    assert host.find(keys)[0].size == keys.size  # cached, clean
+
+    def out_of_memory(*args: object) -> None:
+        raise MemoryError("injected: the host tier cannot take the rows")
+
+    host.insert = out_of_memory
+    try:
+        assert table.apply_gradients(keys, grads, step=2) == keys.size
+    finally:
+        del host.insert
+    assert host.find(keys)[0].size == 0  # no stale copy left
+    np.testing.assert_array_equal(table.lookup(keys, create=False), np.full((300, DIM), 2.0))
+    store.close()
+    with EmbeddingStore(tmp_path / "db") as reopened:
+        np.testing.assert_array_equal(
+            reopened.table("wt").lookup(keys, create=False), np.full((300, DIM), 2.0)
+        )
 
 
 def test_write_through_push_is_atomic_on_a_full_disk(full_disk: Path) -> None:

@@ -395,7 +395,6 @@ def test_gpu_path_refuses_a_non_finite_non_resident_key_and_undoes_the_resident_
     refused_on_gpu(table, resident, keys, g, bad)
 
 
-@pytest.mark.xfail(reason="in-place finiteness check lands with the table fix", strict=False)
 @pytest.mark.parametrize("mixed", [False, True], ids=["all-resident", "resident-and-new"])
 def test_gpu_path_refuses_a_non_finite_resident_key_trained_in_place(opened, mixed: bool) -> None:
     """SGD(lr=1e30) on a resident key: w overflows in the GPU tier's in-place update,
@@ -594,12 +593,6 @@ def test_a_neighbouring_config_is_accepted_and_trains_finite(opened, name: str) 
     assert all(np.isfinite(rows[key][0]).all() for key in (1, 2))
 
 
-@pytest.mark.xfail(
-    reason="optim.FTRL checks l2 == 0 in float64, not as float32: l2=1e-50 (0 in float32) "
-    "with a zero initial n**-p is accepted, and a gradient of 1e-30 (whose square is 0) "
-    "then divides by 0 and every such push is refused as 'too large'",
-    strict=False,
-)
 def test_ftrl_whose_l2_is_zero_in_float32_is_refused_like_l2_zero(opened) -> None:
     with pytest.raises(ValueError, match="'lr_power'"):
         optim.FTRL(initial_accumulator_value=0.0, l2=1e-50)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tierps.server.config import ServerConfig
 from tierps.server.lives import Lives
-from tierps.storage import DataLossError
+from tierps.server.shard import Shard
+from tierps.storage import DataLossError, TableConfig, optim
 
 
 def start(data_dir: Path, at_risk: bool = True) -> Lives:
@@ -70,3 +74,37 @@ def test_durability_settings_are_checked(tmp_path: Path) -> None:
     toml.write_text(f'shard_id = 0\nnum_shards = 1\ndata_dir = "{tmp_path}"\n'
                     "flush_interval_s = 5\n")  # fmt: skip
     assert ServerConfig.from_file(toml).flush_interval_s == 5
+
+
+def test_a_background_flush_yields_to_a_waiting_snapshot(tmp_path: Path) -> None:
+    """A background flush lets go of the shard's gate as soon as an exclusive section (a
+    snapshot cut, a load, a drop) waits for it, after at most one chunk: data calls queue
+    behind that waiter, so they must not wait for the whole flush. The rows it did not
+    reach stay dirty, and its start is not recorded as a whole flush."""
+    config = ServerConfig(0, 1, tmp_path / "data", flush_interval_s=0)
+    shard = Shard(config)
+    try:
+        shard.create_table(
+            TableConfig("t", 16, optimizer=optim.SGD(lr=0.1), host_cache_bytes=64 << 20)
+        )
+        keys = np.arange(50_000, dtype=np.int64)
+        shard.store.table("t").apply_gradients(keys, np.ones((keys.size, 16), np.float32), 1)
+        result: list[bool] = []
+        flushing = threading.Thread(
+            target=lambda: result.append(shard.flush(16 << 10, 0.005, background=True))
+        )
+        flushing.start()
+        host = shard.store.table("t").tiers[0]
+        deadline = time.monotonic() + 30
+        while host.stats()["dirty_rows"] == keys.size and time.monotonic() < deadline:
+            time.sleep(0.002)  # until some chunks are in
+        with shard._gate.exclusive():
+            still_dirty = host.dirty_keys().size
+        flushing.join()
+        assert result == [False]
+        assert 0 < still_dirty < keys.size
+        assert shard.last_flush is None
+        assert shard.flush() is True  # a flush not in the background goes to the end
+        assert host.dirty_keys().size == 0 and shard.last_flush is not None
+    finally:
+        shard.close()

@@ -98,7 +98,8 @@ class Gate:
 
     def contended(self) -> bool:
         """Whether an exclusive section waits: long shared work (a background flush) should
-        let go at its next chance, as new data calls already wait behind it."""
+        let go at its next chance, as new data calls already wait behind it. Read without
+        the lock: a hint, and an int read is atomic."""
         return self._waiting > 0
 
     @contextmanager
@@ -574,6 +575,8 @@ class Shard:
         """Tell on_serving_change the state now: SERVING if the store can write and no
         load runs (a server starting up; later changes are told as they happen)."""
         with self._publish_lock:
+            self._store_ok = self.store.writable  # now, not as of the last maintenance tick
+            self._serving = self._store_ok and not self._loading
             self.on_serving_change(self._serving)
 
     def _publish(self) -> None:

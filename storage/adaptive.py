@@ -108,13 +108,21 @@ class BucketRows:
         self.gradients += int(keys.size)
         self.updates += int(index.size)
 
+    def dirty_rows(self) -> tuple[RocksDBTier, np.ndarray, np.ndarray] | None:
+        """(durable tier, bucket indices, rows) of the changed bucket rows, None if none:
+        what a flush writes, and a write-through push writes with its own rows."""
+        if self.durable is None or not self.dirty.any():
+            return None
+        index = np.flatnonzero(self.dirty).astype(np.int64)
+        return self.durable, index, self.rows[index]
+
     def flush(self) -> None:
         """Write changed bucket rows to RocksDB."""
-        if self.durable is None or not self.dirty.any():
-            return
-        index = np.flatnonzero(self.dirty).astype(np.int64)
-        self.durable.write(index, self.rows[index])
-        self.dirty[index] = False
+        changed = self.dirty_rows()
+        if changed is not None:
+            durable, index, rows = changed
+            durable.write(index, rows)
+            self.dirty[index] = False
 
     def stats(self) -> dict[str, Any]:
         counted = self.counts.stats()

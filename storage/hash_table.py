@@ -232,11 +232,13 @@ class HashTable:
             self._reset_scores(slots[inserted])
         return slots, inserted
 
-    def insert_absent(self, keys: Any) -> Any:
+    def insert_absent(self, keys: Any, *, room_made: bool = False) -> Any:
         """Slots for keys known to be absent and unique (a find since the last change said
-        so): insert without searching for them again. Returns their slots."""
+        so): insert without searching for them again. Returns their slots. room_made: the
+        caller made room already (prepare_room, for after some keys leave): no rehash."""
         xp = self.xp
-        self._make_room(keys.shape[0])
+        if not room_made:
+            self._make_room(keys.shape[0])
         slots = xp.full(keys.shape[0], -1, dtype=xp.int64)
         self._claim(keys, xp.arange(keys.shape[0]), slots, xp.zeros(keys.shape[0], bool))
         if self._kernels is None:  # the claim kernel set the new keys' scores
@@ -266,6 +268,15 @@ class HashTable:
         self._install(rebuilt.keys, rebuilt.values, rebuilt.scores)
         self._size = self._used = rebuilt.size
         self.rebuilds += 1
+
+    def saved(self) -> tuple[Any, ...]:
+        """This table's state (its arrays by reference), for `restore` to put back after an
+        `install` whose call failed."""
+        return self._keys, self.values, self._scores, self._size, self._used, self.rebuilds
+
+    def restore(self, state: tuple[Any, ...]) -> None:
+        self._install(*state[:3])
+        self._size, self._used, self.rebuilds = state[3], state[4], state[5]
 
     def _make_room(self, new_keys: int) -> bool:
         """Rehash so new_keys more fit (see _fits): at the size that holds the live keys and

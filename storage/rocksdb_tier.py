@@ -61,7 +61,9 @@ class WriteState:
 
     def failed(self, error: BackendError) -> BackendError:
         if self.failure is None:
-            self.failure = error
+            # a copy: the error raised gets a traceback, whose frames would keep RocksDB
+            # handles alive (and its LOCK held, so that recover() could not reopen it)
+            self.failure = type(error)(str(error))
         return error
 
 
@@ -154,16 +156,30 @@ class RocksDBTier:
         rows = np.frombuffer(blob, dtype="<f4").reshape(hit.size, self.width).astype(np.float32)
         return hit, rows
 
-    def write(self, keys: np.ndarray, rows: np.ndarray) -> None:
+    def write(
+        self,
+        keys: np.ndarray,
+        rows: np.ndarray,
+        also: tuple[RocksDBTier, np.ndarray, np.ndarray] | None = None,
+    ) -> None:
         """Put rows as one atomic write batch: after a failure none of them is written (a
-        write-through push refused for a full disk is not half applied). Callers bound the
-        size: a flush and a snapshot load write chunks of a few MiB."""
-        if keys.size == 0:
+        write-through push refused for a full disk is not half applied). also: (tier,
+        keys, rows) of another column family of the same database, written in the same
+        batch (a write-through push's rows and the bucket rows it trained). Callers bound
+        the size: a flush and a snapshot load write chunks of a few MiB."""
+        others = also is not None and also[1].size > 0
+        if keys.size == 0 and not others:
             return
         batch = WriteBatch(raw_mode=True)
         deque(map(batch.put, encode_keys(keys), encode_rows(rows), repeat(self._handle)), 0)
+        if others:
+            tier, other_keys, other_rows = also  # type: ignore[misc]
+            other = encode_keys(other_keys), encode_rows(other_rows)
+            deque(map(batch.put, *other, repeat(tier._handle)), 0)
         self._write_batch(batch, "write rows")
         self.rows_written += keys.size
+        if others:
+            tier.rows_written += other_keys.size
 
     def insert(
         self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray, below: HandDown

@@ -164,8 +164,15 @@ class EmbeddingTable:
         """Put unique keys' rows in the top tier; what it cannot keep flows down. A
         write-through table writes the dirty rows to RocksDB first, as one atomic batch: if
         that fails, no tier has changed."""
-        if self.config.write_policy is WritePolicy.WRITE_THROUGH and dirty.any():
-            self.durable.write(keys[dirty], rows[dirty])
+        buckets = self.buckets
+        if self.config.write_policy is WritePolicy.WRITE_THROUGH and (
+            dirty.any() or (buckets is not None and buckets.dirty.any())
+        ):
+            # the bucket rows this push trained go in the same atomic batch as its rows
+            trained = None if buckets is None else buckets.dirty_rows()
+            self.durable.write(keys[dirty], rows[dirty], also=trained)
+            if buckets is not None and trained is not None:
+                buckets.dirty[trained[1]] = False
             try:
                 self._place(Spill(keys, rows, np.zeros_like(dirty)), 0)
             except Exception as error:  # noqa: BLE001 - out of memory in a cache tier
@@ -393,8 +400,7 @@ class EmbeddingTable:
         initialized = self.initialized
         for counter in counters:
             counter.begin()
-        put_back: Callable[[bool], None] | None = None
-        buckets_written = False
+        put_back: Callable[[], None] | None = None
         try:
             rows, depth, _ = self._gather(unique, sight=True)
             dropped = 0
@@ -410,14 +416,12 @@ class EmbeddingTable:
                 own = ~shared
                 shared_keys, shared_grads = unique[shared], summed[shared]
                 unique, summed, rows, depth = unique[own], summed[own], rows[own], depth[own]
-            self.config.optimizer.apply(rows, summed, step)  # on copies: nothing changed yet
+            with np.errstate(over="ignore", invalid="ignore"):  # refused just below
+                self.config.optimizer.apply(rows, summed, step)  # on copies: nothing changed
             self._refuse_non_finite(where, unique, rows, step)
             bucketed = int(np.count_nonzero(shared))
-            if bucketed:
+            if bucketed:  # a write-through table writes them with the rows (_store)
                 put_back = self._train_buckets(where, shared_keys, shared_grads, step)
-                if self.config.write_policy is WritePolicy.WRITE_THROUGH:
-                    self.buckets.flush()  # type: ignore[union-attr]
-                    buckets_written = True
             if self.step_slots:  # the table's clock, which only moves forward: a push with
                 # an older step (a restarted trainer, a lagging worker) still marks its rows
                 # fresh, so the next evict cannot remove rows trained just now
@@ -428,7 +432,7 @@ class EmbeddingTable:
                 counter.rollback()
             self.initialized = initialized
             if put_back is not None:
-                put_back(buckets_written)
+                put_back()
             raise
         for counter in counters:
             counter.commit()
@@ -444,26 +448,24 @@ class EmbeddingTable:
 
     def _train_buckets(
         self, where: str, keys: np.ndarray, grads: np.ndarray, step: int
-    ) -> Callable[[bool], None]:
+    ) -> Callable[[], None]:
         """BucketRows.apply, put back and refused if a bucket row went non-finite; returns
-        put_back(written), which puts the trained bucket rows back as they were (if storing
-        the push's rows fails). written: a write-through flush wrote the trained rows to
-        RocksDB already, so the rows put back stay dirty, for the next flush to write."""
+        what puts the trained bucket rows back as they were (if storing the push's rows
+        fails)."""
         buckets = self.buckets
         assert buckets is not None
         index = np.unique(buckets.of(keys))
         saved = buckets.rows[index], buckets.dirty[index], buckets.gradients, buckets.updates
 
-        def put_back(written: bool) -> None:
-            buckets.rows[index] = saved[0]
-            buckets.dirty[index] = True if written else saved[1]
+        def put_back() -> None:
+            buckets.rows[index], buckets.dirty[index] = saved[0], saved[1]
             buckets.gradients, buckets.updates = saved[2], saved[3]
 
         buckets.apply(keys, grads, step)
         try:
             self._refuse_non_finite(where, index, buckets.rows[index], step, bucket=True)
         except InvalidArgumentError:
-            put_back(False)
+            put_back()
             raise
         return put_back
 
@@ -575,7 +577,7 @@ class EmbeddingTable:
                     held, rows, handle = tier.dirty_rows(keys[start : start + chunk_rows])
                     self._place(Spill(held, rows, np.ones(held.size, dtype=bool)), level + 1)
                     tier.mark_clean(handle)
-                if pause_s:
+                if pause_s and not (stop is not None and stop()):
                     time.sleep(pause_s)
         return True
 

@@ -170,23 +170,6 @@ class CacheTier:
         self.arena.resize((rows, self.width), refcheck=False)  # no views are ever kept
         self.dirty.resize(rows, refcheck=False)
 
-    def _make_rows(self, count: int, freed: int) -> None:
-        """Grow the arena now (numpy) so that `count` rows can be allocated once `freed`
-        more rows are released, without growing then."""
-        fresh = count - self._free.shape[0] - freed
-        if fresh > 0 and self._high + fresh > self.arena.shape[0]:
-            self._grow(min(self.max_rows, max(self._high + fresh, 2 * self.arena.shape[0])))
-
-    def _allocate(self, count: int) -> Any:
-        xp = self.xp
-        reused, self._free = self._free[:count], self._free[count:]
-        fresh = count - reused.size
-        if self._high + fresh > self.arena.shape[0]:
-            self._grow(min(self.max_rows, max(self._high + fresh, 2 * self.arena.shape[0])))
-        ids = xp.concatenate([reused, xp.arange(self._high, self._high + fresh)])
-        self._high += fresh
-        return ids
-
     def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         xp = self.xp
         keys_here = xp.asarray(keys)
@@ -212,8 +195,10 @@ class CacheTier:
     ) -> None:
         """Store rows of unique keys; present keys are overwritten in place. Rows this tier
         cannot keep - the lowest-scored rows evicted to make room, and new rows beyond its
-        capacity - go to `below` first; only when it returns does this tier change (evicted
-        slots freed, rows written). If `below` raises, nothing here has changed."""
+        capacity - go to `below` first; only when it returns does this tier let go of the
+        victims and write the rows. If `below` raises, or an allocation before it fails (out
+        of memory on a GPU), nothing here has changed. After `below` returns, the call only
+        writes into arrays that exist: nothing there can run out of memory."""
         xp = self.xp
         keys, rows, dirty = xp.asarray(keys), xp.asarray(rows), xp.asarray(dirty)
         slots = self.index.find(keys)
@@ -224,56 +209,82 @@ class CacheTier:
             self.dirty[ids] = self.dirty[ids] | dirty  # see below: never cleared here
             self.index.touch(slots)
             return
-        old_slots = slots[present]
         new = xp.flatnonzero(~present)
         room = self.max_rows - self.index.size
         victims = xp.empty(0, dtype=xp.int64)
         if new.size > room:
-            victims = self.index.eviction_candidates(new.size - room, old_slots)
+            victims = self.index.eviction_candidates(new.size - room, slots[present])
         fits = min(new.size, room + int(victims.size))
         placed, overflow = new[:fits], new[fits:]
-        # What allocates (an index rehash, arena growth: on a GPU either may run out of
-        # memory) runs before anything is handed down, so that a failure leaves every tier
-        # as it was: the victims stay here until the tier below holds them.
-        rebuilt = self.index.prepare_room(fits, leaving=victims)
-        self._make_rows(fits, freed=int(victims.size))
-        spills = []
-        if victims.size:
-            victim_ids = self.index.values[victims]
-            spills.append(
+        victim_ids = self.index.values[victims]
+        spill = Spill.concat(
+            [
                 Spill(
                     to_host(self.index.keys_at(victims)),
                     to_host(xp.take(self.arena, victim_ids, axis=0)),
                     to_host(self.dirty[victim_ids]),
-                )
-            )
-        if overflow.size:
-            spills.append(
-                Spill(to_host(keys[overflow]), to_host(rows[overflow]), to_host(dirty[overflow]))
-            )
-        if spills:
-            below(Spill.concat(spills))  # the tier below holds them now, or this raised
-        if rebuilt is not None:  # the index without the victims: their rows are free now
-            self.index.install(rebuilt)
-            old_slots = self.index.find(keys[present])
-            if victims.size:
-                self._free_rows(victim_ids)
-        elif victims.size:
-            self._release(victims)
-        ids = self.index.values[old_slots]
-        self.arena[ids] = rows[present]
-        # A clean row handed down equals the copy here (clean: "equal to the tier below"),
-        # which may be dirty still, not yet in RocksDB (a flush between levels): a dirty
-        # flag is cleared only by mark_clean, once the row is written below.
-        self.dirty[ids] = self.dirty[ids] | dirty[present]
-        self.index.touch(old_slots)
-        if fits:
-            ids = self._allocate(fits)
-            new_slots = self.index.insert_absent(keys[placed])  # the find above missed them
+                ),
+                Spill(to_host(keys[overflow]), to_host(rows[overflow]), to_host(dirty[overflow])),
+            ]
+        )
+        # Everything that allocates runs now, before the hand-down, and is undone if it or
+        # the hand-down fails: the index rebuild (if due; built without the victims), the
+        # new keys' slots (the victims keep theirs until the tier below holds them), their
+        # row ids (victims' ids among them: their rows are copied into the spill above).
+        rebuilt = self.index.prepare_room(fits, leaving=victims)
+        before = self.index.saved()
+        new_slots = None
+        try:
+            if rebuilt is not None:
+                self.index.install(rebuilt)  # the victims are not in it
+            old_slots = self.index.find(keys[present]) if rebuilt is not None else slots[present]
+            ids, free_after, high_after = self._take_rows(fits, victim_ids)
+            new_slots = self.index.insert_absent(keys[placed], room_made=True)
             self.index.values[new_slots] = ids
+            self.index.touch(old_slots)
             self.index.touch(new_slots)
-            self.arena[ids] = rows[placed]
-            self.dirty[ids] = dirty[placed]
+            present_ids = self.index.values[old_slots]
+            # A clean row handed down equals the copy here (clean: "equal to the tier
+            # below"), which may be dirty still, not yet in RocksDB (a flush between
+            # levels): a dirty flag is cleared only by mark_clean, once written below.
+            present_rows, present_dirty = rows[present], self.dirty[present_ids] | dirty[present]
+            placed_rows, placed_dirty = rows[placed], dirty[placed]
+            if spill.keys.size:
+                below(spill)  # the tier below holds the spill now, or this raised
+        except BaseException:
+            if rebuilt is not None:
+                self.index.restore(before)
+            elif new_slots is not None:
+                self.index.remove_slots(new_slots)
+            raise
+        if rebuilt is None and victims.size:
+            self.index.remove_slots(victims)
+        self.dirty[victim_ids] = False
+        self._free, self._high = free_after, high_after
+        self.arena[present_ids] = present_rows
+        self.dirty[present_ids] = present_dirty
+        self.arena[ids] = placed_rows
+        self.dirty[ids] = placed_dirty
+
+    def _take_rows(self, count: int, freeing: Any) -> tuple[Any, Any, int]:
+        """Row ids for `count` new rows - freed ones first, then those of `freeing` (rows
+        let go of by this call), then never used ones - with the free list and the high
+        mark after taking them; nothing changes until the caller assigns those two. A host
+        arena grows now, if it must, never beyond max_rows."""
+        xp = self.xp
+        free = xp.concatenate([self._free, freeing]) if freeing.size else self._free
+        reused = free[:count]
+        fresh = count - int(reused.shape[0])
+        high = self._high + fresh
+        if high > self.max_rows:
+            raise RuntimeError(
+                f"tier '{self.name}': expected at most {self.max_rows} rows in use, the call "
+                f"needs {high} (a bookkeeping error; nothing was changed)"
+            )
+        if high > self.arena.shape[0]:
+            self._grow(min(self.max_rows, max(high, 2 * self.arena.shape[0])))
+        ids = xp.concatenate([reused, xp.arange(self._high, high, dtype=xp.int64)])
+        return ids, free[count:], high
 
     def train_resident(
         self, keys: np.ndarray, grads: np.ndarray, step: int, stamp: int | None
@@ -310,7 +321,8 @@ class CacheTier:
         optimizer = self.config.optimizer
         if not self._fused_apply(ids, resident_grads, step):
             rows = xp.take(self.arena, ids, axis=0)  # the generic path: gather, apply, scatter
-            optimizer.apply(rows, resident_grads, step)
+            with np.errstate(over="ignore", invalid="ignore"):  # non-finite: refused below
+                optimizer.apply(rows, resident_grads, step)
             self.arena[ids] = rows
         width = self.config.row_width
         trained = self.arena[ids, :width]
@@ -339,10 +351,6 @@ class CacheTier:
         """Erase the keys of these (unique, live) slots and free their rows for reuse."""
         ids = self.index.values[slots]
         self.index.remove_slots(slots)
-        self._free_rows(ids)
-
-    def _free_rows(self, ids: Any) -> None:
-        """Rows no key uses any more: reused first by the next allocation."""
         self.dirty[ids] = False
         self._free = self.xp.concatenate([self._free, ids])
 

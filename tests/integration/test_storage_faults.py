@@ -22,7 +22,7 @@ from tierps.storage import (
     optim,
 )
 from tierps.storage.table import EmbeddingTable
-from tierps.storage.tiers import Spill
+from tierps.storage.tiers import CacheTier, Spill
 
 DIM = 64  # 256 bytes of weights a row: a few thousand rows fill a few MiB
 UNIVERSE = 20_000
@@ -115,8 +115,12 @@ def sighting_state(table: EmbeddingTable) -> dict[str, object]:
 
 @pytest.mark.parametrize(
     "lifecycle",
-    [{"admit_after": 2}, {"promote_after": 2, "hash_bucket_size": 64}],
-    ids=["admission", "adaptive"],
+    [
+        {"admit_after": 2},
+        {"promote_after": 2, "hash_bucket_size": 64},
+        {"promote_after": 2, "hash_bucket_size": 64, "write_policy": "write_through"},
+    ],
+    ids=["admission", "adaptive", "adaptive-write-through"],
 )
 def test_a_push_refused_by_a_full_disk_counts_nothing(
     full_disk: Path, lifecycle: dict[str, int]
@@ -138,6 +142,11 @@ def test_a_push_refused_by_a_full_disk_counts_nothing(
         except StorageFullError:
             refused += 1
             assert sighting_state(table) == before, f"refused push {refused} changed state"
+            if lifecycle.get("write_policy") == "write_through":  # buckets and rows: one batch
+                buckets = table.buckets
+                assert buckets is not None
+                _, on_disk, _ = buckets.durable.find(np.arange(buckets.size, dtype=np.int64))
+                np.testing.assert_array_equal(on_disk, buckets.rows)
             if refused >= 5:
                 break
     assert refused >= 5, "the disk never filled: the test proves nothing"
@@ -198,26 +207,42 @@ def test_write_through_push_is_atomic_on_a_full_disk(full_disk: Path) -> None:
         assert lost_and_extra(reopened, "wt", acked) == (0, 0)
 
 
-def test_out_of_memory_in_the_gpu_tier_changes_nothing(tmp_path: Path) -> None:
-    """An allocation failing inside a GPU tier's insert (its index rebuild; injected at the
-    allocation, as there is no GPU here) fails the push before anything was handed down:
-    no acknowledged update is lost and the failed pushes left nothing behind."""
+def assert_rows_accounted(tier: CacheTier) -> None:
+    """Every row id below the high mark is either a live key's (once) or free (once)."""
+    _, live_ids = tier.index.export()
+    ids = np.concatenate([np.asarray(live_ids), np.asarray(tier._free)])
+    assert np.array_equal(np.sort(ids), np.arange(tier._high)), "row ids leaked or shared"
+
+
+# Where a GPU insert allocates: the index rebuild, the new rows' ids, the new keys' slots.
+ALLOCATIONS = [("index", "_allocate"), ("tier", "_take_rows"), ("index", "insert_absent")]
+
+
+@pytest.mark.parametrize("where", ALLOCATIONS, ids=lambda w: f"{w[0]}.{w[1]}")
+def test_out_of_memory_in_the_gpu_tier_changes_nothing(
+    tmp_path: Path, where: tuple[str, str]
+) -> None:
+    """An allocation failing inside a GPU tier's insert (injected where it allocates, as
+    there is no GPU here) fails the push before anything was handed down: no acknowledged
+    update is lost, the failed pushes left nothing behind, and every row id is accounted
+    for (a leaked id once made later calls index past the arena)."""
     store = EmbeddingStore(tmp_path / "db", gpu_arrays="numpy")
     store.create_table(counting_table("t", gpu_cache_bytes=64 << 10, host_cache_bytes=128 << 10))
     table = store.table("t")
     gpu = table.tiers[0]
     assert gpu.name == "gpu"
+    owner = gpu.index if where[0] == "index" else gpu
+    real = getattr(owner, where[1])
     rng = np.random.default_rng(11)
     acked = np.zeros(UNIVERSE, dtype=np.int64)
     failures = 0
-    real_allocate = gpu.index._allocate
     for round_ in range(90):
-        if round_ % 2:  # every other push: the GPU runs out of memory if the index rebuilds
+        if round_ % 2:  # every other push: the GPU runs out of memory there, if it gets there
 
-            def out_of_memory(slots: int) -> object:
-                raise MemoryError("injected: out of GPU memory during the index rebuild")
+            def out_of_memory(*args: object, **kwargs: object) -> object:
+                raise MemoryError(f"injected: out of GPU memory in {where[1]}")
 
-            gpu.index._allocate = out_of_memory
+            setattr(owner, where[1], out_of_memory)
         keys = rng.choice(UNIVERSE, size=300, replace=False).astype(np.int64)
         try:
             table.apply_gradients(keys, -np.ones((keys.size, DIM), np.float32), step=1)
@@ -225,8 +250,9 @@ def test_out_of_memory_in_the_gpu_tier_changes_nothing(tmp_path: Path) -> None:
         except MemoryError:
             failures += 1
         finally:
-            gpu.index._allocate = real_allocate
-    assert failures >= 5, f"the index rebuilt in only {failures} of the failing rounds"
+            setattr(owner, where[1], real)
+        assert_rows_accounted(gpu)
+    assert failures >= 5, f"the injected allocation ran in only {failures} failing rounds"
     assert lost_and_extra(store, "t", acked) == (0, 0)
     store.close()
 

@@ -12,7 +12,7 @@ import pytest
 from tierps.server.config import ServerConfig
 from tierps.server.lives import Lives
 from tierps.server.shard import Shard
-from tierps.storage import DataLossError, TableConfig, optim
+from tierps.storage import DataLossError, StorageFullError, TableConfig, optim
 
 
 def start(data_dir: Path, at_risk: bool = True) -> Lives:
@@ -107,4 +107,20 @@ def test_a_background_flush_yields_to_a_waiting_snapshot(tmp_path: Path) -> None
         assert shard.flush() is True  # a flush not in the background goes to the end
         assert host.dirty_keys().size == 0 and shard.last_flush is not None
     finally:
+        shard.close()
+
+
+def test_a_starting_server_publishes_the_store_as_it_is_now(tmp_path: Path) -> None:
+    """Health at start reflects whether the store can write at that moment (a write that
+    failed before the first maintenance tick is NOT_SERVING), not a cached SERVING."""
+    shard = Shard(ServerConfig(0, 1, tmp_path / "data", flush_interval_s=0))
+    told: list[bool] = []
+    shard.on_serving_change = told.append
+    try:
+        shard.publish_serving()
+        shard.store.write_state.failed(StorageFullError("injected: No space left on device"))
+        shard.publish_serving()
+        assert told == [True, False]
+    finally:
+        shard.store.write_state.failure = None
         shard.close()

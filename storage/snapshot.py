@@ -65,7 +65,7 @@ import numpy as np
 from tierps.storage.admission import bloom_size, counter_dtype
 from tierps.storage.config import Admission, Placement, TableConfig, owner_shard
 from tierps.storage.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
-from tierps.storage.validation import MAX_STEP
+from tierps.storage.validation import MAX_STEP, first_non_finite
 
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (2, 3)  # version 2 snapshots load too: rows only (see CARRIES)
@@ -203,12 +203,12 @@ def _check_chunk(where: str, keys: np.ndarray, rows: np.ndarray, previous: int) 
             f"{where}: keys expected strictly ascending (distinct), got key {int(keys[at])} "
             f"after key {previous if at == 0 else int(keys[at - 1])}; nothing was committed"
         )
-    finite = np.isfinite(rows)
-    if not finite.all():
-        row, column = np.argwhere(~finite)[0]
+    bad = first_non_finite(rows)
+    if bad is not None:
+        row, column = bad
         raise FailedPreconditionError(
             f"{where}: every weight and optimizer value expected finite, got "
-            f"{rows[row, column]} in the row of key {int(keys[row])} at column {int(column)}; "
+            f"{rows[row, column]} in the row of key {int(keys[row])} at column {column}; "
             f"the snapshot is not written (a load would refuse it)"
         )
 
@@ -352,11 +352,12 @@ def _write_state(
     return the header's "state": the step clock and the counters' call clocks. A bucket
     row holding a non-finite value is refused (FailedPreconditionError)."""
     for kind, array in _state_arrays(config, state).items():
-        if kind == "buckets" and not np.isfinite(array).all():
-            row, column = np.argwhere(~np.isfinite(array))[0]
+        bad = first_non_finite(array) if kind == "buckets" else None
+        if bad is not None:
+            row, column = bad
             raise FailedPreconditionError(
                 f"{where}: every bucket row value expected finite, got {array[row, column]} "
-                f"in bucket {int(row)} at column {int(column)}; the snapshot is not written"
+                f"in bucket {row} at column {column}; the snapshot is not written"
             )
         paths[kind] = part_dir / f"{config.name}.{kind}"
         data = _raw(array)
@@ -786,13 +787,13 @@ class Snapshot:
     def _check_rows(
         where: str, path: str, config: TableConfig, keys: np.ndarray, rows: np.ndarray
     ) -> None:
-        finite = np.isfinite(rows)
-        if not finite.all():
-            row, column = np.argwhere(~finite)[0]
+        bad = first_non_finite(rows)
+        if bad is not None:
+            row, column = bad
             raise SnapshotRefusedError(
                 f"{where}: rows file {path}: every weight and optimizer value expected "
                 f"finite, got {rows[row, column]} in the row of key {int(keys[row])} at "
-                f"column {int(column)} (of row_width {config.row_width}: dim {config.dim} "
+                f"column {column} (of row_width {config.row_width}: dim {config.dim} "
                 f"with {config.optimizer.kind}'s state)"
             )
 
@@ -896,11 +897,12 @@ class Snapshot:
             label = f"{where}: {kind} file {file['path']}"
             if kind == "buckets":
                 rows = np.frombuffer(data, ROW_DTYPE).reshape(-1, config.row_width)
-                if not np.isfinite(rows).all():
-                    row, column = np.argwhere(~np.isfinite(rows))[0]
+                bad = first_non_finite(rows)
+                if bad is not None:
+                    row, column = bad
                     raise SnapshotRefusedError(
                         f"{label}: every bucket row value expected finite, got "
-                        f"{rows[row, column]} in bucket {int(row)} at column {int(column)}"
+                        f"{rows[row, column]} in bucket {row} at column {column}"
                     )
                 state[kind] = rows.astype(np.float32)
             elif kind == "admission" and config.admission is Admission.BLOOM:

@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ from tierps.storage.admission import make_filter
 from tierps.storage.config import STEP_SLOTS, TableConfig, WritePolicy, step_bits
 from tierps.storage.errors import BackendError, InvalidArgumentError
 from tierps.storage.tiers import DurableTier, Spill, Tier
-from tierps.storage.validation import as_keys, as_rows, check_step
+from tierps.storage.validation import as_keys, as_rows, check_step, first_non_finite
 
 log = logging.getLogger(__name__)
 
@@ -251,11 +252,7 @@ class EmbeddingTable:
         storing fails, the call's sightings roll back and it raises. An evaluation lookup
         (create=False) that cannot move its rows up (a full disk under the evictions)
         still answers: it stores nothing, and nothing was let go of."""
-        counters = self._counters() if create else []
-        initialized = self.initialized
-        for counter in counters:
-            counter.begin()
-        try:
+        with self._sightings(create):
             rows, depth, dirty = self._gather(keys, sight=create)
             # promoted: rows found below the top and, in training, rows initialised now
             # (never a key the admission filter kept out: refused_depth is deeper still)
@@ -274,13 +271,6 @@ class EmbeddingTable:
                     log.warning(
                         "%s: lookup answered without caching its rows: %s", self.where, error
                     )
-        except BaseException:
-            for counter in counters:
-                counter.rollback()
-            self.initialized = initialized
-            raise
-        for counter in counters:
-            counter.commit()
         self.created += created
         if self.admission is not None:
             self.lookups_default += int(np.count_nonzero(depth == self.refused_depth))
@@ -396,55 +386,61 @@ class EmbeddingTable:
         rows of distinct keys (sighting the final misses), run the optimizer on the copies
         and on the bucket rows, and refuse (InvalidArgumentError) before storing anything
         if a value went non-finite - the sightings rolled back, the bucket rows put back."""
-        counters = self._counters()
-        initialized = self.initialized
-        for counter in counters:
-            counter.begin()
         put_back: Callable[[], None] | None = None
-        try:
-            rows, depth, _ = self._gather(unique, sight=True)
-            dropped = 0
-            if self.admission is not None:
-                admitted = depth != self.refused_depth
-                if not admitted.all():
-                    dropped = int(admitted.size - np.count_nonzero(admitted))
-                    unique, summed = unique[admitted], summed[admitted]
-                    rows, depth = rows[admitted], depth[admitted]
-            shared = np.zeros(unique.size, dtype=bool)
-            if self.buckets is not None:
-                shared = depth == self.bucket_depth
-                own = ~shared
-                shared_keys, shared_grads = unique[shared], summed[shared]
-                unique, summed, rows, depth = unique[own], summed[own], rows[own], depth[own]
-            with np.errstate(over="ignore", invalid="ignore"):  # refused just below
-                self.config.optimizer.apply(rows, summed, step)  # on copies: nothing changed
-            self._refuse_non_finite(where, unique, rows, step)
-            bucketed = int(np.count_nonzero(shared))
-            if bucketed:  # a write-through table writes them with the rows (_store)
-                put_back = self._train_buckets(where, shared_keys, shared_grads, step)
-            if self.step_slots:  # the table's clock, which only moves forward: a push with
-                # an older step (a restarted trainer, a lagging worker) still marks its rows
-                # fresh, so the next evict cannot remove rows trained just now
-                self._stamp(rows, stamp)
-            self._store(unique, rows, np.ones(unique.size, dtype=bool))
-        except BaseException:
-            for counter in counters:
-                counter.rollback()
-            self.initialized = initialized
-            if put_back is not None:
-                put_back()
-            raise
-        for counter in counters:
-            counter.commit()
+        with self._sightings():
+            try:
+                rows, depth, _ = self._gather(unique, sight=True)
+                dropped = 0
+                if self.admission is not None:
+                    admitted = depth != self.refused_depth
+                    if not admitted.all():
+                        dropped = int(admitted.size - np.count_nonzero(admitted))
+                        unique, summed = unique[admitted], summed[admitted]
+                        rows, depth = rows[admitted], depth[admitted]
+                shared = np.zeros(unique.size, dtype=bool)
+                if self.buckets is not None:
+                    shared = depth == self.bucket_depth
+                    own = ~shared
+                    shared_keys, shared_grads = unique[shared], summed[shared]
+                    unique, summed, rows, depth = unique[own], summed[own], rows[own], depth[own]
+                with np.errstate(over="ignore", invalid="ignore"):  # refused just below
+                    self.config.optimizer.apply(rows, summed, step)  # on copies: nothing changed
+                self._refuse_non_finite(where, unique, rows, step)
+                bucketed = int(np.count_nonzero(shared))
+                if bucketed:  # a write-through table writes them with the rows (_store)
+                    put_back = self._train_buckets(where, shared_keys, shared_grads, step)
+                if self.step_slots:  # the table's clock, which only moves forward: a push with
+                    # an older step (a restarted trainer, a lagging worker) still marks its rows
+                    # fresh, so the next evict cannot remove rows trained just now
+                    self._stamp(rows, stamp)
+                self._store(unique, rows, np.ones(unique.size, dtype=bool))
+            except BaseException:
+                if put_back is not None:
+                    put_back()
+                raise
         self.gradients_dropped += dropped
         self.created += int(np.count_nonzero(depth == len(self.tiers)))
         return int(unique.size) + bucketed
 
-    def _counters(self) -> list[Any]:
-        """The sighting counters of admission and adaptive promotion, those in use: a call
-        that sights keys begins them, and commits its sightings or rolls them back."""
+    @contextmanager
+    def _sightings(self, sight: bool = True) -> Iterator[None]:
+        """A call's sightings (the admission and promotion counters in use) and initialised
+        rows: committed if the body returns, rolled back if it raises. sight=False: a call
+        that sights nothing (an evaluation lookup)."""
         counts = [self.admission, self.buckets.counts if self.buckets is not None else None]
-        return [counter for counter in counts if counter is not None]
+        counters = [counter for counter in counts if counter is not None and sight]
+        initialized = self.initialized
+        for counter in counters:
+            counter.begin()
+        try:
+            yield
+        except BaseException:
+            for counter in counters:
+                counter.rollback()
+            self.initialized = initialized
+            raise
+        for counter in counters:
+            counter.commit()
 
     def _train_buckets(
         self, where: str, keys: np.ndarray, grads: np.ndarray, step: int
@@ -482,10 +478,10 @@ class EmbeddingTable:
         row [n, >= row_width] holds a non-finite weight or optimizer state value (the step
         slots after row_width are int64 bits, not numbers)."""
         values = rows[:, : self.config.row_width]
-        finite = np.isfinite(values)
-        if finite.all():
+        bad = first_non_finite(values)
+        if bad is None:
             return
-        row, column = (int(i) for i in np.argwhere(~finite)[0])
+        row, column = bad
         what = f"bucket row {int(keys[row])}" if bucket else f"key {int(keys[row])}"
         part = "weights" if column < self.config.dim else "optimizer state"
         raise InvalidArgumentError(

@@ -109,11 +109,20 @@ def as_rows(where: str, field: str, rows: Any, n: int, dim: int) -> np.ndarray:
             f"{where}: field '{field}' expected shape ({n}, {dim}) for {n} keys of dim {dim}, "
             f"got {rows.shape}"
         )
-    finite = np.isfinite(rows)
-    if not finite.all():
-        bad_row, bad_col = np.argwhere(~finite)[0]
+    bad = first_non_finite(rows)
+    if bad is not None:
         raise InvalidArgumentError(
-            f"{where}: field '{field}' expected finite values, got {rows[bad_row, bad_col]} "
-            f"at [{bad_row}, {bad_col}]"
+            f"{where}: field '{field}' expected finite values, got {rows[bad]} at [{bad[0]}, "
+            f"{bad[1]}]"
         )
     return np.ascontiguousarray(rows)
+
+
+def first_non_finite(values: np.ndarray) -> tuple[int, int] | None:
+    """(row, column) of the first inf or NaN in a 2-D array, None if every value is finite:
+    what every finiteness refusal names."""
+    finite = np.isfinite(values)
+    if finite.all():
+        return None
+    row, column = np.argwhere(~finite)[0]
+    return int(row), int(column)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from tierps.storage import init, optim
+from tierps.storage import host_kernels, init, optim
 from tierps.storage.errors import InvalidArgumentError
 from tierps.storage.hashing import mix64
 from tierps.storage.validation import check_finite, check_int, check_range
@@ -223,6 +223,13 @@ class TableConfig:
         """[n, row_width] rows of int64 keys with fresh optimizer state; the weights are the
         initializer's (a pure function of seed and key) unless given."""
         xp = array_module(keys)
+        if weights is None and xp is np and type(self.initializer) is init.Uniform:
+            compiled = host_kernels.uniform_rows(
+                keys, self.dim, self.row_width, self.initializer, self.seed,
+                self.optimizer.state_fill(),
+            )  # fmt: skip
+            if compiled is not None:
+                return compiled
         rows = xp.empty((keys.shape[0], self.row_width), dtype=xp.float32)
         if weights is None:
             weights = self.initializer.generate(keys, self.dim, self.seed)

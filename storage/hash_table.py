@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from tierps.storage import host_kernels
 from tierps.storage import kernels as _kernels
 from tierps.storage.config import Eviction
 from tierps.storage.hashing import hash_keys
@@ -69,9 +70,12 @@ def _pick_kernels(xp: ModuleType, kernels: Any) -> _kernels.Launcher | None:
     if kernels is True:
         found = _kernels.launcher_for(xp)
         if found is None:
-            reason = "the arrays are numpy" if xp is np else _kernels.unavailable_reason()
+            if xp is np:
+                reason = host_kernels.unavailable_reason()
+            else:
+                reason = _kernels.unavailable_reason()
             raise RuntimeError(
-                f"HashTable: field 'kernels' asked for the GPU kernels, but they are "
+                f"HashTable: field 'kernels' asked for the compiled kernels, but they are "
                 f"unavailable: {reason}"
             )
         return found
@@ -86,10 +90,11 @@ class HashTable:
     """int64 key -> int64 value (a row id in the tier that owns the table), with an eviction
     score per key. Keys may be any int64 except EMPTY and TOMBSTONE (the two lowest).
 
-    kernels: None (default) runs find, insert and the claim as CUDA kernels when xp is cupy
-    and they compile, else the array code; False always the array code; True the kernels or
-    a RuntimeError; or a kernels.Launcher, used as given (the tests pass a host emulation of
-    the kernels running over numpy arrays)."""
+    kernels: None (default) runs find, insert and the claim as kernels - CUDA when xp is cupy
+    and they compile, numba (storage/host_kernels.py) on numpy unless TIERPS_HOST_KERNELS=0
+    - else the array code; False always the array code; True the kernels or a RuntimeError;
+    or a kernels.Launcher, used as given (the tests pass a host emulation of the CUDA
+    kernels running over numpy arrays)."""
 
     def __init__(
         self,
@@ -385,6 +390,25 @@ class HashTable:
         out[hit, :width] = arena[self.values[slots[hit]], :width]
         return slots, out
 
+    def lookup_rows(
+        self, keys: np.ndarray, arena: np.ndarray, dirty: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """The host tier's find in one compiled pass (numpy, host kernels only): (slots,
+        rows [n, arena width] - a miss's row unset -, each key's dirty flag - a miss's
+        unset -, hits), with the eviction touch of every hit, as find + find_rows + touch."""
+        n = keys.shape[0]
+        rows = np.empty((n, arena.shape[1]), dtype=np.float32)
+        slots = np.empty(n, dtype=np.int64)
+        found_dirty = np.empty(n, dtype=bool)
+        lfu = self.eviction is not Eviction.LRU
+        if not lfu:
+            self._tick += 1
+        hits = host_kernels.k_lookup(
+            self._keys, self.values, self._scores, self._mask, keys, arena, rows, dirty,
+            slots, found_dirty, self._tick, lfu,
+        )  # fmt: skip
+        return slots, rows, found_dirty, int(hits)
+
     def remove_slots(self, slots: Any) -> None:
         """Erase the keys in these (unique, live) slots."""
         self._keys[slots] = TOMBSTONE
@@ -399,7 +423,12 @@ class HashTable:
 
     def touch(self, slots: Any) -> None:
         """Record an access of each slot for the eviction score (repeats count for LFU)."""
-        if self.eviction is Eviction.LRU:
+        if self.xp is np and isinstance(self._kernels, host_kernels.NumbaLauncher):
+            lfu = self.eviction is not Eviction.LRU
+            if not lfu:
+                self._tick += 1
+            host_kernels.k_touch(self._scores, _kernels._int64(np, slots), self._tick, lfu)
+        elif self.eviction is Eviction.LRU:
             self._tick += 1
             self._scores[slots] = self._tick
         elif self.xp is np:

@@ -427,10 +427,13 @@ def unavailable_reason() -> str | None:
 
 
 def launcher_for(xp: Any) -> Launcher | None:
-    """The launcher for arrays of module xp: the cupy one for cupy, None for numpy (the
-    generic numpy code is the host path), without importing cupy for numpy."""
+    """The launcher for arrays of module xp: the cupy one for cupy, the compiled host
+    kernels for numpy (storage/host_kernels.py; None where numba is missing or
+    TIERPS_HOST_KERNELS=0: the numpy array code), without importing cupy for numpy."""
     if xp is np:
-        return None
+        from tierps.storage import host_kernels
+
+        return host_kernels.host_launcher()
     return cupy_launcher()
 
 
@@ -729,7 +732,7 @@ def scatter_rows(
 _F32 = np.float32
 
 
-def _optimizer_args(opt: Any, step: int) -> tuple[str, tuple[Any, ...]] | None:
+def optimizer_args(opt: Any, step: int) -> tuple[str, tuple[Any, ...]] | None:
     """(kernel, hyper-parameters) for an optimizer with a fused kernel, else None. Exact
     types only: a subclass may change apply(), and then only the generic path is right."""
     kind = type(opt)
@@ -763,7 +766,7 @@ def _optimizer_args(opt: Any, step: int) -> tuple[str, tuple[Any, ...]] | None:
 
 def has_fused(optimizer: Any) -> bool:
     """Whether fused_apply has a kernel for this optimizer."""
-    return _optimizer_args(optimizer, 1) is not None
+    return optimizer_args(optimizer, 1) is not None
 
 
 def fused_apply(
@@ -784,7 +787,7 @@ def fused_apply(
     Returns False, changing nothing, when there is no kernel for this optimizer, the arrays
     are numpy and no launcher is given, or the arena is not a float32 matrix with contiguous
     rows: the caller then gathers, calls optimizer.apply and scatters."""
-    params = _optimizer_args(optimizer, step)
+    params = optimizer_args(optimizer, step)
     if params is None:
         return False
     xp = array_module(arena)

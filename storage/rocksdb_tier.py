@@ -113,6 +113,43 @@ class RocksDBTier:
         self._db = db
         self._cf = db.get_column_family(self.column_family)
         self._handle = db.get_column_family_handle(self.column_family)
+        self._key_range = self._stored_key_range()
+
+    def _stored_key_range(self) -> tuple[int, int] | None:
+        """(smallest, largest) key stored in the column family now, None when it is empty:
+        its first and last keys (byte order is key order), two iterator seeks."""
+        try:
+            it = self._cf.iter()
+            it.seek_to_first()
+            if not it.valid():
+                return None
+            first = it.key()
+            it.seek_to_last()
+            last = it.key()
+        except Exception as error:  # rocksdict raises plain Exception for I/O errors
+            raise self._fail("read its key range", error) from error
+        return int(decode_keys([first])[0]), int(decode_keys([last])[0])
+
+    def _widen(self, keys: np.ndarray) -> None:
+        """Keep the key range covering every key written (deletes never narrow it: a
+        range too wide only costs a read, one too narrow would hide a row)."""
+        if keys.size == 0:
+            return
+        low, high = int(keys.min()), int(keys.max())
+        if self._key_range is not None:
+            low, high = min(low, self._key_range[0]), max(high, self._key_range[1])
+        self._key_range = low, high
+
+    def may_hold(self, keys: np.ndarray) -> np.ndarray | None:
+        """Which keys may be stored here: a superset of those that are, from the range of
+        keys ever written (read at open, widened by every write through this tier, the only
+        writer of its column family); None when every key may be."""
+        if self._key_range is None:
+            return np.zeros(keys.size, dtype=bool)
+        low, high = self._key_range
+        if keys.size and low <= int(keys.min()) and int(keys.max()) <= high:
+            return None
+        return (keys >= low) & (keys <= high)
 
     def _fail(self, action: str, error: Exception) -> BackendError:
         return backend_error(action, self.where, error)
@@ -139,6 +176,16 @@ class RocksDBTier:
         return hit, rows, np.zeros(hit.size, dtype=bool)
 
     def _get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(indices of the keys stored, their rows). Keys outside the stored key range
+        (may_hold) are not asked for: RocksDB would only answer None for them."""
+        asked = self.may_hold(keys) if self._cf is not None else None
+        if asked is not None:
+            within = np.flatnonzero(asked)
+            hit, rows = self._read(keys[within])
+            return within[hit], rows
+        return self._read(keys)
+
+    def _read(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if keys.size == 0:
             return np.empty(0, np.int64), np.empty((0, self.width), np.float32)
         try:
@@ -176,6 +223,9 @@ class RocksDBTier:
             tier, other_keys, other_rows = also  # type: ignore[misc]
             other = encode_keys(other_keys), encode_rows(other_rows)
             deque(map(batch.put, *other, repeat(tier._handle)), 0)
+        self._widen(keys)  # before the write: a failed batch may still have landed
+        if others:
+            tier._widen(other_keys)
         self._write_batch(batch, "write rows")
         self.rows_written += keys.size
         if others:

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 from rocksdict import Checkpoint, Options, Rdict, WriteBatch, WriteOptions
 
+from tierps.storage import kernels
 from tierps.storage.adaptive import BucketRows
 from tierps.storage.admission import bloom_bytes
 from tierps.storage.config import TableConfig
@@ -345,7 +346,9 @@ class EmbeddingStore:
         if not config.use_hashtable:
             tiers.append(DirectTier(config))
         elif host_rows_for_budget(config.host_cache_bytes, config.stored_bytes) > 0:
-            tiers.append(CacheTier(config, config.host_cache_bytes))
+            # with the compiled host kernels, a push trains resident rows where they lie
+            compiled = kernels.launcher_for(np) is not None
+            tiers.append(CacheTier(config, config.host_cache_bytes, trains_in_place=compiled))
         tiers.append(self._rocksdb_tier(family, config.stored_width, where))
         gpu = self._gpu_tier(config)
         if gpu is not None:

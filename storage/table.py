@@ -39,6 +39,7 @@ from tierps.storage.adaptive import BucketRows
 from tierps.storage.admission import make_filter
 from tierps.storage.config import STEP_SLOTS, TableConfig, WritePolicy, step_bits
 from tierps.storage.errors import BackendError, InvalidArgumentError
+from tierps.storage.host_kernels import all_distinct
 from tierps.storage.tiers import DurableTier, Spill, Tier
 from tierps.storage.validation import as_keys, as_rows, check_step, first_non_finite
 
@@ -134,7 +135,10 @@ class EmbeddingTable:
             depth[shared] = self.bucket_depth
             pending = pending[promoted]
             weights = self.buckets.read(keys[pending])[:, : self.config.dim]
-        rows[pending] = self._fresh(keys[pending], weights)
+        if pending.size == n and weights is None:  # nothing found (a first touch)
+            rows = self._fresh(keys)
+        else:
+            rows[pending] = self._fresh(keys[pending], weights)
         self.initialized += pending.size
         return rows, depth, dirty
 
@@ -259,12 +263,17 @@ class EmbeddingTable:
             deepest = len(self.tiers) if create else len(self.tiers) - 1
             promote = (depth > 0) & (depth <= deepest)
             created = 0
-            if promote.any():
+            if promote.all() and all_distinct(keys):  # e.g. a first touch: no copies
+                moved, moved_rows, moved_dirty = keys, rows, dirty
+                created = int(np.count_nonzero(depth == len(self.tiers)))
+            elif promote.any():
                 moved, first = np.unique(keys[promote], return_index=True)
                 picked = np.flatnonzero(promote)[first]
+                moved_rows, moved_dirty = rows[picked], dirty[picked]
                 created = int(np.count_nonzero(depth[picked] == len(self.tiers)))
+            if promote.any():
                 try:
-                    self._store(moved, rows[picked], dirty[picked])
+                    self._store(moved, moved_rows, moved_dirty)
                 except BackendError as error:
                     if create:
                         raise
@@ -346,8 +355,11 @@ class EmbeddingTable:
         valid = keys >= 0
         if not valid.all():
             keys, grads = keys[valid], grads[valid]
-        unique, inverse = np.unique(keys, return_inverse=True)
-        if unique.size == keys.size:  # no repeats (the client dedups): keep the given order
+        distinct = all_distinct(keys)  # None: not known without the sort below
+        if not distinct:
+            unique, inverse = np.unique(keys, return_inverse=True)
+            distinct = unique.size == keys.size
+        if distinct:  # no repeats (the client dedups): keep the given order
             unique, summed = keys, grads
         else:  # sum in order of arrival; 1-D np.add.at has a fast path that 2-D lacks (4x)
             dim = self.config.dim

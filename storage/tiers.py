@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tierps.storage import host_kernels
 from tierps.storage.config import TableConfig, step_bits
 from tierps.storage.hash_table import HashTable
 from tierps.storage.xp import to_host
@@ -170,8 +171,21 @@ class CacheTier:
         self.arena.resize((rows, self.width), refcheck=False)  # no views are ever kept
         self.dirty.resize(rows, refcheck=False)
 
+    @property
+    def compiled(self) -> bool:
+        """Whether this is a host tier running the compiled host kernels."""
+        return self.xp is np and isinstance(self.index.launcher, host_kernels.NumbaLauncher)
+
     def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         xp = self.xp
+        if self.compiled:  # one pass: probe, copy the row and its flag, touch
+            slots, rows, dirty, hits = self.index.lookup_rows(keys, self.arena, self.dirty)
+            self.hits += hits
+            self.misses += keys.size - hits
+            if hits == keys.size:
+                return np.arange(keys.size), rows, dirty
+            hit = np.flatnonzero(slots >= 0)
+            return hit, rows[hit], dirty[hit]
         keys_here = xp.asarray(keys)
         if self.index.uses_kernels:  # one kernel finds the slots and copies the rows out
             slots, rows = self.index.find_rows(keys_here, self.arena)
@@ -216,6 +230,7 @@ class CacheTier:
             victims = self.index.eviction_candidates(new.size - room, slots[present])
         fits = min(new.size, room + int(victims.size))
         placed, overflow = new[:fits], new[fits:]
+        every = fits == keys.shape[0]  # all new and all kept (a first touch): no copies
         victim_ids = self.index.values[victims]
         spill = Spill.concat(
             [
@@ -239,7 +254,7 @@ class CacheTier:
                 self.index.install(rebuilt)  # the victims are not in it
             old_slots = self.index.find(keys[present]) if rebuilt is not None else slots[present]
             ids, free_after, high_after = self._take_rows(fits, victim_ids)
-            new_slots = self.index.insert_absent(keys[placed], room_made=True)
+            new_slots = self.index.insert_absent(keys if every else keys[placed], room_made=True)
             self.index.values[new_slots] = ids
             self.index.touch(old_slots)
             self.index.touch(new_slots)
@@ -248,7 +263,7 @@ class CacheTier:
             # below"), which may be dirty still, not yet in RocksDB (a flush between
             # levels): a dirty flag is cleared only by mark_clean, once written below.
             present_rows, present_dirty = rows[present], self.dirty[present_ids] | dirty[present]
-            placed_rows, placed_dirty = rows[placed], dirty[placed]
+            placed_rows, placed_dirty = (rows, dirty) if every else (rows[placed], dirty[placed])
             if spill.keys.size:
                 below(spill)  # the tier below holds the spill now, or this raised
         except BaseException:
@@ -293,13 +308,18 @@ class CacheTier:
         and mark them dirty. Returns (hit, undo, refused):
         - hit: the indices into keys of those trained (the others are the cascade's);
         - undo: puts the trained rows back as they were, for the cascade to call if storing
-          the other keys fails (so a failed push changes no row); None when none trained;
+          the other keys fails (so a failed push changes no row); None when none trained,
+          and on the compiled host path when all trained (no other keys are stored after);
         - refused: None, or if the update made any weight or optimizer state value
           non-finite, the trained rows [hit.size, row_width] on the host, for the cascade
           to name in its refusal; the rows are put back already (and undo is None).
         `stamp`: the last-update step written into the rows' trailing step slots
         (steps_to_live > 0), or None. Hits are counted; misses are left to the find the
         cascade runs next for the other keys, so each key counts once."""
+        if self.compiled:
+            fused = host_kernels.optimizer_kind(self.config.optimizer, step)
+            if fused is not None:
+                return self._train_compiled(keys, grads, step, stamp, *fused)
         xp = self.xp
         slots = self.index.find(xp.asarray(keys))
         hit = xp.flatnonzero(slots >= 0)
@@ -333,6 +353,57 @@ class CacheTier:
         if stamp is not None:
             self.arena[ids, width:] = xp.asarray(step_bits(stamp))
         self.dirty[ids] = True
+        return hit, undo, None
+
+    def _train_compiled(
+        self,
+        keys: np.ndarray,
+        grads: np.ndarray,
+        step: int,
+        stamp: int | None,
+        kind: int,
+        hyper: np.ndarray,
+    ) -> tuple[np.ndarray, Callable[[], None] | None, np.ndarray | None]:
+        """train_resident on the host in one compiled pass over the rows (host_kernels.
+        k_train): a first pass computes every new value and checks it is finite, changing
+        nothing, and only then the update runs, stamping the rows and setting their dirty
+        flags. When every key is here nothing can fail after it (the cascade has no other
+        keys to store), so no undo is kept; else only the values the update touches
+        (row_width floats per row, the step slots, the dirty flags) are saved for the undo."""
+        slots = self.index.find(keys)
+        hit = np.flatnonzero(slots >= 0)
+        if hit.size == 0:
+            return np.empty(0, dtype=np.int64), None, None
+        self.hits += hit.size
+        everything = hit.size == keys.size
+        hit_slots = slots if everything else slots[hit]
+        self.index.touch(hit_slots)
+        ids = self.index.values[hit_slots]
+        resident_grads = np.ascontiguousarray(grads if everything else grads[hit], np.float32)
+        width = self.config.row_width
+        size = host_kernels.optimizer_slots(kind)
+        stamp_bits = step_bits(stamp) if stamp is not None else np.empty(0, np.float32)
+        touched = width if stamp is None else self.width  # the step slots too
+        backup = np.empty((0 if everything else ids.size, touched), dtype=np.float32)
+        was_dirty = self.dirty[ids] if not everything else None
+        bad = host_kernels.k_train(
+            kind, self.arena, ids, resident_grads, hyper, size, True, backup, not everything,
+            stamp_bits, stamp is not None, width, self.dirty,
+        )  # fmt: skip
+        if bad >= 0:  # the trained rows, by the same arithmetic, for the refusal to name
+            trained = np.take(self.arena, ids, axis=0)
+            host_kernels.k_train(
+                kind, trained, np.arange(ids.size), resident_grads, hyper, size, False,
+                backup, False, stamp_bits, False, width, np.empty(ids.size, dtype=bool),
+            )  # fmt: skip
+            return hit, None, trained[:, :width]
+        if everything:
+            return hit, None, None
+
+        def undo() -> None:
+            self.arena[ids, :touched] = backup
+            self.dirty[ids] = was_dirty
+
         return hit, undo, None
 
     def _fused_apply(self, ids: Any, grads: Any, step: int) -> bool:

@@ -34,7 +34,7 @@ import pytest
 
 from tests.contract import test_tier_setups as contract
 from tests.unit import test_tombstones as tombstones
-from tierps.storage import EmbeddingStore, kernels, optim
+from tierps.storage import EmbeddingStore, host_kernels, kernels, optim
 from tierps.storage.hash_table import EMPTY, TOMBSTONE, HashTable
 from tierps.storage.hashing import hash_keys
 from tierps.storage.tiers import CacheTier
@@ -335,6 +335,11 @@ EMU_ORDERS = {
 def make_backend(name: str, request: pytest.FixtureRequest, seed: int = 0) -> Backend:
     if name == "cupy":
         return Backend(name, _cupy_or_skip(), None)
+    if name == "numba":  # the host tier's compiled twins (storage/host_kernels.py)
+        launcher = host_kernels.host_launcher()
+        if launcher is None:
+            pytest.skip(f"host kernels unavailable: {host_kernels.unavailable_reason()}")
+        return Backend(name, np, launcher)
     lib = request.getfixturevalue("emu_lib")
     order, wave = EMU_ORDERS[name]
     if wave and not lib.emu_can_interleave():
@@ -342,13 +347,13 @@ def make_backend(name: str, request: pytest.FixtureRequest, seed: int = 0) -> Ba
     return Backend(name, np, EmuLauncher(lib, order=order, wave=wave, seed=seed))
 
 
-@pytest.fixture(params=["emu-index", "cupy"])
+@pytest.fixture(params=["emu-index", "numba", "cupy"])
 def backend(request: pytest.FixtureRequest) -> Backend:
     """Deterministic kernels (find, rows, optimizers): thread order cannot matter."""
     return make_backend(request.param, request)
 
 
-@pytest.fixture(params=[*EMU_ORDERS, "cupy"])
+@pytest.fixture(params=[*EMU_ORDERS, "numba", "cupy"])
 def racing_backend(request: pytest.FixtureRequest) -> Backend:
     """Kernels whose threads compete for slots: every emulated order, and the GPU."""
     return make_backend(request.param, request, seed=7)
@@ -639,12 +644,17 @@ def test_hash_table_with_kernels_matches_array_code(racing_backend: Backend, evi
     assert table.slots > 16, "the table never grew"
 
 
-def test_kernels_true_needs_the_gpu() -> None:
-    with pytest.raises(RuntimeError, match="kernels"):
-        HashTable(16, kernels=True)
+def test_kernels_true_needs_compiled_kernels() -> None:
+    """On numpy, kernels=True means the compiled host kernels (numba), or a RuntimeError."""
     with pytest.raises(ValueError, match="kernels"):
         HashTable(16, kernels="yes")
-    assert not HashTable(16).uses_kernels  # numpy: the array code, as fast as before
+    assert not HashTable(16, kernels=False).uses_kernels
+    if host_kernels.host_launcher() is None:
+        with pytest.raises(RuntimeError, match="kernels"):
+            HashTable(16, kernels=True)
+    else:
+        assert HashTable(16, kernels=True).uses_kernels
+        assert HashTable(16).uses_kernels  # numpy: the compiled host kernels by default
 
 
 # --------------------------------------------------------------------------- rows

@@ -1,0 +1,517 @@
+"""Compiled kernels for the host tier: numba twins of storage/kernels.py's CUDA kernels over
+numpy arrays, and fused host-only passes (lookup with the eviction touch, training with
+the finiteness check, step stamp and dirty flag, initial rows, a distinct-keys check).
+
+The numpy array code (storage/hash_table.py, storage/optim.py, storage/init.py) stays the
+reference: tests/unit/test_host_kernels.py and tests/unit/test_kernels.py run both on the
+same inputs. `host_launcher()` returns a `kernels.Launcher` running these, or None where
+numba is missing or TIERPS_HOST_KERNELS=0 (then the host tier runs the array code).
+
+Every kernel is `njit(nogil=True, cache=True)`: it releases the GIL, so calls on different
+tables run on different cores, and its machine code is cached on disk. Where the cache
+lives (docs/architecture.md, "Compiled host kernels"): NUMBA_CACHE_DIR when set; else
+numba's own choice, the package's __pycache__ when writable, else a per-user cache
+directory. If neither is writable (a read-only install under a user without a home), the
+kernels are compiled in memory at each start, with one warning.
+
+Float arithmetic follows the CUDA source statement by statement in float32 (hyper-parameters
+arrive as np.float32, so nothing widens to float64), without fastmath, so no FMA
+contraction or reassociation: results match numpy's to the rounding of sqrt and pow.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "TIERPS_HOST_KERNELS"  # "0": the host tier runs the numpy array code
+
+try:  # numba is a dependency; a build without it still runs the array code
+    import numba
+except ImportError:  # pragma: no cover - exercised only without numba
+    numba = None
+
+_EMPTY = np.int64(np.iinfo(np.int64).min)
+_TOMBSTONE = np.int64(_EMPTY + 1)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31, _S40 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(40)
+_TWO_POW_M24 = 2.0**-24
+
+_cache_warned = False
+
+
+def _jit(fn: Callable) -> Callable:
+    """njit(nogil=True, cache=True), or without the disk cache where numba finds no
+    writable place for it (warned once)."""
+    global _cache_warned
+    try:
+        return numba.njit(nogil=True, cache=True)(fn)
+    except RuntimeError as error:  # "cannot cache function ...: no locator available"
+        if not _cache_warned:
+            _cache_warned = True
+            warnings.warn(
+                f"tierps host kernels: no writable numba cache ({error}); compiling at each "
+                f"start instead (set NUMBA_CACHE_DIR to a writable directory to keep them)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return numba.njit(nogil=True)(fn)
+
+
+if numba is not None:
+
+    @_jit
+    def _mix64(x):
+        x = x ^ (x >> _S30)
+        x = x * _M1
+        x = x ^ (x >> _S27)
+        x = x * _M2
+        return x ^ (x >> _S31)
+
+    @_jit
+    def _home(key, mask):
+        return np.int64(_mix64(np.uint64(key) + _GOLDEN) & np.uint64(mask))
+
+    @_jit
+    def _probe(table, mask, key):
+        if key <= _TOMBSTONE:
+            return -1
+        pos = _home(key, mask)
+        for _ in range(mask + 1):
+            seen = table[pos]
+            if seen == key:
+                return pos
+            if seen == _EMPTY:
+                return -1
+            pos = (pos + 1) & mask
+        return -1
+
+    @_jit
+    def _claim_one(table, mask, key):
+        """(slot, code) as tierps_claim_one: code 2 took an EMPTY slot, 1 a tombstone, 0
+        found the key (placed earlier in the batch) or no free slot (slot -1)."""
+        pos = _home(key, mask)
+        for _ in range(mask + 1):
+            seen = table[pos]
+            if seen <= _TOMBSTONE:
+                table[pos] = key
+                return pos, 2 if seen == _EMPTY else 1
+            if seen == key:
+                return pos, 0
+            pos = (pos + 1) & mask
+        return -1, 0
+
+    @_jit
+    def k_find(table, mask, keys, n, slots):
+        for i in range(n):
+            slots[i] = _probe(table, mask, keys[i])
+
+    @_jit
+    def k_claim(table, mask, keys, todo, n, slots, inserted, codes, scores, has_scores, score):
+        for i in range(n):
+            j = todo[i]
+            slot, code = _claim_one(table, mask, keys[j])
+            slots[j] = slot
+            if code:
+                inserted[j] = True
+                if has_scores:
+                    scores[slot] = score
+            codes[i] = code
+
+    @_jit
+    def k_upsert(table, mask, keys, n, slots, inserted, codes, scores, has_scores, score):
+        for i in range(n):
+            key = keys[i]
+            slot = _probe(table, mask, key)
+            code = 0
+            if slot < 0:
+                slot, code = _claim_one(table, mask, key)
+            slots[i] = slot
+            if code:
+                inserted[i] = True
+                if has_scores:
+                    scores[slot] = score
+            codes[i] = code
+
+    @_jit
+    def k_find_rows(table, values, mask, keys, n, arena, out, width, zero_misses, slots, has_slots):
+        for i in range(n):
+            slot = _probe(table, mask, keys[i])
+            if has_slots:
+                slots[i] = slot
+            if slot >= 0:
+                r = values[slot]
+                for c in range(width):
+                    out[i, c] = arena[r, c]
+            elif zero_misses:
+                for c in range(width):
+                    out[i, c] = 0.0
+
+    @_jit
+    def k_scatter_rows(values, has_values, ids, n, rows, arena, width):
+        for i in range(n):
+            target = ids[i]
+            if target < 0:
+                continue
+            r = values[target] if has_values else target
+            for c in range(width):
+                arena[r, c] = rows[i, c]
+
+    @_jit
+    def k_lookup(
+        table, values, scores, mask, keys, arena, out, dirty, slots, found_dirty, tick, lfu
+    ):
+        """The host tier's find in one pass: slots[i], out[i] = the row of keys[i] (left as
+        it was for a miss), found_dirty[i] its dirty flag, and the eviction touch of each
+        hit (LRU: score = tick; LFU: +1 per occurrence). Returns the hit count."""
+        hits = 0
+        width = arena.shape[1]
+        for i in range(keys.shape[0]):
+            slot = _probe(table, mask, keys[i])
+            slots[i] = slot
+            if slot < 0:
+                continue
+            hits += 1
+            if lfu:
+                scores[slot] += 1
+            else:
+                scores[slot] = tick
+            r = values[slot]
+            found_dirty[i] = dirty[r]
+            for c in range(width):
+                out[i, c] = arena[r, c]
+        return hits
+
+    @_jit
+    def k_touch(scores, slots, tick, lfu):
+        for i in range(slots.shape[0]):
+            if lfu:
+                scores[slots[i]] += 1
+            else:
+                scores[slots[i]] = tick
+
+    @_jit
+    def k_all_distinct(keys):
+        """Whether no int64 key repeats: an open-addressing set at load <= 0.5."""
+        n = keys.shape[0]
+        size = 16
+        while size < 2 * n:
+            size *= 2
+        mask = size - 1
+        table = np.full(size, _EMPTY, dtype=np.int64)
+        used = np.zeros(size, dtype=np.bool_)  # EMPTY itself is a valid key here
+        for i in range(n):
+            key = keys[i]
+            pos = _home(key, mask)
+            while used[pos]:
+                if table[pos] == key:
+                    return False
+                pos = (pos + 1) & mask
+            used[pos] = True
+            table[pos] = key
+        return True
+
+    # ---------------------------------------------------------------- optimizers
+    # kind: 0 SGD, 1 momentum, 2 Nesterov, 3 Adagrad, 4 Adam, 5 FTRL (p: see kernels.py
+    # optimizer_args: the same float32 hyper-parameters in the same order).
+
+    @_jit
+    def _pow(x, p, use_sqrt):
+        if use_sqrt:
+            return np.sqrt(x)
+        return x**p
+
+    @_jit
+    def _update_row(kind, arena, r, g, i, dim, p, new):
+        """The new [weights | state] of row r (gradient row i) into new[:size*dim]."""
+        if kind == 0:
+            lr = p[0]
+            for c in range(dim):
+                new[c] = arena[r, c] - lr * g[i, c]
+        elif kind == 1 or kind == 2:
+            lr, momentum = p[0], p[1]
+            for c in range(dim):
+                gc = g[i, c]
+                b = arena[r, dim + c] * momentum
+                b = b + gc
+                new[dim + c] = b
+                update = gc + momentum * b if kind == 2 else b
+                new[c] = arena[r, c] - lr * update
+        elif kind == 3:
+            lr, eps = p[0], p[1]
+            for c in range(dim):
+                gc = g[i, c]
+                s = arena[r, dim + c] + gc * gc
+                new[dim + c] = s
+                new[c] = arena[r, c] - (lr * gc) / (np.sqrt(s) + eps)
+        elif kind == 4:
+            b1, b2, step_size, eps = p[0], p[1], p[2], p[3]
+            for c in range(dim):
+                gc = g[i, c]
+                m = arena[r, dim + c]
+                v = arena[r, 2 * dim + c]
+                mc = m + b1 * (gc - m)
+                vc = v + b2 * (gc * gc - v)
+                new[dim + c] = mc
+                new[2 * dim + c] = vc
+                new[c] = arena[r, c] - step_size * (mc / (np.sqrt(vc) + eps))
+        else:
+            lr, power, use_sqrt, l1, two_l2 = p[0], p[1], p[2] != 0, p[3], p[4]
+            zero = np.float32(0.0)
+            for c in range(dim):
+                gc = g[i, c]
+                n_old = arena[r, dim + c]
+                n_new = n_old + gc * gc
+                p_new = _pow(n_new, power, use_sqrt)
+                p_old = _pow(n_old, power, use_sqrt)
+                zc = arena[r, 2 * dim + c] + (gc - ((p_new - p_old) / lr) * arena[r, c])
+                new[2 * dim + c] = zc
+                quadratic = p_new / lr + two_l2
+                sign = np.float32(int(zc > zero) - int(zc < zero))
+                new[c] = (sign * l1 - zc) / quadratic if abs(zc) > l1 else zero
+                new[dim + c] = n_new
+
+    @_jit
+    def k_train(
+        kind,
+        arena,
+        ids,
+        grads,
+        p,
+        size,
+        check_first,
+        backup,
+        do_backup,
+        stamp,
+        has_stamp,
+        row_width,
+        dirty,
+    ):
+        """One optimizer step in place on rows arena[ids] (unique) with grads [n, dim];
+        size: weight and state slots. check_first: a pass that computes every new value
+        and returns the first row i with a non-finite one, changing nothing (-1: none;
+        then the update runs). do_backup: backup[i] = arena[ids[i], :backup width] before
+        the update. has_stamp: arena[r, row_width:] = stamp (the step slots). Sets dirty[r]."""
+        n, dim = grads.shape
+        new = np.empty(size * dim, dtype=np.float32)
+        if check_first:
+            for i in range(n):
+                _update_row(kind, arena, ids[i], grads, i, dim, p, new)
+                for c in range(size * dim):
+                    if not np.isfinite(new[c]):
+                        return i
+        for i in range(n):
+            r = ids[i]
+            if do_backup:
+                for c in range(backup.shape[1]):
+                    backup[i, c] = arena[r, c]
+            _update_row(kind, arena, r, grads, i, dim, p, new)
+            for c in range(size * dim):
+                arena[r, c] = new[c]
+            if has_stamp:
+                for c in range(stamp.shape[0]):
+                    arena[r, row_width + c] = stamp[c]
+            dirty[r] = True
+        return -1
+
+    @_jit
+    def k_scatter_dirty(arena, dirty, ids, rows, flags):
+        """arena[ids[i]] = rows[i] (all columns) and dirty[ids[i]] = flags[i]."""
+        width = rows.shape[1]
+        for i in range(ids.shape[0]):
+            r = ids[i]
+            for c in range(width):
+                arena[r, c] = rows[i, c]
+            dirty[r] = flags[i]
+
+    @_jit
+    def k_uniform_rows(keys, stream, span, low, below_high, out, fills, dim):
+        """init.Uniform's weights into out[:, :dim] (bit for bit the numpy code:
+        counter_bits, top 24 bits, low + span * u in float64, rounded to float32, capped
+        below high) and each state slot k filled with fills[k]."""
+        for i in range(keys.shape[0]):
+            base = _mix64(np.uint64(keys[i]) ^ stream)
+            for c in range(dim):
+                bits = _mix64(base + np.uint64(c + 1) * _GOLDEN)
+                u = np.float64(bits >> _S40) * _TWO_POW_M24
+                value = np.float32(low + span * u)
+                out[i, c] = value if value < below_high else below_high
+            for k in range(fills.shape[0]):
+                for c in range(dim):
+                    out[i, (k + 1) * dim + c] = fills[k]
+
+
+def _null(array: Any, dtype: Any) -> tuple[Any, bool]:
+    """An array argument that may be None (a null pointer on the GPU): (array, given)."""
+    if array is None:
+        return np.empty(1, dtype=dtype), False
+    return array, True
+
+
+_OPTIMIZER_KINDS = {
+    "tierps_sgd": 0,
+    "tierps_momentum": 1,  # + nesterov flag: 2
+    "tierps_adagrad": 3,
+    "tierps_adam": 4,
+    "tierps_ftrl": 5,
+}
+
+
+class NumbaLauncher:
+    """kernels.Launcher over numpy arrays: the same kernel names and arguments as the CUDA
+    launch (storage/kernels.py), run by the compiled twins above. `threads` is ignored:
+    each kernel loops over its work items."""
+
+    def __call__(self, name: str, threads: int, args: Sequence[Any]) -> None:
+        if threads <= 0:
+            return
+        if name == "tierps_find":
+            table, mask, keys, n, slots = args
+            k_find(table, mask, keys, n, slots)
+        elif name == "tierps_claim":
+            table, mask, keys, todo, n, slots, inserted, codes, scores, score = args
+            scores, given = _null(scores, np.int64)
+            k_claim(table, mask, keys, todo, n, slots, inserted, codes, scores, given, score)
+        elif name == "tierps_upsert":
+            table, mask, keys, n, slots, inserted, codes, scores, score = args
+            scores, given = _null(scores, np.int64)
+            k_upsert(table, mask, keys, n, slots, inserted, codes, scores, given, score)
+        elif name == "tierps_find_rows":
+            table, values, mask, keys, n, arena, _, out, _, width, _, _, zero, slots = args
+            slots, given = _null(slots, np.int64)
+            k_find_rows(table, values, mask, keys, n, arena, out, width, zero, slots, given)
+        elif name == "tierps_scatter_rows":
+            values, ids, n, rows, _, arena, _, width, _, _ = args
+            values, given = _null(values, np.int64)
+            k_scatter_rows(values, given, ids, n, rows, arena, width)
+        elif name in _OPTIMIZER_KINDS:
+            arena, _, ids, grads, n, dim, _, *hyper = args
+            kind = _OPTIMIZER_KINDS[name]
+            if name == "tierps_momentum" and hyper[2]:
+                kind = 2
+            params = np.array([float(h) for h in hyper], dtype=np.float32)
+            width = arena.shape[1]
+            size = optimizer_slots(kind)
+            empty = np.empty((1, 1), np.float32)
+            dirty = np.empty(arena.shape[0], dtype=bool)  # scratch: fused_apply sets none
+            k_train(kind, arena, ids, grads[:n, :dim], params, size, False, empty, False,
+                    np.empty(0, np.float32), False, width, dirty)  # fmt: skip
+        else:
+            raise ValueError(f"host kernels: field 'name' expected a kernel name, got {name!r}")
+
+
+def optimizer_slots(kind: int) -> int:
+    """Weight and state slots an optimizer kind updates."""
+    return (1, 2, 2, 2, 3, 3)[kind]
+
+
+def optimizer_kind(optimizer: Any, step: int) -> tuple[int, np.ndarray] | None:
+    """(kind, float32 hyper-parameters) for k_train, the same values the CUDA kernels get
+    (kernels.optimizer_args), or None where there is no fused update."""
+    from tierps.storage import kernels
+
+    found = kernels.optimizer_args(optimizer, step)
+    if found is None:
+        return None
+    name, hyper = found
+    kind = _OPTIMIZER_KINDS[name]
+    if name == "tierps_momentum" and hyper[2]:
+        kind = 2
+        hyper = hyper[:2]
+    return kind, np.array([float(h) for h in hyper], dtype=np.float32)
+
+
+_launcher: NumbaLauncher | None = None
+_failure: str | None = None
+
+
+def host_launcher() -> NumbaLauncher | None:
+    """The compiled host kernels, or None (numba missing, TIERPS_HOST_KERNELS=0): then the
+    host tier runs the numpy array code. `unavailable_reason()` says why."""
+    global _launcher, _failure
+    if _launcher is not None or _failure is not None:
+        return _launcher
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        _failure = f"{ENV_SWITCH}=0"
+    elif numba is None:
+        _failure = "numba is not installed"
+    else:
+        _launcher = NumbaLauncher()
+    return _launcher
+
+
+def unavailable_reason() -> str | None:
+    return _failure
+
+
+def warm_up() -> float:
+    """Compile (or load from the cache) every host kernel for the array layouts the tier
+    uses, so that the first call is not slow; returns the seconds it took (0 without the
+    kernels). A shard runs it when it starts."""
+    if host_launcher() is None:
+        return 0.0
+    started = time.perf_counter()
+    from tierps.storage import optim
+    from tierps.storage.config import TableConfig
+    from tierps.storage.hash_table import HashTable
+    from tierps.storage.tiers import CacheTier, Spill
+
+    keys = np.arange(1, 9, dtype=np.int64)
+    table = HashTable(16)
+    table.insert(keys)
+    table.find(keys)
+    table.find_rows(keys, np.zeros((8, 4), np.float32))
+    for opt in (optim.SGD(), optim.Momentum(), optim.Adagrad(), optim.Adam(), optim.FTRL()):
+        for steps in (0, 4):
+            config = TableConfig("warm_up", 4, optimizer=opt, steps_to_live=steps)
+            tier = CacheTier(config, 1 << 20, trains_in_place=True)
+            rows = config.initial_rows(keys)
+            if steps:
+                rows = np.concatenate([rows, np.zeros((8, 2), np.float32)], axis=1)
+
+            def below(spill: Spill) -> None:
+                raise AssertionError("warm-up: nothing spills")
+
+            tier.insert(keys, rows, np.ones(8, bool), below)
+            tier.find(keys)
+            tier.train_resident(keys[:4], np.ones((4, 4), np.float32), 1, 1 if steps else None)
+    k_all_distinct(keys)
+    seconds = time.perf_counter() - started
+    log.info("tierps host kernels ready in %.2f s", seconds)
+    return seconds
+
+
+def all_distinct(keys: np.ndarray) -> bool | None:
+    """Whether no key repeats (int64 keys), by a compiled hash set instead of a sort; None
+    without the host kernels (the caller then sorts)."""
+    if host_launcher() is None:
+        return None
+    return bool(k_all_distinct(keys))
+
+
+def uniform_rows(
+    keys: np.ndarray, dim: int, row_width: int, initializer: Any, seed: int, fills: Any
+) -> np.ndarray | None:
+    """TableConfig.initial_rows for init.Uniform at compiled speed: the same bits as the
+    numpy code (a pure function of seed, key and column), None without the host kernels."""
+    if host_launcher() is None:
+        return None
+    from tierps.storage.hashing import seed_stream
+
+    out = np.empty((keys.shape[0], row_width), dtype=np.float32)
+    below_high = np.nextafter(np.float32(initializer.high), np.float32(initializer.low))
+    k_uniform_rows(
+        keys, seed_stream(seed, 0), float(initializer.high - initializer.low),
+        float(initializer.low), below_high, out, np.asarray(fills, dtype=np.float32), dim,
+    )  # fmt: skip
+    return out

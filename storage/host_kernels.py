@@ -52,10 +52,12 @@ _cache_warned = False
 
 def _jit(fn: Callable) -> Callable:
     """njit(nogil=True, cache=True), or without the disk cache where numba finds no
-    writable place for it (warned once)."""
+    writable place for it (warned once). error_model="numpy": a float division by zero
+    gives inf or NaN as in numpy (the finiteness check refuses it) instead of a per-element
+    zero test that keeps LLVM from vectorising the loops."""
     global _cache_warned
     try:
-        return numba.njit(nogil=True, cache=True)(fn)
+        return numba.njit(nogil=True, cache=True, error_model="numpy")(fn)
     except RuntimeError as error:  # "cannot cache function ...: no locator available"
         if not _cache_warned:
             _cache_warned = True
@@ -65,7 +67,7 @@ def _jit(fn: Callable) -> Callable:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        return numba.njit(nogil=True)(fn)
+        return numba.njit(nogil=True, error_model="numpy")(fn)
 
 
 if numba is not None:
@@ -283,41 +285,37 @@ if numba is not None:
 
     @_jit
     def k_train(
-        kind,
-        arena,
-        ids,
-        grads,
-        p,
-        size,
-        check_first,
-        backup,
-        do_backup,
-        stamp,
-        has_stamp,
-        row_width,
-        dirty,
+        kind, arena, ids, grads, p, size, refuse, backup, stamp, has_stamp, row_width, dirty
     ):
         """One optimizer step in place on rows arena[ids] (unique) with grads [n, dim];
-        size: weight and state slots. check_first: a pass that computes every new value
-        and returns the first row i with a non-finite one, changing nothing (-1: none;
-        then the update runs). do_backup: backup[i] = arena[ids[i], :backup width] before
-        the update. has_stamp: arena[r, row_width:] = stamp (the step slots). Sets dirty[r]."""
+        size: weight and state slots. Row by row: the new values are computed, and with
+        refuse, checked to be finite; the row's first backup.shape[1] floats are saved
+        in backup[i] and the new values written. A row with a non-finite value stops the
+        pass: the rows written so far are put back from backup and its index i returned,
+        nothing changed. Else (-1) every row gets the stamp (has_stamp: arena[r,
+        row_width:] = stamp, the step slots) and its dirty flag."""
         n, dim = grads.shape
-        new = np.empty(size * dim, dtype=np.float32)
-        if check_first:
-            for i in range(n):
-                _update_row(kind, arena, ids[i], grads, i, dim, p, new)
-                for c in range(size * dim):
-                    if not np.isfinite(new[c]):
-                        return i
+        width = size * dim
+        saved = backup.shape[1]
+        new = np.empty(width, dtype=np.float32)
         for i in range(n):
             r = ids[i]
-            if do_backup:
-                for c in range(backup.shape[1]):
-                    backup[i, c] = arena[r, c]
             _update_row(kind, arena, r, grads, i, dim, p, new)
-            for c in range(size * dim):
+            if refuse:
+                finite = True
+                for c in range(width):
+                    finite &= np.isfinite(new[c])
+                if not finite:
+                    for j in range(i):
+                        for c in range(saved):
+                            arena[ids[j], c] = backup[j, c]
+                    return i
+            for c in range(saved):
+                backup[i, c] = arena[r, c]
+            for c in range(width):
                 arena[r, c] = new[c]
+        for i in range(n):
+            r = ids[i]
             if has_stamp:
                 for c in range(stamp.shape[0]):
                     arena[r, row_width + c] = stamp[c]
@@ -402,9 +400,9 @@ class NumbaLauncher:
             params = np.array([float(h) for h in hyper], dtype=np.float32)
             width = arena.shape[1]
             size = optimizer_slots(kind)
-            empty = np.empty((1, 1), np.float32)
+            empty = np.empty((n, 0), np.float32)  # nothing to put back: no refusal
             dirty = np.empty(arena.shape[0], dtype=bool)  # scratch: fused_apply sets none
-            k_train(kind, arena, ids, grads[:n, :dim], params, size, False, empty, False,
+            k_train(kind, arena, ids, grads[:n, :dim], params, size, False, empty,
                     np.empty(0, np.float32), False, width, dirty)  # fmt: skip
         else:
             raise ValueError(f"host kernels: field 'name' expected a kernel name, got {name!r}")

@@ -365,11 +365,11 @@ class CacheTier:
         hyper: np.ndarray,
     ) -> tuple[np.ndarray, Callable[[], None] | None, np.ndarray | None]:
         """train_resident on the host in one compiled pass over the rows (host_kernels.
-        k_train): a first pass computes every new value and checks it is finite, changing
-        nothing, and only then the update runs, stamping the rows and setting their dirty
-        flags. When every key is here nothing can fail after it (the cascade has no other
-        keys to store), so no undo is kept; else only the values the update touches
-        (row_width floats per row, the step slots, the dirty flags) are saved for the undo."""
+        k_train): each row's new values are checked finite before they are written, and
+        only the values the update touches (row_width floats per row, the step slots) are
+        saved, so a non-finite one puts the rows written before it back. When every key is
+        here nothing can fail after the pass (the cascade has no other keys to store), so
+        no undo is returned; else the saved values and dirty flags make the undo."""
         slots = self.index.find(keys)
         hit = np.flatnonzero(slots >= 0)
         if hit.size == 0:
@@ -384,17 +384,17 @@ class CacheTier:
         size = host_kernels.optimizer_slots(kind)
         stamp_bits = step_bits(stamp) if stamp is not None else np.empty(0, np.float32)
         touched = width if stamp is None else self.width  # the step slots too
-        backup = np.empty((0 if everything else ids.size, touched), dtype=np.float32)
+        backup = np.empty((ids.size, touched), dtype=np.float32)
         was_dirty = self.dirty[ids] if not everything else None
         bad = host_kernels.k_train(
-            kind, self.arena, ids, resident_grads, hyper, size, True, backup, not everything,
-            stamp_bits, stamp is not None, width, self.dirty,
+            kind, self.arena, ids, resident_grads, hyper, size, True, backup, stamp_bits,
+            stamp is not None, width, self.dirty,
         )  # fmt: skip
-        if bad >= 0:  # the trained rows, by the same arithmetic, for the refusal to name
+        if bad >= 0:  # put back already; the trained rows, same arithmetic, for the refusal
             trained = np.take(self.arena, ids, axis=0)
             host_kernels.k_train(
                 kind, trained, np.arange(ids.size), resident_grads, hyper, size, False,
-                backup, False, stamp_bits, False, width, np.empty(ids.size, dtype=bool),
+                backup, stamp_bits, False, width, np.empty(ids.size, dtype=bool),
             )  # fmt: skip
             return hit, None, trained[:, :width]
         if everything:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tierps.storage import EmbeddingStore, TableConfig, optim
+from tierps.storage import EmbeddingStore, TableConfig, host_kernels, optim
+from tierps.storage.hash_table import HashTable
 from tierps.storage.rocksdb_tier import encode_keys
 
 REPEATS = 5
@@ -64,7 +65,7 @@ def bench_host_lookup(root: Path, n: int, dim: int = 64) -> dict:
         assert table.stats()["tiers"]["host"]["rows"] == n
         np.testing.assert_array_equal(table.lookup(probe), np.take(host.arena, ids, axis=0))
         result = interleaved(lambda: table.lookup(probe), lambda: np.take(host.arena, ids, axis=0))
-    result.update(keys=n, dim=dim, target=0.5, baseline="np.take(arena, precomputed ids)")
+    result.update(keys=n, dim=dim, target=0.9, baseline="np.take(arena, precomputed ids)")
     result["ours_keys_per_s"] = n / result["ours_s"]
     return result
 
@@ -108,7 +109,7 @@ def bench_rocksdb_cold(root: Path, n: int, dim: int = 64) -> dict:
     return {
         "keys": n,
         "dim": dim,
-        "target": 0.7,
+        "target": 0.9,
         "baseline": "rocksdict cf.get(list of encoded keys)",
         **out,
     }
@@ -148,19 +149,92 @@ def bench_apply_adam(root: Path, rows: int, batch: int, dim: int = 64) -> dict:
     return result
 
 
+def bench_host_insert(n: int) -> dict:
+    """HashTable.insert of n new keys into a table sized for them (the host index), compiled
+    kernels vs the numpy array code (kernels=False) on the same keys."""
+    rng = np.random.default_rng(3)
+    keys = rng.choice(2**40, n, replace=False).astype(np.int64)
+
+    def run(kernels: object) -> float:
+        times = []
+        for _ in range(REPEATS):
+            table = HashTable(n, kernels=kernels)
+            started = time.perf_counter()
+            table.insert(keys)
+            times.append(time.perf_counter() - started)
+            assert table.size == n
+        return statistics.median(times)
+
+    ours_s, base_s = run(None), run(False)
+    return {
+        "keys": n,
+        "ours_s": ours_s,
+        "baseline_s": base_s,
+        "ratio": base_s / ours_s,
+        "ours_keys_per_s": n / ours_s,
+        "target_keys_per_s": 10e6,
+        "baseline": "the numpy array code (HashTable(kernels=False))",
+    }
+
+
+def bench_first_touch(root: Path, n: int, dim: int = 64) -> dict:
+    """EmbeddingTable.lookup of n new keys on an empty table (RocksDB miss, initial rows,
+    host insert): each repeat on a new table. Baseline: np.take of n rows of an arena of
+    the same shape (what a lookup of resident rows would move)."""
+    rng = np.random.default_rng(4)
+    keys = rng.choice(2**40, n, replace=False).astype(np.int64)
+    arena = rng.standard_normal((n, dim), dtype=np.float32)
+    ids = rng.permutation(n)
+    ours_t, base_t = [], []
+    with EmbeddingStore(root / "first") as store:
+        for repeat in range(REPEATS):
+            config = TableConfig(
+                f"first{repeat}", dim, optimizer=optim.SGD(), host_cache_bytes=n * 400 + (64 << 20)
+            )
+            table = store.create_table(config)
+            started = time.perf_counter()
+            table.lookup(keys)
+            ours_t.append(time.perf_counter() - started)
+            assert table.stats()["tiers"]["host"]["rows"] == n
+            store.drop_table(config.name)
+            started = time.perf_counter()
+            np.take(arena, ids, axis=0)
+            base_t.append(time.perf_counter() - started)
+    ours_s, base_s = statistics.median(ours_t), statistics.median(base_t)
+    return {
+        "keys": n,
+        "dim": dim,
+        "ours_s": ours_s,
+        "ours_keys_per_s": n / ours_s,
+        "target_keys_per_s": 2e6,
+        "baseline_s": base_s,
+        "ratio": base_s / ours_s,
+        "baseline": "np.take of as many rows (a lookup of resident rows)",
+    }
+
+
 def bench_zipf(root: Path, host_mb: int, steps: int, dim: int = 64) -> dict:
     """The storage demo's Zipf(1.05) trace over a key space 4x the host budget, in a
-    subprocess so that its peak RSS is the workload's own."""
+    subprocess so that its peak RSS is the workload's own. The bound is the budget x 1.15
+    + 200 MB, plus the compiled kernels' fixed cost (numba, LLVM and the machine code:
+    ~140 MB per process whatever the table sizes), measured in the same process as the
+    peak RSS growth from importing numba and compiling the kernels."""
     code = (
-        "import json, sys; from pathlib import Path; "
+        "import json, sys; from pathlib import Path; import numpy; "
+        "hwm = lambda: int(Path('/proc/self/status').read_text().split('VmHWM:')[1].split()[0]); "
+        "before = hwm(); import numba; from tierps.storage import host_kernels; "
+        "host_kernels.warm_up(); kernels = (hwm() - before) / 1024; "
         "from tierps.server.storage_demo import run_storage_demo; "
         f"s = run_storage_demo(Path({str(root)!r}), dim={dim}, host_mb={host_mb}, "
-        f"steps={steps}, batch=16384); print('RESULT' + json.dumps(s))"
+        f"steps={steps}, batch=16384); s['kernels_rss_mb'] = kernels; "
+        "print('RESULT' + json.dumps(s))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
     summary = json.loads(line[len("RESULT") :])
-    limit = host_mb * 1.15 + 200
+    # The compiled kernels and numba's LLVM are a fixed cost per process, not per row: the
+    # demo measures RSS before and after loading them, and the bound adds that difference.
+    limit = host_mb * 1.15 + 200 + summary.get("kernels_rss_mb", 0.0)
     summary.update(
         host_mb=host_mb,
         dim=dim,
@@ -179,10 +253,15 @@ def main() -> int:
     args = parser.parse_args()
     scale = 10 if args.quick else 1
     root = Path(tempfile.mkdtemp(prefix="tierps-bench-"))
+    warm_up_s = host_kernels.warm_up()  # as a shard does at start
     try:
         results = {
             "machine": {"python": platform.python_version(), "cpus": __import__("os").cpu_count()},
+            "host_kernels": host_kernels.host_launcher() is not None,
+            "warm_up_s": warm_up_s,
             "host_lookup": bench_host_lookup(root, 1_000_000 // scale),
+            "host_insert": bench_host_insert(1_000_000 // scale),
+            "first_touch": bench_first_touch(root, 1_000_000 // scale),
             "rocksdb_cold_lookup": bench_rocksdb_cold(root, 200_000 // scale),
             "apply_gradients_adam": bench_apply_adam(root, 1_000_000 // scale, 65536 // scale),
             "zipf_trace": bench_zipf(root, 256 // scale, 300 // scale),
@@ -199,19 +278,30 @@ def main() -> int:
     print("| --- | --- | --- | --- |")
     print(
         f"| host lookup, {h['keys']:,} unique keys, dim {h['dim']} | {h['ours_s'] * 1e3:.0f} ms "
-        f"| np.take {h['baseline_s'] * 1e3:.0f} ms | {h['ratio']:.2f}x (>= 0.5x) |"
+        f"| np.take {h['baseline_s'] * 1e3:.0f} ms | {h['ratio']:.2f}x (>= 0.9x) |"
+    )
+    i, f = results["host_insert"], results["first_touch"]
+    print(
+        f"| host index insert, {i['keys']:,} new keys | {i['ours_keys_per_s']:,.0f} keys/s | "
+        f"numpy array code {i['keys'] / i['baseline_s']:,.0f} keys/s | {i['ratio']:.1f}x "
+        f"(>= 10M keys/s) |"
+    )
+    print(
+        f"| first touch, {f['keys']:,} new keys, dim {f['dim']} | {f['ours_keys_per_s']:,.0f} "
+        f"keys/s | np.take of as many rows {f['baseline_s'] * 1e3:.0f} ms | {f['ratio']:.2f}x "
+        f"(>= 2M keys/s) |"
     )
     for variant in ("read_only", "read_and_promote"):
         v = r[variant]
         print(
             f"| RocksDB-tier lookup ({variant}), {r['keys']:,} keys | {v['ours_keys_per_s']:,.0f} "
             f"keys/s | multi-get {v['baseline_keys_per_s']:,.0f} keys/s | {v['ratio']:.2f}x "
-            f"(>= 0.7x) |"
+            f"(>= 0.9x) |"
         )
     print(
         f"| apply_gradients Adam, {a['batch']:,} of {a['rows']:,} rows | "
         f"{a['ours_s'] * 1e3:.0f} ms "
-        f"| numpy Adam {a['baseline_s'] * 1e3:.0f} ms | {a['ratio']:.2f}x |"
+        f"| numpy Adam {a['baseline_s'] * 1e3:.0f} ms | {a['ratio']:.2f}x (>= 4x) |"
     )
     print(
         f"| Zipf(1.05), key space 4x a {z['host_mb']} MiB host budget | "

@@ -1,0 +1,223 @@
+"""The compiled host kernels (storage/host_kernels.py) against the numpy array code on the
+same inputs: exact for index operations and initial rows; the fused in-place train against
+optim.apply within test_kernels.py's derived float64 bound. The CUDA kernels' twins (find,
+claim, upsert, find_rows, scatter, fused optimizers through the Launcher) run in
+test_kernels.py under its "numba" backend."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tierps.storage import EmbeddingStore, TableConfig, host_kernels, init, optim
+from tierps.storage.errors import InvalidArgumentError
+from tierps.storage.tiers import CacheTier, Spill
+
+pytestmark = pytest.mark.skipif(
+    host_kernels.host_launcher() is None,
+    reason=f"host kernels unavailable: {host_kernels.unavailable_reason()}",
+)
+
+
+def _no_spill(spill: Spill) -> None:
+    raise AssertionError(f"nothing should spill, got {spill.keys.size} rows")
+
+
+def _tiers(config: TableConfig, keys: np.ndarray, rows: np.ndarray) -> tuple[CacheTier, ...]:
+    """Two host tiers with the same rows: compiled kernels, and the numpy array code."""
+    out = []
+    for kernels in (None, False):
+        tier = CacheTier(config, 1 << 22, kernels=kernels, trains_in_place=True)
+        tier.insert(keys, rows, np.arange(keys.size) % 3 == 0, _no_spill)
+        out.append(tier)
+    assert out[0].compiled and not out[1].compiled
+    return tuple(out)
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_lookup_matches_the_array_code(eviction: str) -> None:
+    """find: the same hits, rows, dirty flags and eviction scores, misses and repeats in."""
+    rng = np.random.default_rng(0)
+    config = TableConfig("t", 8, optimizer=optim.Adam(), eviction=eviction)
+    keys = rng.choice(10**12, 300, replace=False).astype(np.int64)
+    rows = rng.standard_normal((300, config.stored_width), dtype=np.float32)
+    compiled, reference = _tiers(config, keys, rows)
+    for _ in range(3):
+        probe = np.concatenate([rng.choice(keys, 200), rng.integers(-5, 10**12, 50)])
+        got, want = compiled.find(probe), reference.find(probe)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert (compiled.hits, compiled.misses) == (reference.hits, reference.misses)
+    scores = [dict(zip(*t.index.export()[:1], t.index._scores[t.index.find(t.index.export()[0])],
+                       strict=True)) for t in (compiled, reference)]  # fmt: skip
+    assert scores[0] == scores[1]
+
+
+def test_all_distinct_matches_unique() -> None:
+    rng = np.random.default_rng(1)
+    for n in (0, 1, 7, 1000):
+        keys = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64)
+        assert host_kernels.all_distinct(keys) is (np.unique(keys).size == n)
+        if n > 1:
+            keys[-1] = keys[0]
+            assert host_kernels.all_distinct(keys) is False
+    extremes = np.array([np.iinfo(np.int64).min, np.iinfo(np.int64).min + 1, -1, 0], np.int64)
+    assert host_kernels.all_distinct(extremes)
+    assert not host_kernels.all_distinct(np.repeat(extremes[:1], 2))
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        optim.SGD(),
+        optim.Adagrad(initial_accumulator_value=0.1),
+        optim.FTRL(l1=0.01),
+        optim.Nesterov(),
+        optim.Adam(lr=0.01),
+    ],  # fmt: skip
+    ids=lambda o: o.kind,
+)
+def test_uniform_initial_rows_are_the_numpy_bits(optimizer: optim.Optimizer) -> None:
+    """Initial rows at compiled speed: bit for bit the numpy counter-hash reference (a pure
+    function of seed, key and column), the optimizer state filled as initial_rows does."""
+    rng = np.random.default_rng(2)
+    keys = np.concatenate([rng.integers(-(2**62), 2**62, 500), [0, -1, 2**63 - 1]])
+    for initializer in (init.Uniform(), init.Uniform(-3.0, 1e-3), init.Uniform(1.0, 1.0 + 1e-6)):
+        config = TableConfig("t", 12, optimizer=optimizer, initializer=initializer, seed=9)
+        got = config.initial_rows(keys)
+        weights = initializer.generate(keys, 12, 9)
+        np.testing.assert_array_equal(got[:, :12], weights)
+        for slot, fill in enumerate(optimizer.state_fill(), start=1):
+            np.testing.assert_array_equal(got[:, slot * 12 : (slot + 1) * 12], np.float32(fill))
+        assert got.shape == (keys.size, config.row_width)
+
+
+def _float64_bound(opt: optim.Optimizer, rows: np.ndarray, grads: np.ndarray) -> list:
+    from tests.unit.test_kernels import _float64_step  # the derived float64 reference
+
+    return _float64_step(opt, rows, grads, 3)
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        optim.SGD(lr=0.1),
+        optim.Momentum(),
+        optim.Nesterov(),
+        optim.Adagrad(),
+        optim.Adam(lr=0.01),
+        optim.FTRL(lr=0.05, l1=0.01, l2=0.1),
+        optim.FTRL(lr=0.05, lr_power=-0.3, l2=0.1),
+    ],  # fmt: skip
+    ids=lambda o: f"{o.kind}{'-power' if getattr(o, 'lr_power', -0.5) != -0.5 else ''}",
+)
+def test_train_in_place_matches_apply(optimizer: optim.Optimizer) -> None:
+    """train_resident on the compiled tier: within the derived float64 bound of the update,
+    the same as the array code's on its gathered rows, stamped, dirty, other rows alike."""
+    from tests.unit.test_kernels import assert_within
+
+    rng = np.random.default_rng(3)
+    dim = 8
+    config = TableConfig("t", dim, optimizer=optimizer, steps_to_live=10)
+    keys = np.arange(100, dtype=np.int64) * 7919
+    rows = config.initial_rows(keys)
+    rows[:, :dim] = rng.standard_normal((100, dim), dtype=np.float32)
+    stored = np.concatenate([rows, np.zeros((100, 2), np.float32)], axis=1)
+    compiled, reference = _tiers(config, keys, stored)
+    push = rng.permutation(keys)[:60]
+    grads = rng.standard_normal((60, dim), dtype=np.float32)
+    before = compiled.find(push)[1]
+    hit, undo, refused = compiled.train_resident(push, grads, 3, 5)
+    assert hit.size == 60 and undo is None and refused is None
+    r_hit, _, r_refused = reference.train_resident(push, grads, 3, 5)
+    assert r_hit.size == 60 and r_refused is None
+    got, want = compiled.find(push), reference.find(push)
+    width = config.row_width
+    expected = _float64_bound(optimizer, before[:, :width], grads)
+    assert_within(f"compiled {optimizer.kind}", got[1][:, :width], expected)
+    assert_within(f"numpy {optimizer.kind}", want[1][:, :width], expected)
+    np.testing.assert_array_equal(got[1][:, width:], want[1][:, width:])  # the stamp
+    assert got[2].all() and want[2].all()
+    rest = np.setdiff1d(keys, push)
+    np.testing.assert_array_equal(compiled.find(rest)[1], stored[np.isin(keys, rest)])
+
+
+def test_refused_train_changes_nothing_and_undo_puts_rows_back() -> None:
+    """A push whose update goes non-finite in a late row leaves every row as it was (the
+    rows before it are put back); a partial push's undo restores rows, stamps and flags."""
+    dim = 4
+    config = TableConfig("t", dim, optimizer=optim.Adam(), steps_to_live=10)
+    keys = np.arange(50, dtype=np.int64)
+    stored = np.concatenate(
+        [config.initial_rows(keys), np.zeros((50, 2), np.float32)], axis=1
+    )  # fmt: skip
+    compiled, _ = _tiers(config, keys, stored)
+    snapshot = compiled.find(keys)
+    grads = np.full((50, dim), 1e-3, np.float32)
+    grads[40, 2] = 1e20  # v = (1 - beta2) * g * g overflows float32
+    hit, undo, refused = compiled.train_resident(keys, grads, 1, 1)
+    assert undo is None and refused is not None and not np.isfinite(refused[40]).all()
+    assert np.isfinite(refused[:40]).all()
+    after = compiled.find(keys)
+    np.testing.assert_array_equal(after[1].view(np.uint32), snapshot[1].view(np.uint32))
+    np.testing.assert_array_equal(after[2], snapshot[2])
+    partial = np.concatenate([keys[:10], [1000, 1001]])
+    hit, undo, refused = compiled.train_resident(partial, np.ones((12, dim), np.float32), 1, 7)
+    assert hit.tolist() == list(range(10)) and undo is not None and refused is None
+    assert not np.array_equal(compiled.find(keys[:10])[1], snapshot[1][:10])
+    undo()
+    again = compiled.find(keys)
+    np.testing.assert_array_equal(again[1].view(np.uint32), snapshot[1].view(np.uint32))
+    np.testing.assert_array_equal(again[2], snapshot[2])
+
+
+def test_a_table_push_refused_in_place_names_the_key(tmp_path: Path) -> None:
+    """Through EmbeddingTable: the host tier trains in place, and a refusal names the key."""
+    with EmbeddingStore(tmp_path / "s") as store:
+        table = store.create_table(TableConfig("t", 4, optimizer=optim.Adam()))
+        keys = np.arange(20, dtype=np.int64)
+        table.lookup(keys)
+        assert table.tiers[0].trains_in_place
+        before = table.lookup(keys)
+        grads = np.full((20, 4), 1e-3, np.float32)
+        grads[13, 0] = 1e20
+        with pytest.raises(InvalidArgumentError, match="key 13"):
+            table.apply_gradients(keys, grads, 1)
+        np.testing.assert_array_equal(table.lookup(keys), before)
+
+
+def test_rocksdb_reads_only_keys_in_the_stored_range(tmp_path: Path) -> None:
+    """The RocksDB tier skips keys outside the range of keys ever written: empty at first,
+    widened by writes, read again from the column family after a restart."""
+    config = TableConfig("t", 4, optimizer=optim.SGD(), host_cache_bytes=0)
+    with EmbeddingStore(tmp_path / "s") as store:
+        table = store.create_table(config)
+        durable = table.durable
+        probe = np.array([5, 50, 500], np.int64)
+        assert durable.may_hold(probe).tolist() == [False, False, False]
+        table.assign(np.array([10, 100], np.int64), np.ones((2, 4), np.float32))
+        assert durable.may_hold(probe).tolist() == [False, True, False]
+        assert durable.find(np.array([10, 50, 100, 7], np.int64))[0].tolist() == [0, 2]
+    with EmbeddingStore(tmp_path / "s") as store:
+        durable = store.table("t").durable
+        assert durable.may_hold(np.array([9, 10, 100, 101], np.int64)).tolist() == [
+            False, True, True, False,
+        ]  # fmt: skip
+        assert durable.may_hold(np.array([10, 100], np.int64)) is None  # all within
+
+
+def test_env_switch_keeps_the_array_code() -> None:
+    """TIERPS_HOST_KERNELS=0: the host tier runs the numpy reference (no compiled path)."""
+    code = (
+        "from tierps.storage.hash_table import HashTable; "
+        "from tierps.storage import host_kernels; "
+        "assert not HashTable(16).uses_kernels; "
+        "assert host_kernels.all_distinct(__import__('numpy').arange(3)) is None"
+    )
+    env = {**os.environ, host_kernels.ENV_SWITCH: "0"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)

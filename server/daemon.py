@@ -28,6 +28,7 @@ from tierps.server.lives import LIFE_HEADER
 from tierps.server.metrics import ShardMetrics
 from tierps.server.servicers import AdminServicer, EmbeddingServicer
 from tierps.server.shard import Shard
+from tierps.storage import host_kernels
 from tierps.storage.errors import BackendError, DataLossError
 
 log = logging.getLogger("tierps.server")
@@ -138,6 +139,8 @@ class ShardServer:
         return {"shard_id": self.config.shard_id, "num_shards": self.config.num_shards}
 
     def start(self) -> ShardServer:
+        # compile (or load from numba's cache) the host kernels now, not in the first RPC
+        host_kernels.warm_up()
         self._server.start()
         self.shard.start_background()
         if self.config.metrics_port is not None:

@@ -70,7 +70,42 @@ def _jit(fn: Callable) -> Callable:
         return numba.njit(nogil=True, error_model="numpy")(fn)
 
 
+AHEAD = 8  # rows (or slots) a kernel prefetches ahead: random rows cost memory latency
+
+
 if numba is not None:
+    from llvmlite import ir as _ir
+    from numba.core import types as _types
+    from numba.extending import intrinsic as _intrinsic
+
+    @_intrinsic
+    def _prefetch(typingctx, array, index):  # noqa: ARG001 - numba's intrinsic signature
+        """Prefetch the cache line of element `index` of an array's buffer, in row-major
+        order from its start (llvm.prefetch: a hint, so an address past it is harmless).
+        The kernels walk rows in a random order, where latency, not bandwidth, bounds them:
+        prefetching AHEAD rows brings a fused update to np.take's pace."""
+
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            byte_ptr = _ir.IntType(8).as_pointer()
+            i32 = _ir.IntType(32)
+            kind = _ir.FunctionType(_ir.VoidType(), [byte_ptr, i32, i32, i32])
+            module = builder.module
+            name = "llvm.prefetch.p0i8"
+            function = module.globals.get(name) or _ir.Function(module, kind, name=name)
+            address = builder.bitcast(builder.gep(data, [args[1]]), byte_ptr)
+            # read (0) or write (1), locality 3 (keep in all caches), data cache (1)
+            builder.call(function, [address, i32(1), i32(3), i32(1)])
+            return context.get_dummy_value()
+
+        return _types.void(array, index), codegen
+
+    @_jit
+    def _prefetch_row(matrix, row):
+        """Prefetch every cache line of row `row` of a row-major matrix."""
+        width = matrix.shape[1]
+        for k in range(0, width, 16):
+            _prefetch(matrix, row * width + k)
 
     @_jit
     def _mix64(x):
@@ -116,6 +151,8 @@ if numba is not None:
     @_jit
     def k_find(table, mask, keys, n, slots):
         for i in range(n):
+            if i + AHEAD < n:
+                _prefetch(table, _home(keys[i + AHEAD], mask))
             slots[i] = _probe(table, mask, keys[i])
 
     @_jit
@@ -176,11 +213,17 @@ if numba is not None:
         """The host tier's find in one pass: slots[i], out[i] = the row of keys[i] (left as
         it was for a miss), found_dirty[i] its dirty flag, and the eviction touch of each
         hit (LRU: score = tick; LFU: +1 per occurrence). Returns the hit count."""
+        n = keys.shape[0]
+        k_find(table, mask, keys, n, slots)
         hits = 0
         width = arena.shape[1]
-        for i in range(keys.shape[0]):
-            slot = _probe(table, mask, keys[i])
-            slots[i] = slot
+        for i in range(n):
+            if i + 2 * AHEAD < n and slots[i + 2 * AHEAD] >= 0:
+                _prefetch(values, slots[i + 2 * AHEAD])
+                _prefetch(scores, slots[i + 2 * AHEAD])
+            if i + AHEAD < n and slots[i + AHEAD] >= 0:
+                _prefetch_row(arena, values[slots[i + AHEAD]])
+            slot = slots[i]
             if slot < 0:
                 continue
             hits += 1
@@ -299,6 +342,8 @@ if numba is not None:
         saved = backup.shape[1]
         new = np.empty(width, dtype=np.float32)
         for i in range(n):
+            if i + AHEAD < n:
+                _prefetch_row(arena, ids[i + AHEAD])
             r = ids[i]
             _update_row(kind, arena, r, grads, i, dim, p, new)
             if refuse:

@@ -213,16 +213,27 @@ if numba is not None:
         """The host tier's find in one pass: slots[i], out[i] = the row of keys[i] (left as
         it was for a miss), found_dirty[i] its dirty flag, and the eviction touch of each
         hit (LRU: score = tick; LFU: +1 per occurrence). Returns the hit count."""
+        # A software pipeline over three dependent random loads per key (its slot key,
+        # the slot's value and score, the row), each prefetched AHEAD keys before use.
         n = keys.shape[0]
-        k_find(table, mask, keys, n, slots)
         hits = 0
         width = arena.shape[1]
-        for i in range(n):
-            if i + 2 * AHEAD < n and slots[i + 2 * AHEAD] >= 0:
-                _prefetch(values, slots[i + 2 * AHEAD])
-                _prefetch(scores, slots[i + 2 * AHEAD])
-            if i + AHEAD < n and slots[i + AHEAD] >= 0:
-                _prefetch_row(arena, values[slots[i + AHEAD]])
+        for i in range(-2 * AHEAD, n):
+            ahead = i + 3 * AHEAD
+            if ahead < n:
+                _prefetch(table, _home(keys[ahead], mask))
+            ahead = i + 2 * AHEAD
+            if 0 <= ahead < n:
+                slot = _probe(table, mask, keys[ahead])
+                slots[ahead] = slot
+                if slot >= 0:
+                    _prefetch(values, slot)
+                    _prefetch(scores, slot)
+            ahead = i + AHEAD
+            if 0 <= ahead < n and slots[ahead] >= 0:
+                _prefetch_row(arena, values[slots[ahead]])
+            if i < 0:
+                continue
             slot = slots[i]
             if slot < 0:
                 continue
@@ -386,7 +397,7 @@ if numba is not None:
             base = _mix64(np.uint64(keys[i]) ^ stream)
             for c in range(dim):
                 bits = _mix64(base + np.uint64(c + 1) * _GOLDEN)
-                u = np.float64(bits >> _S40) * _TWO_POW_M24
+                u = np.float64(np.int32(bits >> _S40)) * _TWO_POW_M24  # < 2**24: exact
                 value = np.float32(low + span * u)
                 out[i, c] = value if value < below_high else below_high
             for k in range(fills.shape[0]):

@@ -167,7 +167,18 @@ class CacheTier:
         return self.index.size
 
     def _grow(self, rows: int) -> None:
-        """Numpy only: a device tier is allocated whole and never grows."""
+        """Numpy only: a device tier is allocated whole and never grows. A large arena
+        grows in place (ndarray.resize: mremap, no second copy in memory); a small one
+        into a new array (np.empty: pages only as rows are written, huge pages where the
+        system gives them, where resize would zero every new row first), which holds the
+        old one beside it for a moment: at most a quarter more memory."""
+        if self.arena.shape[0] * 4 <= rows:
+            arena = np.empty((rows, self.width), dtype=np.float32)
+            arena[: self.arena.shape[0]] = self.arena
+            dirty = np.zeros(rows, dtype=bool)
+            dirty[: self.dirty.shape[0]] = self.dirty
+            self.arena, self.dirty = arena, dirty
+            return
         self.arena.resize((rows, self.width), refcheck=False)  # no views are ever kept
         self.dirty.resize(rows, refcheck=False)
 

@@ -78,27 +78,41 @@ if numba is not None:
     from numba.core import types as _types
     from numba.extending import intrinsic as _intrinsic
 
-    @_intrinsic
-    def _prefetch(typingctx, array, index):  # noqa: ARG001 - numba's intrinsic signature
-        """Prefetch the cache line of element `index` of an array's buffer, in row-major
-        order from its start (llvm.prefetch: a hint, so an address past it is harmless).
-        The kernels walk rows in a random order, where latency, not bandwidth, bounds them:
-        prefetching AHEAD rows brings a fused update to np.take's pace."""
+    def _prefetcher(write: int) -> Callable:
+        """An intrinsic prefetching the cache line of element `index` of an array's buffer,
+        in row-major order from its start (llvm.prefetch: a hint, so an address past it
+        is harmless), for a read (write=0) or a write (1). The kernels walk rows in a
+        random order, where latency, not bandwidth, bounds them: prefetching AHEAD rows
+        brings a fused update to np.take's pace."""
 
-        def codegen(context, builder, signature, args):
-            data = context.make_array(signature.args[0])(context, builder, args[0]).data
-            byte_ptr = _ir.IntType(8).as_pointer()
-            i32 = _ir.IntType(32)
-            kind = _ir.FunctionType(_ir.VoidType(), [byte_ptr, i32, i32, i32])
-            module = builder.module
-            name = "llvm.prefetch.p0i8"
-            function = module.globals.get(name) or _ir.Function(module, kind, name=name)
-            address = builder.bitcast(builder.gep(data, [args[1]]), byte_ptr)
-            # read (0) or write (1), locality 3 (keep in all caches), data cache (1)
-            builder.call(function, [address, i32(1), i32(3), i32(1)])
-            return context.get_dummy_value()
+        def prefetch(typingctx, array, index):  # noqa: ARG001 - numba's signature
+            def codegen(context, builder, signature, args):
+                data = context.make_array(signature.args[0])(context, builder, args[0]).data
+                byte_ptr = _ir.IntType(8).as_pointer()
+                i32 = _ir.IntType(32)
+                kind = _ir.FunctionType(_ir.VoidType(), [byte_ptr, i32, i32, i32])
+                module = builder.module
+                name = "llvm.prefetch.p0i8"
+                function = module.globals.get(name) or _ir.Function(module, kind, name=name)
+                address = builder.bitcast(builder.gep(data, [args[1]]), byte_ptr)
+                # read or write, locality 3 (keep in all caches), data cache (1)
+                builder.call(function, [address, i32(write), i32(3), i32(1)])
+                return context.get_dummy_value()
 
-        return _types.void(array, index), codegen
+            return _types.void(array, index), codegen
+
+        prefetch.__name__ = f"_prefetch_{'write' if write else 'read'}"
+        return _intrinsic(prefetch)
+
+    _prefetch = _prefetcher(0)
+    _prefetch_for_write = _prefetcher(1)
+
+    @_jit
+    def _prefetch_row_for_write(matrix, row):
+        """Prefetch every cache line of row `row` of a row-major matrix, to write it."""
+        width = matrix.shape[1]
+        for k in range(0, width, 16):
+            _prefetch_for_write(matrix, row * width + k)
 
     @_jit
     def _prefetch_row(matrix, row):
@@ -228,7 +242,7 @@ if numba is not None:
                 slots[ahead] = slot
                 if slot >= 0:
                     _prefetch(values, slot)
-                    _prefetch(scores, slot)
+                    _prefetch_for_write(scores, slot)
             ahead = i + AHEAD
             if 0 <= ahead < n and slots[ahead] >= 0:
                 _prefetch_row(arena, values[slots[ahead]])
@@ -354,7 +368,7 @@ if numba is not None:
         new = np.empty(width, dtype=np.float32)
         for i in range(n):
             if i + AHEAD < n:
-                _prefetch_row(arena, ids[i + AHEAD])
+                _prefetch_row_for_write(arena, ids[i + AHEAD])
             r = ids[i]
             _update_row(kind, arena, r, grads, i, dim, p, new)
             if refuse:
@@ -377,16 +391,6 @@ if numba is not None:
                     arena[r, row_width + c] = stamp[c]
             dirty[r] = True
         return -1
-
-    @_jit
-    def k_scatter_dirty(arena, dirty, ids, rows, flags):
-        """arena[ids[i]] = rows[i] (all columns) and dirty[ids[i]] = flags[i]."""
-        width = rows.shape[1]
-        for i in range(ids.shape[0]):
-            r = ids[i]
-            for c in range(width):
-                arena[r, c] = rows[i, c]
-            dirty[r] = flags[i]
 
     @_jit
     def k_uniform_rows(keys, stream, span, low, below_high, out, fills, dim):

@@ -396,6 +396,7 @@ class HashTable:
         """The host tier's find in one compiled pass (numpy, host kernels only): (slots,
         rows [n, arena width] - a miss's row unset -, each key's dirty flag - a miss's
         unset -, hits), with the eviction touch of every hit, as find + find_rows + touch."""
+        keys = _kernels._int64(np, keys)
         n = keys.shape[0]
         rows = np.empty((n, arena.shape[1]), dtype=np.float32)
         slots = np.empty(n, dtype=np.int64)

@@ -554,7 +554,7 @@ def all_distinct(keys: np.ndarray) -> bool | None:
     without the host kernels (the caller then sorts)."""
     if host_launcher() is None:
         return None
-    return bool(k_all_distinct(keys))
+    return bool(k_all_distinct(np.ascontiguousarray(keys, dtype=np.int64)))
 
 
 def uniform_rows(

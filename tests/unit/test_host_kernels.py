@@ -221,3 +221,20 @@ def test_env_switch_keeps_the_array_code() -> None:
     )
     env = {**os.environ, host_kernels.ENV_SWITCH: "0"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
+
+
+def test_no_writable_cache_compiles_in_memory_and_warns_once(monkeypatch) -> None:
+    """A kernel numba cannot cache (no locator: here, source without a file, as for a
+    read-only install without a writable user cache) still compiles, with one warning."""
+    import numba
+
+    monkeypatch.setattr(numba.config, "CACHE_DIR", "")  # as without NUMBA_CACHE_DIR
+    monkeypatch.setattr(host_kernels, "_cache_warned", False)
+    namespace: dict = {}
+    exec(compile("def twice(x):\n    return 2 * x\n", "<no file>", "exec"), namespace)  # noqa: S102
+    exec(compile("def thrice(x):\n    return 3 * x\n", "<no file>", "exec"), namespace)  # noqa: S102
+    with pytest.warns(RuntimeWarning, match="no writable numba cache") as caught:
+        twice = host_kernels._jit(namespace["twice"])
+        thrice = host_kernels._jit(namespace["thrice"])
+    assert len(caught) == 1
+    assert (twice(21), thrice(2)) == (42, 6)

@@ -194,14 +194,15 @@ class RocksDBTier:
             raise self._fail("read rows", error) from error
         found = np.fromiter(map(is_not, values, repeat(None)), dtype=bool, count=keys.size)
         hit = np.flatnonzero(found)
-        blob = b"".join(filter(None, values))
+        # one copy: joined into a bytearray, whose numpy view is writable as it is
+        blob = bytearray().join(values if hit.size == keys.size else filter(None, values))
         if len(blob) != hit.size * self.width * 4:
             raise DataLossError(
                 f"rocksdb backend holds corrupt rows for {self.where}: expected "
                 f"{hit.size} rows of {self.width * 4} bytes, got {len(blob)} bytes"
             )
-        rows = np.frombuffer(blob, dtype="<f4").reshape(hit.size, self.width).astype(np.float32)
-        return hit, rows
+        rows = np.frombuffer(blob, dtype="<f4").reshape(hit.size, self.width)
+        return hit, rows.astype(np.float32, copy=False)  # a copy only on big-endian hosts
 
     def write(
         self,

@@ -574,8 +574,8 @@ class EmbeddingClient(ClusterAdmin):
         """The rows of one call's batches, as bytes-like values: in one message each way
         where both fit, else streamed (also after the shard refused one message as too
         large: a lookup changes nothing it could repeat)."""
-        request_bytes = sum(8 * keys.size for _, _, keys, _ in batches)
-        if max(request_bytes, _reply_bytes(batches)) <= self._one_message_bytes[shard]:
+        bulk = max(sum(8 * keys.size for _, _, keys, _ in batches), _reply_bytes(batches))
+        if bulk <= self._one_message_bytes[shard]:
             request = wire.encode_batches(
                 [(name, dim, create, (_wire_keys(keys),)) for name, dim, keys, _ in batches]
             )
@@ -583,7 +583,7 @@ class EmbeddingClient(ClusterAdmin):
                 reply = self._lookup_one[shard](request, timeout=self.timeout_s)
                 return wire.lookup_reply_values(reply)
             except grpc.RpcError as error:
-                if not self._refused_as_too_large(shard, error, len(request)):
+                if not self._refused_as_too_large(shard, error, bulk):
                     raise
         requests = (
             request
@@ -609,10 +609,10 @@ class EmbeddingClient(ClusterAdmin):
             f"lookup reply of tables {names} expected {_reply_bytes(batches)} bytes, got {got}",
         )  # fmt: skip
 
-    def _refused_as_too_large(self, shard: int, error: grpc.RpcError, size: int) -> bool:
-        """Whether the shard refused a one-message call of `size` bytes as too large for
-        one message, before it touched anything (gRPC's message limit, or the shard's own
-        reply check): then this shard's one-message calls stay below `size` from now on."""
+    def _refused_as_too_large(self, shard: int, error: grpc.RpcError, bulk: int) -> bool:
+        """Whether the shard refused a one-message call of `bulk` bytes (its larger way) as
+        too large for one message, before it touched anything (gRPC's message limit, or the
+        shard's own reply check): then this shard's one-message calls stay below `bulk`."""
         details = error.details() or ""
         too_large = error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and (
             wire.TOO_LARGE_FOR_ONE_MESSAGE in details or "larger than max" in details
@@ -620,7 +620,7 @@ class EmbeddingClient(ClusterAdmin):
         if too_large:
             with self._lock:
                 limit = self._one_message_bytes[shard]
-                self._one_message_bytes[shard] = min(limit, max(0, size - wire.HEADER_ROOM))
+                self._one_message_bytes[shard] = min(limit, bulk - 1)
         return too_large
 
     def _push_unique(
@@ -642,7 +642,8 @@ class EmbeddingClient(ClusterAdmin):
 
         def call(shard: int, batches: list[Batch]) -> Any:
             parts = [(name, dim, keys, grads_of(name, keys, at)) for name, dim, keys, at in batches]
-            if sum(8 * k.size + g.nbytes for _, _, k, g in parts) <= self._one_message_bytes[shard]:
+            bulk = sum(8 * k.size + g.nbytes for _, _, k, g in parts)
+            if bulk <= self._one_message_bytes[shard]:
                 request = wire.encode_batches(
                     [(name, dim, steps[name], (_wire_keys(k), g)) for name, dim, k, g in parts]
                 )
@@ -650,7 +651,7 @@ class EmbeddingClient(ClusterAdmin):
                     return self._push_one[shard](request, timeout=self.timeout_s)
                 except grpc.RpcError as error:
                     # refused before it was read: nothing applied, the stream may carry it
-                    if not self._refused_as_too_large(shard, error, len(request)):
+                    if not self._refused_as_too_large(shard, error, bulk):
                         raise
             requests = (
                 request

@@ -25,11 +25,12 @@ from tierps.storage.snapshot import Progress
 
 def gather(
     requests: Iterable[Any], header: tuple[str, ...], bulk: tuple[str, ...], max_bytes: int
-) -> list[tuple[Any, dict[str, bytes]]]:
+) -> list[tuple[Any, dict[str, Any]]]:
     """The batches of a request stream, one per table: each batch's first message (its
     header fields apply to the whole batch) and each bulk field joined over the batch's
-    messages. A message whose 'table' is set and differs from the current batch's begins the
-    next batch (tierps_service.proto, "Several tables in one call")."""
+    messages (bytes, or a memoryview of a one-message call's bytes). A message whose
+    'table' is set and differs from the current batch's begins the next batch
+    (tierps_service.proto, "Several tables in one call")."""
     batches: list[tuple[Any, dict[str, list[bytes]]]] = []
     total = 0
     for index, message in enumerate(requests):
@@ -62,9 +63,15 @@ def gather(
     if not batches:
         raise InvalidArgumentError("request stream expected at least one message, got none")
     return [
-        (first, {field: b"".join(chunks) for field, chunks in parts.items()})
+        (first, {field: _joined(chunks) for field, chunks in parts.items()})
         for first, parts in batches
     ]
+
+
+def _joined(chunks: list[Any]) -> Any:
+    """A bulk field's chunks as one bytes-like object: a lone chunk as it is (a join would
+    copy it, memoryviews of a one-message call included)."""
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def decode_keys(raw: bytes, table: str) -> np.ndarray:

@@ -306,6 +306,12 @@ def _client_loop(address: str, table: str, keys: np.ndarray, calls: int, start: 
             client.push_gradients(table, keys, grads)
 
 
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a process has used, every thread of it (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def concurrency(root: Path, batch: int = 65536, dim: int = 64, calls: int = 12) -> dict:
     """Calls per second of one shard serving one client process, then two at once (each on
     its own table): a shard on more than one core serves two at close to twice the rate,
@@ -332,14 +338,21 @@ def concurrency(root: Path, batch: int = 65536, dim: int = 64, calls: int = 12) 
             for process in processes:
                 process.start()
             time.sleep(3.0)  # every client connected and warm
-            started = time.perf_counter()
+            shard_pid = cluster._processes[0].pid  # type: ignore[union-attr]
+            cpu_before, started = _cpu_seconds(shard_pid), time.perf_counter()
             start.set()
             for process in processes:
                 process.join()
             elapsed = time.perf_counter() - started
+            cores = (_cpu_seconds(shard_pid) - cpu_before) / elapsed
             rate = clients * calls * 2 / elapsed  # a lookup and a push per round
             out.setdefault(f"{clients}_clients_calls_per_s", []).append(rate)
-            print(f"{clients} client(s): {rate:.1f} calls/s ({elapsed:.2f} s)", flush=True)
+            out.setdefault(f"{clients}_clients_shard_cores", []).append(cores)
+            print(
+                f"{clients} client(s): {rate:.1f} calls/s ({elapsed:.2f} s), the shard busy "
+                f"on {cores:.2f} cores",
+                flush=True,
+            )
     out["speedup_2_vs_1"] = max(out["2_clients_calls_per_s"]) / max(out["1_clients_calls_per_s"])
     print(f"2 clients vs 1: {out['speedup_2_vs_1']:.2f}x the calls/s")
     return out

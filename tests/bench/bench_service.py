@@ -256,7 +256,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(SHARDS), figsize=(11, 4.2), sharey=True)
+    fig, axes = plt.subplots(1, len(SHARDS), figsize=(11, 4.8), sharey=True)
     for ax, shards in zip(axes, SHARDS, strict=True):
         rows = [r for r in results["rows"] if r["shards"] == shards and r["dim"] == PLOT_DIM]
         batches = [r["batch"] for r in rows]
@@ -281,13 +281,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{shards} shard{'s' if shards > 1 else ''}, dim {PLOT_DIM}, loopback")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("keys/s")
-    axes[0].legend(fontsize=8, loc="lower right")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle(
         f"tierps over gRPC vs the raw transport of the same bytes ({results['machine']['cpus']} "
         f"cores, one run)",
         fontsize=10,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
 
@@ -364,7 +365,11 @@ def main() -> int:
     parser.add_argument("--png", type=Path, default=Path("docs/perf/service.png"))
     parser.add_argument("--quick", action="store_true", help="fewer shapes, for a smoke run")
     parser.add_argument("--concurrency", action="store_true", help="1 vs 2 concurrent clients")
+    parser.add_argument("--replot", action="store_true", help="redraw --png from --out")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads(args.out.read_text()), args.png)
+        return 0
     root = Path(tempfile.mkdtemp(prefix="tierps-bench-"))
     try:
         if args.concurrency:

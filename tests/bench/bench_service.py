@@ -356,6 +356,42 @@ def concurrency(root: Path, batch: int = 65536, dim: int = 64, calls: int = 12) 
             )
     out["speedup_2_vs_1"] = max(out["2_clients_calls_per_s"]) / max(out["1_clients_calls_per_s"])
     print(f"2 clients vs 1: {out['speedup_2_vs_1']:.2f}x the calls/s")
+    out["tables_of_one_call"] = tables_of_one_call(root)
+    return out
+
+
+def tables_of_one_call(root: Path, tables: int = 8, batch: int = 16384, dim: int = 16) -> dict:
+    """In process: one Shard call carrying `tables` tables (served at once on the shard's
+    table threads) against the same tables one call each (one after the other)."""
+    from tierps.server.config import ServerConfig
+    from tierps.server.shard import LookupBatch, PushBatch, Shard
+
+    shard = Shard(ServerConfig(0, 1, root / "tables-of-one-call"))
+    try:
+        keys = np.arange(batch, dtype=np.int64)
+        grads = np.full((batch, dim), 1e-3, np.float32)
+        for t in range(tables):
+            shard.create_table(TableConfig(f"t{t}", dim, optimizer=optim.Adam(lr=0.01)))
+        lookups = [LookupBatch(f"t{t}", dim, keys, True) for t in range(tables)]
+        pushes = [PushBatch(f"t{t}", dim, keys, grads, 1) for t in range(tables)]
+        seconds = measure_together(
+            {
+                "lookup_one_call": lambda: shard.lookup(lookups),
+                "lookup_call_per_table": lambda: [shard.lookup([b]) for b in lookups],
+                "push_one_call": lambda: shard.push_gradients(pushes),
+                "push_call_per_table": lambda: [shard.push_gradients([b]) for b in pushes],
+            }
+        )
+    finally:
+        shard.close()
+    out = {"tables": tables, "batch": batch, "dim": dim, "seconds": seconds}
+    for op in ("lookup", "push"):
+        out[f"{op}_speedup"] = seconds[f"{op}_call_per_table"] / seconds[f"{op}_one_call"]
+        print(
+            f"{op} of {tables} tables x {batch} keys in one call: "
+            f"{seconds[f'{op}_one_call'] * 1e3:.1f} ms, one call per table: "
+            f"{seconds[f'{op}_call_per_table'] * 1e3:.1f} ms ({out[f'{op}_speedup']:.2f}x)"
+        )
     return out
 
 

@@ -395,6 +395,74 @@ def tables_of_one_call(root: Path, tables: int = 8, batch: int = 16384, dim: int
     return out
 
 
+# -- where one RPC lookup's time goes ---------------------------------------------------------
+
+
+def profile(root: Path, seconds: float = 6.0, batch: int = 65536, dim: int = 64) -> None:
+    """py-spy (pip install py-spy) samples the client (this process) and the shard while
+    the client looks up `batch` distinct hot keys over and over; prints each process's
+    heaviest frames, as shares of its samples (docs/perf/profile-lookup.md)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    with LocalCluster(1, root / "profile") as cluster:
+        with EmbeddingClient(cluster.addresses, timeout_s=120.0) as client:
+            table = populate(client, dim)
+            keys = np.random.default_rng(2).choice(TABLE_KEYS, batch, replace=False)
+            for _ in range(5):
+                client.lookup(table, keys)
+            pids = {"shard": cluster._processes[0].pid, "client": os.getpid()}  # type: ignore[union-attr]
+            recorders = {
+                name: subprocess.Popen(
+                    [
+                        spy,
+                        "record",
+                        "-p",
+                        str(pid),
+                        "-d",
+                        str(int(seconds) + 1),
+                        "-r",
+                        "400",
+                        "-f",
+                        "raw",
+                        "-o",
+                        str(root / f"{name}.txt"),
+                        "--nonblocking",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )  # fmt: skip
+                for name, pid in pids.items()
+            }
+            time.sleep(0.5)
+            calls, started = 0, time.perf_counter()
+            while time.perf_counter() - started < seconds:
+                client.lookup(table, keys)
+                calls += 1
+            print(f"{batch} keys, dim {dim}: {(time.perf_counter() - started) / calls * 1e3:.1f}"
+                  f" ms per lookup ({calls} calls)")  # fmt: skip
+            for recorder in recorders.values():
+                recorder.wait()
+    for name in pids:
+        _print_profile(name, root / f"{name}.txt")
+
+
+def _print_profile(name: str, path: Path, top: int = 12) -> None:
+    """The frames that were on the stack in most samples (inclusive), and the innermost."""
+    inclusive: dict[str, int] = {}
+    innermost: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames, n = stack.split(";"), int(count)
+        total += n
+        innermost[frames[-1]] = innermost.get(frames[-1], 0) + n
+        for frame in set(frames):
+            inclusive[frame] = inclusive.get(frame, 0) + n
+    for title, counts in (("innermost", innermost), ("inclusive", inclusive)):
+        print(f"-- {name}: {title} ({total} samples)")
+        for frame, n in sorted(counts.items(), key=lambda item: -item[1])[:top]:
+            print(f"{n / total:6.1%}  {frame}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("docs/perf/service.json"))
@@ -402,12 +470,16 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer shapes, for a smoke run")
     parser.add_argument("--concurrency", action="store_true", help="1 vs 2 concurrent clients")
     parser.add_argument("--replot", action="store_true", help="redraw --png from --out")
+    parser.add_argument("--profile", action="store_true", help="py-spy one lookup's time")
     args = parser.parse_args()
     if args.replot:
         plot(json.loads(args.out.read_text()), args.png)
         return 0
     root = Path(tempfile.mkdtemp(prefix="tierps-bench-"))
     try:
+        if args.profile:
+            profile(root)
+            return 0
         if args.concurrency:
             out = args.out.with_name("service-concurrency.json")
             out.write_text(json.dumps(concurrency(root), indent=2))

@@ -712,9 +712,11 @@ class EmbeddingClient(ClusterAdmin):
         per_shard: list[list[Batch]] = [[] for _ in self.addresses]
         for name, (dim, keys) in tables.items():
             config = self.table_config(name)
-            if config.placement is Placement.TABLE:  # whole on one shard: no split
+            whole = config.placement is Placement.TABLE or self.num_shards == 1
+            if whole:  # every key on one shard: no split
                 if keys.size:
-                    owner = owner_shard(config, self.num_shards)
+                    table_placed = config.placement is Placement.TABLE
+                    owner = owner_shard(config, self.num_shards) if table_placed else 0
                     per_shard[owner].append((name, dim, keys, np.arange(keys.size)))
                 continue
             shard_of = (keys % self.num_shards).astype(np.uint16)  # num_shards <= 2**16

@@ -351,7 +351,7 @@ class EmbeddingClient(ClusterAdmin):
         unique, inverse = distinct_keys(flat)
         if unique.size == 0:  # padding only
             return np.zeros((*keys.shape, dim), np.float32)
-        rows = self._lookup_unique({table: (dim, unique)}, create)[table]
+        rows = self._lookup_unique({table: (dim, unique)}, create, read_only=True)[table]
         out = np.take(rows, inverse, axis=0)  # one copy, in the keys' order; -1 takes the last
         if unique.size < flat.size:  # padding may be among them: zero rows
             out[inverse < 0] = 0.0
@@ -539,15 +539,17 @@ class EmbeddingClient(ClusterAdmin):
         tables: dict[str, tuple[int, np.ndarray]],
         create: bool,
         out: dict[str, np.ndarray] | None = None,
+        *,
+        read_only: bool = False,
     ) -> dict[str, np.ndarray]:
         """Rows [u, dim] of each table's distinct keys >= 0: one call per shard for all.
         `out`: arrays [u, dim] to write them into (views of a larger buffer may do). Without
-        it, a table whose rows all came in one reply is returned as a read-only view of that
-        reply (no copy); the others are assembled in new arrays."""
+        it, new arrays; or, with read_only, for a table whose rows all came in one reply, a
+        read-only view of that reply (no copy)."""
         calls = self._route(tables, lambda dim: max(8, 4 * dim))  # key out, row back
         if out is None:
             whole = {name for _, batches in calls for name, _, keys, _ in batches
-                     if keys.size == tables[name][1].size}  # fmt: skip
+                     if read_only and keys.size == tables[name][1].size}  # fmt: skip
             out = {name: np.empty((keys.size, dim), np.float32)
                    for name, (dim, keys) in tables.items() if name not in whole}  # fmt: skip
         else:

@@ -150,6 +150,7 @@ def encode_batches(batches: list[tuple[str, int, int, tuple[Buffer, ...]]]) -> b
 def encode_lookup_reply(rows: list[np.ndarray]) -> bytes:
     """A LookupResponse, serialized: values = the rows (C-contiguous float32 arrays, copied
     once, into the result), num_rows = their count."""
+    rows = [np.ascontiguousarray(r, "<f4") for r in rows]  # no copy when they are
     size = sum(r.nbytes for r in rows)
     head = _length_field(1, size) if size else b""
     tail = _scalar_field(2, sum(r.shape[0] for r in rows))

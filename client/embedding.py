@@ -240,11 +240,17 @@ class EmbeddingClient(ClusterAdmin):
         retry: RetryPolicy | None = None,
         chunk_bytes: int = wire.CHUNK_BYTES,
         max_call_bytes: int = DEFAULT_MAX_CALL_BYTES,
+        one_message_bytes: int = wire.ONE_MESSAGE_BYTES,
     ) -> None:
         if not 8 + 4 <= chunk_bytes <= wire.MAX_MESSAGE_BYTES // 2:
             raise ValueError(
                 f"EmbeddingClient: chunk_bytes expected in [12, {wire.MAX_MESSAGE_BYTES // 2}] "
                 f"(half the message limit), got {chunk_bytes}"
+            )
+        if not 0 <= one_message_bytes <= wire.ONE_MESSAGE_BYTES:
+            raise ValueError(
+                f"EmbeddingClient: one_message_bytes expected in [0, {wire.ONE_MESSAGE_BYTES}] "
+                f"(0: always stream), got {one_message_bytes}"
             )
         super().__init__(addresses, timeout_s=timeout_s, retry=retry)
         # Data calls' own threads: snapshot streams hold the admin pool for as long as they
@@ -253,6 +259,20 @@ class EmbeddingClient(ClusterAdmin):
         self.chunk_bytes = chunk_bytes
         self.max_call_bytes = max_call_bytes
         self._data = [pb_grpc.EmbeddingServiceStub(channel) for channel in self._channels]
+        # The one-message calls, their bytes encoded and decoded here (tierps.proto.wire):
+        # no serializers, so gRPC hands over the bytes as they are.
+        service = f"/{pb.DESCRIPTOR.services_by_name['EmbeddingService'].full_name}"
+        self._lookup_one = [c.unary_unary(f"{service}/LookupUnary") for c in self._channels]
+        self._push_one = [
+            c.unary_unary(
+                f"{service}/PushGradientsUnary",
+                response_deserializer=pb.PushGradientsResponse.FromString,
+            )
+            for c in self._channels
+        ]
+        # Bulk bytes a call to shard i may carry as one message each way: lowered for a
+        # shard that refused a call as too large for one (its message limit is lower).
+        self._one_message_bytes = [one_message_bytes] * len(addresses)
         self._configs: dict[str, TableConfig] = {}
         self._steps: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -329,10 +349,12 @@ class EmbeddingClient(ClusterAdmin):
         (evaluation) returns their initial values and stores nothing."""
         where, keys, flat, dim = self._dense_call(table, keys)
         unique, inverse = distinct_keys(flat)
-        rows = self._lookup_unique({table: (dim, unique)}, create)[table]
-        out = np.zeros((flat.size, dim), dtype=np.float32)
-        live = inverse >= 0
-        out[live] = rows[inverse[live]]
+        if unique.size == 0:  # padding only
+            return np.zeros((*keys.shape, dim), np.float32)
+        rows = self._lookup_unique({table: (dim, unique)}, create, read_only=True)[table]
+        out = np.take(rows, inverse, axis=0)  # one copy, in the keys' order; -1 takes the last
+        if unique.size < flat.size:  # padding may be among them: zero rows
+            out[inverse < 0] = 0.0
         return out.reshape(*keys.shape, dim)
 
     def push_gradients(self, table: str, keys: Any, grads: Any, step: int | None = None) -> int:
@@ -343,8 +365,10 @@ class EmbeddingClient(ClusterAdmin):
         where, keys, flat, dim = self._dense_call(table, keys)
         shape = (*keys.shape, dim)
         grads = float_array(where, "grads", grads, shape, "[*keys.shape, dim]").reshape(-1, dim)
-        bags = Bags(flat, np.arange(flat.size + 1, dtype=np.int64), None, (flat.size,))
         unique, inverse = distinct_keys(flat)
+        if unique.size == flat.size:  # distinct keys, no padding: pushed as given, no sums
+            return self._push_unique({table: (flat, grads)}, step)
+        bags = Bags(flat, np.arange(flat.size + 1, dtype=np.int64), None, (flat.size,))
         matrix = pooling_matrix(bags, inverse, unique.size, Combiner.SUM)
         return self._push_unique({table: (unique, unpool(matrix, grads))}, step)
 
@@ -363,7 +387,11 @@ class EmbeddingClient(ClusterAdmin):
                 request
                 for name, dim, keys, at in batches
                 for request in wire.assign_requests(
-                    name, dim, _wire_keys(keys), values[last[at]].tobytes(), self.chunk_bytes
+                    name,
+                    dim,
+                    _wire_keys(keys).tobytes(),
+                    values[last[at]].tobytes(),
+                    self.chunk_bytes,
                 )
             )
             return self._data[shard].Assign(requests, timeout=self.timeout_s)
@@ -511,44 +539,91 @@ class EmbeddingClient(ClusterAdmin):
         tables: dict[str, tuple[int, np.ndarray]],
         create: bool,
         out: dict[str, np.ndarray] | None = None,
+        *,
+        read_only: bool = False,
     ) -> dict[str, np.ndarray]:
         """Rows [u, dim] of each table's distinct keys >= 0: one call per shard for all.
-        `out`: arrays [u, dim] to write them into (views of a larger buffer may do)."""
-        if out is None:
-            out = {t: np.empty((keys.size, dim), np.float32) for t, (dim, keys) in tables.items()}
+        `out`: arrays [u, dim] to write them into (views of a larger buffer may do). Without
+        it, new arrays; or, with read_only, for a table whose rows all came in one reply, a
+        read-only view of that reply (no copy)."""
         calls = self._route(tables, lambda dim: max(8, 4 * dim))  # key out, row back
+        if out is None:
+            whole = {name for _, batches in calls for name, _, keys, _ in batches
+                     if read_only and keys.size == tables[name][1].size}  # fmt: skip
+            out = {name: np.empty((keys.size, dim), np.float32)
+                   for name, (dim, keys) in tables.items() if name not in whole}  # fmt: skip
+        else:
+            out = dict(out)
 
-        def call(shard: int, batches: list[Batch]) -> Any:
-            requests = (
-                request
-                for name, dim, keys, _ in batches
-                for request in wire.lookup_requests(
-                    name, dim, _wire_keys(keys), create=create, chunk_bytes=self.chunk_bytes
-                )
-            )
-            stub = self._data[shard]
-            small = sum(8 * keys.size for _, _, keys, _ in batches) <= self.chunk_bytes
-            if small and _reply_bytes(batches) <= self.chunk_bytes:  # one message each way
-                batch = pb.LookupBatches(batches=list(requests))
-                return stub.LookupUnary(batch, timeout=self.timeout_s)
-            return wire.join_values(stub.Lookup(requests, timeout=self.timeout_s))
-
-        for (shard, batches), reply in zip(calls, self._fan_out(calls, call), strict=True):
-            if not isinstance(reply, bytes):
-                reply = reply.values
-            if len(reply) != _reply_bytes(batches):
-                tables = sorted({name for name, *_ in batches})
-                raise ShardError(
-                    shard, self.addresses[shard], grpc.StatusCode.INTERNAL,
-                    f"lookup reply of tables {tables} expected {_reply_bytes(batches)} bytes, "
-                    f"got {len(reply)}",
-                )  # fmt: skip
+        def call(shard: int, batches: list[Batch]) -> None:
+            values = self._lookup_call(shard, batches, create)
+            if len(values) != _reply_bytes(batches):
+                raise self._reply_size_error(shard, batches, str(len(values)))
             offset = 0
-            for name, dim, keys, at in batches:
-                rows = np.frombuffer(reply, "<f4", keys.size * dim, offset)
-                out[name][at] = rows.reshape(keys.size, dim)
+            for name, dim, keys, at in batches:  # placed here, while other shards answer
+                rows = np.frombuffer(values, "<f4", keys.size * dim, offset)
+                rows = rows.reshape(keys.size, dim)
+                if name in out:
+                    out[name][at] = rows
+                else:  # every row of the table, in the order of its keys
+                    out[name] = rows
                 offset += 4 * dim * keys.size
+
+        self._fan_out(calls, call)
         return out
+
+    def _lookup_call(self, shard: int, batches: list[Batch], create: bool) -> Any:
+        """The rows of one call's batches, as bytes-like values: in one message each way
+        where both fit, else streamed (also after the shard refused one message as too
+        large: a lookup changes nothing it could repeat)."""
+        bulk = max(sum(8 * keys.size for _, _, keys, _ in batches), _reply_bytes(batches))
+        if bulk <= self._one_message_bytes[shard]:
+            request = wire.encode_batches(
+                [(name, dim, create, (_wire_keys(keys),)) for name, dim, keys, _ in batches]
+            )
+            try:
+                reply = self._lookup_one[shard](request, timeout=self.timeout_s)
+                return wire.lookup_reply_values(reply)
+            except grpc.RpcError as error:
+                if not self._refused_as_too_large(shard, error, bulk):
+                    raise
+        requests = (
+            request
+            for name, dim, keys, _ in batches
+            for request in wire.lookup_requests(
+                name, dim, _wire_keys(keys).tobytes(), create=create, chunk_bytes=self.chunk_bytes
+            )
+        )
+        values = np.empty(_reply_bytes(batches), np.uint8)  # the chunks land in place
+        filled = 0
+        for response in self._data[shard].Lookup(requests, timeout=self.timeout_s):
+            chunk = np.frombuffer(response.values, np.uint8)
+            if filled + chunk.size > values.size:
+                raise self._reply_size_error(shard, batches, f"more than {values.size}")
+            values[filled : filled + chunk.size] = chunk
+            filled += chunk.size
+        return values[:filled]
+
+    def _reply_size_error(self, shard: int, batches: list[Batch], got: str) -> ShardError:
+        names = sorted({name for name, *_ in batches})
+        return ShardError(
+            shard, self.addresses[shard], grpc.StatusCode.INTERNAL,
+            f"lookup reply of tables {names} expected {_reply_bytes(batches)} bytes, got {got}",
+        )  # fmt: skip
+
+    def _refused_as_too_large(self, shard: int, error: grpc.RpcError, bulk: int) -> bool:
+        """Whether the shard refused a one-message call of `bulk` bytes (its larger way) as
+        too large for one message, before it touched anything (gRPC's message limit, or the
+        shard's own reply check): then this shard's one-message calls stay below `bulk`."""
+        details = error.details() or ""
+        too_large = error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and (
+            wire.TOO_LARGE_FOR_ONE_MESSAGE in details or "larger than max" in details
+        )
+        if too_large:
+            with self._lock:
+                limit = self._one_message_bytes[shard]
+                self._one_message_bytes[shard] = min(limit, bulk - 1)
+        return too_large
 
     def _push_unique(
         self, pushes: dict[str, tuple[np.ndarray, np.ndarray]], step: int | None
@@ -562,20 +637,33 @@ class EmbeddingClient(ClusterAdmin):
             lambda dim: 8 + 4 * dim,
         )
 
+        def grads_of(name: str, keys: np.ndarray, at: np.ndarray) -> np.ndarray:
+            grads = pushes[name][1]  # every key of the table in this call: no gather
+            grads = grads if keys.size == grads.shape[0] else grads[at]
+            return np.ascontiguousarray(grads, "<f4")
+
         def call(shard: int, batches: list[Batch]) -> Any:
+            parts = [(name, dim, keys, grads_of(name, keys, at)) for name, dim, keys, at in batches]
+            bulk = sum(8 * k.size + g.nbytes for _, _, k, g in parts)
+            if bulk <= self._one_message_bytes[shard]:
+                request = wire.encode_batches(
+                    [(name, dim, steps[name], (_wire_keys(k), g)) for name, dim, k, g in parts]
+                )
+                try:
+                    return self._push_one[shard](request, timeout=self.timeout_s)
+                except grpc.RpcError as error:
+                    # refused before it was read: nothing applied, the stream may carry it
+                    if not self._refused_as_too_large(shard, error, bulk):
+                        raise
             requests = (
                 request
-                for name, dim, keys, at in batches
+                for name, dim, keys, grads in parts
                 for request in wire.push_requests(
-                    name, dim, steps[name], _wire_keys(keys), pushes[name][1][at].tobytes(),
+                    name, dim, steps[name], _wire_keys(keys).tobytes(), grads.tobytes(),
                     self.chunk_bytes,
                 )
             )  # fmt: skip
-            stub = self._data[shard]
-            if sum((8 + 4 * dim) * keys.size for _, dim, keys, _ in batches) <= self.chunk_bytes:
-                batch = pb.PushGradientsBatches(batches=list(requests))  # one message
-                return stub.PushGradientsUnary(batch, timeout=self.timeout_s)
-            return stub.PushGradients(requests, timeout=self.timeout_s)
+            return self._data[shard].PushGradients(requests, timeout=self.timeout_s)
 
         try:
             updated = sum(reply.num_keys for reply in self._fan_out(calls, call))
@@ -626,13 +714,15 @@ class EmbeddingClient(ClusterAdmin):
         per_shard: list[list[Batch]] = [[] for _ in self.addresses]
         for name, (dim, keys) in tables.items():
             config = self.table_config(name)
-            if config.placement is Placement.TABLE:  # whole on one shard: no split
+            whole = config.placement is Placement.TABLE or self.num_shards == 1
+            if whole:  # every key on one shard: no split
                 if keys.size:
-                    owner = owner_shard(config, self.num_shards)
+                    table_placed = config.placement is Placement.TABLE
+                    owner = owner_shard(config, self.num_shards) if table_placed else 0
                     per_shard[owner].append((name, dim, keys, np.arange(keys.size)))
                 continue
-            shard_of = keys % self.num_shards
-            order = np.argsort(shard_of, kind="stable")
+            shard_of = (keys % self.num_shards).astype(np.uint16)  # num_shards <= 2**16
+            order = np.argsort(shard_of, kind="stable")  # a radix sort for 16-bit ints
             bounds = np.searchsorted(shard_of[order], np.arange(self.num_shards + 1))
             for shard in range(self.num_shards):
                 at = order[bounds[shard] : bounds[shard + 1]]
@@ -729,5 +819,6 @@ def _as_bags(where: str, value: FeatureBatch, include_last_offset: bool) -> Bags
     return to_bags(where, value)
 
 
-def _wire_keys(keys: np.ndarray) -> bytes:
-    return keys.astype("<i8", copy=False).tobytes()
+def _wire_keys(keys: np.ndarray) -> np.ndarray:
+    """Keys as the wire carries them: C-contiguous little-endian int64 (no copy if so)."""
+    return np.ascontiguousarray(keys, "<i8")

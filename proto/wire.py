@@ -1,15 +1,33 @@
-"""What both ends of the wire share beyond the messages: size limits, channel options, and
-the split of a batch into a stream of chunks (tierps_service.proto, "Chunking")."""
+"""What both ends of the wire share beyond the messages: size limits, channel options, the
+split of a batch into a stream of chunks (tierps_service.proto, "Chunking"), and the
+one-message data calls' bytes, encoded and decoded here by hand.
+
+Why by hand: protobuf's Python parser copies a bytes field into its arena and again into a
+Python bytes object on each read, and its serializer copies the field in and out again; at
+16 MiB a copy costs ~2 ms. The hand-written codec below reads bulk fields as memoryviews of
+the received bytes (no copy) and writes a reply with one join. Its output is byte for byte
+what protobuf's SerializeToString writes (tests/integration/test_client_wire.py checks)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy as np
+
 from tierps.proto import tierps_service_pb2 as pb
 
 CHUNK_BYTES = 4 << 20  # bulk bytes per stream message: "a few MiB"
-MAX_MESSAGE_BYTES = 16 << 20  # gRPC send/receive limit on both ends: a chunk plus headroom
+# Bulk bytes a data call may carry as one message each way: a call of the client's default
+# max_call_bytes (256 MiB) fits. Larger calls, or calls to a shard whose limit is lower,
+# stream in chunks of CHUNK_BYTES.
+ONE_MESSAGE_BYTES = 256 << 20
+HEADER_ROOM = 64 << 10  # a message's non-bulk bytes (tags, lengths, table names), at most
+# gRPC send/receive limit on both ends: one message of ONE_MESSAGE_BYTES plus its headers.
+MAX_MESSAGE_BYTES = ONE_MESSAGE_BYTES + HEADER_ROOM
+# Said by a shard refusing a call as too large for one message; with gRPC's own "larger
+# than max" it tells the client that nothing happened and the stream form may carry it.
+TOO_LARGE_FOR_ONE_MESSAGE = "too large for one message"
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -63,3 +81,197 @@ def assign_requests(
 def join_values(responses: Iterable[pb.LookupResponse]) -> bytes:
     """The values of a Lookup response stream, in key order."""
     return b"".join(response.values for response in responses)
+
+
+# -- the one-message data calls, by hand --------------------------------------------------------
+# Protobuf's wire format: each field is a tag (field_number << 3 | wire_type, a varint), then a
+# varint (wire type 0), 8 bytes (1), a varint length and that many bytes (2), or 4 bytes (5).
+# Serializers write fields in field-number order and leave out proto3 defaults (0, "", b"").
+
+_VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _tag(field: int, wire_type: int) -> bytes:
+    return _varint(field << 3 | wire_type)
+
+
+def _length_field(field: int, size: int) -> bytes:
+    """The tag and length of a length-delimited field of `size` bytes (its bytes follow)."""
+    return _tag(field, _LENGTH) + _varint(size)
+
+
+def _scalar_field(field: int, value: int) -> bytes:
+    return _tag(field, _VARINT) + _varint(value) if value else b""
+
+
+Buffer = bytes | memoryview | np.ndarray  # a C-contiguous array goes as its raw bytes
+
+
+def _bytes_field(field: int, value: Buffer) -> list[Buffer]:
+    size = value.nbytes if isinstance(value, np.ndarray | memoryview) else len(value)
+    return [_length_field(field, size), value] if size else []
+
+
+def _nbytes(pieces: list[Buffer]) -> int:
+    return sum(p.nbytes if isinstance(p, np.ndarray | memoryview) else len(p) for p in pieces)
+
+
+def _request_pieces(table: str, dim: int, third: int, bulk: tuple[Buffer, ...]) -> list[Buffer]:
+    """The pieces of one LookupRequest (third = create, bulk = keys) or PushGradientsRequest
+    (third = step, bulk = keys, grads): fields 1 table, 2 dim, 3 create/step, 4.. bulk."""
+    name = table.encode()
+    pieces: list[Buffer] = [_length_field(1, len(name)), name] if name else []
+    pieces += [_scalar_field(2, dim), _scalar_field(3, third)]
+    for number, value in enumerate(bulk, start=4):
+        pieces += _bytes_field(number, value)
+    return pieces
+
+
+def encode_batches(batches: list[tuple[str, int, int, tuple[Buffer, ...]]]) -> bytes:
+    """A LookupBatches or PushGradientsBatches message, serialized: its batches are
+    (table, dim, create or step, (keys,) or (keys, grads)). Bulk buffers (C-contiguous,
+    little-endian) are copied once, into the result."""
+    pieces: list[Buffer] = []
+    for table, dim, third, bulk in batches:
+        inner = _request_pieces(table, dim, third, bulk)
+        pieces += [_length_field(1, _nbytes(inner)), *inner]
+    return b"".join(memoryview(p).cast("B") if isinstance(p, np.ndarray) else p for p in pieces)
+
+
+def encode_lookup_reply(rows: list[np.ndarray]) -> bytes:
+    """A LookupResponse, serialized: values = the rows (C-contiguous float32 arrays, copied
+    once, into the result), num_rows = their count."""
+    rows = [np.ascontiguousarray(r, "<f4") for r in rows]  # no copy when they are
+    size = sum(r.nbytes for r in rows)
+    head = _length_field(1, size) if size else b""
+    tail = _scalar_field(2, sum(r.shape[0] for r in rows))
+    return b"".join([head, *(memoryview(r).cast("B") for r in rows if r.size), tail])
+
+
+class WireError(ValueError):
+    """Bytes that are not the message they were sent as."""
+
+
+def _read_varint(data: memoryview, at: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= end or shift > 63:
+            raise WireError(f"a varint at byte {at} runs past its message (ends at {end})")
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        at += 1
+        if byte < 0x80:
+            return value & 0xFFFFFFFFFFFFFFFF, at
+        shift += 7
+
+
+def _fields(data: memoryview, at: int, end: int) -> Iterator[tuple[int, int, Any]]:
+    """(field number, wire type, value) of a message's fields: an int for a varint, a
+    memoryview of the bytes for a length-delimited field, None for fixed-size ones."""
+    while at < end:
+        key, at = _read_varint(data, at, end)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == _VARINT:
+            value, at = _read_varint(data, at, end)
+        elif wire_type == _LENGTH:
+            size, at = _read_varint(data, at, end)
+            if at + size > end:
+                raise WireError(f"field {number}: {size} bytes at byte {at} run past {end}")
+            value, at = data[at : at + size], at + size
+        elif wire_type in (_FIXED64, _FIXED32):
+            value, at = None, at + (8 if wire_type == _FIXED64 else 4)
+        else:
+            raise WireError(f"field {number}: wire type {wire_type} is not protobuf's")
+        if number == 0 or at > end:
+            raise WireError(f"field {number} at byte {at}: not a valid field")
+        yield number, wire_type, value
+
+
+class WireBatch:
+    """One table's message of a one-message data call, decoded by hand: the fields of a
+    LookupRequest or PushGradientsRequest (unset ones at their defaults), bulk fields as
+    memoryviews of the received bytes."""
+
+    __slots__ = ("table", "dim", "create", "step", "keys", "grads")
+
+    def __init__(self) -> None:
+        self.table, self.dim, self.create, self.step = "", 0, False, 0
+        self.keys: bytes | memoryview = b""
+        self.grads: bytes | memoryview = b""
+
+
+# (field number, wire type) -> how a WireBatch takes the value; other fields are skipped,
+# as protobuf skips unknown ones
+_BATCH_FIELDS: dict[tuple[int, int], Callable[[WireBatch, Any], None]] = {
+    (1, _LENGTH): lambda b, v: setattr(b, "table", str(v, "utf-8")),
+    (2, _VARINT): lambda b, v: setattr(b, "dim", v & 0xFFFFFFFF),  # uint32: truncated
+    (4, _LENGTH): lambda b, v: setattr(b, "keys", v),
+}
+_LOOKUP_FIELDS = {**_BATCH_FIELDS, (3, _VARINT): lambda b, v: setattr(b, "create", v != 0)}
+_PUSH_FIELDS = {
+    **_BATCH_FIELDS,
+    (3, _VARINT): lambda b, v: setattr(b, "step", v),
+    (5, _LENGTH): lambda b, v: setattr(b, "grads", v),
+}
+
+
+class WireBatches:
+    """A LookupBatches or PushGradientsBatches message decoded by hand. Decoding never
+    raises inside gRPC (which would answer INTERNAL): bytes that are not the message are
+    raised, as InvalidArgumentError-worthy WireError, when `batches` is read."""
+
+    def __init__(self, data: bytes, fields: dict[tuple[int, int], Callable[..., None]]) -> None:
+        self.data = data  # kept: the batches' bulk fields are views of it
+        try:
+            self._batches: list[WireBatch] | WireError = self._decode(memoryview(data), fields)
+        except (WireError, UnicodeDecodeError) as error:
+            self._batches = WireError(f"a one-message call's bytes do not decode: {error}")
+
+    @staticmethod
+    def _decode(data: memoryview, fields: dict) -> list[WireBatch]:
+        batches = []
+        for number, wire_type, value in _fields(data, 0, len(data)):
+            if (number, wire_type) != (1, _LENGTH):
+                continue
+            batch = WireBatch()
+            for inner in _fields(value, 0, len(value)):
+                take = fields.get(inner[:2])
+                if take is not None:
+                    take(batch, inner[2])
+            batches.append(batch)
+        return batches
+
+    @property
+    def batches(self) -> list[WireBatch]:
+        if isinstance(self._batches, WireError):
+            raise self._batches
+        return self._batches
+
+
+def decode_lookup_batches(data: bytes) -> WireBatches:
+    """A LookupBatches message's batches (a gRPC request deserializer)."""
+    return WireBatches(data, _LOOKUP_FIELDS)
+
+
+def decode_push_batches(data: bytes) -> WireBatches:
+    """A PushGradientsBatches message's batches (a gRPC request deserializer)."""
+    return WireBatches(data, _PUSH_FIELDS)
+
+
+def lookup_reply_values(data: bytes) -> memoryview:
+    """The values of a serialized LookupResponse: a view of `data`, not a copy."""
+    view = memoryview(data)
+    values = view[:0]
+    for number, wire_type, value in _fields(view, 0, len(view)):
+        if (number, wire_type) == (1, _LENGTH):
+            values = value  # a repeated singular field: the last one counts, as in protobuf
+    return values

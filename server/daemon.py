@@ -26,7 +26,7 @@ from tierps.proto.wire import channel_options
 from tierps.server.config import ServerConfig
 from tierps.server.lives import LIFE_HEADER
 from tierps.server.metrics import ShardMetrics
-from tierps.server.servicers import AdminServicer, EmbeddingServicer
+from tierps.server.servicers import AdminServicer, EmbeddingServicer, add_embedding_service
 from tierps.server.shard import Shard
 from tierps.storage import host_kernels
 from tierps.storage.errors import BackendError, DataLossError
@@ -91,9 +91,7 @@ class ShardServer:
             self._server = grpc.server(
                 self._executor, options=options, interceptors=[LifeCheck(self.shard)]
             )
-            pb_grpc.add_EmbeddingServiceServicer_to_server(
-                EmbeddingServicer(self.shard, self._observe), self._server
-            )
+            add_embedding_service(EmbeddingServicer(self.shard, self._observe), self._server)
             pb_grpc.add_AdminServiceServicer_to_server(
                 AdminServicer(self.shard, self._observe), self._server
             )

@@ -1,15 +1,19 @@
 """Thin gRPC servicers: decode and check the request's bytes, call the shard, encode.
-Errors become status codes in `status.rpc`."""
+Errors become status codes in `status.rpc`. `add_embedding_service` registers the data
+service with the one-message calls decoded and encoded by hand (tierps.proto.wire): their
+bulk fields are read as views of the received bytes, and a lookup's reply is built once."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import grpc
 import numpy as np
 
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
+from tierps.proto import wire
 from tierps.proto.convert import table_config_to_dict, table_config_to_proto
 from tierps.server.shard import AssignBatch, LookupBatch, PushBatch, Shard
 from tierps.server.status import Observe, rpc, run_to_completion
@@ -21,11 +25,12 @@ from tierps.storage.snapshot import Progress
 
 def gather(
     requests: Iterable[Any], header: tuple[str, ...], bulk: tuple[str, ...], max_bytes: int
-) -> list[tuple[Any, dict[str, bytes]]]:
+) -> list[tuple[Any, dict[str, Any]]]:
     """The batches of a request stream, one per table: each batch's first message (its
     header fields apply to the whole batch) and each bulk field joined over the batch's
-    messages. A message whose 'table' is set and differs from the current batch's begins the
-    next batch (tierps_service.proto, "Several tables in one call")."""
+    messages (bytes, or a memoryview of a one-message call's bytes). A message whose
+    'table' is set and differs from the current batch's begins the next batch
+    (tierps_service.proto, "Several tables in one call")."""
     batches: list[tuple[Any, dict[str, list[bytes]]]] = []
     total = 0
     for index, message in enumerate(requests):
@@ -58,9 +63,15 @@ def gather(
     if not batches:
         raise InvalidArgumentError("request stream expected at least one message, got none")
     return [
-        (first, {field: b"".join(chunks) for field, chunks in parts.items()})
+        (first, {field: _joined(chunks) for field, chunks in parts.items()})
         for first, parts in batches
     ]
+
+
+def _joined(chunks: list[Any]) -> Any:
+    """A bulk field's chunks as one bytes-like object: a lone chunk as it is (a join would
+    copy it, memoryviews of a one-message call included)."""
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def decode_keys(raw: bytes, table: str) -> np.ndarray:
@@ -127,6 +138,15 @@ class _Servicer:
         self.max_reply_message = shard.config.max_message_bytes - 4096
 
 
+def _one_message(request: Any) -> list[Any]:
+    """The batches of a one-message call: a protobuf message's, or those of bytes decoded by
+    hand (wire.WireBatches), whose undecodable bytes are the caller's error."""
+    try:
+        return list(request.batches)
+    except wire.WireError as error:
+        raise InvalidArgumentError(str(error)) from None
+
+
 class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
     def _lookup(
         self, messages: Iterable[pb.LookupRequest], max_reply_bytes: int
@@ -140,11 +160,13 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
         reply_bytes = sum(4 * batch.keys.size * batch.dim for batch in batches)
         if reply_bytes > max_reply_bytes:
             tables = ", ".join(repr(batch.table) for batch in batches)
+            one = max_reply_bytes < self.max_batch_bytes  # the message limit, not the call's
             raise ResourceExhaustedError(
                 f"tables {tables}: a lookup of {sum(batch.keys.size for batch in batches)} "
-                f"keys answers {reply_bytes} bytes, expected at most {max_reply_bytes} per "
-                f"call; split the batch"
-            )
+                f"keys answers {reply_bytes} bytes, expected at most {max_reply_bytes} "
+                + (f"({wire.TOO_LARGE_FOR_ONE_MESSAGE}: stream it, or split the batch)" if one
+                   else "per call; split the batch")
+            )  # fmt: skip
         return self.shard.lookup(batches)
 
     def _push(self, messages: Iterable[pb.PushGradientsRequest]) -> pb.PushGradientsResponse:
@@ -166,12 +188,11 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
                 yield pb.LookupResponse(values=chunk.tobytes(), num_rows=chunk.shape[0])
 
     @rpc
-    def LookupUnary(self, request: pb.LookupBatches, context: Any) -> Any:
-        # One message back: the reply must fit the message limit (headroom for framing).
-        rows = self._lookup(request.batches, min(self.max_batch_bytes, self.max_reply_message))
-        return pb.LookupResponse(
-            values=b"".join(r.tobytes() for r in rows), num_rows=sum(r.shape[0] for r in rows)
-        )
+    def LookupUnary(self, request: Any, context: Any) -> Any:
+        """The serialized LookupResponse (registered without a serializer): every row,
+        copied once, into the reply. The reply must fit the message limit."""
+        limit = min(self.max_batch_bytes, self.max_reply_message)
+        return wire.encode_lookup_reply(self._lookup(_one_message(request), limit))
 
     @rpc
     def PushGradients(self, requests: Iterator[pb.PushGradientsRequest], context: Any) -> Any:
@@ -179,7 +200,7 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
 
     @rpc
     def PushGradientsUnary(self, request: pb.PushGradientsBatches, context: Any) -> Any:
-        return self._push(request.batches)
+        return self._push(_one_message(request))
 
     @rpc
     def Assign(self, requests: Iterator[pb.AssignRequest], context: Any) -> Any:
@@ -191,6 +212,40 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
             values = decode_rows(bulk["values"], "values", first.table, keys.size, first.dim)
             batches.append(AssignBatch(first.table, first.dim, keys, values))
         return pb.AssignResponse(num_keys=self.shard.assign(batches))
+
+
+def add_embedding_service(servicer: EmbeddingServicer, server: grpc.Server) -> None:
+    """Register the data service on a gRPC server, as the generated
+    add_EmbeddingServiceServicer_to_server does, but with the one-message calls decoded by
+    hand and LookupUnary's reply sent as the bytes the servicer built."""
+    messages = {
+        "Lookup": grpc.stream_stream_rpc_method_handler(
+            servicer.Lookup,
+            request_deserializer=pb.LookupRequest.FromString,
+            response_serializer=pb.LookupResponse.SerializeToString,
+        ),
+        "PushGradients": grpc.stream_unary_rpc_method_handler(
+            servicer.PushGradients,
+            request_deserializer=pb.PushGradientsRequest.FromString,
+            response_serializer=pb.PushGradientsResponse.SerializeToString,
+        ),
+        "Assign": grpc.stream_unary_rpc_method_handler(
+            servicer.Assign,
+            request_deserializer=pb.AssignRequest.FromString,
+            response_serializer=pb.AssignResponse.SerializeToString,
+        ),
+        "LookupUnary": grpc.unary_unary_rpc_method_handler(
+            servicer.LookupUnary, request_deserializer=wire.decode_lookup_batches
+        ),
+        "PushGradientsUnary": grpc.unary_unary_rpc_method_handler(
+            servicer.PushGradientsUnary,
+            request_deserializer=wire.decode_push_batches,
+            response_serializer=pb.PushGradientsResponse.SerializeToString,
+        ),
+    }
+    service = pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, messages),))
+    server.add_registered_method_handlers(service, messages)
 
 
 class AdminServicer(_Servicer, pb_grpc.AdminServiceServicer):

@@ -6,13 +6,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -38,7 +40,13 @@ RECOVERY_INTERVAL_S = 1.0  # a store that cannot write is retried this often
 # time: about 1-2 ms of RocksDB writes here (a shutdown or snapshot flush uses 4 MiB)
 BACKGROUND_FLUSH_CHUNK_BYTES = 256 << 10
 BACKGROUND_FLUSH_PAUSE_S = 0.0002  # between chunks, so waiting calls get the table's lock
+# The tables of one data call are served at once by this many threads (each table has its
+# own lock, and the storage kernels release the GIL), so that a call carrying several tables
+# (an EmbeddingBagCollection's features) uses more than one core.
+TABLE_THREADS = max(1, min(8, os.cpu_count() or 1))
 log = logging.getLogger("tierps.server")
+Item = TypeVar("Item")
+Result = TypeVar("Result")
 
 
 @dataclass(frozen=True)
@@ -164,6 +172,9 @@ class Shard:
             sync_writes=config.sync_writes,
         )
         self._gate = Gate()
+        self._table_threads = ThreadPoolExecutor(
+            TABLE_THREADS, thread_name_prefix=f"tierps-tables-{self.shard_id}"
+        )
         self._admin = threading.Lock()  # one table or snapshot change at a time
         # Told whether the shard serves: False while a snapshot loads or while the store
         # cannot write; the server wires it to health.
@@ -274,14 +285,34 @@ class Shard:
 
     # -- data calls --------------------------------------------------------------------------
 
+    def _each_table(self, work: Callable[[Item], Result], items: Sequence[Item]) -> list[Result]:
+        """work(item) for each table's item of a call (a call names a table once): the first
+        in this thread, the others at once on the shard's table threads. Every item runs to
+        its end; then the first failure, in the call's order, is raised."""
+        if len(items) == 1:
+            return [work(items[0])]
+        futures = [self._table_threads.submit(work, item) for item in items[1:]]
+        outcomes: list[Any] = []
+        try:
+            outcomes.append(work(items[0]))
+        except BaseException as error:  # noqa: BLE001 - raised below, in order
+            outcomes.append(error)
+        for future in futures:
+            error = future.exception()
+            outcomes.append(future.result() if error is None else error)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return outcomes
+
     def lookup(self, batches: list[LookupBatch]) -> list[np.ndarray]:
         """Weights of each batch's keys; every batch is checked before any is looked up."""
         with self._gate.shared():
             targets = [self._checked(batch.table, batch.dim, batch.keys) for batch in batches]
-            return [
-                target.lookup(batch.keys, create=batch.create)
-                for target, batch in zip(targets, batches, strict=True)
-            ]
+            return self._each_table(
+                lambda pair: pair[0].lookup(pair[1].keys, create=pair[1].create),
+                list(zip(targets, batches, strict=True)),
+            )
 
     def push_gradients(self, batches: list[PushBatch]) -> int:
         """Apply each table's gradients; every batch (its gradients and step included) is
@@ -292,7 +323,9 @@ class Shard:
                 target = self._checked(batch.table, batch.dim, batch.keys)
                 arguments = target.check_gradients(batch.keys, batch.grads, batch.step)
                 checked.append((target, *arguments))
-            return sum(target.apply_checked_gradients(*args) for target, *args in checked)
+            return sum(
+                self._each_table(lambda item: item[0].apply_checked_gradients(*item[1:]), checked)
+            )
 
     def assign(self, batches: list[AssignBatch]) -> int:
         """Set each table's rows; every batch is checked before any is set."""
@@ -604,6 +637,7 @@ class Shard:
             self.store.flush()  # durable now, even if the process is killed while it waits
         with self._admin, self._gate.exclusive():
             self.store.close()
+        self._table_threads.shutdown()
         self.lives.end_cleanly()
 
 

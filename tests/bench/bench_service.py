@@ -1,19 +1,23 @@
-"""Shard-service benchmark: lookup and push throughput over loopback against a raw gRPC echo
-of the same messages (the ceiling) and Redis MGET/MSET of the same value bytes, all
-measured in this run.
+"""Shard-service benchmark: EmbeddingClient lookups and pushes over loopback against the best
+raw transport of the same bytes, a gRPC unary echo carrying each shard's request and reply
+as one message each (tests/bench/echo_server.py: no protobuf, limits raised on both ends),
+and Redis MGET of the same value bytes where redis-server is installed; all in this run,
+their calls alternated so that this shared machine's drift hits all alike.
 
-    python -m tests.bench.bench_service [--out bench-results/service.json] [--quick]
+    python -m tests.bench.bench_service [--quick] [--out docs/perf/service.json]
+        [--png docs/perf/service.png]
+    python -m tests.bench.bench_service --concurrency   # 1 vs 2 clients on two tables
 
 Shards and echo servers are subprocesses (as in production); the client is this process,
-calling shards concurrently, one stream per shard, keys routed by key % num_shards. Redis is
-Debian's redis-server, started here on a free port if it is installed (said if not). Not
-part of the test run.
+calling the shards at once (keys routed by key % num_shards), the echo likewise. Not part of
+the test run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import shutil
@@ -27,89 +31,28 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 
-from tierps.client.admin import ClusterAdmin
-from tierps.proto import tierps_service_pb2_grpc as pb_grpc
+from tests.bench.echo_server import echo_call
+from tierps.client import EmbeddingClient
 from tierps.proto import wire
 from tierps.server import LocalCluster
 from tierps.storage import TableConfig, optim
 
-BATCHES = (4096, 16384, 65536, 262144)
-DIMS = (64, 128)
+BATCHES = (16384, 65536, 262144)
+DIMS = (16, 64, 128)
 SHARDS = (1, 2)
+PLOT_DIM = 64  # the picture's dim (every dim is in the JSON)
 TABLE_KEYS = 1 << 19  # keys stored per table, all in the host tier
-MIN_SECONDS = 1.0  # each measurement repeats until it has run this long (and >= 3 times)
-
-
-class Router:
-    """Raw-stub client: unique keys split by key % N, one concurrent stream per shard."""
-
-    def __init__(self, addresses: list[str]) -> None:
-        self.n = len(addresses)
-        self.channels = [
-            grpc.insecure_channel(a, options=wire.channel_options()) for a in addresses
-        ]
-        self.stubs = [pb_grpc.EmbeddingServiceStub(c) for c in self.channels]
-        self.pool = ThreadPoolExecutor(self.n)
-
-    def _split(self, keys: np.ndarray) -> list[np.ndarray]:
-        if self.n == 1:
-            return [np.arange(keys.size)]
-        owner = keys % self.n
-        return [np.flatnonzero(owner == shard) for shard in range(self.n)]
-
-    def lookup(self, table: str, dim: int, keys: np.ndarray) -> np.ndarray:
-        parts = self._split(keys)
-
-        def call(shard: int) -> bytes:
-            requests = wire.lookup_requests(table, dim, keys[parts[shard]].tobytes(), create=False)
-            return wire.join_values(self.stubs[shard].Lookup(requests, timeout=120))
-
-        replies = list(self.pool.map(call, range(self.n)))
-        if self.n == 1:
-            return np.frombuffer(replies[0], dtype="<f4").reshape(keys.size, dim)
-        out = np.empty((keys.size, dim), dtype=np.float32)
-        for shard, reply in enumerate(replies):
-            out[parts[shard]] = np.frombuffer(reply, dtype="<f4").reshape(-1, dim)
-        return out
-
-    def push(self, table: str, dim: int, keys: np.ndarray, grads: np.ndarray) -> None:
-        parts = self._split(keys)
-
-        def call(shard: int) -> None:
-            mine = parts[shard]
-            requests = wire.push_requests(
-                table, dim, 1, keys[mine].tobytes(), grads[mine].tobytes()
-            )
-            self.stubs[shard].PushGradients(requests, timeout=120)
-
-        list(self.pool.map(call, range(self.n)))
-
-    def close(self) -> None:
-        self.pool.shutdown()
-        for channel in self.channels:
-            channel.close()
-
-
-def _call(
-    router: Router, op: str, table: str, dim: int, keys: np.ndarray, grads: np.ndarray
-) -> Callable[[], object]:
-    if op == "lookup":
-        return lambda: router.lookup(table, dim, keys)
-    return lambda: router.push(table, dim, keys, grads)
-
-
-def measure(fn: Callable[[], object]) -> float:
-    """Median seconds per call over >= 3 calls and >= MIN_SECONDS."""
-    return measure_together({"fn": fn})["fn"]
+MIN_SECONDS = 0.4  # each measurement repeats until it has run this long (and >= 5 times)
 
 
 def measure_together(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Median seconds per call of each, their calls alternated (so drift on this shared
-    machine hits all alike), >= 5 calls each and >= MIN_SECONDS each."""
+    """Median seconds per call of each, their calls alternated, >= 5 calls each and
+    >= MIN_SECONDS each."""
     for fn in fns.values():
         fn()  # warm up
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -122,8 +65,10 @@ def measure_together(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
 
 
 class EchoServers:
+    """One echo server subprocess per shard, and a raw client that calls them at once."""
+
     def __init__(self, count: int, root: Path) -> None:
-        self.processes, self.addresses = [], []
+        self.processes, addresses = [], []
         for i in range(count):
             port_file = root / f"echo-{count}-{i}.port"
             self.processes.append(
@@ -136,9 +81,25 @@ class EchoServers:
                 if time.monotonic() > deadline:
                     raise TimeoutError("echo server did not start")
                 time.sleep(0.05)
-            self.addresses.append(f"127.0.0.1:{json.loads(port_file.read_text())['port']}")
+            addresses.append(f"127.0.0.1:{json.loads(port_file.read_text())['port']}")
+        options = wire.channel_options()
+        self.channels = [grpc.insecure_channel(a, options=options) for a in addresses]
+        self.calls = [echo_call(channel) for channel in self.channels]
+        self.pool = ThreadPoolExecutor(max(1, count - 1))
+
+    def round_trip(self, requests: list[bytes], reply_bytes: list[int]) -> None:
+        """Each shard's request bytes out and its reply bytes back, all shards at once (the
+        last in this thread, as the client does)."""
+        *others, last = range(len(requests))
+        futures = [self.pool.submit(self.calls[i], requests[i], reply_bytes[i]) for i in others]
+        self.calls[last](requests[last], reply_bytes[last])
+        for future in futures:
+            future.result()
 
     def close(self) -> None:
+        self.pool.shutdown()
+        for channel in self.channels:
+            channel.close()
         for process in self.processes:
             process.send_signal(signal.SIGTERM)
         for process in self.processes:
@@ -177,122 +138,360 @@ class Redis:
         self.process.wait(10)
 
 
-def populate(router: Router, admin: ClusterAdmin, dim: int) -> str:
+def populate(client: EmbeddingClient, dim: int) -> str:
+    """A table of TABLE_KEYS rows, all in the host tier (SGD keeps dim floats a row)."""
     table = f"bench{dim}"
-    # SGD keeps rows at dim floats; the budget holds every row in the host tier.
-    admin.create_table(
+    client.create_table(
         TableConfig(table, dim, optimizer=optim.SGD(lr=0.01), host_cache_bytes=TABLE_KEYS * dim * 8)
     )
     keys = np.arange(TABLE_KEYS, dtype=np.int64)
-    for start in range(0, TABLE_KEYS, 65536):
-        chunk = keys[start : start + 65536]
-        router.push(table, dim, chunk, np.zeros((chunk.size, dim), dtype=np.float32))
+    client.assign(table, keys, np.zeros((TABLE_KEYS, dim), np.float32))
     return table
 
 
-def run(quick: bool) -> dict:
-    batches = (4096, 65536) if quick else BATCHES
-    dims = (64,) if quick else DIMS
+def redis_mget(redis_server: Redis, batches: tuple[int, ...], dim: int) -> dict[int, float]:
+    """Seconds of one MGET of `batch` 4*dim-byte values (stored first with MSET)."""
+    seconds = {}
+    for batch in batches:
+        keys = [int(k).to_bytes(8, "little") for k in range(batch)]
+        redis_server.client.mset(dict.fromkeys(keys, bytes(4 * dim)))
+        seconds[batch] = measure_together({"mget": lambda k=keys: redis_server.client.mget(k)})[
+            "mget"
+        ]
+    redis_server.client.flushall()
+    return seconds
+
+
+def sweep(quick: bool, root: Path) -> dict[str, Any]:
+    batches = (16384, 65536) if quick else BATCHES
+    dims = (PLOT_DIM,) if quick else DIMS
     rng = np.random.default_rng(0)
-    results: dict = {
+    results: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "grpcio": grpc.__version__},
-        "chunk_bytes": wire.CHUNK_BYTES,
+        "one_message_bytes": wire.ONE_MESSAGE_BYTES,
         "table_keys": TABLE_KEYS,
+        "baseline": "raw gRPC unary echo of each shard's request and reply bytes, one message "
+                    "each way, no protobuf (tests/bench/echo_server.py)",
         "rows": [],
     }  # fmt: skip
-    root = Path(tempfile.mkdtemp(prefix="tierps-bench-"))
-    redis_server = None
     if shutil.which("redis-server"):
         redis_server = Redis(root)
-        results["redis"] = redis_server.version
-        print(f"redis-server {redis_server.version} started on port {redis_server.port}")
+        try:
+            results["redis"] = redis_server.version
+            results["redis_mget_s"] = {
+                str(batch): s for batch, s in redis_mget(redis_server, batches, PLOT_DIM).items()
+            }
+        finally:
+            redis_server.close()
     else:
         results["redis"] = None
         print("redis-server is not installed (apt-get install redis-server): no Redis baseline")
-    redis_figures: dict[tuple[int, int], dict[str, float]] = {}
-    try:
-        if redis_server is not None:
-            for dim in dims:
-                for batch in batches:
-                    keys = [int(k).to_bytes(8, "little") for k in range(batch)]
-                    value = bytes(4 * dim)
-                    mset = dict.fromkeys(keys, value)
-                    redis_figures[(dim, batch)] = {
-                        "push_s": measure(lambda m=mset: redis_server.client.mset(m)),
-                        "lookup_s": measure(lambda k=keys: redis_server.client.mget(k)),
-                    }
-        for shards in SHARDS:
-            with LocalCluster(shards, root / f"data-{shards}") as cluster:
-                echo = EchoServers(shards, root)
-                routers = {"tierps": Router(cluster.addresses), "echo": Router(echo.addresses)}
-                admin = ClusterAdmin(cluster.addresses)
-                try:
-                    for dim in dims:
-                        table = populate(routers["tierps"], admin, dim)
-                        for batch in batches:
-                            keys = rng.choice(TABLE_KEYS, batch, replace=False).astype(np.int64)
-                            grads = rng.standard_normal((batch, dim), dtype=np.float32) * 1e-3
-                            row = {"shards": shards, "dim": dim, "batch": batch}
-                            payload_mb = {
-                                "lookup": batch * (8 + 4 * dim) / 1e6,
-                                "push": batch * (8 + 4 * dim) / 1e6,
-                            }
-                            for op in ("lookup", "push"):
-                                seconds_of = measure_together(
-                                    {
-                                        name: _call(router, op, table, dim, keys, grads)
-                                        for name, router in routers.items()
-                                    }
-                                )
-                                for name, seconds in seconds_of.items():
-                                    row[f"{op}_{name}_keys_per_s"] = batch / seconds
-                                    row[f"{op}_{name}_mb_per_s"] = payload_mb[op] / seconds
-                                row[f"{op}_vs_echo"] = (
-                                    row[f"{op}_tierps_keys_per_s"] / row[f"{op}_echo_keys_per_s"]
-                                )
-                                if (dim, batch) in redis_figures:
-                                    redis_s = redis_figures[(dim, batch)][f"{op}_s"]
-                                    row[f"{op}_redis_keys_per_s"] = batch / redis_s
-                                    row[f"{op}_vs_redis"] = (
-                                        row[f"{op}_tierps_keys_per_s"] * redis_s / batch
-                                    )
-                            results["rows"].append(row)
-                            print(_line(row), flush=True)
-                finally:
-                    admin.close()
-                    for router in routers.values():
-                        router.close()
-                    echo.close()
-    finally:
-        if redis_server is not None:
-            redis_server.close()
-        shutil.rmtree(root, ignore_errors=True)
+    for shards in SHARDS:
+        with LocalCluster(shards, root / f"data-{shards}") as cluster:
+            echo = EchoServers(shards, root)
+            client = EmbeddingClient(cluster.addresses, timeout_s=120.0)
+            try:
+                for dim in dims:
+                    table = populate(client, dim)
+                    for batch in batches:
+                        row = measure_shape(client, echo, table, shards, dim, batch, rng)
+                        results["rows"].append(row)
+                        print(_line(row), flush=True)
+            finally:
+                client.close()
+                echo.close()
     return results
 
 
-def _line(row: dict) -> str:
+def measure_shape(
+    client: EmbeddingClient,
+    echo: EchoServers,
+    table: str,
+    shards: int,
+    dim: int,
+    batch: int,
+    rng: np.random.Generator,
+) -> dict[str, Any]:
+    keys = rng.choice(TABLE_KEYS, batch, replace=False).astype(np.int64)
+    grads = rng.standard_normal((batch, dim), dtype=np.float32) * 1e-3
+    mine = [np.sort(keys[keys % shards == s]) for s in range(shards)]
+    # the echo carries what a shard call carries: keys out and rows back; keys and
+    # gradients out and an acknowledgement back
+    key_bytes = [k.tobytes() for k in mine]
+    push_bytes = [k.tobytes() + grads[: k.size].tobytes() for k in mine]
+    rows_back = [4 * dim * k.size for k in mine]
+    seconds = measure_together(
+        {
+            "lookup_tierps": lambda: client.lookup(table, keys),
+            "lookup_echo": lambda: echo.round_trip(key_bytes, rows_back),
+            "push_tierps": lambda: client.push_gradients(table, keys, grads),
+            "push_echo": lambda: echo.round_trip(push_bytes, [8] * shards),
+        }
+    )
+    row: dict[str, Any] = {"shards": shards, "dim": dim, "batch": batch}
+    for name, s in seconds.items():
+        row[f"{name}_s"] = s
+        row[f"{name}_keys_per_s"] = batch / s
+    for op in ("lookup", "push"):
+        row[f"{op}_vs_echo"] = seconds[f"{op}_echo"] / seconds[f"{op}_tierps"]
+    return row
+
+
+def _line(row: dict[str, Any]) -> str:
     parts = [f"shards={row['shards']} dim={row['dim']:>3} batch={row['batch']:>6}"]
     for op in ("lookup", "push"):
-        part = (
-            f"{op} {row[f'{op}_tierps_keys_per_s'] / 1e6:5.2f}M keys/s "
-            f"({row[f'{op}_tierps_mb_per_s']:6.0f} MB/s) {row[f'{op}_vs_echo']:.2f}x echo"
+        parts.append(
+            f"{op} {row[f'{op}_tierps_s'] * 1e3:6.1f} ms vs echo {row[f'{op}_echo_s'] * 1e3:6.1f}"
+            f" ms ({row[f'{op}_tierps_keys_per_s'] / 1e6:5.2f}M keys/s, "
+            f"{row[f'{op}_vs_echo']:.2f}x echo)"
         )
-        if f"{op}_vs_redis" in row:
-            part += f" {row[f'{op}_vs_redis']:.1f}x redis"
-        parts.append(part)
     return " | ".join(parts)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Keys/s against batch size at PLOT_DIM, one panel per shard count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(SHARDS), figsize=(11, 4.8), sharey=True)
+    for ax, shards in zip(axes, SHARDS, strict=True):
+        rows = [r for r in results["rows"] if r["shards"] == shards and r["dim"] == PLOT_DIM]
+        batches = [r["batch"] for r in rows]
+        lines = (
+            ("lookup_echo", "raw unary echo, lookup bytes (ceiling)", "C0", "--"),
+            ("lookup_tierps", "tierps lookup", "C0", "-"),
+            ("push_echo", "raw unary echo, push bytes (ceiling)", "C1", "--"),
+            ("push_tierps", "tierps push (SGD)", "C1", "-"),
+        )
+        for key, label, color, style in lines:
+            values = [r[f"{key}_keys_per_s"] for r in rows]
+            ax.plot(batches, values, style, color=color, marker="o", label=label)
+        if results.get("redis_mget_s"):
+            mget = results["redis_mget_s"]
+            sizes = [b for b in batches if str(b) in mget]
+            ax.plot(sizes, [b / mget[str(b)] for b in sizes], ":", color="C2", marker="s",
+                    label=f"Redis {results['redis']} MGET (redis-py)")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(batches, [f"{b // 1024}k" for b in batches])
+        ax.set_xlabel("keys per call")
+        ax.set_title(f"{shards} shard{'s' if shards > 1 else ''}, dim {PLOT_DIM}, loopback")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("keys/s")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.suptitle(
+        f"tierps over gRPC vs the raw transport of the same bytes ({results['machine']['cpus']} "
+        f"cores, one run)",
+        fontsize=10,
+    )
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+# -- 1 vs 2 concurrent clients (a shard on more than one core) -------------------------------
+
+
+def _client_loop(address: str, table: str, keys: np.ndarray, calls: int, start: Any) -> None:
+    """One trainer process: `calls` lookups and pushes of `keys` on `table`."""
+    with EmbeddingClient([address], timeout_s=120.0) as client:
+        grads = np.full((keys.size, client.table_config(table).dim), 1e-3, np.float32)
+        client.lookup(table, keys)
+        start.wait()
+        for _ in range(calls):
+            client.lookup(table, keys)
+            client.push_gradients(table, keys, grads)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a process has used, every thread of it (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def concurrency(root: Path, batch: int = 65536, dim: int = 64, calls: int = 12) -> dict:
+    """Calls per second of one shard serving one client process, then two at once (each on
+    its own table): a shard on more than one core serves two at close to twice the rate,
+    when the machine has the cores for both clients and the shard."""
+    context = multiprocessing.get_context("spawn")
+    keys = np.random.default_rng(1).choice(TABLE_KEYS, batch, replace=False).astype(np.int64)
+    out: dict[str, Any] = {"batch": batch, "dim": dim, "calls_per_client": calls,
+                           "cpus": os.cpu_count()}  # fmt: skip
+    with LocalCluster(1, root / "concurrency") as cluster:
+        with EmbeddingClient(cluster.addresses) as client:
+            tables = [populate(client, dim)]
+            client.create_table(TableConfig("other", dim, optimizer=optim.SGD(lr=0.01),
+                                            host_cache_bytes=TABLE_KEYS * dim * 8))  # fmt: skip
+            client.assign("other", np.arange(TABLE_KEYS), np.zeros((TABLE_KEYS, dim), np.float32))
+            tables.append("other")
+        for clients in (1, 2, 1, 2):
+            start = context.Event()
+            processes = [
+                context.Process(
+                    target=_client_loop, args=(cluster.addresses[0], tables[i], keys, calls, start)
+                )
+                for i in range(clients)
+            ]
+            for process in processes:
+                process.start()
+            time.sleep(3.0)  # every client connected and warm
+            shard_pid = cluster._processes[0].pid  # type: ignore[union-attr]
+            cpu_before, started = _cpu_seconds(shard_pid), time.perf_counter()
+            start.set()
+            for process in processes:
+                process.join()
+            elapsed = time.perf_counter() - started
+            cores = (_cpu_seconds(shard_pid) - cpu_before) / elapsed
+            rate = clients * calls * 2 / elapsed  # a lookup and a push per round
+            out.setdefault(f"{clients}_clients_calls_per_s", []).append(rate)
+            out.setdefault(f"{clients}_clients_shard_cores", []).append(cores)
+            print(
+                f"{clients} client(s): {rate:.1f} calls/s ({elapsed:.2f} s), the shard busy "
+                f"on {cores:.2f} cores",
+                flush=True,
+            )
+    out["speedup_2_vs_1"] = max(out["2_clients_calls_per_s"]) / max(out["1_clients_calls_per_s"])
+    print(f"2 clients vs 1: {out['speedup_2_vs_1']:.2f}x the calls/s")
+    out["tables_of_one_call"] = tables_of_one_call(root)
+    return out
+
+
+def tables_of_one_call(root: Path, tables: int = 8, batch: int = 16384, dim: int = 16) -> dict:
+    """In process: one Shard call carrying `tables` tables (served at once on the shard's
+    table threads) against the same tables one call each (one after the other)."""
+    from tierps.server.config import ServerConfig
+    from tierps.server.shard import LookupBatch, PushBatch, Shard
+
+    shard = Shard(ServerConfig(0, 1, root / "tables-of-one-call"))
+    try:
+        keys = np.arange(batch, dtype=np.int64)
+        grads = np.full((batch, dim), 1e-3, np.float32)
+        for t in range(tables):
+            shard.create_table(TableConfig(f"t{t}", dim, optimizer=optim.Adam(lr=0.01)))
+        lookups = [LookupBatch(f"t{t}", dim, keys, True) for t in range(tables)]
+        pushes = [PushBatch(f"t{t}", dim, keys, grads, 1) for t in range(tables)]
+        seconds = measure_together(
+            {
+                "lookup_one_call": lambda: shard.lookup(lookups),
+                "lookup_call_per_table": lambda: [shard.lookup([b]) for b in lookups],
+                "push_one_call": lambda: shard.push_gradients(pushes),
+                "push_call_per_table": lambda: [shard.push_gradients([b]) for b in pushes],
+            }
+        )
+    finally:
+        shard.close()
+    out = {"tables": tables, "batch": batch, "dim": dim, "seconds": seconds}
+    for op in ("lookup", "push"):
+        out[f"{op}_speedup"] = seconds[f"{op}_call_per_table"] / seconds[f"{op}_one_call"]
+        print(
+            f"{op} of {tables} tables x {batch} keys in one call: "
+            f"{seconds[f'{op}_one_call'] * 1e3:.1f} ms, one call per table: "
+            f"{seconds[f'{op}_call_per_table'] * 1e3:.1f} ms ({out[f'{op}_speedup']:.2f}x)"
+        )
+    return out
+
+
+# -- where one RPC lookup's time goes ---------------------------------------------------------
+
+
+def profile(root: Path, seconds: float = 6.0, batch: int = 65536, dim: int = 64) -> None:
+    """py-spy (pip install py-spy) samples the client (this process) and the shard while
+    the client looks up `batch` distinct hot keys over and over; prints each process's
+    heaviest frames, as shares of its samples (docs/perf/profile-lookup.md)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    with LocalCluster(1, root / "profile") as cluster:
+        with EmbeddingClient(cluster.addresses, timeout_s=120.0) as client:
+            table = populate(client, dim)
+            keys = np.random.default_rng(2).choice(TABLE_KEYS, batch, replace=False)
+            for _ in range(5):
+                client.lookup(table, keys)
+            pids = {"shard": cluster._processes[0].pid, "client": os.getpid()}  # type: ignore[union-attr]
+            recorders = {
+                name: subprocess.Popen(
+                    [
+                        spy,
+                        "record",
+                        "-p",
+                        str(pid),
+                        "-d",
+                        str(int(seconds) + 1),
+                        "-r",
+                        "400",
+                        "-f",
+                        "raw",
+                        "-o",
+                        str(root / f"{name}.txt"),
+                        "--nonblocking",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )  # fmt: skip
+                for name, pid in pids.items()
+            }
+            time.sleep(0.5)
+            calls, started = 0, time.perf_counter()
+            while time.perf_counter() - started < seconds:
+                client.lookup(table, keys)
+                calls += 1
+            print(f"{batch} keys, dim {dim}: {(time.perf_counter() - started) / calls * 1e3:.1f}"
+                  f" ms per lookup ({calls} calls)")  # fmt: skip
+            for recorder in recorders.values():
+                recorder.wait()
+    for name in pids:
+        _print_profile(name, root / f"{name}.txt")
+
+
+def _print_profile(name: str, path: Path, top: int = 12) -> None:
+    """The frames that were on the stack in most samples (inclusive), and the innermost."""
+    inclusive: dict[str, int] = {}
+    innermost: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames, n = stack.split(";"), int(count)
+        total += n
+        innermost[frames[-1]] = innermost.get(frames[-1], 0) + n
+        for frame in set(frames):
+            inclusive[frame] = inclusive.get(frame, 0) + n
+    for title, counts in (("innermost", innermost), ("inclusive", inclusive)):
+        print(f"-- {name}: {title} ({total} samples)")
+        for frame, n in sorted(counts.items(), key=lambda item: -item[1])[:top]:
+            print(f"{n / total:6.1%}  {frame}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("bench-results/service.json"))
+    parser.add_argument("--out", type=Path, default=Path("docs/perf/service.json"))
+    parser.add_argument("--png", type=Path, default=Path("docs/perf/service.png"))
     parser.add_argument("--quick", action="store_true", help="fewer shapes, for a smoke run")
+    parser.add_argument("--concurrency", action="store_true", help="1 vs 2 concurrent clients")
+    parser.add_argument("--replot", action="store_true", help="redraw --png from --out")
+    parser.add_argument("--profile", action="store_true", help="py-spy one lookup's time")
     args = parser.parse_args()
-    results = run(args.quick)
+    if args.replot:
+        plot(json.loads(args.out.read_text()), args.png)
+        return 0
+    root = Path(tempfile.mkdtemp(prefix="tierps-bench-"))
+    try:
+        if args.profile:
+            profile(root)
+            return 0
+        if args.concurrency:
+            out = args.out.with_name("service-concurrency.json")
+            out.write_text(json.dumps(concurrency(root), indent=2))
+            print(f"wrote {out}")
+            return 0
+        results = sweep(args.quick, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {args.out}")
+    plot(results, args.png)
+    print(f"wrote {args.out} and {args.png}")
     return 0
 
 

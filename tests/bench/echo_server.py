@@ -1,7 +1,9 @@
-"""The service benchmark's ceiling: an EmbeddingService that moves the same messages as a
-shard, with the same chunking and limits, and does no storage work. Lookup answers each
-batch with that many rows of zeros (a fresh array, encoded as a shard encodes rows);
-PushGradients reads every message and acknowledges.
+"""The service benchmark's ceiling: a raw gRPC unary echo that moves a data call's bytes as
+one message each way and does nothing else. No protobuf on either end (identity
+serializers): the request is read as the bytes it is, and the reply is a bytes object of
+the length the caller asks for (metadata "reply-bytes"), made once per length and reused,
+so that a call costs only what gRPC costs to carry the bytes. Its limits are the shards'
+(tierps.proto.wire.MAX_MESSAGE_BYTES), raised on both ends.
 
     python -m tests.bench.echo_server --port-file F
 """
@@ -15,30 +17,36 @@ import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
-import numpy as np
 
-from tierps.proto import tierps_service_pb2 as pb
-from tierps.proto import tierps_service_pb2_grpc as pb_grpc
-from tierps.proto.wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, channel_options
+from tierps.proto.wire import MAX_MESSAGE_BYTES, channel_options
+
+METHOD = "/tierps.bench.Echo/Unary"
+REPLY_BYTES = "reply-bytes"  # metadata: the length of the reply to send
 
 
-class EchoServicer(pb_grpc.EmbeddingServiceServicer):
-    def Lookup(self, requests, context):  # noqa: N802 - gRPC's method name
-        first, key_bytes = None, 0
-        for message in requests:
-            first = first or message
-            key_bytes += len(message.keys)
-        rows = np.zeros((key_bytes // 8, first.dim), dtype=np.float32)
-        per_chunk = CHUNK_BYTES // (4 * first.dim)
-        for start in range(0, rows.shape[0], per_chunk):  # encoded as a shard encodes rows
-            chunk = rows[start : start + per_chunk]
-            yield pb.LookupResponse(values=chunk.tobytes(), num_rows=chunk.shape[0])
+class Echo:
+    """Answers each request with a reply of the asked length (zeros, built once a length)."""
 
-    def PushGradients(self, requests, context):  # noqa: N802
-        key_bytes = sum(len(message.keys) for message in requests)
-        return pb.PushGradientsResponse(num_keys=key_bytes // 8)
+    def __init__(self) -> None:
+        self._replies: dict[int, bytes] = {}
+
+    def unary(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        size = int(dict(context.invocation_metadata()).get(REPLY_BYTES, "0"))
+        reply = self._replies.get(size)
+        if reply is None:
+            reply = self._replies.setdefault(size, bytes(size))
+        return reply
+
+
+def echo_call(channel: grpc.Channel) -> Any:
+    """The echo's unary callable on a channel: call(request_bytes, reply_bytes=n)."""
+    unary = channel.unary_unary(METHOD)
+    return lambda request, reply_bytes, timeout=120.0: unary(
+        request, metadata=((REPLY_BYTES, str(reply_bytes)),), timeout=timeout
+    )
 
 
 def main() -> None:
@@ -49,7 +57,10 @@ def main() -> None:
         ThreadPoolExecutor(16),
         options=[*channel_options(MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)],
     )
-    pb_grpc.add_EmbeddingServiceServicer_to_server(EchoServicer(), server)
+    service, name = METHOD.strip("/").split("/")
+    handler = grpc.unary_unary_rpc_method_handler(Echo().unary)  # no (de)serializers
+    generic = grpc.method_handlers_generic_handler(service, {name: handler})
+    server.add_generic_rpc_handlers((generic,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     stop = threading.Event()

@@ -38,7 +38,7 @@ from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto.wire import channel_options
 from tierps.server.config import ServerConfig
 from tierps.server.daemon import ShardServer
-from tierps.server.servicers import AdminServicer, EmbeddingServicer
+from tierps.server.servicers import AdminServicer, EmbeddingServicer, add_embedding_service
 from tierps.server.shard import Shard
 from tierps.storage.errors import InvalidArgumentError, TableNotFoundError
 
@@ -803,9 +803,7 @@ def faulty_shard(tmp_path: Path) -> Iterator[Callable[..., FaultyShard]]:
         server = grpc.server(
             ThreadPoolExecutor(8), interceptors=[interceptor], options=channel_options()
         )
-        pb_grpc.add_EmbeddingServiceServicer_to_server(
-            EmbeddingServicer(shard, lambda *_: None), server
-        )
+        add_embedding_service(EmbeddingServicer(shard, lambda *_: None), server)
         pb_grpc.add_AdminServiceServicer_to_server(AdminServicer(shard, lambda *_: None), server)
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()

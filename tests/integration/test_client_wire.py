@@ -1,0 +1,288 @@
+"""The data calls' wire, against real shards on port 0: one message each way where it fits
+(its bytes encoded and decoded by hand in tierps.proto.wire, byte for byte what protobuf
+writes), a stream otherwise or when a shard refuses one message as too large; and a shard
+serving concurrent clients of two tables as a serial numpy oracle says."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierps.client import EmbeddingClient
+from tierps.proto import tierps_service_pb2 as pb
+from tierps.proto import wire
+from tierps.server.daemon import ShardServer
+from tierps.storage import TableConfig, init, optim
+
+DIM = 8
+LR = 0.5  # gradients are multiples of 1/4 below: lr * their sums are exact in float32
+ServerFactory = Callable[..., ShardServer]
+
+
+@pytest.fixture
+def make_client() -> Iterator[Callable[..., EmbeddingClient]]:
+    opened: list[EmbeddingClient] = []
+
+    def make(servers: Sequence[ShardServer], **options: Any) -> EmbeddingClient:
+        client = EmbeddingClient([s.address for s in servers], timeout_s=20.0, **options)
+        opened.append(client)
+        return client
+
+    yield make
+    for client in opened:
+        client.close()
+
+
+def calls(server: ShardServer, method: str, code: str = "OK") -> int:
+    """Calls of `method` the shard answered with `code` (its tierps_rpc_seconds metric)."""
+    return int(
+        sum(
+            sample.value
+            for metric in server.metrics.registry.collect()
+            for sample in metric.samples
+            if sample.name == "tierps_rpc_seconds_count"
+            and sample.labels["method"] == method
+            and sample.labels["code"] == code
+        )
+    )
+
+
+def sgd_table(name: str, dim: int = DIM, lr: float = LR) -> TableConfig:
+    return TableConfig(
+        name, dim, optimizer=optim.SGD(lr=lr), initializer=init.Normal(std=0.5), seed=3
+    )
+
+
+def initial(config: TableConfig, keys: np.ndarray) -> np.ndarray:
+    """The table's initial weights of keys [..., dim] (TableConfig.initial_rows, numpy's
+    reference code); zeros for keys < 0."""
+    flat = keys.reshape(-1)
+    out = np.zeros((flat.size, config.dim), np.float32)
+    live = flat >= 0
+    out[live] = config.initial_rows(flat[live])[:, : config.dim]
+    return out.reshape(*keys.shape, config.dim)
+
+
+def quarter_grads(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Multiples of 1/4 in [-2, 2]: their sums and products with LR are exact in float32."""
+    return (rng.integers(-8, 9, size=shape) / 4).astype(np.float32)
+
+
+# -- the hand-written codec ------------------------------------------------------------------
+
+names = st.text(max_size=12)
+dims = st.integers(0, 2**32 - 1)
+blobs = st.binary(max_size=48)
+lookup_batches = st.lists(st.tuples(names, dims, st.booleans(), blobs), max_size=4)
+push_batches = st.lists(st.tuples(names, dims, st.integers(0, 2**64 - 1), blobs, blobs), max_size=4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lookup_batches, push_batches)
+def test_hand_encoded_requests_are_protobufs_bytes(lookups: list, pushes: list) -> None:
+    ours = wire.encode_batches([(t, d, c, (k,)) for t, d, c, k in lookups])
+    theirs = pb.LookupBatches(
+        batches=[pb.LookupRequest(table=t, dim=d, create=c, keys=k) for t, d, c, k in lookups]
+    ).SerializeToString()
+    assert ours == theirs
+    ours = wire.encode_batches([(t, d, s, (k, g)) for t, d, s, k, g in pushes])
+    theirs = pb.PushGradientsBatches(
+        batches=[
+            pb.PushGradientsRequest(table=t, dim=d, step=s, keys=k, grads=g)
+            for t, d, s, k, g in pushes
+        ]
+    ).SerializeToString()
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("shapes", [[], [(0, 4)], [(3, 4)], [(2, 3), (0, 3), (5, 3)], [(70, 33)]])
+def test_a_hand_encoded_reply_is_protobufs_bytes(shapes: list[tuple[int, int]]) -> None:
+    rng = np.random.default_rng(len(shapes))
+    rows = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
+    values = b"".join(r.tobytes() for r in rows)
+    expected = pb.LookupResponse(values=values, num_rows=sum(r.shape[0] for r in rows))
+    encoded = wire.encode_lookup_reply(rows)
+    assert encoded == expected.SerializeToString()
+    assert bytes(wire.lookup_reply_values(encoded)) == values
+
+
+@settings(max_examples=60, deadline=None)
+@given(push_batches, push_batches, blobs)
+def test_hand_decoding_reads_what_protobuf_reads(first: list, second: list, junk: bytes) -> None:
+    """Batches whose bytes hold two messages merged (later fields win, as in protobuf) and
+    unknown fields of every wire type, decoded by hand and by protobuf."""
+    unknown = (
+        b"\x30\x05"  # field 6, varint
+        + b"\x39" + bytes(8)  # field 7, 64-bit
+        + b"\x42" + bytes([len(junk)]) + junk  # field 8, length-delimited
+        + b"\x4d" + bytes(4)  # field 9, 32-bit
+    )  # fmt: skip
+    batches = b""
+    for a, b in zip(first, second, strict=False):
+        inner = b"".join(
+            pb.PushGradientsRequest(table=t, dim=d, step=s, keys=k, grads=g).SerializeToString()
+            for t, d, s, k, g in (a, b)
+        )
+        inner += unknown
+        batches += b"\x0a" + wire._varint(len(inner)) + inner
+    theirs = pb.PushGradientsBatches.FromString(batches).batches
+    ours = wire.decode_push_batches(batches).batches
+    assert [(b.table, b.dim, b.step, bytes(b.keys), bytes(b.grads)) for b in ours] == [
+        (b.table, b.dim, b.step, b.keys, b.grads) for b in theirs
+    ]
+    lookups = pb.LookupBatches(
+        batches=[pb.LookupRequest(table=t, dim=d, create=s % 2 == 1, keys=k)
+                 for t, d, s, k, _ in first]
+    ).SerializeToString()  # fmt: skip
+    ours_lookups = wire.decode_lookup_batches(lookups).batches
+    theirs_lookups = pb.LookupBatches.FromString(lookups).batches
+    assert [(b.table, b.dim, b.create, bytes(b.keys)) for b in ours_lookups] == [
+        (b.table, b.dim, b.create, b.keys) for b in theirs_lookups
+    ]
+
+
+def test_bytes_that_are_not_the_message_are_invalid_argument(
+    shard_server: ServerFactory,
+) -> None:
+    server = shard_server()
+    with grpc.insecure_channel(server.address, options=wire.channel_options()) as channel:
+        for method in ("LookupUnary", "PushGradientsUnary"):
+            call = channel.unary_unary(f"/tierps.v1.EmbeddingService/{method}")
+            for bad in (b"\x0a\x05ab", b"\x0a\x03\x0a\x01\xff", b"\x0f"):
+                with pytest.raises(grpc.RpcError) as raised:
+                    call(bad, timeout=10)
+                assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+                assert "do not decode" in raised.value.details()
+
+
+# -- one message and the stream --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_one_message_and_streamed_calls_agree_with_numpy(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient], num_shards: int
+) -> None:
+    """The same lookups and pushes, in one message each way and streamed in small chunks,
+    over two identical tables: both equal the tables' initial rows, then those rows less
+    lr times each key's summed gradients (keys repeat, -1 is padding)."""
+    servers = [shard_server(shard_id=i, num_shards=num_shards) for i in range(num_shards)]
+    clients = {
+        "one": make_client(servers),
+        "streamed": make_client(servers, one_message_bytes=0, chunk_bytes=256),
+    }
+    rng = np.random.default_rng(7)
+    universe = rng.choice(1 << 40, 300, replace=False).astype(np.int64)
+    keys = universe[rng.integers(0, 300, size=(50, 9))]
+    keys[rng.random(keys.shape) < 0.1] = -1
+    grads = quarter_grads(rng, (*keys.shape, DIM))
+    seen = {}
+    for name, client in clients.items():
+        config = sgd_table(name)
+        client.create_table(config)
+        before = initial(config, keys)
+        np.testing.assert_array_equal(client.lookup(name, keys), before)
+        assert client.push_gradients(name, keys, grads) == np.unique(keys[keys >= 0]).size
+        flat, flat_grads = keys.reshape(-1), grads.reshape(-1, DIM)
+        unique, inverse = np.unique(flat, return_inverse=True)
+        sums = np.zeros((unique.size, DIM), np.float64)
+        np.add.at(sums, inverse, flat_grads.astype(np.float64))
+        expected = initial(config, unique) - np.float32(LR) * sums.astype(np.float32)
+        expected[unique < 0] = 0.0
+        after = client.lookup(name, unique, create=False)
+        np.testing.assert_array_equal(after, expected)  # exact: quarters sum exactly
+        seen[name] = after
+    np.testing.assert_array_equal(seen["one"], seen["streamed"])
+    for method in ("LookupUnary", "PushGradientsUnary", "Lookup", "PushGradients"):
+        assert sum(calls(s, method) for s in servers) >= num_shards, method
+
+
+def test_a_shard_refusing_one_message_as_too_large_gets_the_stream(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """A shard whose message limit (256 KiB) is below the call: the lookup's reply is refused
+    by the shard, the push's request by gRPC before the shard sees it; the client streams
+    both instead, the push applied once, and streams that shard's calls of that size from
+    then on."""
+    server = shard_server(max_message_bytes=256 << 10, chunk_bytes=64 << 10)
+    client = make_client([server], chunk_bytes=64 << 10)  # its stream chunks fit the shard's
+    dim = 32
+    config = sgd_table("t", dim)
+    client.create_table(config)
+    keys = np.arange(3000, dtype=np.int64) * 7  # 384 KB of rows back, 408 KB of push out
+    np.testing.assert_array_equal(client.lookup("t", keys), initial(config, keys))
+    assert calls(server, "LookupUnary", "RESOURCE_EXHAUSTED") == 1
+    assert calls(server, "Lookup") == 1
+    grads = quarter_grads(np.random.default_rng(3), (keys.size, dim))
+    assert client.push_gradients("t", keys, grads) == keys.size
+    assert client.push_gradients("t", keys, grads) == keys.size
+    step = np.float32(LR) * grads
+    expected = (initial(config, keys) - step) - step  # two pushes, each applied once
+    np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
+    assert calls(server, "PushGradients") == 2
+    assert calls(server, "PushGradientsUnary", "OK") == 0
+    assert calls(server, "LookupUnary", "RESOURCE_EXHAUSTED") == 1  # not asked again
+    assert client.lookup("t", keys[:10]).shape == (10, dim)  # small calls: one message
+    assert calls(server, "LookupUnary") == 1
+
+
+# -- a shard on more than one core -----------------------------------------------------------
+
+
+def test_concurrent_clients_on_two_tables_equal_a_serial_oracle(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """Four clients at once, two per table, each pushing to keys it draws and reading keys
+    nobody pushes: every read is the row as assigned, and the final rows are the serial
+    numpy sum of every push (exact: gradients of quarters, lr 1/2)."""
+    server = shard_server(max_workers=8)
+    setup = make_client([server])
+    tables = ("a", "b")
+    pushed_keys, read_keys = np.arange(400), np.arange(400, 500)
+    fixed = {t: quarter_grads(np.random.default_rng(i), (100, DIM)) for i, t in enumerate(tables)}
+    for table in tables:
+        setup.create_table(sgd_table(table))
+        setup.assign(table, pushed_keys, np.zeros((400, DIM), np.float32))
+        setup.assign(table, read_keys, fixed[table])
+    rounds, workers = 6, [("a", 0), ("a", 1), ("b", 2), ("b", 3)]
+    plans = {
+        seed: [
+            (rng.choice(pushed_keys, 150, replace=False), quarter_grads(rng, (150, DIM)))
+            for _ in range(rounds)
+        ]
+        for _, seed in workers
+        for rng in [np.random.default_rng(100 + seed)]
+    }
+    clients = {seed: make_client([server]) for _, seed in workers}
+    failures: list[BaseException] = []
+    start = threading.Barrier(len(workers))
+
+    def work(table: str, seed: int) -> None:
+        try:
+            start.wait()
+            for keys, grads in plans[seed]:
+                clients[seed].push_gradients(table, keys, grads)
+                got = clients[seed].lookup(table, read_keys, create=False)
+                np.testing.assert_array_equal(got, fixed[table])
+        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+            failures.append(error)
+
+    threads = [threading.Thread(target=work, args=worker) for worker in workers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not failures, failures
+    for table in tables:
+        oracle = np.zeros((400, DIM), np.float64)
+        for _, seed in (w for w in workers if w[0] == table):
+            for keys, grads in plans[seed]:
+                np.add.at(oracle, keys, -LR * grads.astype(np.float64))
+        got = setup.lookup(table, pushed_keys, create=False)
+        np.testing.assert_array_equal(got, oracle.astype(np.float32))

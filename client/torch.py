@@ -102,10 +102,21 @@ class _Prefetch:
     future: Future[PooledLookup] | None = None
 
 
-def _shut_down(executor: ThreadPoolExecutor) -> None:
-    """The finalizer of a module dropped unclosed: queued pushes still run, then the
-    thread ends (it holds no reference to the module)."""
-    executor.shutdown(wait=False)
+class _Threads:
+    """A module's background threads, each started at its first task: one runs the pushes
+    in order, the other the prefetched lookups in order, so that a lookup can run while the
+    push before it is in flight (it waits only for the pushes it must see)."""
+
+    def __init__(self) -> None:
+        self.pushes = ThreadPoolExecutor(1, thread_name_prefix="tierps-push")
+        self.lookups = ThreadPoolExecutor(1, thread_name_prefix="tierps-lookup")
+
+    def shutdown(self, wait: bool) -> None:
+        """Stop taking tasks; the queued ones still run (pushes are never dropped), then
+        the threads end. Also the finalizer of a module dropped unclosed: it holds no
+        reference to the module."""
+        self.lookups.shutdown(wait=wait)
+        self.pushes.shutdown(wait=wait)
 
 
 class EmbeddingBagCollection(nn.Module):
@@ -150,8 +161,7 @@ class EmbeddingBagCollection(nn.Module):
         for feature in self.features:
             client.table_config(feature.table)  # an unknown table fails here, not mid-step
         self._names = [feature.name for feature in self.features]
-        # The background thread: prefetched lookups and (staleness 1) pushes, in order.
-        self._worker: ThreadPoolExecutor | None = None
+        self._threads: _Threads | None = None  # started by the first background task
         self._finalizer: weakref.finalize | None = None
         self._prefetched: list[_Prefetch] = []  # oldest first
         self._pushes = 0  # pushes of this module so far (handed to the thread or done)
@@ -161,11 +171,18 @@ class EmbeddingBagCollection(nn.Module):
 
     # -- the background thread ---------------------------------------------------------------
 
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="tierps-pipeline")
-            self._finalizer = weakref.finalize(self, _shut_down, self._worker)
-        return self._worker.submit(fn, *args)
+    def _background(self) -> _Threads:
+        if self._threads is None:
+            self._threads = _Threads()
+            self._finalizer = weakref.finalize(self, self._threads.shutdown, wait=False)
+        return self._threads
+
+    def _submit_lookup(self, entry: _Prefetch) -> None:
+        """Start entry's lookup in the background, after every push made so far."""
+        entry.pushes = self._pushes
+        entry.future = self._background().lookups.submit(
+            self._lookup_after, self._last_push, entry.batch, entry.create, entry.stream
+        )
 
     def _raise_failure(self) -> None:
         """Raise a background push's failure, once; prefetched lookups are dropped with it
@@ -189,12 +206,12 @@ class EmbeddingBagCollection(nn.Module):
     def close(self) -> None:
         """flush(), then stop the background thread (prefetched lookups are dropped). The
         module stays usable: a later prefetch or background push starts a new thread."""
-        worker, finalizer, self._worker, self._finalizer = self._worker, self._finalizer, None, None
+        threads, finalizer = self._threads, self._finalizer
+        self._threads = self._finalizer = None
         self._prefetched.clear()
-        if worker is not None:
-            worker.shutdown(wait=True)  # runs what is queued, then joins the thread
-            assert finalizer is not None
+        if threads is not None and finalizer is not None:
             finalizer.detach()
+            threads.shutdown(wait=True)  # runs what is queued, then joins the threads
         self._last_push = None
         self._raise_failure()
 
@@ -223,14 +240,13 @@ class EmbeddingBagCollection(nn.Module):
         else:
             given = _gradients(pooled, grads, copy=True)  # autograd may reuse its buffers
             stream = _current_stream()
-            self._last_push = self._submit(self._push_in_background, pooled, given, stream)
+            self._last_push = self._background().pushes.submit(
+                self._push_in_background, pooled, given, stream
+            )
         self._pushes += 1
         for entry in self._prefetched:
             if entry.future is None:  # deferred to this push
-                entry.pushes = self._pushes
-                entry.future = self._submit(
-                    self._lookup_on, entry.batch, entry.create, entry.stream
-                )
+                self._submit_lookup(entry)
 
     def _push_in_background(self, pooled: PooledLookup, grads: dict[str, Any], stream: Any) -> None:
         try:
@@ -261,11 +277,18 @@ class EmbeddingBagCollection(nn.Module):
             device=self.device,
         )
 
-    def _lookup_on(
-        self, batch: Mapping[str, FeatureBatch], create: bool, stream: Any
+    def _lookup_after(
+        self,
+        push: Future[None] | None,
+        batch: Mapping[str, FeatureBatch],
+        create: bool,
+        stream: Any,
     ) -> PooledLookup:
-        """_lookup in the background thread, on the CUDA stream the caller was on: a device
-        batch's kernels then queue behind the work that made the batch."""
+        """_lookup in the background, once `push` (the last one made before the prefetch)
+        has ended, on the CUDA stream the caller was on: a device batch's kernels then queue
+        behind the work that made the batch."""
+        if push is not None:
+            wait_for([push])  # earlier pushes ran before it, on the same thread
         with _on_stream(stream):
             return self._lookup(batch, create)
 
@@ -280,8 +303,7 @@ class EmbeddingBagCollection(nn.Module):
         create = self._trains()  # grad mode is per thread: read it here
         entry = _Prefetch(key, batch, create, None, _current_stream())
         if not (create and self.staleness == 0):
-            entry.pushes = self._pushes
-            entry.future = self._submit(self._lookup_on, batch, create, entry.stream)
+            self._submit_lookup(entry)
         self._prefetched = [*self._prefetched[-(MAX_PREFETCHED - 1) :], entry]
 
     def pipeline(

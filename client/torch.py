@@ -102,21 +102,10 @@ class _Prefetch:
     future: Future[PooledLookup] | None = None
 
 
-class _Threads:
-    """A module's background threads, each started at its first task: one runs the pushes
-    in order, the other the prefetched lookups in order, so that a lookup can run while the
-    push before it is in flight (it waits only for the pushes it must see)."""
-
-    def __init__(self) -> None:
-        self.pushes = ThreadPoolExecutor(1, thread_name_prefix="tierps-push")
-        self.lookups = ThreadPoolExecutor(1, thread_name_prefix="tierps-lookup")
-
-    def shutdown(self, wait: bool) -> None:
-        """Stop taking tasks; the queued ones still run (pushes are never dropped), then
-        the threads end. Also the finalizer of a module dropped unclosed: it holds no
-        reference to the module."""
-        self.lookups.shutdown(wait=wait)
-        self.pushes.shutdown(wait=wait)
+def _stop(worker: ThreadPoolExecutor) -> None:
+    """The finalizer of a module dropped unclosed (it holds no reference to the module):
+    the queued pushes still run, then the thread ends."""
+    worker.shutdown(wait=False)
 
 
 class EmbeddingBagCollection(nn.Module):
@@ -161,7 +150,10 @@ class EmbeddingBagCollection(nn.Module):
         for feature in self.features:
             client.table_config(feature.table)  # an unknown table fails here, not mid-step
         self._names = [feature.name for feature in self.features]
-        self._threads: _Threads | None = None  # started by the first background task
+        # The background thread, started by the first task: the prefetched lookups and
+        # (staleness 1) the pushes, in the order given, so that a lookup sees exactly the
+        # pushes handed over before it.
+        self._worker: ThreadPoolExecutor | None = None
         self._finalizer: weakref.finalize | None = None
         self._prefetched: list[_Prefetch] = []  # oldest first
         self._pushes = 0  # pushes of this module so far (handed to the thread or done)
@@ -171,18 +163,16 @@ class EmbeddingBagCollection(nn.Module):
 
     # -- the background thread ---------------------------------------------------------------
 
-    def _background(self) -> _Threads:
-        if self._threads is None:
-            self._threads = _Threads()
-            self._finalizer = weakref.finalize(self, self._threads.shutdown, wait=False)
-        return self._threads
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="tierps-pipeline")
+            self._finalizer = weakref.finalize(self, _stop, self._worker)
+        return self._worker.submit(fn, *args)
 
     def _submit_lookup(self, entry: _Prefetch) -> None:
         """Start entry's lookup in the background, after every push made so far."""
         entry.pushes = self._pushes
-        entry.future = self._background().lookups.submit(
-            self._lookup_after, self._last_push, entry.batch, entry.create, entry.stream
-        )
+        entry.future = self._submit(self._lookup_on, entry.batch, entry.create, entry.stream)
 
     def _raise_failure(self) -> None:
         """Raise a background push's failure, once; prefetched lookups are dropped with it
@@ -206,12 +196,12 @@ class EmbeddingBagCollection(nn.Module):
     def close(self) -> None:
         """flush(), then stop the background thread (prefetched lookups are dropped). The
         module stays usable: a later prefetch or background push starts a new thread."""
-        threads, finalizer = self._threads, self._finalizer
-        self._threads = self._finalizer = None
+        worker, finalizer = self._worker, self._finalizer
+        self._worker = self._finalizer = None
         self._prefetched.clear()
-        if threads is not None and finalizer is not None:
+        if worker is not None and finalizer is not None:
             finalizer.detach()
-            threads.shutdown(wait=True)  # runs what is queued, then joins the threads
+            worker.shutdown(wait=True)  # runs what is queued, then joins the thread
         self._last_push = None
         self._raise_failure()
 
@@ -240,9 +230,7 @@ class EmbeddingBagCollection(nn.Module):
         else:
             given = _gradients(pooled, grads, copy=True)  # autograd may reuse its buffers
             stream = _current_stream()
-            self._last_push = self._background().pushes.submit(
-                self._push_in_background, pooled, given, stream
-            )
+            self._last_push = self._submit(self._push_in_background, pooled, given, stream)
         self._pushes += 1
         for entry in self._prefetched:
             if entry.future is None:  # deferred to this push
@@ -277,18 +265,11 @@ class EmbeddingBagCollection(nn.Module):
             device=self.device,
         )
 
-    def _lookup_after(
-        self,
-        push: Future[None] | None,
-        batch: Mapping[str, FeatureBatch],
-        create: bool,
-        stream: Any,
+    def _lookup_on(
+        self, batch: Mapping[str, FeatureBatch], create: bool, stream: Any
     ) -> PooledLookup:
-        """_lookup in the background, once `push` (the last one made before the prefetch)
-        has ended, on the CUDA stream the caller was on: a device batch's kernels then queue
-        behind the work that made the batch."""
-        if push is not None:
-            wait_for([push])  # earlier pushes ran before it, on the same thread
+        """_lookup in the background thread, on the CUDA stream the caller was on: a device
+        batch's kernels then queue behind the work that made the batch."""
         with _on_stream(stream):
             return self._lookup(batch, create)
 

@@ -300,30 +300,9 @@ class EmbeddingBagCollection(nn.Module):
             for batch in ebc.pipeline(loader, features=lambda b: b.sparse):
                 loss = loss_fn(model(batch), batch.labels)  # model calls ebc(batch.sparse)
                 loss.backward(); optimizer.step(); optimizer.zero_grad()
-        """
-        pick = features if features is not None else _itself
-        return self._pipeline(items, lambda item: self.prefetch(pick(item)))
 
-    def _pipeline(self, items: Iterable[Item], prefetch: Callable[[Item], None]) -> Iterator[Item]:
-        iterator = iter(items)
-        try:
-            upcoming = next(iterator)
-        except StopIteration:
-            return
-        try:
-            while True:
-                item = upcoming
-                try:
-                    upcoming = next(iterator)
-                except StopIteration:
-                    yield item
-                    break
-                prefetch(upcoming)
-                yield item
-        except GeneratorExit:
-            self._wait_for_pushes()
-            raise
-        self.flush()
+        Several modules at once: the module-level pipeline()."""
+        return pipeline(items, (self, features if features is not None else _itself))
 
     def forward(self, batch: Mapping[str, FeatureBatch]) -> dict[str, torch.Tensor]:
         return self._forward((batch,), batch)
@@ -420,13 +399,7 @@ class EmbeddingBag(nn.Module):
     ) -> Iterator[Item]:
         """As EmbeddingBagCollection.pipeline; inputs(item) gives forward's input, or a tuple
         (input, offsets[, per_sample_weights]) (default: the item itself)."""
-        pick = inputs if inputs is not None else _itself
-
-        def prefetch(item: Item) -> None:
-            given = pick(item)
-            self.prefetch(*given) if isinstance(given, tuple) else self.prefetch(given)
-
-        return self.bags._pipeline(items, prefetch)
+        return pipeline(items, (self, inputs if inputs is not None else _itself))
 
     def flush(self) -> None:
         """As EmbeddingBagCollection.flush."""
@@ -441,6 +414,51 @@ class EmbeddingBag(nn.Module):
 
     def __exit__(self, *exc_info: Any) -> None:
         self.bags.__exit__(*exc_info)
+
+
+PipelinedModule = EmbeddingBagCollection | EmbeddingBag
+
+
+def pipeline(
+    items: Iterable[Item], *modules: tuple[PipelinedModule, Callable[[Item], Any]]
+) -> Iterator[Item]:
+    """Yield the items in order, each next item's lookup started in every module before the
+    current item is yielded: module.prefetch(inputs(next item)) for each (module, inputs)
+    given (a tuple is spread: EmbeddingBag.prefetch(input, offsets[, per_sample_weights])).
+    After the last item every module is flushed; a loop left early waits for the pushes in
+    flight (their failure is raised by the module's next call). For a model of one
+    EmbeddingBag per feature:
+
+        for batch in pipeline(loader, *((bag, lambda b, f=f: b.features[f])
+                                        for f, bag in bags.items())):
+            ...
+    """
+    iterator = iter(items)
+    try:
+        upcoming = next(iterator)
+    except StopIteration:
+        return
+    try:
+        while True:
+            item = upcoming
+            try:
+                upcoming = next(iterator)
+            except StopIteration:
+                yield item
+                break
+            for module, inputs in modules:
+                given = inputs(upcoming)
+                module.prefetch(*given) if isinstance(given, tuple) else module.prefetch(given)
+            yield item
+    finally:  # also for a loop left early; its failure is raised by the module's next call
+        for module, _ in modules:
+            _collection(module)._wait_for_pushes()
+    for module, _ in modules:
+        module.flush()
+
+
+def _collection(module: PipelinedModule) -> EmbeddingBagCollection:
+    return module.bags if isinstance(module, EmbeddingBag) else module
 
 
 def _itself(item: Any) -> Any:

@@ -272,10 +272,11 @@ def test_the_background_threads_end_on_close_and_with_the_module(
 def test_eval_mode_and_no_grad_push_nothing_and_create_no_rows(
     cluster: tuple[EmbeddingClient, list],
 ) -> None:
-    client, _ = cluster
+    client, servers = cluster
     client.create_table(TableConfig("t", DIM, optimizer=optim.SGD(lr=0.5)))
     batches = [{name: KEYS[rows[name]] for name in rows} for rows, _ in make_steps(seed=10)]
     module = tierps_torch.EmbeddingBagCollection(client, FEATURES, staleness=1)
+    pushes = sum(rpc_count(server, "PushGradients") for server in servers)
     with module:
         module.eval()
         for batch in module.pipeline(batches):
@@ -284,6 +285,7 @@ def test_eval_mode_and_no_grad_push_nothing_and_create_no_rows(
         with torch.no_grad():
             for batch in module.pipeline(batches):
                 assert module(batch)["b"].grad_fn is None
+    assert sum(rpc_count(server, "PushGradients") for server in servers) == pushes
     assert sum(shard["created"] for shard in client.describe("t")) == 0
 
 

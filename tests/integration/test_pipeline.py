@@ -120,6 +120,27 @@ def tierps_schedule(
     return outputs, client.lookup("t", KEYS, create=False), lookups
 
 
+def assert_schedules_agree(
+    got: list[dict[str, np.ndarray]],
+    rows: np.ndarray,
+    want: list[dict[str, Any]],
+    weight: np.ndarray,
+    output_tolerance: float,
+    row_tolerance: float,
+) -> None:
+    """Each step's outputs and the final rows of tierps' schedule as the reference's."""
+    for t, (have, expected) in enumerate(zip(got, want, strict=True)):
+        for name in expected:
+            np.testing.assert_allclose(
+                have[name],
+                expected[name],
+                rtol=0,
+                atol=output_tolerance,
+                err_msg=f"step {t} {name}",
+            )
+    np.testing.assert_allclose(rows, weight, rtol=0, atol=row_tolerance, err_msg="final rows")
+
+
 def new_table(client: EmbeddingClient, optimizer: Any, seed: int) -> np.ndarray:
     client.create_table(TableConfig("t", DIM, optimizer=optimizer))
     start = (0.5 * np.random.default_rng(seed).standard_normal((V, DIM))).astype(np.float32)
@@ -141,11 +162,7 @@ def test_staleness_0_trains_exactly_as_torch(cluster: tuple[EmbeddingClient, lis
     )  # fmt: skip
 
     assert lookups == len(servers) * STEPS  # no prefetched lookup was made twice
-    for t, (have, expected) in enumerate(zip(got, want, strict=True)):
-        for name in expected:
-            np.testing.assert_allclose(have[name], expected[name], rtol=0, atol=ATOL,
-                                       err_msg=f"step {t} feature {name}")  # fmt: skip
-    np.testing.assert_allclose(rows, history[-1], rtol=0, atol=ATOL, err_msg="final rows")
+    assert_schedules_agree(got, rows, want, history[-1], ATOL, ATOL)
 
 
 def test_staleness_1_trains_as_the_one_step_stale_schedule(
@@ -196,11 +213,7 @@ def test_staleness_1_trains_as_the_one_step_stale_schedule(
     assert difference > 10 * bound, (difference, bound)  # the schedules are told apart
 
     assert lookups == len(servers) * STEPS
-    for t, (have, expected) in enumerate(zip(got, want, strict=True)):
-        for name in expected:
-            np.testing.assert_allclose(have[name], expected[name], rtol=0, atol=output_bound,
-                                       err_msg=f"step {t} feature {name}")  # fmt: skip
-    np.testing.assert_allclose(rows, history[-1], rtol=0, atol=bound, err_msg="final rows")
+    assert_schedules_agree(got, rows, want, history[-1], output_bound, bound)
 
 
 def test_a_prefetch_older_than_the_staleness_is_looked_up_again(

@@ -10,6 +10,21 @@ need none.
 
 In eval mode, or under torch.no_grad(), lookups create no rows and nothing is pushed.
 
+Pipelining: `module.pipeline(loader)` yields the loader's batches and looks each next batch
+up in a background thread while the current one trains, so the trainer and the shards work
+at once. `staleness` says what that lookup may miss:
+
+- 0 (the default): nothing. backward returns once its push is applied, and the next batch's
+  lookup starts right after it, overlapping the rest of the step (the dense optimizer, data
+  loading). Training is exactly the synchronous one, bit for bit.
+- 1: the lookup of step t + 1 starts before step t's push is applied, so it misses that one
+  update of the keys both batches share (it sees every earlier push); backward hands its
+  push to the background thread and returns at once. Pushes run in order; a failed one is
+  raised by the module's next call (forward, prefetch, flush, close), once.
+
+`flush()` waits for the pushes in flight and raises a failure of one; `close()` (or leaving
+a `with module:` block) also stops the background thread, which a later call restarts.
+
 On a CUDA model: given a batch on a GPU (CUDA tensors or cupy arrays), the modules pool it
 there (tierps.client.device_pooling) and return tensors on that device; backward runs there
 too and sends only the distinct keys' gradients to the host for the push. Given a batch on
@@ -19,9 +34,15 @@ to pool on instead.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import wait as wait_for
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -31,6 +52,9 @@ from tierps.client.embedding import EmbeddingClient, Feature, FeatureBatch, Pool
 from tierps.client.pooling import Combiner
 
 MAX_PREFETCHED = 4  # prefetched batches kept for their forward; older ones are dropped
+STALENESS = (0, 1)  # the schedules a module offers (see the module docstring)
+
+Item = TypeVar("Item")
 
 
 def _outputs(pooled: PooledLookup, names: list[str]) -> tuple[torch.Tensor, ...]:
@@ -44,24 +68,44 @@ def _outputs(pooled: PooledLookup, names: list[str]) -> tuple[torch.Tensor, ...]
 
 
 class _Pooled(torch.autograd.Function):
-    """Outputs of a PooledLookup as tensors; backward pushes all their gradients at once."""
+    """Outputs of a PooledLookup as tensors; backward hands all their gradients to `push`
+    (the module's: now, or in its background thread) at once."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, pooled: PooledLookup, names: list[str]) -> Any:
-        ctx.pooled, ctx.names = pooled, names
+    def forward(
+        ctx: Any,
+        anchor: torch.Tensor,
+        pooled: PooledLookup,
+        names: list[str],
+        push: Callable[[PooledLookup, dict[str, Any]], None],
+    ) -> Any:
+        ctx.pooled, ctx.names, ctx.push = pooled, names, push
         return _outputs(pooled, names)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        if ctx.pooled.device is None:
-            given: dict[str, Any] = {
-                name: grad.detach().cpu().numpy()
-                for name, grad in zip(ctx.names, grads, strict=True)
-            }
-        else:  # the gradients stay on the device: the backward runs there
-            given = {name: grad.detach() for name, grad in zip(ctx.names, grads, strict=True)}
-        ctx.pooled.push_gradients(given)
-        return None, None, None
+        ctx.push(ctx.pooled, dict(zip(ctx.names, grads, strict=True)))
+        return None, None, None, None
+
+
+@dataclass
+class _Prefetch:
+    """A batch looked up ahead of its forward. `key` holds the objects forward is given
+    (matched by identity); `pushes` counts the module's pushes the lookup follows (None:
+    deferred to the next push, staleness 0); `future` is None while deferred."""
+
+    key: tuple[Any, ...]
+    batch: Mapping[str, FeatureBatch]
+    create: bool
+    pushes: int | None
+    stream: Any  # the caller's CUDA stream, or None
+    future: Future[PooledLookup] | None = None
+
+
+def _stop(worker: ThreadPoolExecutor) -> None:
+    """The finalizer of a module dropped unclosed (it holds no reference to the module):
+    the queued pushes still run, then the thread ends."""
+    worker.shutdown(wait=False)
 
 
 class EmbeddingBagCollection(nn.Module):
@@ -71,10 +115,12 @@ class EmbeddingBagCollection(nn.Module):
     tensor [..., nnz], (values, offsets), (values, offsets, per_sample_weights), or a COO;
     tensors or numpy arrays) and returns a dict feature name -> pooled tensor.
 
-    prefetch(batch) starts the lookup of a later batch in the background; the forward of
-    that same batch object then uses it. Rows prefetched before the current step's backward
-    miss that step's update of the keys both batches share (one step stale, as pipelined
-    embedding caches are).
+    staleness: 0 (synchronous, the default) or 1 (a prefetched lookup may miss the one push
+    before it); see the module docstring. pipeline(loader) yields the loader's batches,
+    each next one prefetched; prefetch(batch) starts the lookup of a later batch, which the
+    forward of that same batch object then uses (a lookup older than `staleness` pushes at
+    its forward is made again). flush() waits for background pushes; close() also stops
+    the background thread.
 
     A batch on a GPU is pooled there and gives tensors there; one on the host gives CPU
     tensors. `device` ("cuda:0", "cpu"; None: where the batch is) pools on that torch
@@ -88,17 +134,123 @@ class EmbeddingBagCollection(nn.Module):
         *,
         include_last_offset: bool = False,
         device: str | torch.device | None = None,
+        staleness: int = 0,
     ) -> None:
         super().__init__()
+        if isinstance(staleness, bool) or staleness not in STALENESS:
+            raise ValueError(
+                f"EmbeddingBagCollection: staleness expected 0 (synchronous) or 1 (a lookup "
+                f"may miss the previous step's push), got {staleness!r}"
+            )
         self.client = client
         self.features = list(features)
         self.include_last_offset = include_last_offset
         self.device = device
+        self.staleness = staleness
         for feature in self.features:
             client.table_config(feature.table)  # an unknown table fails here, not mid-step
-        self._prefetcher: ThreadPoolExecutor | None = None
-        # Lookups started by prefetch, oldest first: (the batch itself, create, the lookup).
-        self._prefetched: list[tuple[Mapping[str, FeatureBatch], bool, Future[PooledLookup]]] = []
+        self._names = [feature.name for feature in self.features]
+        # The background thread, started by the first task: the prefetched lookups and
+        # (staleness 1) the pushes, in the order given, so that a lookup sees exactly the
+        # pushes handed over before it.
+        self._worker: ThreadPoolExecutor | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._prefetched: list[_Prefetch] = []  # oldest first
+        self._pushes = 0  # pushes of this module so far (handed to the thread or done)
+        self._last_push: Future[None] | None = None  # the latest background push
+        self._failure: BaseException | None = None  # of a background push, not yet raised
+        self._failure_lock = threading.Lock()
+
+    # -- the background thread ---------------------------------------------------------------
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="tierps-pipeline")
+            self._finalizer = weakref.finalize(self, _stop, self._worker)
+        return self._worker.submit(fn, *args)
+
+    def _submit_lookup(self, entry: _Prefetch) -> None:
+        """Start entry's lookup in the background, after every push made so far."""
+        entry.pushes = self._pushes
+        entry.future = self._submit(self._lookup_on, entry.batch, entry.create, entry.stream)
+
+    def _raise_failure(self) -> None:
+        """Raise a background push's failure, once; prefetched lookups are dropped with it
+        (they were made around a push that did not happen)."""
+        with self._failure_lock:
+            failure, self._failure = self._failure, None
+        if failure is not None:
+            self._prefetched.clear()
+            raise failure
+
+    def _wait_for_pushes(self) -> None:
+        if self._last_push is not None:
+            wait_for([self._last_push])
+
+    def flush(self) -> None:
+        """Wait until every push of this module is applied; raise a background push's
+        failure (once). A no-op at staleness 0, where backward applies its push."""
+        self._wait_for_pushes()
+        self._raise_failure()
+
+    def close(self) -> None:
+        """flush(), then stop the background thread (prefetched lookups are dropped). The
+        module stays usable: a later prefetch or background push starts a new thread."""
+        worker, finalizer = self._worker, self._finalizer
+        self._worker = self._finalizer = None
+        self._prefetched.clear()
+        if worker is not None and finalizer is not None:
+            finalizer.detach()
+            worker.shutdown(wait=True)  # runs what is queued, then joins the thread
+        self._last_push = None
+        self._raise_failure()
+
+    def __enter__(self) -> EmbeddingBagCollection:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            self.close()
+        except Exception:
+            if exc is None:
+                raise  # else the error already leaving the block is the one to see
+
+    # -- pushes ------------------------------------------------------------------------------
+
+    def _push(self, pooled: PooledLookup, grads: dict[str, torch.Tensor]) -> None:
+        """backward's push: applied now (staleness 0) or handed to the background thread
+        (staleness 1). Then the lookups deferred to it start."""
+        if self.staleness == 0:
+            pooled.push_gradients(_gradients(pooled, grads, copy=False))
+        else:
+            given = _gradients(pooled, grads, copy=True)  # autograd may reuse its buffers
+            stream = _current_stream()
+            self._last_push = self._submit(self._push_in_background, pooled, given, stream)
+        self._pushes += 1
+        for entry in self._prefetched:
+            if entry.future is None:  # deferred to this push
+                self._submit_lookup(entry)
+
+    def _push_in_background(self, pooled: PooledLookup, grads: dict[str, Any], stream: Any) -> None:
+        try:
+            with _on_stream(stream):
+                pooled.push_gradients(grads)
+        except BaseException as error:  # noqa: BLE001 - kept for the caller's next call
+            error.add_note(
+                "tierps: this push ran in the background (staleness 1) after its backward "
+                "had returned; its gradients were not applied (or, per ShardError.succeeded, "
+                "only on some shards)"
+            )
+            with self._failure_lock:
+                if self._failure is None:  # the first failure is the one to see
+                    self._failure = error
+
+    # -- lookups -----------------------------------------------------------------------------
 
     def _trains(self) -> bool:
         """Training mode with autograd on: lookups create rows and backward pushes."""
@@ -116,43 +268,74 @@ class EmbeddingBagCollection(nn.Module):
     def _lookup_on(
         self, batch: Mapping[str, FeatureBatch], create: bool, stream: Any
     ) -> PooledLookup:
-        """_lookup in the prefetch thread, on the CUDA stream the caller was on: a device
+        """_lookup in the background thread, on the CUDA stream the caller was on: a device
         batch's kernels then queue behind the work that made the batch."""
-        if stream is None:
-            return self._lookup(batch, create)
-        with torch.cuda.stream(stream):
+        with _on_stream(stream):
             return self._lookup(batch, create)
 
     def prefetch(self, batch: Mapping[str, FeatureBatch]) -> None:
-        """Start looking up `batch` now, for a later forward(batch) of the same object."""
-        if self._prefetcher is None:
-            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tierps-prefetch")
+        """Start looking up `batch` for a later forward(batch) of the same object. At
+        staleness 0 a training lookup waits for the next push (backward) to start, so that
+        it misses nothing; at staleness 1 it starts now."""
+        self._prefetch((batch,), batch)
+
+    def _prefetch(self, key: tuple[Any, ...], batch: Mapping[str, FeatureBatch]) -> None:
+        self._raise_failure()
         create = self._trains()  # grad mode is per thread: read it here
-        # A thread starts on the default stream; the caller may be on another.
-        stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
-        future = self._prefetcher.submit(self._lookup_on, batch, create, stream)
-        self._prefetched = [*self._prefetched[-(MAX_PREFETCHED - 1) :], (batch, create, future)]
+        entry = _Prefetch(key, batch, create, None, _current_stream())
+        if not (create and self.staleness == 0):
+            self._submit_lookup(entry)
+        self._prefetched = [*self._prefetched[-(MAX_PREFETCHED - 1) :], entry]
+
+    def pipeline(
+        self,
+        items: Iterable[Item],
+        features: Callable[[Item], Mapping[str, FeatureBatch]] | None = None,
+    ) -> Iterator[Item]:
+        """Yield the items in order; before yielding one, start the lookup of the next
+        (prefetch(features(next item)); default: the item is the batch), so that the forward
+        of features(item) finds its rows looked up. After the last item, flush(). A loop
+        left early waits for the pushes in flight; their failure is raised by the next call.
+
+            for batch in ebc.pipeline(loader, features=lambda b: b.sparse):
+                loss = loss_fn(model(batch), batch.labels)  # model calls ebc(batch.sparse)
+                loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+        Several modules at once: the module-level pipeline()."""
+        return pipeline(items, (self, features if features is not None else _itself))
 
     def forward(self, batch: Mapping[str, FeatureBatch]) -> dict[str, torch.Tensor]:
+        return self._forward((batch,), batch)
+
+    def _forward(
+        self, key: tuple[Any, ...], batch: Mapping[str, FeatureBatch]
+    ) -> dict[str, torch.Tensor]:
+        self._raise_failure()
         trains = self._trains()
-        pooled = None
-        for index, (pending, create, future) in enumerate(self._prefetched):
-            if pending is batch and create == trains:
-                # Entries prefetched before this one were skipped: drop them, so that no
-                # later forward of a reused batch object takes rows older than one step.
-                del self._prefetched[: index + 1]
-                pooled = future.result()  # a failed prefetch raises here, at its forward
-                break
-        self._prefetched = [entry for entry in self._prefetched if entry[1] == trains]
+        pooled = self._take_prefetched(key, trains)
         if pooled is None:
+            self._wait_for_pushes()  # a lookup made now sees every push made before it
             pooled = self._lookup(batch, create=trains)
-        names = [feature.name for feature in self.features]
         if trains:
             anchor = torch.empty(0, requires_grad=True)  # makes autograd call backward
-            outputs = _Pooled.apply(anchor, pooled, names)
+            outputs = _Pooled.apply(anchor, pooled, self._names, self._push)
         else:
-            outputs = _outputs(pooled, names)
-        return dict(zip(names, outputs, strict=True))
+            outputs = _outputs(pooled, self._names)
+        return dict(zip(self._names, outputs, strict=True))
+
+    def _take_prefetched(self, key: tuple[Any, ...], trains: bool) -> PooledLookup | None:
+        """The prefetched lookup of this batch, if one is recent enough. Entries prefetched
+        before it were skipped: they are dropped, so that no later forward of a reused
+        batch object takes rows older than allowed; so are entries of the other mode."""
+        pooled = None
+        for index, entry in enumerate(self._prefetched):
+            if entry.create == trains and _same(entry.key, key):
+                del self._prefetched[: index + 1]
+                if entry.future is not None and self._pushes - entry.pushes <= self.staleness:
+                    pooled = entry.future.result()  # a failed prefetch raises here
+                break
+        self._prefetched = [entry for entry in self._prefetched if entry.create == trains]
+        return pooled
 
 
 class EmbeddingBag(nn.Module):
@@ -160,7 +343,8 @@ class EmbeddingBag(nn.Module):
     per_sample_weights=None) as torch's (input 2-D [B, N] without offsets, with keys < 0 as
     padding; or 1-D values with offsets), returning [B, dim]. combiner: "sum", "mean" or
     "sqrtn"; per_sample_weights work with all three (tierps.client.pooling). Input on a GPU
-    is pooled there; `device` as in EmbeddingBagCollection."""
+    is pooled there; `device` and `staleness` as in EmbeddingBagCollection, and so are
+    prefetch (with forward's arguments), pipeline, flush and close."""
 
     def __init__(
         self,
@@ -170,6 +354,7 @@ class EmbeddingBag(nn.Module):
         combiner: Combiner | str = Combiner.SUM,
         include_last_offset: bool = False,
         device: str | torch.device | None = None,
+        staleness: int = 0,
     ) -> None:
         super().__init__()
         self.table = table
@@ -178,7 +363,17 @@ class EmbeddingBag(nn.Module):
             [Feature(table, table, combiner)],
             include_last_offset=include_last_offset,
             device=device,
+            staleness=staleness,
         )
+
+    @property
+    def staleness(self) -> int:
+        return self.bags.staleness
+
+    def _batch(self, input: Any, offsets: Any, per_sample_weights: Any) -> dict[str, Any]:
+        if offsets is None and per_sample_weights is None:
+            return {self.table: input}
+        return {self.table: (input, offsets, per_sample_weights)}  # dense keys: offsets None
 
     def forward(
         self,
@@ -186,8 +381,110 @@ class EmbeddingBag(nn.Module):
         offsets: torch.Tensor | np.ndarray | None = None,
         per_sample_weights: torch.Tensor | np.ndarray | None = None,
     ) -> torch.Tensor:
-        if offsets is None and per_sample_weights is None:
-            value: FeatureBatch = input
-        else:  # dense keys with weights too: (keys, None, weights)
-            value = (input, offsets, per_sample_weights)
-        return self.bags({self.table: value})[self.table]
+        key = (input, offsets, per_sample_weights)
+        return self.bags._forward(key, self._batch(*key))[self.table]
+
+    def prefetch(
+        self,
+        input: torch.Tensor | np.ndarray,
+        offsets: torch.Tensor | np.ndarray | None = None,
+        per_sample_weights: torch.Tensor | np.ndarray | None = None,
+    ) -> None:
+        """Start looking up the bags of a later forward given these same objects."""
+        key = (input, offsets, per_sample_weights)
+        self.bags._prefetch(key, self._batch(*key))
+
+    def pipeline(
+        self, items: Iterable[Item], inputs: Callable[[Item], Any] | None = None
+    ) -> Iterator[Item]:
+        """As EmbeddingBagCollection.pipeline; inputs(item) gives forward's input, or a tuple
+        (input, offsets[, per_sample_weights]) (default: the item itself)."""
+        return pipeline(items, (self, inputs if inputs is not None else _itself))
+
+    def flush(self) -> None:
+        """As EmbeddingBagCollection.flush."""
+        self.bags.flush()
+
+    def close(self) -> None:
+        """As EmbeddingBagCollection.close."""
+        self.bags.close()
+
+    def __enter__(self) -> EmbeddingBag:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.bags.__exit__(*exc_info)
+
+
+PipelinedModule = EmbeddingBagCollection | EmbeddingBag
+
+
+def pipeline(
+    items: Iterable[Item], *modules: tuple[PipelinedModule, Callable[[Item], Any]]
+) -> Iterator[Item]:
+    """Yield the items in order, each next item's lookup started in every module before the
+    current item is yielded: module.prefetch(inputs(next item)) for each (module, inputs)
+    given (a tuple is spread: EmbeddingBag.prefetch(input, offsets[, per_sample_weights])).
+    After the last item every module is flushed; a loop left early waits for the pushes in
+    flight (their failure is raised by the module's next call). For a model of one
+    EmbeddingBag per feature:
+
+        for batch in pipeline(loader, *((bag, lambda b, f=f: b.features[f])
+                                        for f, bag in bags.items())):
+            ...
+    """
+    iterator = iter(items)
+    try:
+        upcoming = next(iterator)
+    except StopIteration:
+        return
+    try:
+        while True:
+            item = upcoming
+            try:
+                upcoming = next(iterator)
+            except StopIteration:
+                yield item
+                break
+            for module, inputs in modules:
+                given = inputs(upcoming)
+                module.prefetch(*given) if isinstance(given, tuple) else module.prefetch(given)
+            yield item
+    finally:  # also for a loop left early; its failure is raised by the module's next call
+        for module, _ in modules:
+            _collection(module)._wait_for_pushes()
+    for module, _ in modules:
+        module.flush()
+
+
+def _collection(module: PipelinedModule) -> EmbeddingBagCollection:
+    return module.bags if isinstance(module, EmbeddingBag) else module
+
+
+def _itself(item: Any) -> Any:
+    return item
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """The same objects, one by one (a batch is matched by identity, not by value)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+def _gradients(pooled: PooledLookup, grads: dict[str, torch.Tensor], copy: bool) -> dict[str, Any]:
+    """The gradients as push_gradients takes them: numpy arrays of a host lookup, tensors
+    on the device of a device lookup; copies if they are to outlive backward."""
+    if pooled.device is None:
+        arrays = {name: grad.detach().cpu().numpy() for name, grad in grads.items()}
+        return {name: array.copy() for name, array in arrays.items()} if copy else arrays
+    tensors = {name: grad.detach() for name, grad in grads.items()}
+    return {name: tensor.clone() for name, tensor in tensors.items()} if copy else tensors
+
+
+def _current_stream() -> Any:
+    """The caller's CUDA stream (a thread starts on the default one), or None."""
+    return torch.cuda.current_stream() if torch.cuda.is_initialized() else None
+
+
+def _on_stream(stream: Any) -> AbstractContextManager[Any]:
+    """torch.cuda.stream(stream), or nothing for None."""
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()

@@ -20,7 +20,7 @@ The dense part (MLP, bias, dense weights) trains with torch.optim.Adam either wa
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,8 +124,15 @@ class LocalEmbeddings(nn.Module):
         """torch's sparse optimizer over the tables (step it with the dense one)."""
         return self.optimizer_spec.for_torch(self.bags.parameters())
 
-    def prefetch(self, batch: BagBatch) -> None:
-        """Nothing to fetch: the tables are in this process."""
+    def pipeline(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        """The batches as they come: the tables are in this process, nothing to fetch."""
+        return iter(batches)
+
+    def flush(self) -> None:
+        """Nothing in flight: torch's optimizer steps the tables in place."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
 
     def _rows(self, table: str, keys: np.ndarray) -> np.ndarray:
         spec = self.specs[table]
@@ -156,12 +163,16 @@ class TierpsEmbeddings(nn.Module):
     pooled through tierps.client.torch.EmbeddingBagCollection; backward pushes the
     gradients and the shards run the table's optimizer."""
 
-    def __init__(self, client: EmbeddingClient, features: Sequence[SparseFeature]) -> None:
+    def __init__(
+        self, client: EmbeddingClient, features: Sequence[SparseFeature], *, staleness: int = 0
+    ) -> None:
         super().__init__()
         self.features = list(features)
         self.client = client
         self.collection = EmbeddingBagCollection(
-            client, [Feature(f.name, f.table, f.combiner) for f in self.features]
+            client,
+            [Feature(f.name, f.table, f.combiner) for f in self.features],
+            staleness=staleness,
         )
 
     @staticmethod
@@ -204,9 +215,18 @@ class TierpsEmbeddings(nn.Module):
         """None: the shards apply the optimizer during backward."""
         return None
 
-    def prefetch(self, batch: BagBatch) -> None:
-        """Start looking up a later batch now (see EmbeddingBagCollection.prefetch)."""
-        self.collection.prefetch(batch)
+    def pipeline(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        """The batches, each next one's rows looked up while the current one trains
+        (EmbeddingBagCollection.pipeline; what the lookup may miss: its staleness)."""
+        return self.collection.pipeline(batches, features=lambda batch: batch.features)
+
+    def flush(self) -> None:
+        """Wait for the pushes in flight (EmbeddingBagCollection.flush)."""
+        self.collection.flush()
+
+    def close(self) -> None:
+        """Stop the collection's background thread (EmbeddingBagCollection.close)."""
+        self.collection.close()
 
     def forward(self, batch: BagBatch) -> dict[str, torch.Tensor]:
         return self.collection(batch)

@@ -3,6 +3,7 @@ local cluster, and report what happened.
 
     tierps demo [--dataset movielens|synthetic] [--data-dir ./tierps-data] [--epochs N]
                 [--batch-size B] [--dim D] [--shards 2] [--seed S] [--samples N]
+                [--staleness 0|1]
 
 It starts a LocalCluster (shards under <data-dir>/demo-cluster-<shards>, snapshots under
 <data-dir>/snapshots), drops the demo's tables left by an earlier run and creates them
@@ -18,6 +19,7 @@ server-only install (no torch) still has a working `tierps` command.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -141,13 +143,15 @@ def build_tierps_model(
     dim: int = DEFAULT_DIM,
     seed: int = 0,
     weights: dict[str, np.ndarray] | None = None,
+    staleness: int = 0,
 ) -> DeepFM:
     """DeepFM over the cluster's tables (made by create_tables). With `weights` (as
     build_local_model takes), every key's row is assigned from them first, so the model
-    starts where the local one does; without, rows start from the tables' initializer."""
+    starts where the local one does; without, rows start from the tables' initializer.
+    staleness: the embedding pipeline's (tierps.client.torch.EmbeddingBagCollection)."""
     from tierps.demo.deepfm import DeepFM, TierpsEmbeddings
 
-    embeddings = TierpsEmbeddings(client, dataset.features)
+    embeddings = TierpsEmbeddings(client, dataset.features, staleness=staleness)
     if weights is not None:
         embeddings.assign(dataset.tables, weights)
     return DeepFM(embeddings, dim=dim, num_dense=dataset.num_dense, seed=seed)
@@ -177,34 +181,28 @@ def train_epoch(
     *,
     batch_size: int,
     shuffle_seed: int,
-    prefetch: bool = False,
     progress: str | None = None,
     max_batches: int | None = None,
 ) -> tuple[float, float, float, int]:
-    """One pass over the train rows in the order shuffle_seed gives. prefetch (tierps
-    only): look the next batch up while this one trains (its rows may miss this step's
-    update). Returns (train logloss, train AUC, seconds, samples)."""
+    """One pass over the train rows in the order shuffle_seed gives, through the model's
+    embedding pipeline (tierps: the next batch is looked up while one trains, as the
+    tables' staleness allows). Returns (train logloss, train AUC, seconds, samples)."""
     import numpy as np
     import torch
     from tqdm import tqdm
 
     model.train()
-    batches = dataset.batches("train", batch_size, shuffle_seed=shuffle_seed)
     total = dataset.num_batches("train", batch_size)
     if max_batches is not None:
         total = min(total, max_batches)
+    ordered = dataset.batches("train", batch_size, shuffle_seed=shuffle_seed)
+    batches = itertools.islice(ordered, total)
     bar = tqdm(total=total, desc=progress, unit="batch", disable=True if progress is None else None)
     labels, logits = [], []
     samples = 0
     loss_fn = torch.nn.BCEWithLogitsLoss()
     started = time.perf_counter()
-    upcoming = next(batches, None)
-    for _ in range(total):
-        batch, upcoming = upcoming, next(batches, None)
-        if batch is None:
-            break
-        if prefetch and upcoming is not None:
-            model.embeddings.prefetch(upcoming.features)
+    for batch in model.embeddings.pipeline(batches):
         dense_optimizer.zero_grad(set_to_none=True)
         if sparse_optimizer is not None:
             sparse_optimizer.zero_grad(set_to_none=True)
@@ -220,7 +218,7 @@ def train_epoch(
         bar.update()
         if bar.n % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
-    seconds = time.perf_counter() - started
+    seconds = time.perf_counter() - started  # the pipeline flushed its pushes at the end
     bar.close()
     all_labels, all_logits = np.concatenate(labels), np.concatenate(logits)
     return logloss(all_labels, all_logits), auc(all_labels, all_logits), seconds, samples
@@ -267,7 +265,6 @@ def train(
     batch_size: int = DEFAULT_BATCH_SIZE,
     lr: float = DEFAULT_LR,
     seed: int = 0,
-    prefetch: bool = False,
     progress: str | None = None,
     on_epoch: Callable[[EpochResult], None] | None = None,
 ) -> list[EpochResult]:
@@ -279,7 +276,7 @@ def train(
     for epoch in range(1, epochs + 1):
         train_loss, train_auc, seconds, samples = train_epoch(
             model, dataset, dense_optimizer, sparse_optimizer, batch_size=batch_size,
-            shuffle_seed=epoch_seed(seed, epoch), prefetch=prefetch,
+            shuffle_seed=epoch_seed(seed, epoch),
             progress=None if progress is None else f"{progress} epoch {epoch}/{epochs}",
         )  # fmt: skip
         test_loss, test_auc = evaluate(model, dataset, "test")
@@ -356,9 +353,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "without one the shards warn and serve from the host tier)",
     )  # fmt: skip
     parser.add_argument(
-        "--prefetch", action="store_true",
-        help="look the next batch up while one trains (rows may be one step stale; pays "
-        "only with cores to spare)",
+        "--staleness", type=int, choices=(0, 1), default=0,
+        help="0: each lookup sees every earlier push (exactly synchronous training); 1: the "
+        "next batch's lookup may run before this step's push is applied, overlapping more",
     )  # fmt: skip
     parser.add_argument(
         "--torch-threads", type=int,
@@ -429,7 +426,8 @@ def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: fl
     optimizer = SparseOptimizer("adam", args.lr)
     print(
         f"DeepFM dim {args.dim}, batch {batch_size}, {epochs} epoch(s), Adam lr {args.lr} "
-        f"(tables: on the shards; dense: torch, {torch.get_num_threads()} thread(s)); "
+        f"(tables: on the shards, staleness {args.staleness}; dense: torch, "
+        f"{torch.get_num_threads()} thread(s)); "
         f"{args.shards} shards in {cluster_dir}, host tier {host_mb} MiB per table and shard"
         + (f", GPU tier {args.gpu_cache_mb} MiB" if args.gpu_cache_mb else "")
     )
@@ -447,7 +445,9 @@ def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: fl
             client, dataset, dim=args.dim, seed=args.seed, optimizer=optimizer,
             host_cache_bytes=host_mb << 20,
         )  # fmt: skip
-        model = build_tierps_model(client, dataset, dim=args.dim, seed=args.seed)
+        model = build_tierps_model(
+            client, dataset, dim=args.dim, seed=args.seed, staleness=args.staleness
+        )
 
         def report(result: EpochResult) -> None:
             print(
@@ -459,10 +459,13 @@ def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: fl
             )
             print(f"  hit rates: {format_hit_rates(tier_hit_rates(client, tables))}", flush=True)
 
-        results = train(
-            model, dataset, epochs=epochs, batch_size=batch_size, lr=args.lr,
-            seed=args.seed, prefetch=args.prefetch, progress="train", on_epoch=report,
-        )  # fmt: skip
+        try:
+            results = train(
+                model, dataset, epochs=epochs, batch_size=batch_size, lr=args.lr,
+                seed=args.seed, progress="train", on_epoch=report,
+            )  # fmt: skip
+        finally:
+            model.embeddings.close()  # its pushes are in before the snapshot
         name = _snapshot_name(client, args.dataset)
         saved = client.save_snapshot(name)
         print(f"snapshot {saved['name']!r}: {saved['rows']:,} rows in {saved['path']}")

@@ -117,11 +117,12 @@ def test_demo_command_on_movielens_learns(tmp_path: Path) -> None:
 
 def test_demo_command_on_synthetic_data_runs_twice_in_one_data_dir(tmp_path: Path) -> None:
     """`tierps demo --dataset synthetic` with tiny sizes: exit 0, per-epoch AUC and tier hit
-    rates printed, a snapshot saved; a second run over the first one's data dir works."""
+    rates printed, a snapshot saved; a second run over the first one's data dir works (that
+    one one step stale: --staleness 1)."""
     args = ("demo", "--dataset", "synthetic", "--samples", "3000", "--epochs", "2",
             "--batch-size", "256", "--data-dir", str(tmp_path / "data"))  # fmt: skip
-    for run in (1, 2):
-        result = _tierps(*args, cwd=tmp_path)
+    for run, staleness in ((1, "0"), (2, "1")):
+        result = _tierps(*args, "--staleness", staleness, cwd=tmp_path)
         assert result.returncode == 0, f"run {run}:\n{result.stdout}\n{result.stderr}"
         out = result.stdout
         for epoch in (1, 2):
@@ -130,6 +131,7 @@ def test_demo_command_on_synthetic_data_runs_twice_in_one_data_dir(tmp_path: Pat
         assert "samples/s" in out, out
         assert "hit rates: host" in out and "rocksdb" in out, out
         assert "snapshot 'deepfm-synthetic-" in out, out
+        assert f"staleness {staleness};" in out, out
     snapshots = sorted(p.name for p in (tmp_path / "data" / "snapshots").iterdir())
     assert len(snapshots) == 2, snapshots
 
@@ -138,6 +140,9 @@ def test_demo_command_explains_bad_flags(tmp_path: Path) -> None:
     result = _tierps("demo", "--epochs", "0", cwd=tmp_path)
     assert result.returncode == 2
     assert "--epochs expected >= 1, got 0" in result.stderr
+    result = _tierps("demo", "--staleness", "2", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "--staleness: invalid choice: 2 (choose from 0, 1)" in result.stderr
 
 
 def test_storage_demo_still_runs(tmp_path: Path) -> None:

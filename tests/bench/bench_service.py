@@ -173,6 +173,10 @@ def sweep(quick: bool, root: Path) -> dict[str, Any]:
         "table_keys": TABLE_KEYS,
         "baseline": "raw gRPC unary echo of each shard's request and reply bytes, one message "
                     "each way, no protobuf (tests/bench/echo_server.py)",
+        "lookup": "EmbeddingClient.lookup: a writable array in the keys' order; lookup_view: "
+                  "copy=False (a read-only view of the reply where one reply holds every row "
+                  "in order). A shard's reply of 8 MiB or more goes as 2-4 calls at once "
+                  "(client.embedding.LOOKUP_PIECE_BYTES); the echo sends one message",
         "rows": [],
     }  # fmt: skip
     if shutil.which("redis-server"):
@@ -224,6 +228,7 @@ def measure_shape(
     seconds = measure_together(
         {
             "lookup_tierps": lambda: client.lookup(table, keys),
+            "lookup_view_tierps": lambda: client.lookup(table, keys, copy=False),
             "lookup_echo": lambda: echo.round_trip(key_bytes, rows_back),
             "push_tierps": lambda: client.push_gradients(table, keys, grads),
             "push_echo": lambda: echo.round_trip(push_bytes, [8] * shards),
@@ -235,6 +240,7 @@ def measure_shape(
         row[f"{name}_keys_per_s"] = batch / s
     for op in ("lookup", "push"):
         row[f"{op}_vs_echo"] = seconds[f"{op}_echo"] / seconds[f"{op}_tierps"]
+    row["lookup_view_vs_echo"] = seconds["lookup_echo"] / seconds["lookup_view_tierps"]
     return row
 
 
@@ -246,6 +252,7 @@ def _line(row: dict[str, Any]) -> str:
             f" ms ({row[f'{op}_tierps_keys_per_s'] / 1e6:5.2f}M keys/s, "
             f"{row[f'{op}_vs_echo']:.2f}x echo)"
         )
+    parts.append(f"copy=False {row['lookup_view_vs_echo']:.2f}x")
     return " | ".join(parts)
 
 

@@ -66,7 +66,9 @@ def main() -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    args.port_file.write_text(json.dumps({"port": port, "pid": os.getpid()}))
+    written = args.port_file.with_suffix(".tmp")  # renamed: the reader never sees half of it
+    written.write_text(json.dumps({"port": port, "pid": os.getpid()}))
+    written.replace(args.port_file)
     while not stop.wait(0.5):
         pass
     server.stop(1).wait()

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierps.client import EmbeddingClient
+from tierps.client import EmbeddingClient, embedding
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import wire
 from tierps.server.daemon import ShardServer
@@ -201,6 +201,38 @@ def test_one_message_and_streamed_calls_agree_with_numpy(
     np.testing.assert_array_equal(seen["one"], seen["streamed"])
     for method in ("LookupUnary", "PushGradientsUnary", "Lookup", "PushGradients"):
         assert sum(calls(s, method) for s in servers) >= num_shards, method
+
+
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_distinct_keys_and_lookups_in_pieces_agree_with_numpy(
+    shard_server: ServerFactory,
+    make_client: Callable[..., EmbeddingClient],
+    num_shards: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Distinct keys >= 0 in any order go as given (no dedup, no reordering), and a lookup
+    of LOOKUP_PIECE_BYTES or more per shard goes as LOOKUP_PIECES calls at once: the rows,
+    a copy=False lookup's and a push's, equal numpy's, in the keys' order."""
+    monkeypatch.setattr(embedding, "LOOKUP_PIECE_BYTES", 4 << 10)
+    servers = [shard_server(shard_id=i, num_shards=num_shards) for i in range(num_shards)]
+    client = make_client(servers)
+    dim = 16
+    config = sgd_table("t", dim)
+    client.create_table(config)
+    rng = np.random.default_rng(11)
+    keys = rng.choice(1 << 40, 2000, replace=False).astype(np.int64).reshape(40, 50)
+    rows = client.lookup("t", keys)  # 128 KB of rows: 4 pieces of at least 4 KiB per shard
+    np.testing.assert_array_equal(rows, initial(config, keys))
+    assert rows.flags.writeable
+    assert sum(calls(s, "LookupUnary") for s in servers) == embedding.LOOKUP_PIECES * num_shards
+    few = keys[0, :20]  # below a piece: one call per shard, its reply in the keys' order
+    view = client.lookup("t", few, copy=False)
+    np.testing.assert_array_equal(view, initial(config, few))
+    assert view.flags.writeable is (num_shards > 1)  # one shard: a view of its reply
+    grads = quarter_grads(rng, (*keys.shape, dim))
+    assert client.push_gradients("t", keys, grads) == keys.size
+    expected = initial(config, keys) - np.float32(LR) * grads
+    np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
 
 
 def test_a_shard_refusing_one_message_as_too_large_gets_the_stream(

@@ -360,7 +360,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--staleness", type=int, choices=(0, 1), default=DEFAULT_STALENESS,
         help="1 (the demo's default): the next batch's lookup may run before this step's push "
         "is applied, so lookups and pushes overlap the dense step; on MovieLens it trained "
-        "1.2-1.9x faster with the same test AUC over 5 epochs (0.7852 against 0.7843). 0: "
+        "1.1-1.9x faster with the same test AUC over 5 epochs (0.7852 against 0.7843). 0: "
         "each lookup sees every earlier push, exactly synchronous training (the library's "
         "default)",
     )  # fmt: skip

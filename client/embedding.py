@@ -145,6 +145,15 @@ class PooledLookup:
         """Push d loss / d output (an array of output's shape, or a dict feature -> array
         for several features; features left out have zero gradient). Returns the number of
         distinct keys updated. `step` as in EmbeddingClient.push_gradients."""
+        return self._push_keys(self._key_gradients(grad_outputs), step)
+
+    def _push_keys(self, pushes: dict[str, tuple[np.ndarray, np.ndarray]], step: int | None) -> int:
+        """push_gradients' RPCs: the distinct keys' gradients of _key_gradients, pushed."""
+        return self._client._push_unique(pushes, step)
+
+    def _key_gradients(self, grad_outputs: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """push_gradients up to its RPCs: per table, the distinct keys to push and their
+        summed gradients (new arrays, which outlive grad_outputs)."""
         grad_outputs = self._by_feature(grad_outputs)
         grads = {
             name: float_array(
@@ -169,7 +178,7 @@ class PooledLookup:
                 pushes[table] = (keys.unique[touched], summed[touched])
             else:
                 pushes[table] = (keys.unique, summed)
-        return self._client._push_unique(pushes, step)
+        return pushes
 
     def _by_feature(self, grad_outputs: Any) -> Mapping[str, Any]:
         """The gradients as a dict feature -> gradient, of known features."""
@@ -209,6 +218,11 @@ class DevicePooledLookup(PooledLookup):
     def push_gradients(self, grad_outputs: Any, step: int | None = None) -> int:
         """Push d loss / d output (a tensor of output's shape on `device`, or a dict feature
         -> tensor; features left out have zero gradient), as PooledLookup.push_gradients."""
+        return self._push_keys(self._key_gradients(grad_outputs), step)
+
+    def _key_gradients(self, grad_outputs: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The backward on the device, and the distinct keys' gradients copied to the host
+        (a sync), checked: PooledLookup._key_gradients."""
         import torch
 
         from tierps.client.device_pooling import checked_gradient, refuse_gradient
@@ -226,7 +240,51 @@ class DevicePooledLookup(PooledLookup):
         for name, flag in bad:
             if bool(flag):
                 refuse_gradient(f"feature {name!r}", given[name], tuple(self.outputs[name].shape))
-        return self._client._push_unique(pushes, step)
+        return pushes
+
+
+@dataclass
+class _PreparedHost:
+    """A host lookup_pooled_features up to its RPCs (EmbeddingClient._prepare_pooled):
+    fetch(create) looks the distinct keys up and pools them."""
+
+    client: EmbeddingClient
+    features: dict[str, Feature]
+    tables: dict[str, _TableKeys]
+    pooling: dict[str, _TablePooling]
+    shapes: dict[str, tuple[int, ...]]  # each feature's bag shape (its output's, less dim)
+
+    def fetch(self, create: bool) -> PooledLookup:
+        tables = {name: (keys.dim, keys.unique) for name, keys in self.tables.items()}
+        rows = self.client._lookup_unique(tables, create)
+        outputs = {}
+        for table, pooling in self.pooling.items():
+            dim = self.tables[table].dim
+            pooled = pool(pooling.matrix, rows[table])  # every feature of the table
+            for name, span in pooling.rows.items():
+                outputs[name] = pooled[span].reshape(*self.shapes[name], dim)
+        outputs = {name: outputs[name] for name in self.features}  # in the features' order
+        return PooledLookup(self.client, self.features, self.tables, self.pooling, outputs)
+
+
+@dataclass
+class _PreparedDevice:
+    """A lookup_pooled_features on a torch device, checked for its features: fetch(create)
+    does the rest (its layout on the device and the copies of its rows there sync with the
+    device, so they stay with the fetch, on the thread that makes it)."""
+
+    client: EmbeddingClient
+    device: str
+    specs: list[FeatureSpec]
+    include_last_offset: bool
+
+    def fetch(self, create: bool) -> DevicePooledLookup:
+        return self.client._lookup_pooled_on(
+            self.device, self.specs, create, self.include_last_offset
+        )
+
+
+_PreparedPooling = _PreparedHost | _PreparedDevice
 
 
 class EmbeddingClient(ClusterAdmin):
@@ -466,15 +524,27 @@ class EmbeddingClient(ClusterAdmin):
         backward, its outputs torch tensors there: a DevicePooledLookup. `device` (a torch
         device: "cuda:0", "cpu") pools on that device instead, with torch tensor outputs;
         the batch's arrays must be on it (host arrays count as "cpu")."""
+        return self._prepare_pooled(batch, features, include_last_offset, device).fetch(create)
+
+    def _prepare_pooled(
+        self,
+        batch: Mapping[str, FeatureBatch],
+        features: Sequence[Feature],
+        include_last_offset: bool,
+        device: str | torch.device | None,
+    ) -> _PreparedPooling:
+        """lookup_pooled_features up to its RPCs: the checks, the dedup, the routing's inputs
+        and the pooling layout, none of which depends on the rows (a pipelined trainer does
+        this in its own thread and only the fetch in the background)."""
         by_name = {feature.name: feature for feature in features}
         if len(by_name) != len(features):
             repeated = sorted(
                 {f.name for f in features if sum(g.name == f.name for g in features) > 1}
             )
             raise InvalidArgumentError(f"features expected distinct names, got {repeated} repeated")
-        missing = sorted(set(by_name) - set(batch))
-        unknown = sorted(set(batch) - set(by_name))
-        if missing or unknown:
+        if by_name.keys() != batch.keys():
+            missing = sorted(set(by_name) - set(batch))
+            unknown = sorted(set(batch) - set(by_name))
             raise InvalidArgumentError(
                 f"batch expected exactly the features {sorted(by_name)}, got "
                 f"{sorted(batch)} (missing {missing}, unknown {unknown})"
@@ -485,34 +555,26 @@ class EmbeddingClient(ClusterAdmin):
                 self._spec(name, f"feature {name!r}", batch[name], f.table, f.combiner)
                 for name, f in by_name.items()
             ]
-            return self._lookup_pooled_on(on, specs, create, include_last_offset)
+            return _PreparedDevice(self, on, specs, include_last_offset)
         bags = {
             name: _as_bags(f"feature {name!r}", batch[name], include_last_offset)
             for name in by_name
         }
         tables: dict[str, _TableKeys] = {}
+        pooling: dict[str, _TablePooling] = {}
         for table in dict.fromkeys(f.table for f in features):
             names = [f.name for f in features if f.table == table]
             keys = np.concatenate([bags[name].keys for name in names])
             unique, inverse = distinct_keys(keys)
-            bounds = np.cumsum([0] + [bags[name].keys.size for name in names])
-            tables[table] = _TableKeys(
-                self.table_config(table).dim, unique,
-                {name: inverse[bounds[i] : bounds[i + 1]] for i, name in enumerate(names)},
-            )  # fmt: skip
-        rows = self._lookup_unique({t: (k.dim, k.unique) for t, k in tables.items()}, create)
-        pooling, outputs = {}, {}
-        for table, keys in tables.items():
-            names = list(keys.inverse)
-            parts = [(bags[n], keys.inverse[n], by_name[n].combiner) for n in names]
-            bounds = np.cumsum([0] + [bags[n].num_bags for n in names])
-            spans = {n: slice(bounds[i], bounds[i + 1]) for i, n in enumerate(names)}
-            pooling[table] = _TablePooling(stacked_pooling_matrix(parts, keys.unique.size), spans)
-            pooled = pool(pooling[table].matrix, rows[table])  # every feature of the table
-            for name in names:
-                outputs[name] = pooled[spans[name]].reshape(*bags[name].shape, keys.dim)
-        outputs = {name: outputs[name] for name in by_name}  # in the features' order
-        return PooledLookup(self, by_name, tables, pooling, outputs)
+            key_bounds = np.cumsum([0] + [bags[name].keys.size for name in names])
+            inverses = {n: inverse[key_bounds[i] : key_bounds[i + 1]] for i, n in enumerate(names)}
+            tables[table] = _TableKeys(self.table_config(table).dim, unique, inverses)
+            parts = [(bags[n], inverses[n], by_name[n].combiner) for n in names]
+            bag_bounds = np.cumsum([0] + [bags[n].num_bags for n in names])
+            spans = {n: slice(bag_bounds[i], bag_bounds[i + 1]) for i, n in enumerate(names)}
+            pooling[table] = _TablePooling(stacked_pooling_matrix(parts, unique.size), spans)
+        shapes = {name: bags[name].shape for name in by_name}
+        return _PreparedHost(self, by_name, tables, pooling, shapes)
 
     @staticmethod
     def _spec(name: str, where: str, value: Any, table: str, combiner: Any) -> FeatureSpec:

@@ -71,21 +71,47 @@ def stacked_pooling_matrix(
     """The pooling matrices of several features over one table's distinct keys, stacked row
     block after row block ([sum of B_f, num_unique], fbgemm's table-batched layout): one
     forward and one backward kernel call serve every feature of the table."""
-    counts, columns, data = [], [], []
-    for bags, inverse, combiner in parts:
-        live = inverse >= 0
-        bag_counts = np.diff(np.concatenate([[0], np.cumsum(live)])[bags.offsets])
-        counts.append(bag_counts)
-        columns.append(inverse[live])
-        data.append(_coefficients(bags, live, bag_counts, combiner))
-    indptr = np.zeros(sum(c.size for c in counts) + 1, dtype=np.int64)
-    np.cumsum(np.concatenate(counts), out=indptr[1:])
-    column = np.concatenate(columns)
+    inverse = _joined([inverse for _, inverse, _ in parts])
+    live = inverse >= 0
+    # Each bag's live count, for all features at once: the running count of live entries
+    # at each feature's offsets (shifted to its entries' place), differenced; the
+    # differences across two features' boundary are dropped.
+    sizes = np.array([part_inverse.size for _, part_inverse, _ in parts])
+    bases = np.cumsum(sizes) - sizes
+    at = _joined([bags.offsets + base for (bags, _, _), base in zip(parts, bases, strict=True)])
+    running = np.zeros(live.size + 1, np.int64)
+    np.cumsum(live, out=running[1:])
+    counts = np.diff(running[at])
+    if len(parts) > 1:
+        counts = np.delete(counts, np.cumsum([bags.num_bags + 1 for bags, _, _ in parts[:-1]]) - 1)
+    if all(combiner is Combiner.SUM and bags.weights is None for bags, _, combiner in parts):
+        data = np.ones(int(running[-1]), np.float32)
+    else:
+        data = _joined(
+            [
+                _coefficients(bags, live[base : base + size], count, combiner)
+                for (bags, _, combiner), base, size, count in zip(
+                    parts,
+                    bases,
+                    sizes,
+                    np.split(counts, np.cumsum([b.num_bags for b, _, _ in parts])[:-1]),
+                    strict=True,
+                )
+            ]
+        )
+    column = inverse[live]
+    indptr = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
     index = np.int32 if max(num_unique, column.size) < np.iinfo(np.int32).max else np.int64
     return sp.csr_array(
-        (np.concatenate(data), column.astype(index, copy=False), indptr.astype(index)),
+        (data, column.astype(index, copy=False), indptr.astype(index)),
         shape=(indptr.size - 1, num_unique),
     )
+
+
+def _joined(arrays: list[np.ndarray]) -> np.ndarray:
+    """np.concatenate, without the copy for one array."""
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 def _coefficients(

@@ -22,6 +22,12 @@ at once. `staleness` says what that lookup may miss:
   push to the background thread and returns at once. Pushes run in order; a failed one is
   raised by the module's next call (forward, prefetch, flush, close), once.
 
+The work is split where the GIL is: for a batch on the host, the trainer's thread prepares
+each prefetched lookup (checks, dedup, pooling layout) and computes each push's per-key
+gradients, and the background thread only makes the RPCs (which release the GIL) and pools
+the rows; a batch on a GPU is looked up and pushed whole in the background, as its layout
+and gradients sync with the device.
+
 `flush()` waits for the pushes in flight and raises a failure of one; `close()` (or leaving
 a `with module:` block) also stops the background thread, which a later call restarts.
 
@@ -34,6 +40,7 @@ to pool on instead.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -48,7 +55,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from tierps.client.embedding import EmbeddingClient, Feature, FeatureBatch, PooledLookup
+from tierps.client.embedding import (
+    EmbeddingClient,
+    Feature,
+    FeatureBatch,
+    PooledLookup,
+    _PreparedPooling,
+)
 from tierps.client.pooling import Combiner
 
 MAX_PREFETCHED = 4  # prefetched batches kept for their forward; older ones are dropped
@@ -91,11 +104,13 @@ class _Pooled(torch.autograd.Function):
 @dataclass
 class _Prefetch:
     """A batch looked up ahead of its forward. `key` holds the objects forward is given
-    (matched by identity); `pushes` counts the module's pushes the lookup follows (None:
-    deferred to the next push, staleness 0); `future` is None while deferred."""
+    (matched by identity); `prepared` is its lookup up to the RPCs, or the error preparing
+    it raised (raised again by its forward); `pushes` counts the module's pushes the lookup
+    follows (None: deferred to the next push, staleness 0); `future` is None while
+    deferred."""
 
     key: tuple[Any, ...]
-    batch: Mapping[str, FeatureBatch]
+    prepared: _PreparedPooling | Exception
     create: bool
     pushes: int | None
     stream: Any  # the caller's CUDA stream, or None
@@ -172,7 +187,11 @@ class EmbeddingBagCollection(nn.Module):
     def _submit_lookup(self, entry: _Prefetch) -> None:
         """Start entry's lookup in the background, after every push made so far."""
         entry.pushes = self._pushes
-        entry.future = self._submit(self._lookup_on, entry.batch, entry.create, entry.stream)
+        if isinstance(entry.prepared, Exception):
+            entry.future = Future()
+            entry.future.set_exception(entry.prepared)
+        else:
+            entry.future = self._submit(_fetch_on, entry.prepared, entry.create, entry.stream)
 
     def _raise_failure(self) -> None:
         """Raise a background push's failure, once; prefetched lookups are dropped with it
@@ -224,22 +243,29 @@ class EmbeddingBagCollection(nn.Module):
 
     def _push(self, pooled: PooledLookup, grads: dict[str, torch.Tensor]) -> None:
         """backward's push: applied now (staleness 0) or handed to the background thread
-        (staleness 1). Then the lookups deferred to it start."""
+        (staleness 1): a host lookup's per-key gradients computed here (new arrays), a
+        device lookup's gradients copied (autograd may reuse its buffers) and all of its
+        push done there. Then the lookups deferred to it start."""
         if self.staleness == 0:
-            pooled.push_gradients(_gradients(pooled, grads, copy=False))
+            pooled.push_gradients(_gradients(pooled, grads))
         else:
-            given = _gradients(pooled, grads, copy=True)  # autograd may reuse its buffers
+            if pooled.device is None:
+                pushes = pooled._key_gradients(_gradients(pooled, grads))
+                send = functools.partial(pooled._push_keys, pushes)
+            else:
+                given = {name: grad.detach().clone() for name, grad in grads.items()}
+                send = functools.partial(pooled.push_gradients, given)
             stream = _current_stream()
-            self._last_push = self._submit(self._push_in_background, pooled, given, stream)
+            self._last_push = self._submit(self._push_in_background, send, stream)
         self._pushes += 1
         for entry in self._prefetched:
             if entry.future is None:  # deferred to this push
                 self._submit_lookup(entry)
 
-    def _push_in_background(self, pooled: PooledLookup, grads: dict[str, Any], stream: Any) -> None:
+    def _push_in_background(self, send: Callable[[int | None], int], stream: Any) -> None:
         try:
             with _on_stream(stream):
-                pooled.push_gradients(grads)
+                send(None)
         except BaseException as error:  # noqa: BLE001 - kept for the caller's next call
             error.add_note(
                 "tierps: this push ran in the background (staleness 1) after its backward "
@@ -256,22 +282,11 @@ class EmbeddingBagCollection(nn.Module):
         """Training mode with autograd on: lookups create rows and backward pushes."""
         return self.training and torch.is_grad_enabled()
 
-    def _lookup(self, batch: Mapping[str, FeatureBatch], create: bool) -> PooledLookup:
-        return self.client.lookup_pooled_features(
-            batch,
-            self.features,
-            create=create,
-            include_last_offset=self.include_last_offset,
-            device=self.device,
+    def _prepare(self, batch: Mapping[str, FeatureBatch]) -> _PreparedPooling:
+        """The batch's lookup up to its RPCs (EmbeddingClient.lookup_pooled_features)."""
+        return self.client._prepare_pooled(
+            batch, self.features, self.include_last_offset, self.device
         )
-
-    def _lookup_on(
-        self, batch: Mapping[str, FeatureBatch], create: bool, stream: Any
-    ) -> PooledLookup:
-        """_lookup in the background thread, on the CUDA stream the caller was on: a device
-        batch's kernels then queue behind the work that made the batch."""
-        with _on_stream(stream):
-            return self._lookup(batch, create)
 
     def prefetch(self, batch: Mapping[str, FeatureBatch]) -> None:
         """Start looking up `batch` for a later forward(batch) of the same object. At
@@ -282,7 +297,11 @@ class EmbeddingBagCollection(nn.Module):
     def _prefetch(self, key: tuple[Any, ...], batch: Mapping[str, FeatureBatch]) -> None:
         self._raise_failure()
         create = self._trains()  # grad mode is per thread: read it here
-        entry = _Prefetch(key, batch, create, None, _current_stream())
+        try:
+            prepared: _PreparedPooling | Exception = self._prepare(batch)
+        except Exception as error:  # a bad batch: raised by its forward, as before
+            prepared = error
+        entry = _Prefetch(key, prepared, create, None, _current_stream())
         if not (create and self.staleness == 0):
             self._submit_lookup(entry)
         self._prefetched = [*self._prefetched[-(MAX_PREFETCHED - 1) :], entry]
@@ -315,7 +334,7 @@ class EmbeddingBagCollection(nn.Module):
         pooled = self._take_prefetched(key, trains)
         if pooled is None:
             self._wait_for_pushes()  # a lookup made now sees every push made before it
-            pooled = self._lookup(batch, create=trains)
+            pooled = self._prepare(batch).fetch(trains)
         if trains:
             anchor = torch.empty(0, requires_grad=True)  # makes autograd call backward
             outputs = _Pooled.apply(anchor, pooled, self._names, self._push)
@@ -470,14 +489,19 @@ def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
-def _gradients(pooled: PooledLookup, grads: dict[str, torch.Tensor], copy: bool) -> dict[str, Any]:
-    """The gradients as push_gradients takes them: numpy arrays of a host lookup, tensors
-    on the device of a device lookup; copies if they are to outlive backward."""
+def _gradients(pooled: PooledLookup, grads: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The gradients as push_gradients takes them, without a copy: numpy arrays of a host
+    lookup, tensors on the device of a device lookup."""
     if pooled.device is None:
-        arrays = {name: grad.detach().cpu().numpy() for name, grad in grads.items()}
-        return {name: array.copy() for name, array in arrays.items()} if copy else arrays
-    tensors = {name: grad.detach() for name, grad in grads.items()}
-    return {name: tensor.clone() for name, tensor in tensors.items()} if copy else tensors
+        return {name: grad.detach().cpu().numpy() for name, grad in grads.items()}
+    return {name: grad.detach() for name, grad in grads.items()}
+
+
+def _fetch_on(prepared: _PreparedPooling, create: bool, stream: Any) -> PooledLookup:
+    """A prepared lookup's fetch in the background thread, on the CUDA stream the caller
+    was on: a device batch's kernels then queue behind the work that made the batch."""
+    with _on_stream(stream):
+        return prepared.fetch(create)
 
 
 def _current_stream() -> Any:

@@ -3,7 +3,7 @@ local cluster, and report what happened.
 
     tierps demo [--dataset movielens|synthetic] [--data-dir ./tierps-data] [--epochs N]
                 [--batch-size B] [--dim D] [--shards 2] [--seed S] [--samples N]
-                [--staleness 0|1]
+                [--staleness 0|1]   (default 1: a lookup may miss the previous push)
 
 It starts a LocalCluster (shards under <data-dir>/demo-cluster-<shards>, snapshots under
 <data-dir>/snapshots), drops the demo's tables left by an earlier run and creates them
@@ -39,6 +39,10 @@ DEFAULT_EPOCHS = {"movielens": 5, "synthetic": 1}  # synthetic overfits from the
 DEFAULT_BATCH_SIZES = {"movielens": 256, "synthetic": 1024}
 DEFAULT_BATCH_SIZE = DEFAULT_BATCH_SIZES["movielens"]
 DEFAULT_DIM = 16
+# The embedding pipeline's staleness (tierps.client.torch): the library's default is 0
+# (exact); the demo trains at 1, measured as fast or faster with the same test AUC
+# (docs/architecture.md, "Pipelined training").
+DEFAULT_STALENESS = 1
 DEFAULT_LR = 1e-3
 DEFAULT_SAMPLES = 200_000
 EVAL_BATCH_SIZE = 8192
@@ -353,9 +357,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "without one the shards warn and serve from the host tier)",
     )  # fmt: skip
     parser.add_argument(
-        "--staleness", type=int, choices=(0, 1), default=0,
-        help="0: each lookup sees every earlier push (exactly synchronous training); 1: the "
-        "next batch's lookup may run before this step's push is applied, overlapping more",
+        "--staleness", type=int, choices=(0, 1), default=DEFAULT_STALENESS,
+        help="1 (the demo's default): the next batch's lookup may run before this step's push "
+        "is applied, so lookups and pushes overlap the dense step; on MovieLens it trained "
+        "1.1-1.9x faster with the same test AUC over 5 epochs (0.7852 against 0.7843). 0: "
+        "each lookup sees every earlier push, exactly synchronous training (the library's "
+        "default)",
     )  # fmt: skip
     parser.add_argument(
         "--torch-threads", type=int,

@@ -112,6 +112,7 @@ def test_demo_command_on_movielens_learns(tmp_path: Path) -> None:
     match = re.search(r"epoch 1: .* test logloss [0-9.]+ AUC ([0-9.]+)", result.stdout)
     assert match is not None, result.stdout
     assert float(match.group(1)) > 0.74, result.stdout
+    assert "staleness 1;" in result.stdout, result.stdout  # the demo's default
     assert "snapshot 'deepfm-movielens-" in result.stdout, result.stdout
 
 

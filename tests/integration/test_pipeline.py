@@ -18,6 +18,7 @@ import pytest
 from tests.integration.test_client import rpc_count
 from tierps.client import EmbeddingClient, Feature, ShardError, TableConfig, optim
 from tierps.server.daemon import ShardServer
+from tierps.storage.errors import InvalidArgumentError
 
 torch = pytest.importorskip("torch")
 tierps_torch = pytest.importorskip("tierps.client.torch")
@@ -250,6 +251,33 @@ def test_a_background_push_failure_surfaces_once(cluster: tuple[EmbeddingClient,
     assert any("background" in note for note in raised.value.__notes__)
     module.flush()  # raised once
     module.close()
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_bad_batch_or_gradient_is_refused_where_the_synchronous_call_refuses_it(
+    cluster: tuple[EmbeddingClient, list], staleness: int
+) -> None:
+    """The trainer's thread prepares a prefetched lookup and computes a push's gradients:
+    a bad batch given to prefetch is refused by its forward (not by prefetch), a non-finite
+    gradient by backward; neither changes a row, and the module trains on."""
+    client, servers = cluster
+    start = new_table(client, optim.SGD(lr=0.5), seed=9)
+    module = tierps_torch.EmbeddingBagCollection(client, FEATURES, staleness=staleness)
+    good = {f.name: KEYS[: NNZ * B].reshape(B, NNZ) for f in FEATURES}
+    bad = {"a": good["a"]}  # feature "b" missing
+    with module:
+        module.prefetch(bad)  # refused later, by the forward of this batch
+        with pytest.raises(InvalidArgumentError, match=r"missing \['b'\]"):
+            module(bad)
+        out = module(good)
+        with pytest.raises(InvalidArgumentError, match="feature 'a'.*expected finite"):
+            (out["a"].sum() * float("nan") + out["b"].sum()).backward()
+        module.flush()
+        np.testing.assert_array_equal(client.lookup("t", KEYS, create=False), start)
+        pushes = sum(rpc_count(server, "PushGradients") for server in servers)
+        sum(value.sum() for value in module(good).values()).backward()
+    assert sum(rpc_count(server, "PushGradients") for server in servers) > pushes
+    assert not np.array_equal(client.lookup("t", KEYS, create=False), start)
 
 
 def _pipeline_threads() -> list[threading.Thread]:

@@ -79,13 +79,14 @@ if numba is not None:
     from numba.extending import intrinsic as _intrinsic
 
     def _prefetcher(write: int) -> Callable:
-        """An intrinsic prefetching the cache line of element `index` of an array's buffer,
-        in row-major order from its start (llvm.prefetch: a hint, so an address past it
-        is harmless), for a read (write=0) or a write (1). The kernels walk rows in a
-        random order, where latency, not bandwidth, bounds them: prefetching AHEAD rows
-        brings a fused update to np.take's pace."""
+        """An intrinsic prefetching the cache line `offset` bytes from the start of an
+        array's data (llvm.prefetch: a hint, so an address past it is harmless), for a
+        read (write=0) or a write (1). A byte offset, not an element index, so that it
+        serves strided views too (the host index's interleaved columns: `_at`). The
+        kernels walk rows in a random order, where latency, not bandwidth, bounds them:
+        prefetching AHEAD rows brings a fused update to np.take's pace."""
 
-        def prefetch(typingctx, array, index):  # noqa: ARG001 - numba's signature
+        def prefetch(typingctx, array, offset):  # noqa: ARG001 - numba's signature
             def codegen(context, builder, signature, args):
                 data = context.make_array(signature.args[0])(context, builder, args[0]).data
                 byte_ptr = _ir.IntType(8).as_pointer()
@@ -94,12 +95,12 @@ if numba is not None:
                 module = builder.module
                 name = "llvm.prefetch.p0i8"
                 function = module.globals.get(name) or _ir.Function(module, kind, name=name)
-                address = builder.bitcast(builder.gep(data, [args[1]]), byte_ptr)
+                address = builder.gep(builder.bitcast(data, byte_ptr), [args[1]])
                 # read or write, locality 3 (keep in all caches), data cache (1)
                 builder.call(function, [address, i32(write), i32(3), i32(1)])
                 return context.get_dummy_value()
 
-            return _types.void(array, index), codegen
+            return _types.void(array, offset), codegen
 
         prefetch.__name__ = f"_prefetch_{'write' if write else 'read'}"
         return _intrinsic(prefetch)
@@ -108,18 +109,23 @@ if numba is not None:
     _prefetch_for_write = _prefetcher(1)
 
     @_jit
+    def _at(array, index):
+        """The byte offset of element `index` of a 1-D array (strided or not)."""
+        return index * array.strides[0]
+
+    @_jit
     def _prefetch_row_for_write(matrix, row):
         """Prefetch every cache line of row `row` of a row-major matrix, to write it."""
-        width = matrix.shape[1]
-        for k in range(0, width, 16):
-            _prefetch_for_write(matrix, row * width + k)
+        start = row * matrix.strides[0]
+        for k in range(0, matrix.shape[1] * matrix.itemsize, 64):
+            _prefetch_for_write(matrix, start + k)
 
     @_jit
     def _prefetch_row(matrix, row):
         """Prefetch every cache line of row `row` of a row-major matrix."""
-        width = matrix.shape[1]
-        for k in range(0, width, 16):
-            _prefetch(matrix, row * width + k)
+        start = row * matrix.strides[0]
+        for k in range(0, matrix.shape[1] * matrix.itemsize, 64):
+            _prefetch(matrix, start + k)
 
     @_jit
     def _mix64(x):
@@ -166,7 +172,7 @@ if numba is not None:
     def k_find(table, mask, keys, n, slots):
         for i in range(n):
             if i + AHEAD < n:
-                _prefetch(table, _home(keys[i + AHEAD], mask))
+                _prefetch(table, _at(table, _home(keys[i + AHEAD], mask)))
             slots[i] = _probe(table, mask, keys[i])
 
     @_jit
@@ -227,25 +233,26 @@ if numba is not None:
         """The host tier's find in one pass: slots[i], out[i] = the row of keys[i] (left as
         it was for a miss), found_dirty[i] its dirty flag, and the eviction touch of each
         hit (LRU: score = tick; LFU: +1 per occurrence). Returns the hit count."""
-        # A software pipeline over three dependent random loads per key (its slot key,
-        # the slot's value and score, the row), each prefetched AHEAD keys before use.
+        # A software pipeline over the dependent random loads of each key: its slot (on
+        # the host the slot's key, value and score share a cache line, see HashTable),
+        # prefetched 2 * AHEAD keys before use; then its row and dirty flag, AHEAD before.
         n = keys.shape[0]
         hits = 0
         width = arena.shape[1]
         for i in range(-2 * AHEAD, n):
-            ahead = i + 3 * AHEAD
-            if ahead < n:
-                _prefetch(table, _home(keys[ahead], mask))
             ahead = i + 2 * AHEAD
+            if ahead < n:
+                home = _home(keys[ahead], mask)
+                _prefetch(table, _at(table, home))
+                _prefetch_for_write(scores, _at(scores, home))  # its line, if not the key's
+            ahead = i + AHEAD
             if 0 <= ahead < n:
                 slot = _probe(table, mask, keys[ahead])
                 slots[ahead] = slot
                 if slot >= 0:
-                    _prefetch(values, slot)
-                    _prefetch_for_write(scores, slot)
-            ahead = i + AHEAD
-            if 0 <= ahead < n and slots[ahead] >= 0:
-                _prefetch_row(arena, values[slots[ahead]])
+                    r = values[slot]
+                    _prefetch_row(arena, r)
+                    _prefetch(dirty, _at(dirty, r))
             if i < 0:
                 continue
             slot = slots[i]

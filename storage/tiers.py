@@ -185,7 +185,7 @@ class CacheTier:
     @property
     def compiled(self) -> bool:
         """Whether this is a host tier running the compiled host kernels."""
-        return self.xp is np and isinstance(self.index.launcher, host_kernels.NumbaLauncher)
+        return self.index.compiled_on_host
 
     def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         xp = self.xp

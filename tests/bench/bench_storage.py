@@ -1,6 +1,7 @@
 """Storage-engine benchmarks, each a ratio against a baseline measured in the same run.
 
     python -m tests.bench.bench_storage [--out bench-results/storage.json] [--quick]
+    python -m tests.bench.bench_storage --host-lookup [--dims 16 64 128]   # that case only
 
 Prints a table and writes the figures as JSON. Not part of the test run.
 """
@@ -53,7 +54,7 @@ def bench_host_lookup(root: Path, n: int, dim: int = 64) -> dict:
     """lookup() of n unique resident keys vs np.take on the same arena, precomputed ids."""
     rng = np.random.default_rng(0)
     config = TableConfig(
-        "host", dim, optimizer=optim.SGD(), host_cache_bytes=(n * 400) + (64 << 20)
+        "host", dim, optimizer=optim.SGD(), host_cache_bytes=n * (dim * 4 + 144) + (64 << 20)
     )
     with EmbeddingStore(root / "host") as store:
         table = store.create_table(config)
@@ -250,10 +251,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results/storage.json"))
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    parser.add_argument(
+        "--host-lookup",
+        action="store_true",
+        help="only the host-lookup case, at each of --dims; prints, writes no JSON",
+    )
+    parser.add_argument("--dims", type=int, nargs="+", default=[16, 64, 128])
     args = parser.parse_args()
     scale = 10 if args.quick else 1
     root = Path(tempfile.mkdtemp(prefix="tierps-bench-"))
     warm_up_s = host_kernels.warm_up()  # as a shard does at start
+    if args.host_lookup:
+        try:
+            for dim in args.dims:
+                h = bench_host_lookup(root / f"dim{dim}", 1_000_000 // scale, dim)
+                print(
+                    f"host lookup, {h['keys']:,} keys, dim {dim}: {h['ours_s'] * 1e3:.0f} ms, "
+                    f"np.take {h['baseline_s'] * 1e3:.0f} ms, {h['ratio']:.2f}x (>= 0.9x)"
+                )
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return 0
     try:
         results = {
             "machine": {"python": platform.python_version(), "cpus": __import__("os").cpu_count()},

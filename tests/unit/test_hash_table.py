@@ -697,3 +697,61 @@ def test_insert_absent_agrees_with_dict_model_through_growth() -> None:
         assert table.size <= table.max_load * table.slots
     keys = np.array(list(model), dtype=np.int64)
     np.testing.assert_array_equal(table.values[table.find(keys)], [model[k] for k in keys.tolist()])
+
+
+def _one_buffer(table: HashTable) -> bool:
+    """Whether the table's keys, values and scores are the columns of one [slots, 3] array."""
+    base = table._keys.base
+    return (
+        base is not None
+        and base.shape == (table.slots, 3)
+        and table.values.base is base
+        and table._scores.base is base
+    )
+
+
+@pytest.mark.parametrize("kernels", [None, False])
+def test_host_layout_interleaved_through_rebuilds(kernels) -> None:
+    """On the host (compiled kernels or the array code) a slot's key, value and score share
+    one [slots, 3] array, the same 24 bytes a slot, through growth, a prepare_room rebuild
+    and a restore; the mapping and the scores stay those of a dict model throughout."""
+    rng = np.random.default_rng(7)
+    table = HashTable(16, kernels=kernels)
+    model: dict[int, int] = {}
+    keys = rng.choice(2**40, 3000, replace=False).astype(np.int64)
+    for batch in np.split(keys[:2000], 8):  # growth rehashes several times
+        slots, inserted = table.insert(batch)
+        table.values[slots[inserted]] = batch[inserted] * 3
+        model.update((int(k), int(k) * 3) for k in batch)
+    assert _one_buffer(table) and table.nbytes == 24 * table.slots
+    saved = table.saved()
+    leaving = table.find(keys[:500])
+    rebuilt = table.prepare_room(2500, leaving)
+    assert rebuilt is not None
+    table.install(rebuilt)
+    assert _one_buffer(table)
+    for k in keys[:500]:
+        del model[int(k)]
+    live, values = table.export()
+    assert dict(zip(live.tolist(), values.tolist(), strict=True)) == model
+    table.restore(saved)
+    assert _one_buffer(table)
+    found = table.find(keys[:2000])
+    np.testing.assert_array_equal(table.values[found], keys[:2000] * 3)
+
+
+def test_given_launcher_keeps_separate_arrays() -> None:
+    """A launcher given to the table (the GPU kernels' emulation takes raw pointers) gets
+    three contiguous arrays, as on the GPU."""
+    from tierps.storage import host_kernels
+
+    launcher = host_kernels.host_launcher()
+    if launcher is None:
+        pytest.skip("numba is not installed")
+    table = HashTable(64, kernels=lambda name, threads, args: launcher(name, threads, args))
+    assert not _one_buffer(table)
+    assert all(a.flags.c_contiguous for a in (table._keys, table.values, table._scores))
+    keys = np.arange(1, 200, dtype=np.int64)
+    slots, inserted = table.insert(keys)
+    table.values[slots] = keys + 1
+    np.testing.assert_array_equal(table.values[table.find(keys)], keys + 1)

@@ -304,7 +304,10 @@ class Backend:
     launch: Any  # a Launcher; None: kernels' own cupy launcher
 
     def dev(self, array: np.ndarray) -> Any:
-        return array if self.xp is np else self.xp.asarray(array)
+        """The array where the kernels read it: a copy, as on a GPU, and contiguous (a host
+        table's columns are strided views; CUDA kernels and their emulation take raw
+        pointers)."""
+        return np.ascontiguousarray(array) if self.xp is np else self.xp.asarray(array)
 
     @property
     def table_kernels(self) -> Any:

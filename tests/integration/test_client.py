@@ -97,16 +97,21 @@ def family(method: str) -> str:
     return method.removesuffix("Unary")
 
 
-def rpc_count(server: ShardServer, method: str) -> int:
-    """Calls of `method` (either form) the shard has answered, any status (its
-    tierps_rpc_seconds metric)."""
+def rpc_count(
+    server: ShardServer, method: str, code: str | None = None, *, either_form: bool = True
+) -> int:
+    """Calls of `method` the shard has answered (its tierps_rpc_seconds metric): with
+    `code`, only those answered with it; with `either_form`, a data call's one-message form
+    counted as the streaming one (family)."""
+    name = family if either_form else str
     return int(
         sum(
             sample.value
             for metric in server.metrics.registry.collect()
             for sample in metric.samples
             if sample.name == "tierps_rpc_seconds_count"
-            and family(sample.labels["method"]) == method
+            and name(sample.labels["method"]) == method
+            and (code is None or sample.labels["code"] == code)
         )
     )
 

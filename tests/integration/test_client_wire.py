@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.integration.test_client import rpc_count
 from tierps.client import EmbeddingClient, embedding
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import wire
@@ -41,17 +42,8 @@ def make_client() -> Iterator[Callable[..., EmbeddingClient]]:
 
 
 def calls(server: ShardServer, method: str, code: str = "OK") -> int:
-    """Calls of `method` the shard answered with `code` (its tierps_rpc_seconds metric)."""
-    return int(
-        sum(
-            sample.value
-            for metric in server.metrics.registry.collect()
-            for sample in metric.samples
-            if sample.name == "tierps_rpc_seconds_count"
-            and sample.labels["method"] == method
-            and sample.labels["code"] == code
-        )
-    )
+    """Calls of exactly `method` the shard answered with `code`."""
+    return rpc_count(server, method, code, either_form=False)
 
 
 def sgd_table(name: str, dim: int = DIM, lr: float = LR) -> TableConfig:

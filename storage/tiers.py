@@ -332,15 +332,10 @@ class CacheTier:
             if fused is not None:
                 return self._train_compiled(keys, grads, step, stamp, *fused)
         xp = self.xp
-        slots = self.index.find(xp.asarray(keys))
-        hit = xp.flatnonzero(slots >= 0)
-        if hit.size == 0:
+        resident = self._touch_resident(keys)
+        if resident is None:
             return np.empty(0, dtype=np.int64), None, None
-        self.hits += hit.size
-        everything = hit.size == keys.size
-        hit_slots = slots if everything else slots[hit]
-        self.index.touch(hit_slots)
-        ids = self.index.values[hit_slots]
+        hit, everything, ids = resident
         hit = to_host(hit)
         before, was_dirty = xp.take(self.arena, ids, axis=0), self.dirty[ids].copy()
 
@@ -366,6 +361,20 @@ class CacheTier:
         self.dirty[ids] = True
         return hit, undo, None
 
+    def _touch_resident(self, keys: np.ndarray) -> tuple[Any, bool, Any] | None:
+        """For train_resident: (positions in keys of the keys resident here, whether that is
+        every key, their row ids), each hit counted and its eviction score touched; None
+        when no key is resident."""
+        slots = self.index.find(self.xp.asarray(keys))
+        hit = self.xp.flatnonzero(slots >= 0)
+        if hit.size == 0:
+            return None
+        self.hits += hit.size
+        everything = hit.size == keys.size
+        hit_slots = slots if everything else slots[hit]
+        self.index.touch(hit_slots)
+        return hit, everything, self.index.values[hit_slots]
+
     def _train_compiled(
         self,
         keys: np.ndarray,
@@ -381,15 +390,10 @@ class CacheTier:
         saved, so a non-finite one puts the rows written before it back. When every key is
         here nothing can fail after the pass (the cascade has no other keys to store), so
         no undo is returned; else the saved values and dirty flags make the undo."""
-        slots = self.index.find(keys)
-        hit = np.flatnonzero(slots >= 0)
-        if hit.size == 0:
+        resident = self._touch_resident(keys)
+        if resident is None:
             return np.empty(0, dtype=np.int64), None, None
-        self.hits += hit.size
-        everything = hit.size == keys.size
-        hit_slots = slots if everything else slots[hit]
-        self.index.touch(hit_slots)
-        ids = self.index.values[hit_slots]
+        hit, everything, ids = resident
         resident_grads = np.ascontiguousarray(grads if everything else grads[hit], np.float32)
         width = self.config.row_width
         size = host_kernels.optimizer_slots(kind)

@@ -795,7 +795,10 @@ class EmbeddingClient(ClusterAdmin):
         owner_shard. `pieces` (lookups): a shard's part of LOOKUP_PIECE_BYTES or more goes
         as up to LOOKUP_PIECES calls at once, so that the shard looks one piece up while
         another's reply is on the wire (a lookup changes nothing a failed piece leaves
-        half done; a push stays one call per shard, applied whole or not at all)."""
+        half done). A push is not cut into pieces: its part for a shard is one call, applied
+        whole or not at all, unless that part is over max_call_bytes (256 MiB by default),
+        which only several calls can carry, and a failed one of them leaves the shard's part
+        applied in part (its ShardError then does not count the shard as succeeded)."""
         calls: list[tuple[int, list[Batch]]] = []
         per_shard: list[list[Batch]] = [[] for _ in self.addresses]
         for name, (dim, keys) in tables.items():
@@ -865,10 +868,11 @@ class EmbeddingClient(ClusterAdmin):
                 outcomes.append(error)
         failures = [outcome for outcome in outcomes if isinstance(outcome, ShardError)]
         if failures:
-            failures[0].succeeded = sorted(
-                {shard for (shard, _), outcome in zip(calls, outcomes, strict=True)
-                 if not isinstance(outcome, ShardError)}
-            )  # fmt: skip
+            # a shard counts only if every one of its calls went through (a part of more
+            # than max_call_bytes goes as several calls, which may fail one by one)
+            failed = {shard for (shard, _), outcome in zip(calls, outcomes, strict=True)
+                      if isinstance(outcome, ShardError)}  # fmt: skip
+            failures[0].succeeded = sorted({shard for shard, _ in calls} - failed)
             raise failures[0]
         return outcomes
 

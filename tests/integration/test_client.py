@@ -469,6 +469,41 @@ def test_features_over_two_tables_take_one_lookup_and_one_push_per_shard(
 # -- admin through the client ---------------------------------------------------------------------
 
 
+def test_a_push_failing_in_part_on_one_shard_names_that_shard_not_succeeded(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """A shard's part of a push over max_call_bytes goes as several calls; when one of them
+    fails (an UNAVAILABLE injected into the second), the ShardError must not count that
+    shard as succeeded, although some of its calls went through and their rows changed."""
+    servers = start_cluster(shard_server, 1)
+    client = make_client(servers, max_call_bytes=1000)
+    client.create_table(config("t", optimizer=optim.SGD(lr=1.0)))
+    keys = np.arange(100, dtype=np.int64)
+    before = client.lookup("t", keys)
+    real_push, calls = client._push_one[0], []
+
+    class Unavailable(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self) -> str:
+            return "injected: shard stopping"
+
+    def second_call_fails(request: Any, timeout: float | None = None) -> Any:
+        calls.append(request)
+        if len(calls) == 2:
+            raise Unavailable()
+        return real_push(request, timeout=timeout)
+
+    client._push_one[0] = second_call_fails
+    with pytest.raises(ShardError) as raised:
+        client.push_gradients("t", keys, np.ones((keys.size, DIM), np.float32))
+    assert len(calls) > 2, "the push was not split into several calls"
+    assert raised.value.succeeded == []
+    changed = int((client.lookup("t", keys) != before).any(axis=1).sum())
+    assert 0 < changed < keys.size  # applied in part: why the shard is not "succeeded"
+
+
 def test_admin_calls_through_the_client(
     shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
 ) -> None:

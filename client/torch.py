@@ -31,6 +31,11 @@ and gradients sync with the device.
 `flush()` waits for the pushes in flight and raises a failure of one; `close()` (or leaving
 a `with module:` block) also stops the background thread, which a later call restarts.
 
+A table is pipelined by one module at a time (per client): each module orders its own
+lookups after its own pushes, so two modules pipelining one table would each miss the
+other's pushes. Features that share a table belong in one EmbeddingBagCollection; a second
+module's training prefetch of a table another live module pipelines is refused.
+
 On a CUDA model: given a batch on a GPU (CUDA tensors or cupy arrays), the modules pool it
 there (tierps.client.device_pooling) and return tensors on that device; backward runs there
 too and sends only the distinct keys' gradients to the host for the push. Given a batch on
@@ -123,6 +128,13 @@ def _stop(worker: ThreadPoolExecutor) -> None:
     worker.shutdown(wait=False)
 
 
+# Which live module pipelines each table, per client (see the module docstring).
+_PIPELINED: weakref.WeakKeyDictionary[EmbeddingClient, weakref.WeakValueDictionary[str, Any]] = (
+    weakref.WeakKeyDictionary()
+)
+_PIPELINED_LOCK = threading.Lock()
+
+
 class EmbeddingBagCollection(nn.Module):
     """Pooled embeddings of several features, each bound to a table of the cluster.
 
@@ -212,9 +224,35 @@ class EmbeddingBagCollection(nn.Module):
         self._wait_for_pushes()
         self._raise_failure()
 
+    def _claim_tables(self) -> None:
+        """Make this module the one that pipelines its tables on its client, or refuse."""
+        tables = {feature.table for feature in self.features}
+        with _PIPELINED_LOCK:
+            owners = _PIPELINED.setdefault(self.client, weakref.WeakValueDictionary())
+            for table in sorted(tables):
+                owner = owners.get(table)
+                if owner is not None and owner is not self:
+                    raise ValueError(
+                        f"table {table!r}: expected one module to pipeline it per client, "
+                        f"but another live module ({type(owner).__name__} of features "
+                        f"{[f.name for f in owner.features]}) already prefetches it; put "
+                        f"the features sharing a table in one EmbeddingBagCollection, or "
+                        f"close() the other module first"
+                    )
+            for table in tables:
+                owners[table] = self
+
+    def _release_tables(self) -> None:
+        with _PIPELINED_LOCK:
+            owners = _PIPELINED.get(self.client)
+            for feature in self.features if owners is not None else ():
+                if owners.get(feature.table) is self:
+                    del owners[feature.table]
+
     def close(self) -> None:
         """flush(), then stop the background thread (prefetched lookups are dropped). The
         module stays usable: a later prefetch or background push starts a new thread."""
+        self._release_tables()
         worker, finalizer = self._worker, self._finalizer
         self._worker = self._finalizer = None
         self._prefetched.clear()
@@ -297,6 +335,8 @@ class EmbeddingBagCollection(nn.Module):
     def _prefetch(self, key: tuple[Any, ...], batch: Mapping[str, FeatureBatch]) -> None:
         self._raise_failure()
         create = self._trains()  # grad mode is per thread: read it here
+        if create:
+            self._claim_tables()
         try:
             prepared: _PreparedPooling | Exception = self._prepare(batch)
         except Exception as error:  # a bad batch: raised by its forward, as before

@@ -137,6 +137,9 @@ class Trainer:
             self.model, dataset, self.dense, self.sparse, batch_size=batch_size,
             shuffle_seed=seed, max_batches=steps,
         )  # fmt: skip
+        # trainers alternate over shared tables, and a table is pipelined by one module at
+        # a time: stop this one's background work before the next trainer's chunk
+        self.model.embeddings.close()
         return samples / seconds
 
 
@@ -169,8 +172,6 @@ def run_case(case: Case, client: EmbeddingClient, rounds: int) -> dict:
             rate = trainer.chunk(dataset, case.batch_size, case.steps, seed=round_index)
             if round_index:
                 figures[name].append(rate)
-    for trainer in made.values():
-        trainer.model.embeddings.close()
     medians = {name: statistics.median(rates) for name, rates in figures.items()}
     local = medians["local"]
     return {

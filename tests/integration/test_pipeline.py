@@ -310,6 +310,32 @@ def test_the_background_threads_end_on_close_and_with_the_module(
     assert _pipeline_threads() == []
 
 
+def test_a_table_is_pipelined_by_one_module_at_a_time(
+    cluster: tuple[EmbeddingClient, list],
+) -> None:
+    """Two modules pipelining one table would each order their lookups after their own
+    pushes only, missing the other's: the second one's training prefetch is refused (and
+    changes nothing), until the first is closed."""
+    client, _ = cluster
+    new_table(client, optim.SGD(lr=0.5), seed=10)
+    table = FEATURES[0].table
+    first = tierps_torch.EmbeddingBag(client, table)
+    second = tierps_torch.EmbeddingBag(client, table, staleness=1)
+    keys = torch.tensor([[int(KEYS[0]), int(KEYS[1])]])
+    first.prefetch(keys)
+    before = client.lookup(table, KEYS, create=False)
+    with pytest.raises(ValueError, match=f"table '{table}': expected one module"):
+        second.prefetch(keys)
+    with torch.no_grad():
+        second.prefetch(keys)  # an evaluation lookup pushes nothing: it may overlap
+    first.close()
+    second.prefetch(keys)
+    second(keys).sum().backward()
+    second.close()
+    np.testing.assert_array_equal(client.lookup(table, KEYS[2:], create=False), before[2:])
+    assert not np.array_equal(client.lookup(table, KEYS[:2], create=False), before[:2])
+
+
 def test_eval_mode_and_no_grad_push_nothing_and_create_no_rows(
     cluster: tuple[EmbeddingClient, list],
 ) -> None:

@@ -803,10 +803,9 @@ class EmbeddingClient(ClusterAdmin):
         per_shard: list[list[Batch]] = [[] for _ in self.addresses]
         for name, (dim, keys) in tables.items():
             config = self.table_config(name)
-            whole = config.placement is Placement.TABLE or self.num_shards == 1
-            if whole:  # every key on one shard: no split
+            table_placed = config.placement is Placement.TABLE
+            if table_placed or self.num_shards == 1:  # every key on one shard: no split
                 if keys.size:
-                    table_placed = config.placement is Placement.TABLE
                     owner = owner_shard(config, self.num_shards) if table_placed else 0
                     per_shard[owner].append((name, dim, keys, np.arange(keys.size)))
                 continue

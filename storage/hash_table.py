@@ -70,10 +70,8 @@ def _pick_kernels(xp: ModuleType, kernels: Any) -> _kernels.Launcher | None:
     if kernels is True:
         found = _kernels.launcher_for(xp)
         if found is None:
-            if xp is np:
-                reason = host_kernels.unavailable_reason()
-            else:
-                reason = _kernels.unavailable_reason()
+            source = host_kernels if xp is np else _kernels
+            reason = source.unavailable_reason()
             raise RuntimeError(
                 f"HashTable: field 'kernels' asked for the compiled kernels, but they are "
                 f"unavailable: {reason}"

@@ -263,15 +263,15 @@ class EmbeddingTable:
             deepest = len(self.tiers) if create else len(self.tiers) - 1
             promote = (depth > 0) & (depth <= deepest)
             created = 0
-            if promote.all() and all_distinct(keys):  # e.g. a first touch: no copies
-                moved, moved_rows, moved_dirty = keys, rows, dirty
-                created = int(np.count_nonzero(depth == len(self.tiers)))
-            elif promote.any():
-                moved, first = np.unique(keys[promote], return_index=True)
-                picked = np.flatnonzero(promote)[first]
-                moved_rows, moved_dirty = rows[picked], dirty[picked]
-                created = int(np.count_nonzero(depth[picked] == len(self.tiers)))
             if promote.any():
+                if promote.all() and all_distinct(keys):  # e.g. a first touch: no copies
+                    moved, moved_rows, moved_dirty = keys, rows, dirty
+                    created = int(np.count_nonzero(depth == len(self.tiers)))
+                else:
+                    moved, first = np.unique(keys[promote], return_index=True)
+                    picked = np.flatnonzero(promote)[first]
+                    moved_rows, moved_dirty = rows[picked], dirty[picked]
+                    created = int(np.count_nonzero(depth[picked] == len(self.tiers)))
                 try:
                     self._store(moved, moved_rows, moved_dirty)
                 except BackendError as error:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
-from tierps.client.admin import ClusterAdmin, RetryPolicy, ShardError
+from tierps.client.admin import ClusterAdmin, Progress, RetryPolicy, ShardError
 from tierps.client.formats import (
     COO,
     Bags,
@@ -763,16 +763,32 @@ class EmbeddingClient(ClusterAdmin):
                     self._steps[table] = max(self._steps.get(table, 0), given)
         return updated
 
+    def table_step(self, name: str) -> int:
+        """The table's step clock on the cluster: the largest step pushed to it on any shard
+        (0: none yet). It is kept across shard restarts and in snapshots, so a trainer that
+        starts again, or loads a snapshot, continues from it."""
+        return max(int(described.get("current_step", 0)) for described in self.describe(name))
+
+    def load_snapshot(self, name: str, *, progress: Progress | None = None) -> dict[str, Any]:
+        result = super().load_snapshot(name, progress=progress)
+        with self._lock:  # the tables' clocks are the snapshot's now: learn them again
+            self._steps.clear()
+        return result
+
     def _reserve_steps(self, tables: list[str], step: int | None) -> dict[str, int]:
         """The step of a push to each table: the one given, or one more than the last push's
-        (reserved at once, so concurrent pushes to a table get distinct steps)."""
+        (reserved at once, so concurrent pushes to a table get distinct steps). A table this
+        client has not pushed to yet continues from its clock on the cluster (table_step)."""
         if step is not None:
             for table in tables:
                 check_step(f"table {table!r}", step)
             return dict.fromkeys(tables, int(step))
         with self._lock:
+            unknown = [table for table in tables if table not in self._steps]
+        learned = {table: self.table_step(table) for table in unknown}
+        with self._lock:
             for table in tables:
-                self._steps[table] = self._steps.get(table, 0) + 1
+                self._steps[table] = self._steps.get(table, learned.get(table, 0)) + 1
             return {table: self._steps[table] for table in tables}
 
     def _release_steps(self, steps: dict[str, int]) -> None:

@@ -54,7 +54,7 @@ from concurrent.futures import wait as wait_for
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -68,6 +68,9 @@ from tierps.client.embedding import (
     _PreparedPooling,
 )
 from tierps.client.pooling import Combiner
+
+if TYPE_CHECKING:
+    from tierps.client.distributed import TrainerGroup
 
 MAX_PREFETCHED = 4  # prefetched batches kept for their forward; older ones are dropped
 STALENESS = (0, 1)  # the schedules a module offers (see the module docstring)
@@ -187,6 +190,8 @@ class EmbeddingBagCollection(nn.Module):
         self._last_push: Future[None] | None = None  # the latest background push
         self._failure: BaseException | None = None  # of a background push, not yet raised
         self._failure_lock = threading.Lock()
+        # the TrainerGroup (tierps.client.distributed) that steps and pushes with other ranks
+        self._group: TrainerGroup | None = None
 
     # -- the background thread ---------------------------------------------------------------
 
@@ -284,8 +289,12 @@ class EmbeddingBagCollection(nn.Module):
         (staleness 1): a host lookup's per-key gradients computed here (new arrays), a
         device lookup's gradients copied (autograd may reuse its buffers) and all of its
         push done there. Then the lookups deferred to it start."""
-        if self.staleness == 0:
-            pooled.push_gradients(_gradients(pooled, grads))
+        group = self._group
+        step = None if group is None else group.step  # a group's pushes carry the job's step
+        if group is not None and group.mode == "sync":
+            group._push_together(self, pooled._key_gradients(_gradients(pooled, grads)))
+        elif self.staleness == 0:
+            pooled.push_gradients(_gradients(pooled, grads), step)
         else:
             if pooled.device is None:
                 pushes = pooled._key_gradients(_gradients(pooled, grads))
@@ -294,16 +303,20 @@ class EmbeddingBagCollection(nn.Module):
                 given = {name: grad.detach().clone() for name, grad in grads.items()}
                 send = functools.partial(pooled.push_gradients, given)
             stream = _current_stream()
-            self._last_push = self._submit(self._push_in_background, send, stream)
+            self._last_push = self._submit(self._push_in_background, send, step, stream)
+            if group is not None:
+                group._track(step, self._last_push)
         self._pushes += 1
         for entry in self._prefetched:
             if entry.future is None:  # deferred to this push
                 self._submit_lookup(entry)
 
-    def _push_in_background(self, send: Callable[[int | None], int], stream: Any) -> None:
+    def _push_in_background(
+        self, send: Callable[[int | None], int], step: int | None, stream: Any
+    ) -> None:
         try:
             with _on_stream(stream):
-                send(None)
+                send(step)
         except BaseException as error:  # noqa: BLE001 - kept for the caller's next call
             error.add_note(
                 "tierps: this push ran in the background (staleness 1) after its backward "

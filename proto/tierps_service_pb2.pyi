@@ -208,7 +208,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., hit_rate: _Optional[float] = ...) -> None: ...
 
 class TableDescription(_message.Message):
-    __slots__ = ("config", "shard_id", "num_shards", "tiers", "initialized", "created", "lifecycle")
+    __slots__ = ("config", "shard_id", "num_shards", "tiers", "initialized", "created", "lifecycle", "current_step")
     class LifecycleEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +223,7 @@ class TableDescription(_message.Message):
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_STEP_FIELD_NUMBER: _ClassVar[int]
     config: TableConfig
     shard_id: int
     num_shards: int
@@ -230,7 +231,8 @@ class TableDescription(_message.Message):
     initialized: int
     created: int
     lifecycle: _containers.ScalarMap[str, float]
-    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., initialized: _Optional[int] = ..., created: _Optional[int] = ..., lifecycle: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    current_step: int
+    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., initialized: _Optional[int] = ..., created: _Optional[int] = ..., lifecycle: _Optional[_Mapping[str, float]] = ..., current_step: _Optional[int] = ...) -> None: ...
 
 class SaveSnapshotRequest(_message.Message):
     __slots__ = ("name", "phase", "save_id")

@@ -123,6 +123,7 @@ def _description(described: dict[str, Any]) -> pb.TableDescription:
         initialized=described["initialized"],
         created=described["created"],
         lifecycle=described["lifecycle"],
+        current_step=described["current_step"],
     )
 
 

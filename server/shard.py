@@ -379,6 +379,7 @@ class Shard:
             "initialized": stats["initialized"],
             "created": stats["created"],
             "lifecycle": _lifecycle(stats),
+            "current_step": table.current_step,
         }
 
     def stats(self) -> dict[str, Any]:

@@ -1,0 +1,377 @@
+"""Many trainers against one cluster: data-parallel training with torch.distributed.
+
+Launch the trainers with `torchrun`. Each rank makes its own EmbeddingClient and embedding
+modules (tierps.client.torch), wraps the dense part in DistributedDataParallel as usual, and
+hands its embedding modules to a TrainerGroup, which coordinates their pushes with the other
+ranks over a gloo process group of its own (so that it never interleaves with DDP's
+collectives) and counts the job's steps:
+
+    dist.init_process_group("gloo")                       # torchrun set the env
+    client = EmbeddingClient(addresses)
+    ebc = EmbeddingBagCollection(client, features)
+    model = DistributedDataParallel(Dense())
+    group = TrainerGroup(client, [ebc], mode="sync")
+    state = group.load_checkpoint(ckpt_dir)                # None: a new job
+    for batch in group.pipeline(my_share_of(loader, skip=group.step), (ebc, features_of)):
+        loss = loss_fn(model(ebc(batch.sparse), batch.dense), batch.labels)
+        loss.backward()                                    # pushes, with the others
+        optimizer.step(); optimizer.zero_grad()
+        if group.step % 1000 == 0:
+            group.save_checkpoint(ckpt_dir, {"model": model.state_dict(), ...})
+
+Every rank must take the same number of steps (as DDP requires), and a module's features
+must be the same, in the same order, on every rank.
+
+Consistency modes (`mode`):
+
+- "sync" (the default): each step, backward gathers every rank's gradients of its distinct
+  keys (one all_gather), sums them per key and divides by the world size (the mean over the
+  global batch, as DDP averages the dense gradients), and pushes each key's update once:
+  the keys are split among the ranks, each pushing its share. Every rank then waits until
+  all shares are acknowledged (one all_reduce, which also tells every rank of a failed
+  push) before any looks up the next step. Training equals one trainer taking the ranks'
+  batches together as one, up to the order of float summation. Costs: each rank receives
+  every rank's gradients, and the lookups of step t + 1 wait for step t's pushes.
+- "async" with `staleness` k >= 1: each rank pushes its own gradients in the background
+  (the modules run at staleness 1), without waiting for the others; the dense part stays
+  synchronous under DDP. A lookup for step t sees every rank's pushes of steps <= t - 1 - k
+  (Persia's hybrid): before each step's lookups the ranks agree, by one all_reduce of two
+  integers, on the step up to which all their pushes are acknowledged, and a rank whose own
+  pushes lag waits for them. A key two ranks push at one step gets two optimizer updates.
+  Faster (pushes overlap the next steps' work), but not the global batch's training.
+
+The observed staleness (how many steps of other ranks' pushes a step's lookup may miss) is
+`TrainerGroup.staleness_seen` and the Prometheus histogram
+`tierps_trainer_sparse_staleness_steps` of the trainer process.
+
+One step clock for every table: a push of step t carries t, the job's step, on every rank
+and for every table, so Adam's and FTRL's bias corrections, eviction's steps_to_live and the
+snapshot see the same step whatever the number of trainers (a table not pushed at some step
+sees that step go by, as with a global step). A new group starts from the largest step its
+tables hold on the cluster (EmbeddingClient.table_step), and load_checkpoint from the step
+the checkpoint saved.
+
+Job checkpoints: save_checkpoint is a consistent cut across all ranks, at a step boundary
+with no push in flight: every rank waits for its pushes, a barrier, then rank 0 saves the
+shards' snapshot and the dense state it is given (torch.save) under one id, and records it
+as the latest only once both are written. load_checkpoint loads the latest into the cluster
+and returns the dense state on every rank.
+
+A trainer that dies: a rank killed mid-step may leave a push of that step applied on some
+shards and not others; the other ranks' next collective fails, so they are told and stop,
+and `torchrun --max-restarts` restarts the job, whose load_checkpoint puts back every row
+of the last checkpoint (a snapshot load replaces whole tables), erasing the half push.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from prometheus_client import Histogram
+
+from tierps.client.embedding import EmbeddingClient
+from tierps.client.torch import EmbeddingBagCollection, PipelinedModule, _collection
+
+MODES = ("sync", "async")
+LATEST = "latest.json"  # in a checkpoint directory: the id of the latest whole checkpoint
+
+STALENESS_SEEN = Histogram(
+    "tierps_trainer_sparse_staleness_steps",
+    "Steps of other ranks' pushes a training step's lookups may miss (TrainerGroup, async: "
+    "at most its staleness; sync: 0)",
+    buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
+)
+
+Item = TypeVar("Item")
+
+
+class TrainerGroupError(RuntimeError):
+    """A push of another rank failed: this step's update is missing on some shards."""
+
+
+class TrainerGroup:
+    """The sparse side of data-parallel training: this rank's embedding modules, pushing
+    with the other ranks' (see the module docstring for the modes, the step clock,
+    checkpoints and a rank that dies).
+
+    client: this rank's EmbeddingClient (the modules' client). modules: this rank's
+    EmbeddingBagCollection / EmbeddingBag modules, the same on every rank; the group sets
+    their staleness (sync: 0; async: 1) and owns their pushes. mode: "sync" or "async";
+    staleness: async's bound k >= 1 (sync: 0). Needs torch.distributed initialized; making
+    a group is a collective call (every rank makes its groups in the same order)."""
+
+    def __init__(
+        self,
+        client: EmbeddingClient,
+        modules: Sequence[PipelinedModule],
+        *,
+        mode: str = "sync",
+        staleness: int = 0,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "TrainerGroup: torch.distributed expected initialized (init_process_group, "
+                "as under torchrun), got none"
+            )
+        if mode not in MODES:
+            raise ValueError(f"TrainerGroup: mode expected one of {MODES}, got {mode!r}")
+        if isinstance(staleness, bool) or not isinstance(staleness, int):
+            raise ValueError(f"TrainerGroup: staleness expected an int, got {staleness!r}")
+        if mode == "sync" and staleness != 0:
+            raise ValueError(
+                f"TrainerGroup: staleness expected 0 in sync mode (every push applied before "
+                f"the next step's lookups), got {staleness}; use mode='async' for a bound"
+            )
+        if mode == "async" and staleness < 1:
+            raise ValueError(
+                f"TrainerGroup: staleness expected >= 1 in async mode (a lookup may miss up "
+                f"to that many steps of other ranks' pushes), got {staleness}; use "
+                f"mode='sync' for none"
+            )
+        self.client = client
+        self.mode = mode
+        self.staleness = staleness
+        self.modules = [_collection(module) for module in modules]
+        for module in self.modules:
+            if module.client is not client:
+                raise ValueError(
+                    "TrainerGroup: every module expected on the group's client, got one "
+                    f"on another (features {[f.name for f in module.features]})"
+                )
+            if module._group is not None and module._group is not self:
+                raise ValueError(
+                    f"TrainerGroup: module of features {[f.name for f in module.features]} "
+                    f"expected in one group, but another group has it"
+                )
+            module.flush()
+            module.staleness = 0 if mode == "sync" else 1
+            module._group = self
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        # the group's own collectives: never interleaved with DDP's on the default group
+        self._collectives = dist.new_group(backend="gloo")
+        self.tables = sorted({f.table for module in self.modules for f in module.features})
+        # the job's step: the last step begun (0: none); rank 0's reading of the cluster
+        self.step = self._agree(max((client.table_step(t) for t in self.tables), default=0))
+        self.staleness_seen = 0  # the latest step's observed staleness
+        self.max_staleness_seen = 0
+        self._pending: deque[tuple[int, Future[Any]]] = deque()  # async: pushes in flight
+
+    # -- collectives -------------------------------------------------------------------------
+
+    def _agree(self, value: int) -> int:
+        """Rank 0's value, on every rank (a broadcast: every rank has read its own first)."""
+        box = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(box, src=0, group=self._collectives)
+        return int(box.item())
+
+    def _failed_ranks(self, failed: bool) -> list[int]:
+        """Which ranks report a failure (an all_gather; also a barrier)."""
+        flags = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(flags, torch.tensor([int(failed)]), group=self._collectives)
+        return [rank for rank, flag in enumerate(flags) if int(flag.item())]
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def pipeline(
+        self, items: Iterable[Item], *modules: tuple[PipelinedModule, Callable[[Item], Any]]
+    ) -> Iterator[Item]:
+        """Yield the items in order, one step each: group.step counts them on from the
+        step the group started at (or load_checkpoint restored), and the pushes of an
+        item's backward carry it. Before an item is yielded, each (module, inputs) given
+        starts the lookup of the next item (as tierps.client.torch.pipeline); in async mode
+        the ranks first agree that those lookups are within the staleness bound. After
+        the last item, every module is flushed."""
+        iterator = iter(items)
+        try:
+            upcoming = next(iterator)
+        except StopIteration:
+            return
+        try:
+            while True:
+                item = upcoming
+                try:
+                    upcoming = next(iterator)
+                    more = True
+                except StopIteration:
+                    more = False
+                self.step += 1
+                if self.mode == "async":  # the earliest lookup started before the next yield
+                    self._bound_staleness(self.step + 1 if more and modules else self.step)
+                if more:
+                    for module, inputs in modules:
+                        given = inputs(upcoming)
+                        if isinstance(given, tuple):
+                            module.prefetch(*given)
+                        else:
+                            module.prefetch(given)
+                yield item
+                if not more:
+                    break
+        finally:  # a loop left early: its pushes still finish (a failure: next call)
+            for module in self.modules:
+                module._wait_for_pushes()
+        self.flush()
+
+    def flush(self) -> None:
+        """Wait until every push of this rank's modules is applied; raise a failed one."""
+        for module in self.modules:
+            module.flush()
+        self._pending.clear()
+
+    # -- pushes (called by the modules' backward) --------------------------------------------
+
+    def _push_together(
+        self, module: EmbeddingBagCollection, pushes: dict[str, tuple[np.ndarray, np.ndarray]]
+    ) -> None:
+        """Sync mode's push of one module at group.step: every rank's per-key gradients
+        gathered, summed per key, divided by the world size, and each rank's share of the
+        keys pushed; then every rank learns whether all shares were applied."""
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, pushes, group=self._collectives)
+        share = {}
+        for table in sorted({table for part in gathered for table in part}):
+            parts = [part[table] for part in gathered if table in part]
+            keys = np.concatenate([keys for keys, _ in parts])
+            grads = np.concatenate([grads for _, grads in parts])
+            unique, inverse = np.unique(keys, return_inverse=True)
+            summed = np.zeros((unique.size, grads.shape[1]), dtype=np.float32)
+            np.add.at(summed, inverse, grads)  # in rank order, the same on every rank
+            summed /= np.float32(self.world_size)
+            low = self.rank * unique.size // self.world_size
+            high = (self.rank + 1) * unique.size // self.world_size
+            share[table] = (unique[low:high], summed[low:high])
+        error: BaseException | None = None
+        try:
+            module.client._push_unique(share, self.step)
+        except Exception as failure:  # every rank must hear of it before raising
+            error = failure
+        failed = self._failed_ranks(error is not None)
+        if error is not None:
+            error.add_note(
+                f"tierps: rank {self.rank}'s share of step {self.step}'s push failed "
+                f"(ranks failed: {failed}); resume from the last checkpoint"
+            )
+            raise error
+        if failed:
+            raise TrainerGroupError(
+                f"step {self.step}: the push of ranks {failed} failed, so this step's update "
+                f"of their share of the keys is missing on some shards; resume from the last "
+                f"checkpoint (rank {self.rank}'s share was applied)"
+            )
+
+    def _track(self, step: int, pushed: Future[Any]) -> None:
+        """Async mode: a push of `step` handed to a module's background thread."""
+        self._pending.append((step, pushed))
+
+    def _bound_staleness(self, lookup_step: int) -> None:
+        """Async mode, before lookups for `lookup_step` start: wait for this rank's pushes
+        of steps <= lookup_step - 1 - staleness, then agree with the other ranks on the step
+        every rank's pushes are applied up to (an all_reduce MIN, also carrying whether a
+        rank's push failed). Records the observed staleness."""
+        need = lookup_step - 1 - self.staleness
+        while self._pending and (self._pending[0][0] <= need or self._pending[0][1].done()):
+            wait_for([self._pending.popleft()[1]])
+        # this rank's pushes are applied up to: the step before its oldest one in flight,
+        # else every step before the current one (the current step pushes later)
+        applied = self._pending[0][0] - 1 if self._pending else self.step - 1
+        failed = any(module._failure is not None for module in self.modules)
+        box = torch.tensor([applied, -int(failed)], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self._collectives)
+        if int(box[1].item()) < 0:
+            for module in self.modules:
+                module._raise_failure()  # this rank's own failure, if it is one
+            raise TrainerGroupError(
+                f"step {self.step}: another rank's background push failed, so its update is "
+                f"missing on some shards; resume from the last checkpoint"
+            )
+        seen = max(0, lookup_step - 1 - int(box[0].item()))
+        if seen > self.staleness:  # cannot happen: every rank waited for `need` above
+            raise AssertionError(f"staleness {seen} above the bound {self.staleness}")
+        self.staleness_seen = seen
+        self.max_staleness_seen = max(self.max_staleness_seen, seen)
+        STALENESS_SEEN.observe(seen)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str | os.PathLike[str], state: Any = None) -> str:
+        """A consistent cut of the job at the end of group.step, on every rank at once: each
+        rank waits for its pushes (no push in flight anywhere), then rank 0 saves the shards'
+        snapshot and `state` (the dense model's and optimizer's state_dict, for instance;
+        torch.save) under one id in `directory` (shared by the ranks), then marks it the
+        latest. Returns the id (also the snapshot's name)."""
+        self.flush()
+        failed = self._failed_ranks(False)  # a barrier: every rank's pushes are in
+        if failed:
+            raise TrainerGroupError(f"checkpoint at step {self.step}: ranks {failed} failed")
+        checkpoint = f"ckpt-step{self.step:010d}-{uuid.uuid4().hex[:8]}"
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                root = Path(directory)
+                root.mkdir(parents=True, exist_ok=True)
+                self.client.save_snapshot(checkpoint)
+                saved = {"step": self.step, "world_size": self.world_size, "mode": self.mode,
+                         "snapshot": checkpoint, "state": state}  # fmt: skip
+                _write_atomically(root / f"{checkpoint}.pt", lambda f: torch.save(saved, f))
+                latest = json.dumps({"checkpoint": checkpoint, "step": self.step}).encode()
+                _write_atomically(root / LATEST, lambda f: f.write(latest))
+            except Exception as failure:  # the others must not wait for a cut that failed
+                error = failure
+        failed = self._failed_ranks(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise TrainerGroupError(f"checkpoint at step {self.step} failed on rank 0")
+        return checkpoint
+
+    def load_checkpoint(self, directory: str | os.PathLike[str]) -> Any:
+        """Resume from the latest checkpoint in `directory`, on every rank at once: rank 0
+        loads its snapshot into the cluster (every table of it replaced whole), then each
+        rank reads the saved state and group.step becomes the saved step. Returns the
+        state given to save_checkpoint, or None where `directory` holds no checkpoint
+        (group.step is then unchanged)."""
+        self.flush()
+        root = Path(directory)
+        latest = root / LATEST
+        checkpoint = json.loads(latest.read_bytes())["checkpoint"] if latest.exists() else None
+        error: BaseException | None = None
+        if self.rank == 0 and checkpoint is not None:
+            try:
+                self.client.load_snapshot(checkpoint)
+            except Exception as failure:
+                error = failure
+        failed = self._failed_ranks(error is not None)  # every rank after the load
+        if error is not None:
+            raise error
+        if failed:
+            raise TrainerGroupError(f"loading checkpoint {checkpoint!r} failed on rank 0")
+        if checkpoint is None:
+            return None
+        saved = torch.load(root / f"{checkpoint}.pt", weights_only=False)
+        self.step = int(saved["step"])
+        return saved["state"]
+
+
+def _write_atomically(path: Path, write: Callable[[Any], Any]) -> None:
+    """Write a file whole or not at all: to a temporary name, synced, then renamed."""
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(temporary, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)

@@ -179,20 +179,40 @@ class CTRDataset:
         )
 
     def batches(
-        self, split: str, batch_size: int, *, shuffle_seed: int | None = None
+        self,
+        split: str,
+        batch_size: int,
+        *,
+        shuffle_seed: int | None = None,
+        share: tuple[int, int] = (0, 1),
     ) -> Iterator[Batch]:
         """Batches of `split` in order, or shuffled by shuffle_seed (the same seed gives the
-        same order); the last batch may be smaller."""
+        same order); the last batch may be smaller. share=(rank, ranks): data-parallel
+        training's part of each batch for one of `ranks` trainers, its contiguous
+        1/ranks of the samples (so the ranks' parts of a step make the one batch of
+        batch_size); a last batch of fewer samples than ranks is left out."""
         if batch_size < 1:
             raise ValueError(f"batch_size expected >= 1, got {batch_size}")
+        rank, ranks = share
+        if not 0 <= rank < ranks <= batch_size:
+            raise ValueError(
+                f"share expected (rank, ranks) with 0 <= rank < ranks <= batch_size "
+                f"({batch_size}), got {share}"
+            )
         rows = self.rows(split)
         if shuffle_seed is not None:
             rows = np.random.default_rng(shuffle_seed).permutation(rows)
         for start in range(0, rows.size, batch_size):
-            yield self.batch(rows[start : start + batch_size])
+            chunk = rows[start : start + batch_size]
+            if chunk.size < ranks:
+                break
+            yield self.batch(chunk[rank * chunk.size // ranks : (rank + 1) * chunk.size // ranks])
 
-    def num_batches(self, split: str, batch_size: int) -> int:
-        return -(-self.rows(split).size // batch_size)
+    def num_batches(self, split: str, batch_size: int, ranks: int = 1) -> int:
+        """How many batches `batches` gives (for each of `ranks` trainers)."""
+        size = self.rows(split).size
+        whole, rest = divmod(size, batch_size)
+        return whole + (rest >= ranks)
 
     def subset(self, train: int | None = None, test: int | None = None) -> CTRDataset:
         """The same samples with only the first `train` train rows and `test` test rows."""

@@ -4,11 +4,14 @@ local cluster, and report what happened.
     tierps demo [--dataset movielens|synthetic] [--data-dir ./tierps-data] [--epochs N]
                 [--batch-size B] [--dim D] [--shards 2] [--seed S] [--samples N]
                 [--staleness 0|1]   (default 1: a lookup may miss the previous push)
+                [--trainers N [--mode sync|async] [--staleness K]]
 
 It starts a LocalCluster (shards under <data-dir>/demo-cluster-<shards>, snapshots under
 <data-dir>/snapshots), drops the demo's tables left by an earlier run and creates them
 afresh, trains with a progress bar, prints per epoch the train and test logloss and AUC,
-samples/s and each tier's hit rate, saves a snapshot, and stops the cluster.
+samples/s and each tier's hit rate, saves a snapshot, and stops the cluster. With --trainers
+N, N data-parallel trainers under torchrun train instead (tierps.demo.trainers), each on its
+share of every batch, saving a job checkpoint after each epoch.
 
 The pieces are functions that the tests and the benchmark reuse: `train_epoch`, `evaluate`,
 `build_local_model`, `build_tierps_model`, `create_tables`, `tier_hit_rates`, `auc`. This
@@ -22,7 +25,7 @@ import argparse
 import itertools
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,7 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from tierps.client import EmbeddingClient
-    from tierps.demo.data import CTRDataset
+    from tierps.demo.data import Batch, CTRDataset
     from tierps.demo.deepfm import DeepFM, SparseOptimizer
 
 DEFAULT_EPOCHS = {"movielens": 5, "synthetic": 1}  # synthetic overfits from the 2nd epoch
@@ -43,6 +46,9 @@ DEFAULT_DIM = 16
 # (exact); the demo trains at 1, measured as fast or faster with the same test AUC
 # (docs/architecture.md, "Pipelined training").
 DEFAULT_STALENESS = 1
+# With --trainers and --mode async: at 1 every step waits for the previous step's pushes of
+# every trainer; at 2 they overlap a whole step (docs/architecture.md, "Many trainers").
+DEFAULT_ASYNC_STALENESS = 2
 DEFAULT_LR = 1e-3
 DEFAULT_SAMPLES = 200_000
 EVAL_BATCH_SIZE = 8192
@@ -187,30 +193,38 @@ def train_epoch(
     shuffle_seed: int,
     progress: str | None = None,
     max_batches: int | None = None,
+    share: tuple[int, int] = (0, 1),
+    steps: Callable[[Iterable[Batch]], Iterable[Batch]] | None = None,
+    forward: Callable[[Batch], torch.Tensor] | None = None,
 ) -> tuple[float, float, float, int]:
     """One pass over the train rows in the order shuffle_seed gives, through the model's
     embedding pipeline (tierps: the next batch is looked up while one trains, as the
-    tables' staleness allows). Returns (train logloss, train AUC, seconds, samples)."""
+    tables' staleness allows). Returns (train logloss, train AUC, seconds, samples).
+    Data-parallel training (tierps.demo.trainers) gives this rank's `share` of each
+    batch (CTRDataset.batches), the group's `steps` (TrainerGroup.pipeline) in place of
+    the embeddings' pipeline and the DistributedDataParallel model's `forward`."""
     import numpy as np
     import torch
     from tqdm import tqdm
 
     model.train()
-    total = dataset.num_batches("train", batch_size)
+    total = dataset.num_batches("train", batch_size, share[1])
     if max_batches is not None:
         total = min(total, max_batches)
-    ordered = dataset.batches("train", batch_size, shuffle_seed=shuffle_seed)
+    ordered = dataset.batches("train", batch_size, shuffle_seed=shuffle_seed, share=share)
     batches = itertools.islice(ordered, total)
     bar = tqdm(total=total, desc=progress, unit="batch", disable=True if progress is None else None)
     labels, logits = [], []
     samples = 0
     loss_fn = torch.nn.BCEWithLogitsLoss()
+    steps = steps or model.embeddings.pipeline
+    forward = forward or model
     started = time.perf_counter()
-    for batch in model.embeddings.pipeline(batches):
+    for batch in steps(batches):
         dense_optimizer.zero_grad(set_to_none=True)
         if sparse_optimizer is not None:
             sparse_optimizer.zero_grad(set_to_none=True)
-        output = model(batch)
+        output = forward(batch)
         loss = loss_fn(output, torch.from_numpy(batch.labels))
         loss.backward()  # tierps: pushes the tables' gradients; the shards step them
         dense_optimizer.step()
@@ -229,17 +243,21 @@ def train_epoch(
 
 
 def predict(
-    model: DeepFM, dataset: CTRDataset, split: str = "test", batch_size: int = EVAL_BATCH_SIZE
+    model: DeepFM,
+    dataset: CTRDataset,
+    split: str = "test",
+    batch_size: int = EVAL_BATCH_SIZE,
+    share: tuple[int, int] = (0, 1),
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(labels, logits) of every sample of `split`, in order; no rows are created or
-    trained (eval mode)."""
+    """(labels, logits) of every sample of `split`, in order (of this rank's `share`, as
+    CTRDataset.batches gives it); no rows are created or trained (eval mode)."""
     import numpy as np
     import torch
 
     model.eval()
     labels, logits = [], []
     with torch.no_grad():
-        for batch in dataset.batches(split, batch_size):
+        for batch in dataset.batches(split, batch_size, share=share):
             labels.append(batch.labels)
             logits.append(model(batch).numpy())
     model.train()
@@ -357,12 +375,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "without one the shards warn and serve from the host tier)",
     )  # fmt: skip
     parser.add_argument(
-        "--staleness", type=int, choices=(0, 1), default=DEFAULT_STALENESS,
-        help="1 (the demo's default): the next batch's lookup may run before this step's push "
-        "is applied, so lookups and pushes overlap the dense step; on MovieLens it trained "
-        "1.1-1.9x faster with the same test AUC over 5 epochs (0.7852 against 0.7843). 0: "
-        "each lookup sees every earlier push, exactly synchronous training (the library's "
-        "default)",
+        "--staleness", type=int,
+        help="one trainer: 1 (the default) lets the next batch's lookup run before this "
+        "step's push is applied, so lookups and pushes overlap the dense step; on MovieLens it "
+        "trained 1.1-1.9x faster with the same test AUC over 5 epochs (0.7852 against 0.7843); "
+        "0: each lookup sees every earlier push, exactly synchronous training (the library's "
+        "default). With --trainers and --mode async: the bound k >= 1 on the steps of other "
+        f"trainers' pushes a lookup may miss (default {DEFAULT_ASYNC_STALENESS})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--trainers", type=int,
+        help="train with this many data-parallel trainers under torchrun (each its share of "
+        "every batch of --batch-size); default: one trainer in this process",
+    )  # fmt: skip
+    parser.add_argument(
+        "--mode", choices=("sync", "async"), default="sync",
+        help="with --trainers: sync (default) trains as one trainer would on the whole batch; "
+        "async lets each trainer push on its own, its lookups at most --staleness steps behind",
     )  # fmt: skip
     parser.add_argument(
         "--torch-threads", type=int,
@@ -380,7 +409,27 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--{flag.replace('_', '-')} expected >= {low}, got {value}"
     if not args.lr > 0:
         return f"--lr expected > 0, got {args.lr}"
+    if args.trainers is not None and args.trainers < 1:
+        return f"--trainers expected >= 1, got {args.trainers}"
+    if args.staleness is not None:
+        if args.trainers is None:
+            expected, ok = "0 or 1 with one trainer", args.staleness in (0, 1)
+        elif args.mode == "sync":
+            expected, ok = "0 in sync mode (--mode async for a bound)", args.staleness == 0
+        else:
+            expected, ok = ">= 1 in async mode", args.staleness >= 1
+        if not ok:
+            return f"--staleness expected {expected}, got {args.staleness}"
     return None
+
+
+def staleness_of(args: argparse.Namespace) -> int:
+    """--staleness, or its default for the trainers and mode given."""
+    if args.staleness is not None:
+        return args.staleness
+    if args.trainers is None:
+        return DEFAULT_STALENESS
+    return 0 if args.mode == "sync" else DEFAULT_ASYNC_STALENESS
 
 
 def run(args: argparse.Namespace) -> int:
@@ -431,10 +480,14 @@ def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: fl
     cluster_dir = args.data_dir / f"demo-cluster-{args.shards}"
     snapshot_dir = args.data_dir / "snapshots"
     optimizer = SparseOptimizer("adam", args.lr)
+    staleness = staleness_of(args)
+    trainers = (
+        f"{args.trainers} trainer(s) under torchrun, {args.mode}" if args.trainers else "1 trainer"
+    )
     print(
         f"DeepFM dim {args.dim}, batch {batch_size}, {epochs} epoch(s), Adam lr {args.lr} "
-        f"(tables: on the shards, staleness {args.staleness}; dense: torch, "
-        f"{torch.get_num_threads()} thread(s)); "
+        f"({trainers}; tables: on the shards, staleness {staleness}; dense: torch, "
+        f"{torch.get_num_threads()} thread(s) per trainer); "
         f"{args.shards} shards in {cluster_dir}, host tier {host_mb} MiB per table and shard"
         + (f", GPU tier {args.gpu_cache_mb} MiB" if args.gpu_cache_mb else "")
     )
@@ -452,8 +505,10 @@ def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: fl
             client, dataset, dim=args.dim, seed=args.seed, optimizer=optimizer,
             host_cache_bytes=host_mb << 20,
         )  # fmt: skip
+        if args.trainers is not None:
+            return _train_with_torchrun(args, client, tables, epochs, batch_size, started)
         model = build_tierps_model(
-            client, dataset, dim=args.dim, seed=args.seed, staleness=args.staleness
+            client, dataset, dim=args.dim, seed=args.seed, staleness=staleness
         )
 
         def report(result: EpochResult) -> None:
@@ -480,6 +535,36 @@ def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: fl
     print(
         f"done in {time.perf_counter() - started:.1f} s: test AUC {results[-1].test_auc:.4f}, "
         f"{results[-1].samples_per_s:,.0f} samples/s; hit rates: {format_hit_rates(rates)}"
+    )
+    return 0
+
+
+def _train_with_torchrun(
+    args: argparse.Namespace,
+    client: EmbeddingClient,
+    tables: list[str],
+    epochs: int,
+    batch_size: int,
+    started: float,
+) -> int:
+    """--trainers N: the ranks train (tierps.demo.trainers), checkpointing each epoch."""
+    import torch
+
+    from tierps.demo.trainers import launch
+
+    checkpoint_dir = args.data_dir / "checkpoints" / time.strftime("deepfm-%Y%m%d-%H%M%S")
+    code = launch(
+        args, client.addresses, epochs=epochs, batch_size=batch_size,
+        staleness=staleness_of(args), checkpoint_dir=checkpoint_dir,
+        torch_threads=max(1, torch.get_num_threads() // args.trainers),
+    )  # fmt: skip
+    if code != 0:
+        print(f"tierps demo: the trainers failed (torchrun exit code {code})", file=sys.stderr)
+        return 1
+    rates = tier_hit_rates(client, tables)
+    print(
+        f"done in {time.perf_counter() - started:.1f} s; job checkpoints in {checkpoint_dir}; "
+        f"hit rates: {format_hit_rates(rates)}"
     )
     return 0
 

@@ -1,0 +1,154 @@
+"""`tierps demo --trainers N`: the demo's DeepFM trained by N data-parallel trainers.
+
+`launch` (called by `tierps demo` once its cluster serves and its tables exist) runs
+`torchrun --nproc-per-node N -m tierps.demo.trainers ...` on 127.0.0.1; `main` is one rank:
+it loads the dataset, trains on its share of each batch (CTRDataset.batches: the ranks'
+shares of a step make one batch of --batch-size, so N = 1 and N = 2 train on the same
+batches), with the dense part under DistributedDataParallel (gloo) and the embeddings under
+a TrainerGroup (tierps.client.distributed) in the --mode given. After each epoch the ranks
+evaluate their shares of the test rows, rank 0 prints train and test logloss and AUC over all
+ranks' samples and the samples/s of all ranks together, and the job saves a checkpoint; a
+rank that dies is restarted by torchrun (--max-restarts), and the job resumes from the last
+epoch's checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+MODES = ("sync", "async")
+MAX_RESTARTS = 1  # torchrun restarts a job whose rank died once; it resumes from a checkpoint
+
+
+def launch(
+    args: argparse.Namespace,
+    addresses: list[str],
+    *,
+    epochs: int,
+    batch_size: int,
+    staleness: int,
+    checkpoint_dir: Path,
+    torch_threads: int,
+) -> int:
+    """Run the N ranks under torchrun on this machine; their exit code (0: all finished)."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "1", "--nproc-per-node", str(args.trainers),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+        "--max-restarts", str(MAX_RESTARTS), "--monitor-interval", "0.5",
+        "-m", "tierps.demo.trainers",
+        "--addresses", ",".join(addresses), "--dataset", args.dataset,
+        "--seed", str(args.seed), "--samples", str(args.samples), "--dim", str(args.dim),
+        "--lr", str(args.lr), "--epochs", str(epochs), "--batch-size", str(batch_size),
+        "--mode", args.mode, "--staleness", str(staleness),
+        "--checkpoint-dir", str(checkpoint_dir), "--torch-threads", str(torch_threads),
+    ]  # fmt: skip
+    # gloo on the loopback interface: the ranks talk only to each other on this machine
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": str(torch_threads)}
+    return subprocess.run(command, env=env, check=False).returncode
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m tierps.demo.trainers",
+        description="One rank of `tierps demo --trainers N` (run by torchrun).",
+    )
+    parser.add_argument("--addresses", required=True, help="the shards, comma-separated")
+    parser.add_argument("--dataset", choices=("movielens", "synthetic"), required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--samples", type=int, required=True)
+    parser.add_argument("--dim", type=int, required=True)
+    parser.add_argument("--lr", type=float, required=True)
+    parser.add_argument("--epochs", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, required=True, help="of all ranks together")
+    parser.add_argument("--mode", choices=MODES, default="sync")
+    parser.add_argument("--staleness", type=int, default=0)
+    parser.add_argument("--checkpoint-dir", type=Path, required=True)
+    parser.add_argument("--torch-threads", type=int, default=1)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One rank of the job (torchrun set RANK, WORLD_SIZE and the rendezvous)."""
+    args = _parser().parse_args(argv)
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tierps.client import EmbeddingClient
+    from tierps.client.distributed import TrainerGroup
+    from tierps.demo.data import load_dataset
+    from tierps.demo.main import (
+        auc,
+        build_tierps_model,
+        dense_optimizer_for,
+        epoch_seed,
+        logloss,
+        predict,
+        train_epoch,
+    )
+
+    torch.set_num_threads(args.torch_threads)
+    dist.init_process_group("gloo")
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    share = (rank, ranks)
+    dataset = load_dataset(args.dataset, seed=args.seed, samples=args.samples)
+    with EmbeddingClient(args.addresses.split(",")) as client:
+        model = build_tierps_model(client, dataset, dim=args.dim, seed=args.seed)
+        collection = model.embeddings.collection
+        group = TrainerGroup(client, [collection], mode=args.mode, staleness=args.staleness)
+        dense = DistributedDataParallel(model)
+        dense_optimizer = dense_optimizer_for(model, args.lr)
+        state = group.load_checkpoint(args.checkpoint_dir)
+        if state is not None:
+            model.load_state_dict(state["model"])
+            dense_optimizer.load_state_dict(state["optimizer"])
+        steps_per_epoch = dataset.num_batches("train", args.batch_size, ranks)
+        first_epoch = group.step // steps_per_epoch + 1  # checkpoints end epochs
+        if rank == 0 and state is not None:
+            print(f"resumed from the checkpoint of step {group.step} (epoch {first_epoch - 1})")
+
+        def gathered(*arrays: np.ndarray) -> list[np.ndarray]:
+            parts: list[Any] = [None] * ranks
+            dist.all_gather_object(parts, arrays)
+            return [np.concatenate([part[i] for part in parts]) for i in range(len(arrays))]
+
+        for epoch in range(first_epoch, args.epochs + 1):
+            _, _, seconds, samples = train_epoch(
+                model, dataset, dense_optimizer, None, batch_size=args.batch_size,
+                shuffle_seed=epoch_seed(args.seed, epoch), share=share,
+                progress=f"train epoch {epoch}/{args.epochs}" if rank == 0 else None,
+                steps=lambda batches: group.pipeline(
+                    batches, (collection, lambda batch: batch.features)
+                ),
+                forward=dense,
+            )  # fmt: skip
+            totals = torch.tensor([float(samples), seconds], dtype=torch.float64)
+            dist.all_reduce(totals[:1])  # samples of all ranks
+            dist.all_reduce(totals[1:], op=dist.ReduceOp.MAX)  # the slowest rank's time
+            labels, logits = gathered(*predict(model, dataset, "test", share=share))
+            group.save_checkpoint(
+                args.checkpoint_dir,
+                {"model": model.state_dict(), "optimizer": dense_optimizer.state_dict()},
+            )
+            if rank == 0:
+                print(
+                    f"epoch {epoch}: test logloss {logloss(labels, logits):.4f} AUC "
+                    f"{auc(labels, logits):.4f} | {totals[0] / totals[1]:,.0f} samples/s over "
+                    f"{ranks} trainer(s) ({totals[1]:.1f} s; {args.mode}"
+                    + (f", staleness {args.staleness}" if args.mode == "async" else "")
+                    + f"; largest staleness seen {group.max_staleness_seen})",
+                    flush=True,
+                )
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -154,6 +154,7 @@ class TrainerGroup:
                     f"TrainerGroup: module of features {[f.name for f in module.features]} "
                     f"expected in one group, but another group has it"
                 )
+        for module in self.modules:  # all checked: now take them
             module.flush()
             module.staleness = 0 if mode == "sync" else 1
             module._group = self
@@ -311,10 +312,19 @@ class TrainerGroup:
         snapshot and `state` (the dense model's and optimizer's state_dict, for instance;
         torch.save) under one id in `directory` (shared by the ranks), then marks it the
         latest. Returns the id (also the snapshot's name)."""
-        self.flush()
-        failed = self._failed_ranks(False)  # a barrier: every rank's pushes are in
+        flushed: BaseException | None = None
+        try:
+            self.flush()
+        except Exception as failure:  # the others must hear of it, not wait at the barrier
+            flushed = failure
+        failed = self._failed_ranks(flushed is not None)  # a barrier: every push is in
+        if flushed is not None:
+            raise flushed
         if failed:
-            raise TrainerGroupError(f"checkpoint at step {self.step}: ranks {failed} failed")
+            raise TrainerGroupError(
+                f"checkpoint at step {self.step}: a push of ranks {failed} failed, so no "
+                f"consistent cut exists; resume from the last checkpoint"
+            )
         checkpoint = f"ckpt-step{self.step:010d}-{uuid.uuid4().hex[:8]}"
         error: BaseException | None = None
         if self.rank == 0:
@@ -322,8 +332,13 @@ class TrainerGroup:
                 root = Path(directory)
                 root.mkdir(parents=True, exist_ok=True)
                 self.client.save_snapshot(checkpoint)
-                saved = {"step": self.step, "world_size": self.world_size, "mode": self.mode,
-                         "snapshot": checkpoint, "state": state}  # fmt: skip
+                saved = {
+                    "step": self.step,
+                    "world_size": self.world_size,
+                    "mode": self.mode,
+                    "snapshot": checkpoint,
+                    "state": state,
+                }
                 _write_atomically(root / f"{checkpoint}.pt", lambda f: torch.save(saved, f))
                 latest = json.dumps({"checkpoint": checkpoint, "step": self.step}).encode()
                 _write_atomically(root / LATEST, lambda f: f.write(latest))

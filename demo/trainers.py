@@ -37,17 +37,48 @@ def launch(
 ) -> int:
     """Run the N ranks under torchrun on this machine; their exit code (0: all finished)."""
     command = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "1", "--nproc-per-node", str(args.trainers),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-        "--max-restarts", str(MAX_RESTARTS), "--monitor-interval", "0.5",
-        "-m", "tierps.demo.trainers",
-        "--addresses", ",".join(addresses), "--dataset", args.dataset,
-        "--seed", str(args.seed), "--samples", str(args.samples), "--dim", str(args.dim),
-        "--lr", str(args.lr), "--epochs", str(epochs), "--batch-size", str(batch_size),
-        "--mode", args.mode, "--staleness", str(staleness),
-        "--checkpoint-dir", str(checkpoint_dir), "--torch-threads", str(torch_threads),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(args.trainers),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+        "--max-restarts",
+        str(MAX_RESTARTS),
+        "--monitor-interval",
+        "0.5",
+        "-m",
+        "tierps.demo.trainers",
+        "--addresses",
+        ",".join(addresses),
+        "--dataset",
+        args.dataset,
+        "--seed",
+        str(args.seed),
+        "--samples",
+        str(args.samples),
+        "--dim",
+        str(args.dim),
+        "--lr",
+        str(args.lr),
+        "--epochs",
+        str(epochs),
+        "--batch-size",
+        str(batch_size),
+        "--mode",
+        args.mode,
+        "--staleness",
+        str(staleness),
+        "--checkpoint-dir",
+        str(checkpoint_dir),
+        "--torch-threads",
+        str(torch_threads),
+    ]
     # gloo on the loopback interface: the ranks talk only to each other on this machine
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": str(torch_threads)}
     return subprocess.run(command, env=env, check=False).returncode
@@ -121,14 +152,19 @@ def main(argv: list[str] | None = None) -> int:
 
         for epoch in range(first_epoch, args.epochs + 1):
             _, _, seconds, samples = train_epoch(
-                model, dataset, dense_optimizer, None, batch_size=args.batch_size,
-                shuffle_seed=epoch_seed(args.seed, epoch), share=share,
+                model,
+                dataset,
+                dense_optimizer,
+                None,
+                batch_size=args.batch_size,
+                shuffle_seed=epoch_seed(args.seed, epoch),
+                share=share,
                 progress=f"train epoch {epoch}/{args.epochs}" if rank == 0 else None,
                 steps=lambda batches: group.pipeline(
                     batches, (collection, lambda batch: batch.features)
                 ),
                 forward=dense,
-            )  # fmt: skip
+            )
             totals = torch.tensor([float(samples), seconds], dtype=torch.float64)
             dist.all_reduce(totals[:1])  # samples of all ranks
             dist.all_reduce(totals[1:], op=dist.ReduceOp.MAX)  # the slowest rank's time

@@ -43,8 +43,17 @@ EPOCH_LINE = re.compile(r"epoch (\d+): test logloss [0-9.]+ AUC ([0-9.]+) \| ([0
 
 def demo_run(flags: tuple[str, ...], data_dir: Path) -> tuple[float, float]:
     """(samples/s, test AUC) of the last epoch of one `tierps demo` run."""
-    command = [sys.executable, "-m", "tierps.server.cli", "demo", "--epochs", str(EPOCHS),
-               "--data-dir", str(data_dir), *flags]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "tierps.server.cli",
+        "demo",
+        "--epochs",
+        str(EPOCHS),
+        "--data-dir",
+        str(data_dir),
+        *flags,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
@@ -83,16 +92,24 @@ def main() -> None:
         "benchmark": "bench_trainers",
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "shape": {"dataset": "movielens-100k", "batch": demo.DEFAULT_BATCH_SIZE,
-                  "dim": demo.DEFAULT_DIM, "epochs": EPOCHS, "shards": 2},  # fmt: skip
+        "shape": {
+            "dataset": "movielens-100k",
+            "batch": demo.DEFAULT_BATCH_SIZE,
+            "dim": demo.DEFAULT_DIM,
+            "epochs": EPOCHS,
+            "shards": 2,
+        },
         "samples_per_s": rates,
         "test_auc": aucs,
         "vs_n1": {name: rates[name] / rates["n1_sync"] for name in rates},
         "vs_local": {name: rates[name] / rates["local"] for name in rates},
         "runs": figures,
     }
-    print(json.dumps({k: result[k] for k in ("samples_per_s", "test_auc", "vs_n1", "vs_local")},
-                     indent=1))  # fmt: skip
+    print(
+        json.dumps(
+            {k: result[k] for k in ("samples_per_s", "test_auc", "vs_n1", "vs_local")}, indent=1
+        )
+    )
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 

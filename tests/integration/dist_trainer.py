@@ -109,8 +109,10 @@ def main() -> None:
         def half_push_then_die(pushes: Any, step: Any) -> int:
             if step != args.kill_at:
                 return push(pushes, step)
-            shard0 = {t: (k[k % client.num_shards == 0], g[k % client.num_shards == 0])
-                      for t, (k, g) in pushes.items()}  # fmt: skip
+            shard0 = {
+                t: (k[k % client.num_shards == 0], g[k % client.num_shards == 0])
+                for t, (k, g) in pushes.items()
+            }
             push(shard0, step)
             os.kill(os.getpid(), signal.SIGKILL)
             raise AssertionError("unreachable")
@@ -135,8 +137,9 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         applied = -float(pooled[probe][0, 0]) if args.probe else None
-        seen.append({"step": group.step, "staleness": group.staleness_seen,
-                     "probe_pushes_applied": applied})  # fmt: skip
+        seen.append(
+            {"step": group.step, "staleness": group.staleness_seen, "probe_pushes_applied": applied}
+        )
         if args.checkpoint_every and group.step % args.checkpoint_every == 0:
             group.save_checkpoint(
                 args.checkpoint_dir,

@@ -44,9 +44,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 
 def initial_rows(table: str) -> np.ndarray:
-    return np.random.default_rng(sum(map(ord, table))).normal(
-        0.0, 0.3, (trainer.VOCAB, trainer.DIM)
-    ).astype(np.float32)
+    return (
+        np.random.default_rng(sum(map(ord, table)))
+        .normal(0.0, 0.3, (trainer.VOCAB, trainer.DIM))
+        .astype(np.float32)
+    )
 
 
 def create_tables(cluster: LocalCluster, prefix: str, probe: bool = False) -> None:
@@ -68,13 +70,29 @@ def torchrun(
     """Run dist_trainer on WORLD ranks under real torchrun; each rank's JSON report."""
     out.mkdir(parents=True, exist_ok=True)
     command = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "1", "--nproc-per-node", str(WORLD),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-        "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
-        "-m", "tests.integration.dist_trainer",
-        "--addresses", ",".join(cluster.addresses), "--out", str(out), *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(WORLD),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+        "--max-restarts",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.2",
+        "-m",
+        "tests.integration.dist_trainer",
+        "--addresses",
+        ",".join(cluster.addresses),
+        "--out",
+        str(out),
+        *args,
+    ]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S
@@ -95,11 +113,13 @@ def one_trainer_with_the_global_batch(prefix: str, steps: int) -> dict[str, np.n
     optimizers = [
         torch.optim.SGD(dense.parameters(), lr=0.5),
         torch.optim.SparseAdam(
-            bags["adam"].parameters(), lr=ADAM["lr"], betas=(ADAM["beta1"], ADAM["beta2"]),
+            bags["adam"].parameters(),
+            lr=ADAM["lr"],
+            betas=(ADAM["beta1"], ADAM["beta2"]),
             eps=ADAM["eps"],
         ),
         torch.optim.Adagrad(bags["adagrad"].parameters(), lr=ADAGRAD_LR),
-    ]  # fmt: skip
+    ]
     for step in range(1, steps + 1):
         ids, labels = trainer.global_batch(step)
         pooled = [bags[t](torch.from_numpy(ids[t])) for t in trainer.TABLES]
@@ -150,11 +170,20 @@ def test_a_rank_killed_mid_step_resumes_from_the_last_checkpoint(
     uninterrupted run's (the reference), the half push erased."""
     create_tables(cluster, "b_")
     reports = torchrun(
-        cluster, tmp_path / "out",
-        "--prefix", "b_", "--steps", str(STEPS), "--checkpoint-dir", str(tmp_path / "ckpt"),
-        "--checkpoint-every", "2", "--kill-at", "5",
+        cluster,
+        tmp_path / "out",
+        "--prefix",
+        "b_",
+        "--steps",
+        str(STEPS),
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--checkpoint-every",
+        "2",
+        "--kill-at",
+        "5",
         max_restarts=1,
-    )  # fmt: skip
+    )
     for report in reports:
         assert (report["attempt"], report["resumed_at"], report["step"]) == (1, 4, STEPS)
         assert report["table_steps"] == {f"b_{t}": STEPS for t in trainer.TABLES}
@@ -170,10 +199,20 @@ def test_async_lookups_are_never_more_than_staleness_steps_behind(
     k, steps = 2, 10
     create_tables(cluster, "c_", probe=True)
     reports = torchrun(
-        cluster, tmp_path,
-        "--prefix", "c_", "--mode", "async", "--staleness", str(k), "--steps", str(steps),
-        "--slow-pushes", "0.15", "--probe",
-    )  # fmt: skip
+        cluster,
+        tmp_path,
+        "--prefix",
+        "c_",
+        "--mode",
+        "async",
+        "--staleness",
+        str(k),
+        "--steps",
+        str(steps),
+        "--slow-pushes",
+        "0.15",
+        "--probe",
+    )
     behind = 0
     for report in reports:
         assert 0 < report["max_staleness_seen"] <= k

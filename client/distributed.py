@@ -84,6 +84,10 @@ from tierps.client.embedding import EmbeddingClient
 from tierps.client.torch import EmbeddingBagCollection, PipelinedModule, _collection
 
 MODES = ("sync", "async")
+# The environment torchrun needs for --max-restarts to work: with the rendezvous store shared
+# by the agent (torch's default), a restarted rank may read a rank's address of the previous
+# attempt and fail to connect (pytorch/pytorch#135712, seen here with gloo under load).
+RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 LATEST = "latest.json"  # in a checkpoint directory: the id of the latest whole checkpoint
 
 STALENESS_SEEN = Histogram(
@@ -239,6 +243,9 @@ class TrainerGroup:
         """Sync mode's push of one module at group.step: every rank's per-key gradients
         gathered, summed per key, divided by the world size, and each rank's share of the
         keys pushed; then every rank learns whether all shares were applied."""
+        if self.world_size == 1:  # the gradients are the global batch's already
+            module.client._push_unique(pushes, self.step)
+            return
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, pushes, group=self._collectives)
         share = {}

@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-MODES = ("sync", "async")
+from tierps.client.distributed import MODES, RESTARTABLE
+
 MAX_RESTARTS = 1  # torchrun restarts a job whose rank died once; it resumes from a checkpoint
 
 
@@ -80,7 +81,12 @@ def launch(
         str(torch_threads),
     ]
     # gloo on the loopback interface: the ranks talk only to each other on this machine
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": str(torch_threads)}
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": str(torch_threads),
+        **RESTARTABLE,
+    }
     return subprocess.run(command, env=env, check=False).returncode
 
 

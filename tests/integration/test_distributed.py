@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from tests.integration import dist_trainer as trainer  # noqa: E402
+from tierps.client.distributed import RESTARTABLE  # noqa: E402
 from tierps.client.embedding import EmbeddingClient  # noqa: E402
 from tierps.server.cluster import LocalCluster  # noqa: E402
 from tierps.storage import optim  # noqa: E402
@@ -93,7 +94,7 @@ def torchrun(
         str(out),
         *args,
     ]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", **RESTARTABLE}
     done = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S
     )

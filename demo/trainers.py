@@ -7,9 +7,9 @@ shares of a step make one batch of --batch-size, so N = 1 and N = 2 train on the
 batches), with the dense part under DistributedDataParallel (gloo) and the embeddings under
 a TrainerGroup (tierps.client.distributed) in the --mode given. After each epoch the ranks
 evaluate their shares of the test rows, rank 0 prints train and test logloss and AUC over all
-ranks' samples and the samples/s of all ranks together, and the job saves a checkpoint; a
-rank that dies is restarted by torchrun (--max-restarts), and the job resumes from the last
-epoch's checkpoint.
+ranks' samples and the samples/s of all ranks together, and the job saves a checkpoint (and
+one at its start); a rank that dies is restarted by torchrun (--max-restarts), and the job
+resumes from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -146,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         if state is not None:
             model.load_state_dict(state["model"])
             dense_optimizer.load_state_dict(state["optimizer"])
+        else:  # the job's start is its first checkpoint: a rank dying in epoch 1 resumes here
+            group.save_checkpoint(
+                args.checkpoint_dir,
+                {"model": model.state_dict(), "optimizer": dense_optimizer.state_dict()},
+            )
         steps_per_epoch = dataset.num_batches("train", args.batch_size, ranks)
         first_epoch = group.step // steps_per_epoch + 1  # checkpoints end epochs
         if rank == 0 and state is not None:

@@ -81,7 +81,7 @@ import torch.distributed as dist
 from prometheus_client import Histogram
 
 from tierps.client.embedding import EmbeddingClient
-from tierps.client.torch import EmbeddingBagCollection, PipelinedModule, _collection
+from tierps.client.torch import EmbeddingBagCollection, PipelinedModule, _collection, pipeline
 
 MODES = ("sync", "async")
 # The environment torchrun needs for --max-restarts to work: with the rendezvous store shared
@@ -198,32 +198,14 @@ class TrainerGroup:
         starts the lookup of the next item (as tierps.client.torch.pipeline); in async mode
         the ranks first agree that those lookups are within the staleness bound. After
         the last item, every module is flushed."""
-        iterator = iter(items)
+
+        def begin_step(more: bool) -> None:
+            self.step += 1
+            if self.mode == "async":  # the earliest lookup started before the next yield
+                self._bound_staleness(self.step + 1 if more and modules else self.step)
+
         try:
-            upcoming = next(iterator)
-        except StopIteration:
-            return
-        try:
-            while True:
-                item = upcoming
-                try:
-                    upcoming = next(iterator)
-                    more = True
-                except StopIteration:
-                    more = False
-                self.step += 1
-                if self.mode == "async":  # the earliest lookup started before the next yield
-                    self._bound_staleness(self.step + 1 if more and modules else self.step)
-                if more:
-                    for module, inputs in modules:
-                        given = inputs(upcoming)
-                        if isinstance(given, tuple):
-                            module.prefetch(*given)
-                        else:
-                            module.prefetch(given)
-                yield item
-                if not more:
-                    break
+            yield from pipeline(items, *modules, before_each=begin_step)
         finally:  # a loop left early: its pushes still finish (a failure: next call)
             for module in self.modules:
                 module._wait_for_pushes()

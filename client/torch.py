@@ -492,7 +492,9 @@ PipelinedModule = EmbeddingBagCollection | EmbeddingBag
 
 
 def pipeline(
-    items: Iterable[Item], *modules: tuple[PipelinedModule, Callable[[Item], Any]]
+    items: Iterable[Item],
+    *modules: tuple[PipelinedModule, Callable[[Item], Any]],
+    before_each: Callable[[bool], None] | None = None,
 ) -> Iterator[Item]:
     """Yield the items in order, each next item's lookup started in every module before the
     current item is yielded: module.prefetch(inputs(next item)) for each (module, inputs)
@@ -504,6 +506,9 @@ def pipeline(
         for batch in pipeline(loader, *((bag, lambda b, f=f: b.features[f])
                                         for f, bag in bags.items())):
             ...
+
+    before_each(more), if given, runs before each item's next item is prefetched (`more`:
+    whether there is one): TrainerGroup.pipeline counts its steps there.
     """
     iterator = iter(items)
     try:
@@ -515,7 +520,12 @@ def pipeline(
             item = upcoming
             try:
                 upcoming = next(iterator)
+                more = True
             except StopIteration:
+                more = False
+            if before_each is not None:
+                before_each(more)
+            if not more:
                 yield item
                 break
             for module, inputs in modules:

@@ -26,6 +26,27 @@ from tierps.client.distributed import MODES, RESTARTABLE
 MAX_RESTARTS = 1  # torchrun restarts a job whose rank died once; it resumes from a checkpoint
 
 
+def torchrun_on_this_machine(
+    ranks: int, module: str, arguments: list[str], *, threads: int = 1, max_restarts: int = 0
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that run `python -m module arguments` as `ranks` ranks
+    under torchrun on 127.0.0.1, gloo on the loopback interface, restartable
+    (tierps.client.distributed.RESTARTABLE) `max_restarts` times."""
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "1"),
+        *("--nproc-per-node", str(ranks), "--max-restarts", str(max_restarts)),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"),
+        *("--monitor-interval", "0.5", "-m", module, *arguments),
+    ]
+    environment = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": str(threads),
+        **RESTARTABLE,
+    }
+    return command, environment
+
+
 def launch(
     args: argparse.Namespace,
     addresses: list[str],
@@ -37,57 +58,28 @@ def launch(
     torch_threads: int,
 ) -> int:
     """Run the N ranks under torchrun on this machine; their exit code (0: all finished)."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        str(args.trainers),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        "127.0.0.1:0",
-        "--max-restarts",
-        str(MAX_RESTARTS),
-        "--monitor-interval",
-        "0.5",
-        "-m",
-        "tierps.demo.trainers",
-        "--addresses",
-        ",".join(addresses),
-        "--dataset",
-        args.dataset,
-        "--seed",
-        str(args.seed),
-        "--samples",
-        str(args.samples),
-        "--dim",
-        str(args.dim),
-        "--lr",
-        str(args.lr),
-        "--epochs",
-        str(epochs),
-        "--batch-size",
-        str(batch_size),
-        "--mode",
-        args.mode,
-        "--staleness",
-        str(staleness),
-        "--checkpoint-dir",
-        str(checkpoint_dir),
-        "--torch-threads",
-        str(torch_threads),
-    ]
-    # gloo on the loopback interface: the ranks talk only to each other on this machine
-    env = {
-        **os.environ,
-        "GLOO_SOCKET_IFNAME": "lo",
-        "OMP_NUM_THREADS": str(torch_threads),
-        **RESTARTABLE,
+    flags = {
+        "--addresses": ",".join(addresses),
+        "--dataset": args.dataset,
+        "--seed": args.seed,
+        "--samples": args.samples,
+        "--dim": args.dim,
+        "--lr": args.lr,
+        "--epochs": epochs,
+        "--batch-size": batch_size,
+        "--mode": args.mode,
+        "--staleness": staleness,
+        "--checkpoint-dir": checkpoint_dir,
+        "--torch-threads": torch_threads,
     }
-    return subprocess.run(command, env=env, check=False).returncode
+    command, environment = torchrun_on_this_machine(
+        args.trainers,
+        "tierps.demo.trainers",
+        [str(part) for flag, value in flags.items() for part in (flag, value)],
+        threads=torch_threads,
+        max_restarts=MAX_RESTARTS,
+    )
+    return subprocess.run(command, env=environment, check=False).returncode
 
 
 def _parser() -> argparse.ArgumentParser:

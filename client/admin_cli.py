@@ -11,6 +11,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from tierps.client import security
 from tierps.client.admin import ShardError
 from tierps.client.embedding import EmbeddingClient
 from tierps.storage.config import TableConfig
@@ -24,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=30.0, help="deadline of each call")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    security.add_arguments(parser)
     actions = parser.add_subparsers(dest="action", required=True)
     create = actions.add_parser("create", help="create a table on every shard")
     create.add_argument(
@@ -173,7 +175,10 @@ def _with_bar(action: Any, label: str) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     addresses = [a.strip() for a in args.addresses.split(",") if a.strip()]
     try:
-        with EmbeddingClient(addresses, timeout_s=args.timeout_s) as admin:
+        channel_security = security.from_args(args)
+        with EmbeddingClient(
+            addresses, timeout_s=args.timeout_s, security=channel_security
+        ) as admin:
             result = _act(admin, args)
     except (ShardError, TierpsError, ValueError, OSError) as error:
         print(f"tierps admin: {error}", file=sys.stderr)

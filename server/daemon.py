@@ -24,8 +24,11 @@ from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto.wire import channel_options
 from tierps.server.config import ServerConfig
+from tierps.server.handlers import refusal
+from tierps.server.limits import HEALTH_WORKERS, CallLimits
 from tierps.server.lives import LIFE_HEADER
 from tierps.server.metrics import ShardMetrics
+from tierps.server.security import AuthCheck, check_exposure, load_tokens, server_credentials
 from tierps.server.servicers import AdminServicer, EmbeddingServicer, add_embedding_service
 from tierps.server.shard import Shard
 from tierps.storage import host_kernels
@@ -55,23 +58,7 @@ class LifeCheck(grpc.ServerInterceptor):
         try:
             self.shard.lives.check(known)
         except DataLossError as error:
-            message = str(error)
-
-            def refuse(request: Any, context: grpc.ServicerContext) -> Any:
-                context.abort(grpc.StatusCode.DATA_LOSS, message)
-
-            kind = (handler.request_streaming, handler.response_streaming)
-            make = {
-                (False, False): grpc.unary_unary_rpc_method_handler,
-                (False, True): grpc.unary_stream_rpc_method_handler,
-                (True, False): grpc.stream_unary_rpc_method_handler,
-                (True, True): grpc.stream_stream_rpc_method_handler,
-            }[kind]
-            return make(
-                refuse,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+            return refusal(handler, grpc.StatusCode.DATA_LOSS, str(error))
         return handler
 
 
@@ -85,12 +72,25 @@ class ShardServer:
         try:
             self.metrics = ShardMetrics(self.shard)
             self.health = health.HealthServicer(experimental_non_blocking=True)
+            where = f"shard {config.shard_id}"
+            tokens = load_tokens(config.tokens_file)
+            tls = config.tls_cert is not None
+            check_exposure(config.host, tls, tokens is not None, config.insecure, where)
+            self.limits = CallLimits(
+                max_calls=config.max_workers, max_receiving=config.max_receiving_streams,
+                max_inflight_bytes=config.max_inflight_bytes, idle_s=config.stream_idle_s,
+                total_s=config.call_total_s, where=where, refused=self._refused,
+            )  # fmt: skip
+            interceptors: list[grpc.ServerInterceptor] = [self.limits, LifeCheck(self.shard)]
+            if tokens is not None:  # first: an unknown caller is refused before anything
+                interceptors.insert(0, AuthCheck(tokens, self._refused, where))
             # so_reuseport off: a port in use is an error, never two servers on one port.
             options = [*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)]
-            self._executor = ThreadPoolExecutor(config.max_workers, thread_name_prefix="tierps-rpc")
-            self._server = grpc.server(
-                self._executor, options=options, interceptors=[LifeCheck(self.shard)]
+            # HEALTH_WORKERS threads more than calls may hold: health always finds one
+            self._executor = ThreadPoolExecutor(
+                config.max_workers + HEALTH_WORKERS, thread_name_prefix="tierps-rpc"
             )
+            self._server = grpc.server(self._executor, options=options, interceptors=interceptors)
             add_embedding_service(EmbeddingServicer(self.shard, self._observe), self._server)
             pb_grpc.add_AdminServiceServicer_to_server(
                 AdminServicer(self.shard, self._observe), self._server
@@ -100,7 +100,14 @@ class ShardServer:
                 (*OUR_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
             )
             try:
-                self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+                bind = f"{config.host}:{config.port}"
+                if tls:
+                    credentials = server_credentials(
+                        config.tls_cert, config.tls_key, config.tls_client_ca
+                    )
+                    self.port = self._server.add_secure_port(bind, credentials)
+                else:
+                    self.port = self._server.add_insecure_port(bind)
             except RuntimeError:  # grpc's "Failed to bind"
                 self.port = 0
             if self.port == 0:
@@ -109,6 +116,8 @@ class ShardServer:
                     f"or not an address of this machine)"
                 )
         except BaseException:
+            if hasattr(self, "limits"):
+                self.limits.close()
             self.shard.close()
             raise
         self._set_serving(False)
@@ -122,6 +131,9 @@ class ShardServer:
 
     def _observe(self, method: str, code: str, seconds: float) -> None:
         self.metrics.rpc_seconds.labels(method, code).observe(seconds)
+
+    def _refused(self, method: str, code: str, cause: str) -> None:
+        self.metrics.refusals.labels(method, code, cause).inc()
 
     def _set_serving(self, serving: bool) -> None:
         status = (
@@ -142,7 +154,9 @@ class ShardServer:
         self._server.start()
         self.shard.start_background()
         if self.config.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
+            self.metrics_port = self.metrics.serve(
+                self.config.metrics_host or self.config.host, self.config.metrics_port
+            )
         self.shard.publish_serving()  # NOT_SERVING still if its store cannot write
         log.info(
             "serving",
@@ -167,6 +181,7 @@ class ShardServer:
         self.health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
         self._executor.shutdown(wait=False)
+        self.limits.close()
         try:
             self.shard.close()
         finally:

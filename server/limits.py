@@ -16,6 +16,7 @@ interceptor):
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -36,6 +37,18 @@ _DATA = f"/{pb.DESCRIPTOR.services_by_name['EmbeddingService'].full_name}/"
 Refused = Callable[[str, str, str], None]  # (method, code, cause)
 
 
+def _libc_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+# A call refused for its bytes had its messages freed, but glibc keeps large freed blocks in
+# its heap (its mmap threshold grows to their size): malloc_trim hands them back to the OS.
+_MALLOC_TRIM = _libc_malloc_trim()
+
+
 class _Expired(grpc.RpcError):
     """The request stream of a call the watchdog cancelled: never taken as a whole request."""
 
@@ -44,7 +57,7 @@ class _Call:
     """One admitted call's share of the limits."""
 
     __slots__ = ("method", "context", "started", "waiting_since", "expired", "size", "held",
-                 "receiving", "timed")  # fmt: skip
+                 "receiving", "timed", "over_budget")  # fmt: skip
 
     def __init__(self, method: str) -> None:
         self.method = method
@@ -56,6 +69,7 @@ class _Call:
         self.held = 0  # bytes of this call's messages counted in the budget
         self.receiving = False
         self.timed = method.startswith(_DATA)  # total_s applies
+        self.over_budget = False
 
 
 class CallLimits(grpc.ServerInterceptor):
@@ -82,6 +96,7 @@ class CallLimits(grpc.ServerInterceptor):
         self.receiving = 0
         self.inflight_bytes = 0
         self._watched: set[_Call] = set()
+        self._trim = False
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="tierps-watchdog", daemon=True)
         self._watchdog.start()
@@ -139,6 +154,7 @@ class CallLimits(grpc.ServerInterceptor):
                 self.inflight_bytes += size
                 call.held += size
         if over:
+            call.over_budget = True
             raise self._refusal(call, "bytes",
                          f"request bytes in flight expected at most {self.max_inflight_bytes} "
                          f"on this shard, and a message of {size} bytes would pass it "
@@ -160,6 +176,9 @@ class CallLimits(grpc.ServerInterceptor):
             self.inflight_bytes -= call.held
             call.held = 0
             self._watched.discard(call)
+            # trimmed by the watchdog: the refusal's traceback, which holds the call's
+            # messages, is let go by gRPC only after this returns
+            self._trim = self._trim or call.over_budget
 
     # -- the request stream -----------------------------------------------------------------
 
@@ -238,6 +257,9 @@ class CallLimits(grpc.ServerInterceptor):
             now = time.monotonic()
             with self._lock:
                 watched = list(self._watched)
+                trim, self._trim = self._trim, False
+            if trim and _MALLOC_TRIM is not None:
+                _MALLOC_TRIM(0)
             for call in watched:
                 waiting = call.waiting_since
                 if waiting is not None and now - waiting > self.idle_s:

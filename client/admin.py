@@ -317,11 +317,15 @@ class ClusterAdmin:
         self.check_topology()
         save_id = uuid.uuid4().hex
         part = pb.SaveSnapshotRequest(name=name, phase=pb.SAVE_PHASE_WRITE_PART, save_id=save_id)
-        parts = self._stream(lambda i, stub: stub.SaveSnapshot(part), progress)
         commit = pb.SaveSnapshotRequest(name=name, phase=pb.SAVE_PHASE_COMMIT, save_id=save_id)
-        last = self._on(0, lambda i, stub: list(stub.SaveSnapshot(commit, timeout=self.timeout_s)))[
-            -1
-        ]
+        try:
+            parts = self._stream(lambda i, stub: stub.SaveSnapshot(part), progress)
+            last = self._on(
+                0, lambda i, stub: list(stub.SaveSnapshot(commit, timeout=self.timeout_s))
+            )[-1]
+        except ShardError:
+            self._remove_failed_save(name, save_id)
+            raise
         return {
             "name": name,
             "rows": sum(p.rows_done for p in parts),
@@ -336,6 +340,28 @@ class ClusterAdmin:
         shards = self._stream(lambda i, stub: stub.LoadSnapshot(request), progress)
         self.accept_restart()  # every row is the snapshot's now, whatever a restart lost
         return {"name": name, "rows": sum(s.rows_kept for s in shards), "path": shards[0].path}
+
+    def _remove_failed_save(self, name: str, save_id: str) -> None:
+        """The parts a failed save left on the shared snapshot dir, removed (best effort:
+        `snapshot gc` removes what this cannot)."""
+        request = pb.DeleteSnapshotRequest(name=name, save_id=save_id, incomplete_only=True)
+        try:
+            self._on(0, lambda i, stub: stub.DeleteSnapshot(request, timeout=self.timeout_s))
+        except ShardError:
+            pass  # the save's own failure is the one to raise
+
+    def delete_snapshot(self, name: str) -> list[str]:
+        """Remove snapshot `name` from the snapshot dir (complete or not); the paths removed."""
+        request = pb.DeleteSnapshotRequest(name=name)
+        reply = self._on(0, lambda i, stub: stub.DeleteSnapshot(request, timeout=self.timeout_s))
+        return list(reply.removed)
+
+    def gc_snapshots(self) -> list[str]:
+        """Remove what failed saves left (incomplete snapshots, save directories no manifest
+        names); run it while no save runs. The paths removed."""
+        request = pb.DeleteSnapshotRequest(incomplete_only=True)
+        reply = self._on(0, lambda i, stub: stub.DeleteSnapshot(request, timeout=self.timeout_s))
+        return list(reply.removed)
 
     def list_snapshots(self) -> list[dict[str, Any]]:
         request = pb.ListSnapshotsRequest()

@@ -56,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     verbs.add_parser("save", help="save a consistent snapshot of every table").add_argument("name")
     verbs.add_parser("load", help="load a snapshot (any shard count)").add_argument("name")
     verbs.add_parser("list", help="the snapshots in the snapshot directory")
+    verbs.add_parser("delete", help="remove a snapshot, complete or not").add_argument("name")
+    verbs.add_parser(
+        "gc", help="remove what failed saves left: incomplete snapshots, unnamed save dirs "
+        "(run it while no save runs)",
+    )  # fmt: skip
 
 
 def _mb(n: int) -> str:
@@ -277,6 +282,13 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
             if result.get("evicted"):
                 print(f"evicted {result['evicted']:,} rows first (evict_before_snapshot)")
         return result
+    if args.verb in ("delete", "gc"):
+        removed = admin.delete_snapshot(args.name) if args.verb == "delete" else (
+            admin.gc_snapshots()
+        )  # fmt: skip
+        if not args.json:
+            print(f"removed {len(removed)} path(s)" + "".join(f"\n  {p}" for p in removed))
+        return {"removed": removed}
     snapshots = admin.list_snapshots()
     if not args.json:
         _print_rows(

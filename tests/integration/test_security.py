@@ -170,6 +170,7 @@ CALLS: dict[str, tuple[Callable[[grpc.Channel, Any], Any], set[str]]] = {
     "SaveSnapshot": (_admin("SaveSnapshot", pb.SaveSnapshotRequest(name="s", phase=0)), set()),
     "LoadSnapshot": (_admin("LoadSnapshot", pb.LoadSnapshotRequest(name="absent")), set()),
     "ListSnapshots": (_admin("ListSnapshots", pb.ListSnapshotsRequest()), set()),
+    "DeleteSnapshot": (_admin("DeleteSnapshot", pb.DeleteSnapshotRequest(name="absent")), set()),
     "ServerReflectionInfo": (_reflection, set()),
 }
 

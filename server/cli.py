@@ -68,6 +68,11 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     security.add_argument("--metrics-host", help="bind address of /metrics (default: --host)")
     security.add_argument(
+        "--health-port", type=int,
+        help="also serve health alone, in plaintext, on this port (probes that cannot speak "
+        "TLS); its own threads, so data calls never starve it",
+    )  # fmt: skip
+    security.add_argument(
         "--max-calls", type=int, help="calls at once, health excepted (default 32); more are "
         "refused with RESOURCE_EXHAUSTED",
     )  # fmt: skip
@@ -106,7 +111,8 @@ def _serve(args: argparse.Namespace) -> int:
         "flush_interval_s": args.flush_interval_s, "sync_writes": args.sync_writes,
         "tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_client_ca": args.tls_client_ca,
         "tokens_file": args.tokens_file, "insecure": args.insecure,
-        "metrics_host": args.metrics_host, "max_workers": args.max_calls,
+        "metrics_host": args.metrics_host, "health_port": args.health_port,
+        "max_workers": args.max_calls,
         "max_receiving_streams": args.max_receiving_streams,
         "max_inflight_bytes": None if args.max_inflight_mb is None else args.max_inflight_mb << 20,
         "stream_idle_s": args.stream_idle_s, "call_total_s": args.call_total_s,

@@ -37,6 +37,8 @@ class ServerConfig:
     entries (server/security.py); without it, $TIERPS_TOKENS if set; with neither, no
     authentication. insecure: serve off loopback without TLS and tokens (with a warning;
     refused otherwise). metrics_host: the /metrics bind address (default: host).
+    health_port: also serve the health service alone, in plaintext, on host:health_port with
+    threads of its own (probes that cannot speak TLS; never starved by data calls). None: off.
     max_workers is also the cap on calls at once (health excepted), RESOURCE_EXHAUSTED
     beyond; max_receiving_streams: of those, request streams still waiting for their
     messages; max_inflight_bytes: request bytes held at once by the shard's calls;
@@ -73,6 +75,7 @@ class ServerConfig:
     tokens_file: Path | None = None
     insecure: bool = False
     metrics_host: str | None = None
+    health_port: int | None = None
     max_receiving_streams: int = 8
     max_inflight_bytes: int = 2 * MAX_BATCH_BYTES
     stream_idle_s: float = 30.0
@@ -85,6 +88,8 @@ class ServerConfig:
         check_int(owner, "port", self.port, 0, 65535)
         if self.metrics_port is not None:
             check_int(owner, "metrics_port", self.metrics_port, 0, 65535)
+        if self.health_port is not None:
+            check_int(owner, "health_port", self.health_port, 0, 65535)
         check_int(owner, "max_workers", self.max_workers, 1, 1024)
         check_int(owner, "chunk_bytes", self.chunk_bytes, 1 << 12, 1 << 30)
         check_int(

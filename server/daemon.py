@@ -120,10 +120,34 @@ class ShardServer:
                 self.limits.close()
             self.shard.close()
             raise
+        self.health_port: int | None = None
+        self._health_server: grpc.Server | None = None
+        if config.health_port is not None:
+            self._serve_health_alone(config)
         self._set_serving(False)
         self.shard.on_serving_change = self._set_serving
         self.metrics_port: int | None = None
         self._stopped = False
+
+    def _serve_health_alone(self, config: ServerConfig) -> None:
+        """Health alone on its own plaintext port and threads: what probes that cannot speak
+        TLS (Kubernetes' gRPC probes) check; data calls never hold these threads."""
+        self._health_server = grpc.server(
+            ThreadPoolExecutor(HEALTH_WORKERS, thread_name_prefix="tierps-health"),
+            options=[("grpc.so_reuseport", 0)],
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        try:
+            self.health_port = self._health_server.add_insecure_port(
+                f"{config.host}:{config.health_port}"
+            )
+        except RuntimeError:
+            self.health_port = 0
+        if self.health_port == 0:
+            self.limits.close()
+            self.shard.close()
+            raise OSError(f"shard {config.shard_id}: cannot bind the health port "
+                          f"{config.host}:{config.health_port}")  # fmt: skip
 
     @property
     def address(self) -> str:
@@ -152,6 +176,8 @@ class ShardServer:
         # compile (or load from numba's cache) the host kernels now, not in the first RPC
         host_kernels.warm_up()
         self._server.start()
+        if self._health_server is not None:
+            self._health_server.start()
         self.shard.start_background()
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(
@@ -164,6 +190,9 @@ class ShardServer:
                 **self._fields(),
                 "address": self.address,
                 "metrics_port": self.metrics_port,
+                "health_port": self.health_port,
+                "tls": self.config.tls_cert is not None,
+                "mutual_tls": self.config.tls_client_ca is not None,
                 "data_dir": str(self.config.data_dir),
                 "snapshot_dir": str(self.config.snapshot_dir),
                 "tables": [c.name for c in self.shard.list_tables()],
@@ -180,6 +209,8 @@ class ShardServer:
         log.info("stopping", extra={**self._fields(), "grace_s": grace})
         self.health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        if self._health_server is not None:
+            self._health_server.stop(0)
         self._executor.shutdown(wait=False)
         self.limits.close()
         try:
@@ -229,7 +260,14 @@ def serve(config: ServerConfig, *, port_file: Path | None = None) -> int:
     if port_file is not None:
         tmp = port_file.with_name(port_file.name + ".tmp")
         tmp.write_text(
-            json.dumps({"port": port, "metrics_port": server.metrics_port, "pid": os.getpid()})
+            json.dumps(
+                {
+                    "port": port,
+                    "metrics_port": server.metrics_port,
+                    "health_port": server.health_port,
+                    "pid": os.getpid(),
+                }
+            )  # fmt: skip
         )
         os.replace(tmp, port_file)
     while not stop:

@@ -56,10 +56,16 @@ def health(channel: grpc.Channel) -> Any:
 def test_a_plain_client_is_refused_on_a_tls_port_and_a_client_trusting_the_ca_is_served(
     shard_server: Callable[..., ShardServer], certs: Certs
 ) -> None:
-    server = shard_server(tls_cert=certs.server_cert, tls_key=certs.server_key)
+    server = shard_server(tls_cert=certs.server_cert, tls_key=certs.server_key, health_port=0)
     with grpc.insecure_channel(server.address) as plain, pytest.raises(grpc.RpcError) as refused:
         health(plain)
     assert refused.value.code() is CODE.UNAVAILABLE
+    # the health port alone speaks plaintext, for probes that cannot speak TLS; nothing else
+    with grpc.insecure_channel(f"127.0.0.1:{server.health_port}") as probe:
+        assert health(probe) == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as unimplemented:
+            pb_grpc.AdminServiceStub(probe).ListTables(pb.ListTablesRequest(), timeout=5)
+        assert unimplemented.value.code() is CODE.UNIMPLEMENTED
     with EmbeddingClient(
         [server.address], timeout_s=10, security=ChannelSecurity(ca_file=certs.ca)
     ) as client:

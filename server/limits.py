@@ -31,6 +31,7 @@ from tierps.storage.errors import ResourceExhaustedError
 
 log = logging.getLogger("tierps.server")
 
+TRIM_AFTER_BYTES = 16 << 20  # a failed call that held this much gives its memory back
 HEALTH_WORKERS = 4  # threads of the server's pool beyond max_calls: health always has some
 _HEALTH = "/grpc.health.v1.Health/"
 _DATA = f"/{pb.DESCRIPTOR.services_by_name['EmbeddingService'].full_name}/"
@@ -57,7 +58,7 @@ class _Call:
     """One admitted call's share of the limits."""
 
     __slots__ = ("method", "context", "started", "waiting_since", "expired", "size", "held",
-                 "receiving", "timed", "over_budget")  # fmt: skip
+                 "receiving", "timed", "failed")  # fmt: skip
 
     def __init__(self, method: str) -> None:
         self.method = method
@@ -69,7 +70,7 @@ class _Call:
         self.held = 0  # bytes of this call's messages counted in the budget
         self.receiving = False
         self.timed = method.startswith(_DATA)  # total_s applies
-        self.over_budget = False
+        self.failed = False  # refused or failed: its messages are garbage now
 
 
 class CallLimits(grpc.ServerInterceptor):
@@ -154,7 +155,6 @@ class CallLimits(grpc.ServerInterceptor):
                 self.inflight_bytes += size
                 call.held += size
         if over:
-            call.over_budget = True
             raise self._refusal(call, "bytes",
                          f"request bytes in flight expected at most {self.max_inflight_bytes} "
                          f"on this shard, and a message of {size} bytes would pass it "
@@ -174,11 +174,13 @@ class CallLimits(grpc.ServerInterceptor):
                 call.receiving = False
                 self.receiving -= 1
             self.inflight_bytes -= call.held
+            # A failed call that held much: the allocator gets its memory back (by the
+            # watchdog: the failure's traceback, which holds the messages, is let go by gRPC
+            # only after this returns). Not after a call that succeeded: the next one of its
+            # size reuses the memory.
+            self._trim = self._trim or (call.failed and call.held >= TRIM_AFTER_BYTES)
             call.held = 0
             self._watched.discard(call)
-            # trimmed by the watchdog: the refusal's traceback, which holds the call's
-            # messages, is let go by gRPC only after this returns
-            self._trim = self._trim or call.over_budget
 
     # -- the request stream -----------------------------------------------------------------
 
@@ -233,6 +235,9 @@ class CallLimits(grpc.ServerInterceptor):
                     self._admit(call, context, streaming)  # aborts if refused: nothing taken
                     try:
                         yield from behavior(request_of(request), context)
+                    except BaseException:
+                        call.failed = True
+                        raise
                     finally:
                         self._release(call)
 
@@ -242,6 +247,9 @@ class CallLimits(grpc.ServerInterceptor):
                 self._admit(call, context, streaming)
                 try:
                     return behavior(request_of(request), context)
+                except BaseException:
+                    call.failed = True
+                    raise
                 finally:
                     self._release(call)
 

@@ -282,3 +282,35 @@ def test_a_shard_off_loopback_without_tls_and_tokens_refuses_to_start(
     with caplog.at_level(logging.WARNING, logger="tierps.server"):
         security.check_exposure("10.0.0.1", tls=True, tokens=False, insecure=True, where="s")
     assert "without tokens (--insecure)" in caplog.text
+
+
+def test_a_local_cluster_passes_tls_and_tokens_to_its_shards(tmp_path: Path, certs: Certs) -> None:
+    """`tierps cluster`'s flags (tierps.server.cluster.server_security_args) reach every
+    shard subprocess; the cluster checks their health over TLS with a client certificate."""
+    import argparse
+
+    from tierps.server.cluster import LocalCluster, server_security_args
+
+    flags = argparse.Namespace(
+        tls_cert=certs.server_cert, tls_key=certs.server_key, tls_client_ca=certs.ca,
+        tokens_file=tokens_file(tmp_path),
+    )  # fmt: skip
+    mutual = {"ca_file": certs.ca, "cert_file": certs.client_cert, "key_file": certs.client_key}
+    with LocalCluster(
+        2, tmp_path / "cluster", extra_args=server_security_args(flags),
+        security=ChannelSecurity(**mutual),
+    ) as cluster:  # fmt: skip
+        with EmbeddingClient(
+            cluster.addresses, timeout_s=10,
+            security=ChannelSecurity(**mutual, token=TOKENS["admin"]),
+        ) as client:  # fmt: skip
+            client.create_table(TableConfig(name="t", dim=DIM))
+            assert client.lookup("t", np.arange(4)).shape == (4, DIM)
+        with (
+            EmbeddingClient(
+                cluster.addresses, timeout_s=10, security=ChannelSecurity(**mutual)
+            ) as no_token,
+            pytest.raises(ShardError) as refused,
+        ):
+            no_token.list_tables()
+        assert refused.value.code is CODE.UNAUTHENTICATED

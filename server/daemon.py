@@ -68,14 +68,15 @@ class ShardServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        where = f"shard {config.shard_id}"
+        # before the data dir is touched: a shard that would be left open does not start
+        tokens = load_tokens(config.tokens_file)
+        tls = config.tls_cert is not None
+        check_exposure(config.host, tls, tokens is not None, config.insecure, where)
         self.shard = Shard(config)
         try:
             self.metrics = ShardMetrics(self.shard)
             self.health = health.HealthServicer(experimental_non_blocking=True)
-            where = f"shard {config.shard_id}"
-            tokens = load_tokens(config.tokens_file)
-            tls = config.tls_cert is not None
-            check_exposure(config.host, tls, tokens is not None, config.insecure, where)
             self.limits = CallLimits(
                 max_calls=config.max_workers, max_receiving=config.max_receiving_streams,
                 max_inflight_bytes=config.max_inflight_bytes, idle_s=config.stream_idle_s,

@@ -273,10 +273,11 @@ def test_tokens_come_from_the_environment_and_bad_entries_are_refused(
 
 
 def test_a_shard_off_loopback_without_tls_and_tokens_refuses_to_start(
-    shard_server: Callable[..., ShardServer], caplog: pytest.LogCaptureFixture
+    shard_server: Callable[..., ShardServer], caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     with pytest.raises(ValueError, match="--insecure"):
-        shard_server(host="0.0.0.0")
+        shard_server(host="0.0.0.0", data_dir=tmp_path / "open")
+    assert not (tmp_path / "open").exists()  # refused before the data dir is touched
     assert security.is_loopback("127.0.0.1") and security.is_loopback("::1")
     assert not security.is_loopback("10.0.0.1") and not security.is_loopback("shard-0")
     with caplog.at_level(logging.WARNING, logger="tierps.server"):

@@ -28,7 +28,13 @@ from tierps.server.handlers import refusal
 from tierps.server.limits import HEALTH_WORKERS, CallLimits
 from tierps.server.lives import LIFE_HEADER
 from tierps.server.metrics import ShardMetrics
-from tierps.server.security import AuthCheck, check_exposure, load_tokens, server_credentials
+from tierps.server.security import (
+    AuthCheck,
+    TokensFile,
+    check_exposure,
+    load_tokens,
+    server_credentials,
+)
 from tierps.server.servicers import AdminServicer, EmbeddingServicer, add_embedding_service
 from tierps.server.shard import Shard
 from tierps.storage import host_kernels
@@ -70,7 +76,10 @@ class ShardServer:
         self.config = config
         where = f"shard {config.shard_id}"
         # before the data dir is touched: a shard that would be left open does not start
-        tokens = load_tokens(config.tokens_file)
+        tokens: TokensFile | dict[str, str] | None = (
+            load_tokens(None) if config.tokens_file is None  # $TIERPS_TOKENS, or none
+            else TokensFile(config.tokens_file, where)  # read again when it changes
+        )  # fmt: skip
         tls = config.tls_cert is not None
         check_exposure(config.host, tls, tokens is not None, config.insecure, where)
         self.shard = Shard(config)
@@ -84,7 +93,10 @@ class ShardServer:
             )  # fmt: skip
             interceptors: list[grpc.ServerInterceptor] = [self.limits, LifeCheck(self.shard)]
             if tokens is not None:  # first: an unknown caller is refused before anything
-                interceptors.insert(0, AuthCheck(tokens, self._refused, where))
+                source = (
+                    tokens if config.tokens_file is None else TokensFile(config.tokens_file, where)
+                )
+                interceptors.insert(0, AuthCheck(source, self._refused, where))
             # so_reuseport off: a port in use is an error, never two servers on one port.
             options = [*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)]
             # HEALTH_WORKERS threads more than calls may hold: health always finds one

@@ -15,6 +15,8 @@ import hmac
 import ipaddress
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -102,7 +104,7 @@ def parse_tokens(text: str, source: str) -> dict[str, str]:
 
 def load_tokens(tokens_file: Path | None) -> dict[str, str] | None:
     """{token: role} from tokens_file, else from $TIERPS_TOKENS; None where neither is set
-    (no authentication)."""
+    (no authentication). (A shard keeps reading a tokens file as it changes: TokensFile.)"""
     if tokens_file is not None:
         text = _read(tokens_file, "tokens file").decode()
         return parse_tokens(text, f"tokens file {tokens_file}")
@@ -140,17 +142,72 @@ def check_exposure(host: str, tls: bool, tokens: bool, insecure: bool, where: st
 # -- the interceptor ----------------------------------------------------------------------------
 
 
+RELOAD_CHECK_S = 1.0  # how often a tokens file is looked at for changes
+
+
+class TokensFile:
+    """The tokens of a file, read again when it changes (its mtime, size or inode: a
+    Kubernetes Secret volume swaps a link), looked at most every RELOAD_CHECK_S: a token is
+    rotated without a restart. A changed file that does not parse keeps the tokens in force,
+    and says why in the log."""
+
+    def __init__(self, path: Path, where: str) -> None:
+        self.path = Path(path)
+        self.where = where
+        self._stamp = self._stat()
+        self.tokens = load_tokens(self.path) or {}
+        self._next_check = time.monotonic() + RELOAD_CHECK_S
+        self._lock = threading.Lock()
+
+    def _stat(self) -> tuple[int, int, int]:
+        info = os.stat(self.path)
+        return info.st_mtime_ns, info.st_size, info.st_ino
+
+    def current(self) -> dict[str, str]:
+        now = time.monotonic()
+        if now < self._next_check or not self._lock.acquire(blocking=False):
+            return self.tokens
+        try:
+            self._next_check = now + RELOAD_CHECK_S
+            stamp = self._stat()
+            if stamp != self._stamp:
+                self._stamp = stamp
+                self.tokens = load_tokens(self.path) or {}
+                log.warning("%s: tokens file %s changed: %d tokens now (%s)", self.where,
+                            self.path, len(self.tokens),
+                            ", ".join(f"{r}: {list(self.tokens.values()).count(r)}"
+                                      for r in ROLES))  # fmt: skip
+        except (OSError, ValueError) as error:
+            log.error("%s: tokens file %s changed but cannot be used, the tokens in force "
+                      "stay: %s", self.where, self.path, error)  # fmt: skip
+        finally:
+            self._lock.release()
+        return self.tokens
+
+
 class AuthCheck(grpc.ServerInterceptor):
     """Checks each call's bearer token and role before the call runs. `refused(method, code,
     cause)` is told of each refusal (the metrics; cause "token" or "role"); the log names
     method and role, never the token."""
 
     def __init__(
-        self, tokens: dict[str, str], refused: Callable[[str, str, str], None], where: str
+        self,
+        tokens: dict[str, str] | TokensFile,
+        refused: Callable[[str, str, str], None],
+        where: str,
     ) -> None:
-        self._tokens = [(token.encode(), role) for token, role in tokens.items()]
+        self._source = tokens
+        self._known: dict[str, str] = {}
+        self._tokens: list[tuple[bytes, str]] = []
         self._refused = refused
         self.where = where
+
+    def _current(self) -> list[tuple[bytes, str]]:
+        tokens = self._source.current() if isinstance(self._source, TokensFile) else self._source
+        if tokens is not self._known:  # encoded once per version of the tokens
+            self._known = tokens
+            self._tokens = [(token.encode(), role) for token, role in tokens.items()]
+        return self._tokens
 
     def role_of(self, metadata: Any) -> str | None:
         """The role of the call's token; every known token is compared, in constant time."""
@@ -159,7 +216,7 @@ class AuthCheck(grpc.ServerInterceptor):
             given = given.decode("latin-1")
         presented = (given[len(BEARER) :] if given.startswith(BEARER) else "").encode()
         role = None
-        for token, token_role in self._tokens:
+        for token, token_role in self._current():
             if hmac.compare_digest(token, presented):
                 role = token_role
         return role

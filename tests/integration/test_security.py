@@ -6,6 +6,7 @@ metrics, logged without the token)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -315,3 +316,36 @@ def test_a_local_cluster_passes_tls_and_tokens_to_its_shards(tmp_path: Path, cer
         ):
             no_token.list_tables()
         assert refused.value.code is CODE.UNAUTHENTICATED
+
+
+def test_a_token_is_rotated_by_editing_the_tokens_file_without_a_restart(
+    shard_server: Callable[..., ShardServer], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tokens_file(tmp_path)
+    server = shard_server(tokens_file=path)
+    new = "trainer-token-rotated-0123456789"
+    stats = CALLS["Stats"][0]
+
+    def code(token: str) -> CODE:
+        with grpc.insecure_channel(server.address) as channel:
+            return _code(stats, channel, [("authorization", f"Bearer {token}")])
+
+    def settles(token: str, expected: CODE) -> None:
+        deadline = time.monotonic() + 10 * security.RELOAD_CHECK_S
+        while code(token) is not expected:
+            assert time.monotonic() < deadline, f"tokens file change not taken: {expected}"
+            time.sleep(0.1)
+
+    assert code(TOKENS["trainer"]) is CODE.OK and code(new) is CODE.UNAUTHENTICATED
+    # 1. the new token beside the old one; 2. the old one removed
+    path.write_text(path.read_text() + f"trainer:{new}\n")
+    settles(new, CODE.OK)
+    assert code(TOKENS["trainer"]) is CODE.OK
+    path.write_text(path.read_text().replace(f"trainer:{TOKENS['trainer']}\n", ""))
+    settles(TOKENS["trainer"], CODE.UNAUTHENTICATED)
+    assert code(new) is CODE.OK
+    # a file that does not parse keeps the tokens in force
+    path.write_text("trainer:short\n")
+    time.sleep(2 * security.RELOAD_CHECK_S)
+    assert code(new) is CODE.OK
+    assert "cannot be used" in caplog.text and new not in caplog.text

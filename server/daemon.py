@@ -93,10 +93,7 @@ class ShardServer:
             )  # fmt: skip
             interceptors: list[grpc.ServerInterceptor] = [self.limits, LifeCheck(self.shard)]
             if tokens is not None:  # first: an unknown caller is refused before anything
-                source = (
-                    tokens if config.tokens_file is None else TokensFile(config.tokens_file, where)
-                )
-                interceptors.insert(0, AuthCheck(source, self._refused, where))
+                interceptors.insert(0, AuthCheck(tokens, self._refused, where))
             # so_reuseport off: a port in use is an error, never two servers on one port.
             options = [*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)]
             # HEALTH_WORKERS threads more than calls may hold: health always finds one
@@ -169,8 +166,16 @@ class ShardServer:
     def _observe(self, method: str, code: str, seconds: float) -> None:
         self.metrics.rpc_seconds.labels(method, code).observe(seconds)
 
-    def _refused(self, method: str, code: str, cause: str) -> None:
+    def _refused(self, method: str, code: str, cause: str, why: str) -> None:
+        """The one place a guard's refusal (or cancellation) is counted and logged; `why`
+        never holds a token."""
         self.metrics.refusals.labels(method, code, cause).inc()
+        log.warning(
+            "rpc %s refused: %s",
+            method,
+            why,
+            extra={**self._fields(), "method": method, "code": code, "cause": cause},
+        )
 
     def _set_serving(self, serving: bool) -> None:
         status = (

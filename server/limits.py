@@ -17,7 +17,6 @@ interceptor):
 from __future__ import annotations
 
 import ctypes
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,13 +28,11 @@ from tierps.proto import tierps_service_pb2 as pb
 from tierps.server.handlers import with_behavior
 from tierps.storage.errors import ResourceExhaustedError
 
-log = logging.getLogger("tierps.server")
-
 TRIM_AFTER_BYTES = 16 << 20  # a failed call that held this much gives its memory back
 HEALTH_WORKERS = 4  # threads of the server's pool beyond max_calls: health always has some
 _HEALTH = "/grpc.health.v1.Health/"
 _DATA = f"/{pb.DESCRIPTOR.services_by_name['EmbeddingService'].full_name}/"
-Refused = Callable[[str, str, str], None]  # (method, code, cause)
+Refused = Callable[[str, str, str, str], None]  # (method, code, cause, why): count and log
 
 
 def _libc_malloc_trim() -> Callable[[int], int] | None:
@@ -109,13 +106,7 @@ class CallLimits(grpc.ServerInterceptor):
 
     def _refusal(self, call: _Call, cause: str, message: str) -> ResourceExhaustedError:
         """Count and log a refusal; the error to raise (or abort with)."""
-        self._refused(call.method, "RESOURCE_EXHAUSTED", cause)
-        log.warning(
-            "rpc %s refused: %s",
-            call.method,
-            message,
-            extra={"method": call.method, "code": "RESOURCE_EXHAUSTED", "cause": cause},
-        )
+        self._refused(call.method, "RESOURCE_EXHAUSTED", cause, message)
         return ResourceExhaustedError(f"{self.where}: {message}")
 
     def _refuse(self, call: _Call, context: Any, cause: str, message: str) -> None:
@@ -279,11 +270,5 @@ class CallLimits(grpc.ServerInterceptor):
         if call.expired is not None:
             return
         call.expired = cause
-        self._refused(call.method, "CANCELLED", cause)
-        log.warning(
-            "rpc %s cancelled by the shard: %s",
-            call.method,
-            why,
-            extra={"method": call.method, "code": "CANCELLED", "cause": cause},
-        )
+        self._refused(call.method, "CANCELLED", cause, f"cancelled by the shard: {why}")
         call.context.cancel()

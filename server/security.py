@@ -187,13 +187,13 @@ class TokensFile:
 
 class AuthCheck(grpc.ServerInterceptor):
     """Checks each call's bearer token and role before the call runs. `refused(method, code,
-    cause)` is told of each refusal (the metrics; cause "token" or "role"); the log names
-    method and role, never the token."""
+    cause, why)` is told of each refusal (cause "token" or "role"); `why` never holds the
+    token."""
 
     def __init__(
         self,
         tokens: dict[str, str] | TokensFile,
-        refused: Callable[[str, str, str], None],
+        refused: Callable[[str, str, str, str], None],
         where: str,
     ) -> None:
         self._source = tokens
@@ -221,11 +221,9 @@ class AuthCheck(grpc.ServerInterceptor):
                 role = token_role
         return role
 
-    def _refuse(self, handler: Any, method: str, code: grpc.StatusCode, role: str, why: str) -> Any:
+    def _refuse(self, handler: Any, method: str, code: grpc.StatusCode, why: str) -> Any:
         cause = "token" if code is grpc.StatusCode.UNAUTHENTICATED else "role"
-        self._refused(method, code.name, cause)
-        log.warning("rpc %s refused: %s", method, why,
-                    extra={"method": method, "code": code.name, "role": role})  # fmt: skip
+        self._refused(method, code.name, cause, why)
         return refusal(handler, code, f"{self.where}: {why}")
 
     def intercept_service(self, continuation: Any, details: Any) -> Any:
@@ -236,7 +234,7 @@ class AuthCheck(grpc.ServerInterceptor):
         role = self.role_of(details.invocation_metadata)
         if role is None:
             return self._refuse(
-                handler, method, grpc.StatusCode.UNAUTHENTICATED, "-",
+                handler, method, grpc.StatusCode.UNAUTHENTICATED,
                 f"{method} expected metadata '{AUTH_HEADER}: {BEARER}TOKEN' with a token this "
                 f"shard knows, got none or an unknown one",
             )  # fmt: skip
@@ -244,7 +242,7 @@ class AuthCheck(grpc.ServerInterceptor):
             return handler
         if method not in ROLE_METHODS[role]:
             return self._refuse(
-                handler, method, grpc.StatusCode.PERMISSION_DENIED, role,
+                handler, method, grpc.StatusCode.PERMISSION_DENIED,
                 f"role {role!r} may not call {method} (it may call "
                 f"{', '.join(sorted(m.rsplit('/', 1)[1] for m in ROLE_METHODS[role]))})",
             )  # fmt: skip
@@ -258,15 +256,9 @@ class AuthCheck(grpc.ServerInterceptor):
         shard is asked anything."""
 
         def refuse(index: int) -> PermissionDeniedError:
-            self._refused(method, grpc.StatusCode.PERMISSION_DENIED.name, "role")
             why = (f"role 'reader' may look up with create=false only; message {index} of "
                    f"{method} has create=true")  # fmt: skip
-            log.warning(
-                "rpc %s refused: %s",
-                method,
-                why,
-                extra={"method": method, "code": "PERMISSION_DENIED", "role": "reader"},
-            )
+            self._refused(method, grpc.StatusCode.PERMISSION_DENIED.name, "role", why)
             return PermissionDeniedError(f"{self.where}: {why}")
 
         if handler.request_streaming:

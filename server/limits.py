@@ -270,5 +270,5 @@ class CallLimits(grpc.ServerInterceptor):
         if call.expired is not None:
             return
         call.expired = cause
-        self._refused(call.method, "CANCELLED", cause, f"cancelled by the shard: {why}")
+        self._refused(call.method, "CANCELLED", cause, f"the shard cancelled it: {why}")
         call.context.cancel()

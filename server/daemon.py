@@ -171,8 +171,10 @@ class ShardServer:
         never holds a token."""
         self.metrics.refusals.labels(method, code, cause).inc()
         log.warning(
-            "rpc %s refused: %s",
+            "rpc %s answered %s (%s): %s",
             method,
+            code,
+            cause,
             why,
             extra={**self._fields(), "method": method, "code": code, "cause": cause},
         )

@@ -10,11 +10,13 @@ from tierps.client.admin import ClusterAdmin, RetryPolicy, ShardError
 from tierps.client.embedding import DevicePooledLookup, EmbeddingClient, Feature, PooledLookup
 from tierps.client.formats import COO
 from tierps.client.pooling import Combiner
+from tierps.client.security import ChannelSecurity
 from tierps.storage import Admission, Eviction, Placement, TableConfig, WritePolicy, init, optim
 
 __all__ = [
     "Admission",
     "COO",
+    "ChannelSecurity",
     "ClusterAdmin",
     "Combiner",
     "DevicePooledLookup",

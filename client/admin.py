@@ -13,6 +13,7 @@ from typing import Any, Self, TypeVar
 
 import grpc
 
+from tierps.client.security import NO_SECURITY, ChannelSecurity
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto.convert import table_config_to_dict, table_config_to_proto
@@ -58,16 +59,22 @@ class _LifeHeader(
     grpc.StreamStreamClientInterceptor,
 ):
     """Adds the life of the shard this client last talked to (when known) to every call:
-    the shard refuses a data call with DATA_LOSS if that life ended without a clean stop."""
+    the shard refuses a data call with DATA_LOSS if that life ended without a clean stop.
+    And the client's own metadata (its token), where it has any."""
 
-    def __init__(self, life: Callable[[], int | None]) -> None:
+    def __init__(
+        self, life: Callable[[], int | None], fixed: list[tuple[str, str]] | None = None
+    ) -> None:
         self.life = life
+        self.fixed = fixed or []
 
     def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
         life = self.life()
-        if life is None:
+        if life is None and not self.fixed:
             return details
-        metadata = [*(details.metadata or ()), (LIFE_HEADER, str(life))]
+        metadata = [*(details.metadata or ()), *self.fixed]
+        if life is not None:
+            metadata.append((LIFE_HEADER, str(life)))
         return _CallDetails(
             details.method, details.timeout, metadata, details.credentials,
             details.wait_for_ready, details.compression,
@@ -145,7 +152,8 @@ class RetryPolicy:
 class ClusterAdmin:
     """Admin of the cluster whose shard i listens at addresses[i]. A context manager.
     Every call but the snapshot save and load streams (which run as long as the data takes)
-    has a deadline of timeout_s; UNAVAILABLE is retried as `retry` says."""
+    has a deadline of timeout_s; UNAVAILABLE is retried as `retry` says. `security`: the
+    CA, client certificate and token of shards that ask for them (client/security.py)."""
 
     def __init__(
         self,
@@ -153,6 +161,7 @@ class ClusterAdmin:
         *,
         timeout_s: float = 30.0,
         retry: RetryPolicy | None = None,
+        security: ChannelSecurity | None = None,
     ) -> None:
         if not addresses:
             raise ValueError(
@@ -161,15 +170,18 @@ class ClusterAdmin:
         self.addresses = list(addresses)
         self.timeout_s = timeout_s
         self.retry = RetryPolicy() if retry is None else retry
+        self.security = NO_SECURITY if security is None else security
         options = channel_options() + self.retry.channel_options()
         # The life each shard was in when this client last learned it (None: not yet; data
         # calls learn it first, from Stats): a shard that restarted uncleanly since refuses
         # this client's data calls with DATA_LOSS until it accepts the restart.
         self._lives: list[int | None] = [None] * len(addresses)
+        # shards whose Stats this client's role may not call (a reader): life unknown
+        self._life_denied: set[int] = set()
         self._channels = [
             grpc.intercept_channel(
-                grpc.insecure_channel(address, options=options),
-                _LifeHeader(lambda i=i: self._lives[i]),
+                self.security.channel(address, options),
+                _LifeHeader(lambda i=i: self._lives[i], self.security.metadata()),
             )
             for i, address in enumerate(addresses)
         ]
@@ -192,10 +204,17 @@ class ClusterAdmin:
     def _learn_lives(self, shards: list[int]) -> None:
         """Learn the life of each of these shards not yet known (one Stats call each)."""
         for shard_id in shards:
-            if self._lives[shard_id] is None:
-                reply = self._on(
-                    shard_id, lambda i, stub: stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
-                )
+            if self._lives[shard_id] is None and shard_id not in self._life_denied:
+                try:
+                    reply = self._on(
+                        shard_id,
+                        lambda i, stub: stub.Stats(pb.StatsRequest(), timeout=self.timeout_s),
+                    )
+                except ShardError as error:
+                    if error.code is not grpc.StatusCode.PERMISSION_DENIED:
+                        raise
+                    self._life_denied.add(shard_id)  # a reader: looks up without a life
+                    continue
                 self._lives[shard_id] = int(reply.life)
 
     def accept_restart(self, shards: list[int] | None = None) -> None:
@@ -298,11 +317,15 @@ class ClusterAdmin:
         self.check_topology()
         save_id = uuid.uuid4().hex
         part = pb.SaveSnapshotRequest(name=name, phase=pb.SAVE_PHASE_WRITE_PART, save_id=save_id)
-        parts = self._stream(lambda i, stub: stub.SaveSnapshot(part), progress)
         commit = pb.SaveSnapshotRequest(name=name, phase=pb.SAVE_PHASE_COMMIT, save_id=save_id)
-        last = self._on(0, lambda i, stub: list(stub.SaveSnapshot(commit, timeout=self.timeout_s)))[
-            -1
-        ]
+        try:
+            parts = self._stream(lambda i, stub: stub.SaveSnapshot(part), progress)
+            last = self._on(
+                0, lambda i, stub: list(stub.SaveSnapshot(commit, timeout=self.timeout_s))
+            )[-1]
+        except ShardError:
+            self._remove_failed_save(name, save_id)
+            raise
         return {
             "name": name,
             "rows": sum(p.rows_done for p in parts),
@@ -317,6 +340,28 @@ class ClusterAdmin:
         shards = self._stream(lambda i, stub: stub.LoadSnapshot(request), progress)
         self.accept_restart()  # every row is the snapshot's now, whatever a restart lost
         return {"name": name, "rows": sum(s.rows_kept for s in shards), "path": shards[0].path}
+
+    def _remove_failed_save(self, name: str, save_id: str) -> None:
+        """The parts a failed save left on the shared snapshot dir, removed (best effort:
+        `snapshot gc` removes what this cannot)."""
+        request = pb.DeleteSnapshotRequest(name=name, save_id=save_id, incomplete_only=True)
+        try:
+            self._on(0, lambda i, stub: stub.DeleteSnapshot(request, timeout=self.timeout_s))
+        except ShardError:
+            pass  # the save's own failure is the one to raise
+
+    def delete_snapshot(self, name: str) -> list[str]:
+        """Remove snapshot `name` from the snapshot dir (complete or not); the paths removed."""
+        request = pb.DeleteSnapshotRequest(name=name)
+        reply = self._on(0, lambda i, stub: stub.DeleteSnapshot(request, timeout=self.timeout_s))
+        return list(reply.removed)
+
+    def gc_snapshots(self) -> list[str]:
+        """Remove what failed saves left (incomplete snapshots, save directories no manifest
+        names); run it while no save runs. The paths removed."""
+        request = pb.DeleteSnapshotRequest(incomplete_only=True)
+        reply = self._on(0, lambda i, stub: stub.DeleteSnapshot(request, timeout=self.timeout_s))
+        return list(reply.removed)
 
     def list_snapshots(self) -> list[dict[str, Any]]:
         request = pb.ListSnapshotsRequest()

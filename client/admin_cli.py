@@ -11,6 +11,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from tierps.client import security
 from tierps.client.admin import ShardError
 from tierps.client.embedding import EmbeddingClient
 from tierps.storage.config import TableConfig
@@ -24,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=30.0, help="deadline of each call")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    security.add_arguments(parser)
     actions = parser.add_subparsers(dest="action", required=True)
     create = actions.add_parser("create", help="create a table on every shard")
     create.add_argument(
@@ -54,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     verbs.add_parser("save", help="save a consistent snapshot of every table").add_argument("name")
     verbs.add_parser("load", help="load a snapshot (any shard count)").add_argument("name")
     verbs.add_parser("list", help="the snapshots in the snapshot directory")
+    verbs.add_parser("delete", help="remove a snapshot, complete or not").add_argument("name")
+    verbs.add_parser(
+        "gc", help="remove what failed saves left: incomplete snapshots, unnamed save dirs "
+        "(run it while no save runs)",
+    )  # fmt: skip
 
 
 def _mb(n: int) -> str:
@@ -173,7 +180,10 @@ def _with_bar(action: Any, label: str) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     addresses = [a.strip() for a in args.addresses.split(",") if a.strip()]
     try:
-        with EmbeddingClient(addresses, timeout_s=args.timeout_s) as admin:
+        channel_security = security.from_args(args)
+        with EmbeddingClient(
+            addresses, timeout_s=args.timeout_s, security=channel_security
+        ) as admin:
             result = _act(admin, args)
     except (ShardError, TierpsError, ValueError, OSError) as error:
         print(f"tierps admin: {error}", file=sys.stderr)
@@ -272,6 +282,13 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
             if result.get("evicted"):
                 print(f"evicted {result['evicted']:,} rows first (evict_before_snapshot)")
         return result
+    if args.verb in ("delete", "gc"):
+        removed = admin.delete_snapshot(args.name) if args.verb == "delete" else (
+            admin.gc_snapshots()
+        )  # fmt: skip
+        if not args.json:
+            print(f"removed {len(removed)} path(s)" + "".join(f"\n  {p}" for p in removed))
+        return {"removed": removed}
     snapshots = admin.list_snapshots()
     if not args.json:
         _print_rows(

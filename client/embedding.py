@@ -43,6 +43,7 @@ from tierps.client.pooling import (
     stacked_pooling_matrix,
     unpool,
 )
+from tierps.client.security import ChannelSecurity
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
@@ -306,6 +307,7 @@ class EmbeddingClient(ClusterAdmin):
         chunk_bytes: int = wire.CHUNK_BYTES,
         max_call_bytes: int = DEFAULT_MAX_CALL_BYTES,
         one_message_bytes: int = wire.ONE_MESSAGE_BYTES,
+        security: ChannelSecurity | None = None,
     ) -> None:
         if not 8 + 4 <= chunk_bytes <= wire.MAX_MESSAGE_BYTES // 2:
             raise ValueError(
@@ -317,7 +319,7 @@ class EmbeddingClient(ClusterAdmin):
                 f"EmbeddingClient: one_message_bytes expected in [0, {wire.ONE_MESSAGE_BYTES}] "
                 f"(0: always stream), got {one_message_bytes}"
             )
-        super().__init__(addresses, timeout_s=timeout_s, retry=retry)
+        super().__init__(addresses, timeout_s=timeout_s, retry=retry, security=security)
         # Data calls' own threads: snapshot streams hold the admin pool for as long as they
         # run, and a prefetch may fan out while a push does.
         self._calls = ThreadPoolExecutor(2 * len(addresses), thread_name_prefix="tierps-calls")

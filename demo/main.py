@@ -397,6 +397,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--torch-threads", type=int,
         help="torch's intra-op threads (default: the cores the shards leave, at most 4)",
     )  # fmt: skip
+    from tierps.client import security
+    from tierps.server.cluster import add_server_security_arguments
+
+    add_server_security_arguments(parser)
+    security.add_arguments(parser)
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -468,9 +473,9 @@ def default_torch_threads(shards: int) -> int:
 def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: float) -> int:
     import torch
 
-    from tierps.client import EmbeddingClient
+    from tierps.client import EmbeddingClient, security
     from tierps.demo.deepfm import SparseOptimizer
-    from tierps.server.cluster import LocalCluster
+    from tierps.server.cluster import LocalCluster, server_security_args
 
     epochs = args.epochs or DEFAULT_EPOCHS[args.dataset]
     batch_size = args.batch_size or DEFAULT_BATCH_SIZES[args.dataset]
@@ -492,9 +497,17 @@ def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: fl
         + (f", GPU tier {args.gpu_cache_mb} MiB" if args.gpu_cache_mb else "")
     )
     gpu_flags = ("--gpu-cache-mb", str(args.gpu_cache_mb)) if args.gpu_cache_mb else ()
+    channel_security = security.from_args(args)
+    server_flags = gpu_flags + server_security_args(args)
     with (
-        LocalCluster(args.shards, cluster_dir, snapshot_dir, extra_args=gpu_flags) as cluster,
-        EmbeddingClient(cluster.addresses) as client,
+        LocalCluster(
+            args.shards,
+            cluster_dir,
+            snapshot_dir,
+            extra_args=server_flags,
+            security=channel_security,
+        ) as cluster,
+        EmbeddingClient(cluster.addresses, security=channel_security) as client,
     ):
         print(
             f"cluster serving at {', '.join(cluster.addresses)}; hit rates below count since "

@@ -297,6 +297,22 @@ class ListSnapshotsResponse(_message.Message):
     snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotInfo]
     def __init__(self, snapshots: _Optional[_Iterable[_Union[SnapshotInfo, _Mapping]]] = ...) -> None: ...
 
+class DeleteSnapshotRequest(_message.Message):
+    __slots__ = ("name", "save_id", "incomplete_only")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCOMPLETE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    save_id: str
+    incomplete_only: bool
+    def __init__(self, name: _Optional[str] = ..., save_id: _Optional[str] = ..., incomplete_only: _Optional[bool] = ...) -> None: ...
+
+class DeleteSnapshotResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, removed: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class EvictRequest(_message.Message):
     __slots__ = ("table",)
     TABLE_FIELD_NUMBER: _ClassVar[int]

@@ -346,6 +346,11 @@ class AdminServiceStub:
                 request_serializer=tierps_dot_proto_dot_tierps__service__pb2.ListSnapshotsRequest.SerializeToString,
                 response_deserializer=tierps_dot_proto_dot_tierps__service__pb2.ListSnapshotsResponse.FromString,
                 _registered_method=True)
+        self.DeleteSnapshot = channel.unary_unary(
+                '/tierps.v1.AdminService/DeleteSnapshot',
+                request_serializer=tierps_dot_proto_dot_tierps__service__pb2.DeleteSnapshotRequest.SerializeToString,
+                response_deserializer=tierps_dot_proto_dot_tierps__service__pb2.DeleteSnapshotResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/tierps.v1.AdminService/Stats',
                 request_serializer=tierps_dot_proto_dot_tierps__service__pb2.StatsRequest.SerializeToString,
@@ -423,6 +428,16 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteSnapshot(self, request, context):
+        """Removes a snapshot, one failed save's files of it, or (no name, incomplete_only) what
+        every failed save left: each incomplete snapshot, and save directories a manifest does
+        not name. Sent to one shard (the snapshot directory is shared). NOT_FOUND if there is no
+        such snapshot; FAILED_PRECONDITION for a complete one with incomplete_only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Shard-wide figures: every table's description, process memory, uptime.
         """
@@ -479,6 +494,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.ListSnapshots,
                     request_deserializer=tierps_dot_proto_dot_tierps__service__pb2.ListSnapshotsRequest.FromString,
                     response_serializer=tierps_dot_proto_dot_tierps__service__pb2.ListSnapshotsResponse.SerializeToString,
+            ),
+            'DeleteSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSnapshot,
+                    request_deserializer=tierps_dot_proto_dot_tierps__service__pb2.DeleteSnapshotRequest.FromString,
+                    response_serializer=tierps_dot_proto_dot_tierps__service__pb2.DeleteSnapshotResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -685,6 +705,33 @@ class AdminService:
             '/tierps.v1.AdminService/ListSnapshots',
             tierps_dot_proto_dot_tierps__service__pb2.ListSnapshotsRequest.SerializeToString,
             tierps_dot_proto_dot_tierps__service__pb2.ListSnapshotsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierps.v1.AdminService/DeleteSnapshot',
+            tierps_dot_proto_dot_tierps__service__pb2.DeleteSnapshotRequest.SerializeToString,
+            tierps_dot_proto_dot_tierps__service__pb2.DeleteSnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,6 +50,46 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         help="fsync RocksDB's log on every write: write-through updates survive a power loss "
         "too, not only a killed process (slower writes)",
     )  # fmt: skip
+    security = serve.add_argument_group("security and limits (README, Security)")
+    security.add_argument("--tls-cert", type=Path, help="PEM certificate: TLS on the port")
+    security.add_argument("--tls-key", type=Path, help="PEM key of --tls-cert")
+    security.add_argument(
+        "--tls-client-ca", type=Path,
+        help="mutual TLS: clients must show a certificate signed by this PEM CA",
+    )  # fmt: skip
+    security.add_argument(
+        "--tokens-file", type=Path,
+        help="ROLE:TOKEN entries (roles admin, trainer, reader), one per line; without it "
+        "$TIERPS_TOKENS is read; with neither, calls need no token",
+    )  # fmt: skip
+    security.add_argument(
+        "--insecure", action="store_true", default=None,
+        help="serve on a non-loopback --host without TLS and tokens (a warning is logged)",
+    )  # fmt: skip
+    security.add_argument("--metrics-host", help="bind address of /metrics (default: --host)")
+    security.add_argument(
+        "--health-port", type=int,
+        help="also serve health alone, in plaintext, on this port (probes that cannot speak "
+        "TLS); its own threads, so data calls never starve it",
+    )  # fmt: skip
+    security.add_argument(
+        "--max-calls", type=int, help="calls at once, health excepted (default 32); more are "
+        "refused with RESOURCE_EXHAUSTED",
+    )  # fmt: skip
+    security.add_argument(
+        "--max-receiving-streams", type=int,
+        help="request streams waiting for their messages at once (default 8)",
+    )  # fmt: skip
+    security.add_argument(
+        "--max-inflight-mb", type=int,
+        help="request bytes the shard's calls may hold at once, MiB (default 2048)",
+    )  # fmt: skip
+    security.add_argument(
+        "--stream-idle-s", type=float, help="cancel a request stream silent this long (30)"
+    )
+    security.add_argument(
+        "--call-total-s", type=float, help="cancel a data call running this long (600)"
+    )
     serve.add_argument("--config", type=Path, help="TOML file of ServerConfig fields")
     serve.add_argument("--port-file", type=Path, help="write the bound ports here (JSON)")
     serve.add_argument("--log-level", default="info", help="debug, info, warning, error")
@@ -69,6 +109,13 @@ def _serve(args: argparse.Namespace) -> int:
         "gpu_cache_bytes": None if args.gpu_cache_mb is None else args.gpu_cache_mb << 20,
         "require_gpu": args.require_gpu, "gpu_arrays": args.gpu_arrays,
         "flush_interval_s": args.flush_interval_s, "sync_writes": args.sync_writes,
+        "tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_client_ca": args.tls_client_ca,
+        "tokens_file": args.tokens_file, "insecure": args.insecure,
+        "metrics_host": args.metrics_host, "health_port": args.health_port,
+        "max_workers": args.max_calls,
+        "max_receiving_streams": args.max_receiving_streams,
+        "max_inflight_bytes": None if args.max_inflight_mb is None else args.max_inflight_mb << 20,
+        "stream_idle_s": args.stream_idle_s, "call_total_s": args.call_total_s,
     }  # fmt: skip
     try:
         if args.config is not None:
@@ -107,19 +154,26 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
     cluster.add_argument(
         "--sync-writes", action="store_true", help="each shard fsyncs every RocksDB write"
     )
+    from tierps.client import security
+    from tierps.server.cluster import add_server_security_arguments
+
+    add_server_security_arguments(cluster)
+    security.add_arguments(cluster)
 
 
 def _cluster(args: argparse.Namespace) -> int:
-    from tierps.server.cluster import LocalCluster
+    from tierps.client import security
+    from tierps.server.cluster import LocalCluster, server_security_args
     from tierps.server.daemon import on_stop_signal
 
     stop = on_stop_signal()
     durability = ("--sync-writes",) if args.sync_writes else ()
+    durability += server_security_args(args)
     if args.flush_interval_s is not None:
         durability += ("--flush-interval-s", str(args.flush_interval_s))
     with LocalCluster(
         args.shards, args.data_dir, args.snapshot_dir, base_port=args.base_port,
-        metrics=args.metrics, extra_args=durability,
+        metrics=args.metrics, extra_args=durability, security=security.from_args(args),
     ) as cluster:  # fmt: skip
         print(f"{args.shards} shards serving (logs in {args.data_dir}/shard-<i>.log):")
         for shard_id, address in enumerate(cluster.addresses):

@@ -9,20 +9,48 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tierps.client.security import ChannelSecurity
 from tierps.server.daemon import PARENT_PID_ENV
 
+# `tierps serve` flags a LocalCluster passes on to every shard: (flag, attribute of args)
+SERVER_SECURITY_FLAGS = (
+    ("--tls-cert", "tls_cert"), ("--tls-key", "tls_key"),
+    ("--tls-client-ca", "tls_client_ca"), ("--tokens-file", "tokens_file"),
+)  # fmt: skip
 
-def wait_until_serving(address: str, timeout_s: float) -> None:
+
+def add_server_security_arguments(parser: Any) -> None:
+    """The shards' TLS and tokens flags of a command that runs a LocalCluster: paths,
+    passed on to each `tierps serve`."""
+    group = parser.add_argument_group("TLS and tokens (the shards' side)")
+    group.add_argument("--tls-cert", type=Path, help="each shard's PEM certificate")
+    group.add_argument("--tls-key", type=Path, help="each shard's PEM key")
+    group.add_argument("--tls-client-ca", type=Path, help="mutual TLS: the clients' PEM CA")
+    group.add_argument("--tokens-file", type=Path, help="ROLE:TOKEN entries, one per line")
+
+
+def server_security_args(args: Any) -> tuple[str, ...]:
+    """The `tierps serve` flags of add_server_security_arguments' values."""
+    flags: tuple[str, ...] = ()
+    for flag, name in SERVER_SECURITY_FLAGS:
+        if getattr(args, name) is not None:
+            flags += (flag, str(Path(getattr(args, name)).resolve()))
+    return flags
+
+
+def wait_until_serving(
+    address: str, timeout_s: float, security: ChannelSecurity | None = None
+) -> None:
     """Block until the gRPC health service at address says SERVING; TimeoutError if not
-    within timeout_s."""
+    within timeout_s. `security`: the CA (and client certificate) of a TLS shard."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    with grpc.insecure_channel(address) as channel:
+    with (security or ChannelSecurity()).channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:
@@ -43,6 +71,8 @@ class LocalCluster:
         with LocalCluster(num_shards=2, data_dir=d, snapshot_dir=s) as cluster:
             cluster.addresses  # ["127.0.0.1:41234", "127.0.0.1:41235"]
 
+    extra_args go to each `tierps serve` (TLS and tokens flags among them:
+    server_security_args); `security` is what this process needs to check their health.
     base_port None binds free ports; otherwise shard i binds base_port + i. The daemons exit
     with the thread that started them (Linux), so none outlives a crashed parent.
     """
@@ -59,6 +89,7 @@ class LocalCluster:
         start_timeout_s: float = 60.0,
         stop_timeout_s: float = 30.0,
         extra_args: tuple[str, ...] = (),
+        security: ChannelSecurity | None = None,
     ) -> None:
         if not isinstance(num_shards, int) or num_shards < 1:
             raise ValueError(f"LocalCluster: num_shards expected an int >= 1, got {num_shards!r}")
@@ -71,6 +102,7 @@ class LocalCluster:
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.extra_args = extra_args
+        self.security = security  # how this process checks the shards' health (TLS)
         self.addresses: list[str] = []
         self.metrics_ports: list[int | None] = []
         self._processes: list[subprocess.Popen[bytes] | None] = [None] * num_shards
@@ -124,7 +156,7 @@ class LocalCluster:
             time.sleep(0.05)
         ports = json.loads(port_file.read_text())
         address = f"{self.host}:{ports['port']}"
-        wait_until_serving(address, max(1.0, deadline - time.monotonic()))
+        wait_until_serving(address, max(1.0, deadline - time.monotonic()), self.security)
         while len(self.addresses) <= shard_id:
             self.addresses.append("")
             self.metrics_ports.append(None)

@@ -32,6 +32,18 @@ class ServerConfig:
     gpu_cache_bytes is 0 (0: none). require_gpu: refuse to start where no GPU is usable
     (otherwise GPU tiers are left out with one warning). gpu_arrays: "auto" (cupy) or
     "numpy" (the GPU tier's code on host arrays: tests, trying a configuration).
+    tls_cert / tls_key: PEM files: TLS on the gRPC port (both, or neither). tls_client_ca:
+    mutual TLS, clients must show a certificate signed by this CA. tokens_file: `ROLE:TOKEN`
+    entries (server/security.py); without it, $TIERPS_TOKENS if set; with neither, no
+    authentication. insecure: serve off loopback without TLS and tokens (with a warning;
+    refused otherwise). metrics_host: the /metrics bind address (default: host).
+    health_port: also serve the health service alone, in plaintext, on host:health_port with
+    threads of its own (probes that cannot speak TLS; never starved by data calls). None: off.
+    max_workers is also the cap on calls at once (health excepted), RESOURCE_EXHAUSTED
+    beyond; max_receiving_streams: of those, request streams still waiting for their
+    messages; max_inflight_bytes: request bytes held at once by the shard's calls;
+    stream_idle_s: a request stream silent this long is cancelled; call_total_s: a data call
+    running this long is cancelled (server/limits.py).
     flush_interval_s: a background flush writes every dirty row (write-back tables) down to
     RocksDB at least this often, so a crash loses at most about this many seconds of
     acknowledged updates (0: flush only at stop, snapshot save and eviction).
@@ -46,7 +58,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     metrics_port: int | None = None
-    max_workers: int = 16
+    max_workers: int = 32
     grace_s: float = 10.0
     chunk_bytes: int = CHUNK_BYTES
     max_message_bytes: int = MAX_MESSAGE_BYTES
@@ -57,6 +69,17 @@ class ServerConfig:
     gpu_arrays: str = "auto"
     flush_interval_s: float = 30.0
     sync_writes: bool = False
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    tokens_file: Path | None = None
+    insecure: bool = False
+    metrics_host: str | None = None
+    health_port: int | None = None
+    max_receiving_streams: int = 8
+    max_inflight_bytes: int = 2 * MAX_BATCH_BYTES
+    stream_idle_s: float = 30.0
+    call_total_s: float = 600.0
 
     def __post_init__(self) -> None:
         owner = "ServerConfig"
@@ -65,6 +88,8 @@ class ServerConfig:
         check_int(owner, "port", self.port, 0, 65535)
         if self.metrics_port is not None:
             check_int(owner, "metrics_port", self.metrics_port, 0, 65535)
+        if self.health_port is not None:
+            check_int(owner, "health_port", self.health_port, 0, 65535)
         check_int(owner, "max_workers", self.max_workers, 1, 1024)
         check_int(owner, "chunk_bytes", self.chunk_bytes, 1 << 12, 1 << 30)
         check_int(
@@ -94,6 +119,22 @@ class ServerConfig:
             raise ValueError(f"{owner}: field 'grace_s' expected >= 0, got {self.grace_s!r}")
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"{owner}: field 'host' expected a host name, got {self.host!r}")
+        check_int(owner, "max_receiving_streams", self.max_receiving_streams, 1, self.max_workers)
+        check_int(owner, "max_inflight_bytes", self.max_inflight_bytes, 1 << 20, 1 << 44)
+        for name in ("stream_idle_s", "call_total_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 < value < float("inf")):
+                raise ValueError(f"{owner}: field '{name}' expected seconds > 0, got {value!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(
+                f"{owner}: fields 'tls_cert' and 'tls_key' expected both or neither, got "
+                f"tls_cert={self.tls_cert}, tls_key={self.tls_key}"
+            )
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError(f"{owner}: field 'tls_client_ca' needs tls_cert and tls_key")
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "tokens_file"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, Path(getattr(self, name)))
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         if self.snapshot_dir is not None:
             object.__setattr__(self, "snapshot_dir", Path(self.snapshot_dir))

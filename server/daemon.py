@@ -24,8 +24,17 @@ from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto.wire import channel_options
 from tierps.server.config import ServerConfig
+from tierps.server.handlers import refusal
+from tierps.server.limits import HEALTH_WORKERS, CallLimits
 from tierps.server.lives import LIFE_HEADER
 from tierps.server.metrics import ShardMetrics
+from tierps.server.security import (
+    AuthCheck,
+    TokensFile,
+    check_exposure,
+    load_tokens,
+    server_credentials,
+)
 from tierps.server.servicers import AdminServicer, EmbeddingServicer, add_embedding_service
 from tierps.server.shard import Shard
 from tierps.storage import host_kernels
@@ -55,23 +64,7 @@ class LifeCheck(grpc.ServerInterceptor):
         try:
             self.shard.lives.check(known)
         except DataLossError as error:
-            message = str(error)
-
-            def refuse(request: Any, context: grpc.ServicerContext) -> Any:
-                context.abort(grpc.StatusCode.DATA_LOSS, message)
-
-            kind = (handler.request_streaming, handler.response_streaming)
-            make = {
-                (False, False): grpc.unary_unary_rpc_method_handler,
-                (False, True): grpc.unary_stream_rpc_method_handler,
-                (True, False): grpc.stream_unary_rpc_method_handler,
-                (True, True): grpc.stream_stream_rpc_method_handler,
-            }[kind]
-            return make(
-                refuse,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+            return refusal(handler, grpc.StatusCode.DATA_LOSS, str(error))
         return handler
 
 
@@ -81,16 +74,33 @@ class ShardServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        where = f"shard {config.shard_id}"
+        # before the data dir is touched: a shard that would be left open does not start
+        tokens: TokensFile | dict[str, str] | None = (
+            load_tokens(None) if config.tokens_file is None  # $TIERPS_TOKENS, or none
+            else TokensFile(config.tokens_file, where)  # read again when it changes
+        )  # fmt: skip
+        tls = config.tls_cert is not None
+        check_exposure(config.host, tls, tokens is not None, config.insecure, where)
         self.shard = Shard(config)
         try:
             self.metrics = ShardMetrics(self.shard)
             self.health = health.HealthServicer(experimental_non_blocking=True)
+            self.limits = CallLimits(
+                max_calls=config.max_workers, max_receiving=config.max_receiving_streams,
+                max_inflight_bytes=config.max_inflight_bytes, idle_s=config.stream_idle_s,
+                total_s=config.call_total_s, where=where, refused=self._refused,
+            )  # fmt: skip
+            interceptors: list[grpc.ServerInterceptor] = [self.limits, LifeCheck(self.shard)]
+            if tokens is not None:  # first: an unknown caller is refused before anything
+                interceptors.insert(0, AuthCheck(tokens, self._refused, where))
             # so_reuseport off: a port in use is an error, never two servers on one port.
             options = [*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)]
-            self._executor = ThreadPoolExecutor(config.max_workers, thread_name_prefix="tierps-rpc")
-            self._server = grpc.server(
-                self._executor, options=options, interceptors=[LifeCheck(self.shard)]
+            # HEALTH_WORKERS threads more than calls may hold: health always finds one
+            self._executor = ThreadPoolExecutor(
+                config.max_workers + HEALTH_WORKERS, thread_name_prefix="tierps-rpc"
             )
+            self._server = grpc.server(self._executor, options=options, interceptors=interceptors)
             add_embedding_service(EmbeddingServicer(self.shard, self._observe), self._server)
             pb_grpc.add_AdminServiceServicer_to_server(
                 AdminServicer(self.shard, self._observe), self._server
@@ -100,7 +110,14 @@ class ShardServer:
                 (*OUR_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
             )
             try:
-                self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+                bind = f"{config.host}:{config.port}"
+                if tls:
+                    credentials = server_credentials(
+                        config.tls_cert, config.tls_key, config.tls_client_ca
+                    )
+                    self.port = self._server.add_secure_port(bind, credentials)
+                else:
+                    self.port = self._server.add_insecure_port(bind)
             except RuntimeError:  # grpc's "Failed to bind"
                 self.port = 0
             if self.port == 0:
@@ -109,12 +126,38 @@ class ShardServer:
                     f"or not an address of this machine)"
                 )
         except BaseException:
+            if hasattr(self, "limits"):
+                self.limits.close()
             self.shard.close()
             raise
+        self.health_port: int | None = None
+        self._health_server: grpc.Server | None = None
+        if config.health_port is not None:
+            self._serve_health_alone(config)
         self._set_serving(False)
         self.shard.on_serving_change = self._set_serving
         self.metrics_port: int | None = None
         self._stopped = False
+
+    def _serve_health_alone(self, config: ServerConfig) -> None:
+        """Health alone on its own plaintext port and threads: what probes that cannot speak
+        TLS (Kubernetes' gRPC probes) check; data calls never hold these threads."""
+        self._health_server = grpc.server(
+            ThreadPoolExecutor(HEALTH_WORKERS, thread_name_prefix="tierps-health"),
+            options=[("grpc.so_reuseport", 0)],
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        try:
+            self.health_port = self._health_server.add_insecure_port(
+                f"{config.host}:{config.health_port}"
+            )
+        except RuntimeError:
+            self.health_port = 0
+        if self.health_port == 0:
+            self.limits.close()
+            self.shard.close()
+            raise OSError(f"shard {config.shard_id}: cannot bind the health port "
+                          f"{config.host}:{config.health_port}")  # fmt: skip
 
     @property
     def address(self) -> str:
@@ -122,6 +165,19 @@ class ShardServer:
 
     def _observe(self, method: str, code: str, seconds: float) -> None:
         self.metrics.rpc_seconds.labels(method, code).observe(seconds)
+
+    def _refused(self, method: str, code: str, cause: str, why: str) -> None:
+        """The one place a guard's refusal (or cancellation) is counted and logged; `why`
+        never holds a token."""
+        self.metrics.refusals.labels(method, code, cause).inc()
+        log.warning(
+            "rpc %s answered %s (%s): %s",
+            method,
+            code,
+            cause,
+            why,
+            extra={**self._fields(), "method": method, "code": code, "cause": cause},
+        )
 
     def _set_serving(self, serving: bool) -> None:
         status = (
@@ -140,9 +196,13 @@ class ShardServer:
         # compile (or load from numba's cache) the host kernels now, not in the first RPC
         host_kernels.warm_up()
         self._server.start()
+        if self._health_server is not None:
+            self._health_server.start()
         self.shard.start_background()
         if self.config.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
+            self.metrics_port = self.metrics.serve(
+                self.config.metrics_host or self.config.host, self.config.metrics_port
+            )
         self.shard.publish_serving()  # NOT_SERVING still if its store cannot write
         log.info(
             "serving",
@@ -150,6 +210,9 @@ class ShardServer:
                 **self._fields(),
                 "address": self.address,
                 "metrics_port": self.metrics_port,
+                "health_port": self.health_port,
+                "tls": self.config.tls_cert is not None,
+                "mutual_tls": self.config.tls_client_ca is not None,
                 "data_dir": str(self.config.data_dir),
                 "snapshot_dir": str(self.config.snapshot_dir),
                 "tables": [c.name for c in self.shard.list_tables()],
@@ -166,7 +229,10 @@ class ShardServer:
         log.info("stopping", extra={**self._fields(), "grace_s": grace})
         self.health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        if self._health_server is not None:
+            self._health_server.stop(0)
         self._executor.shutdown(wait=False)
+        self.limits.close()
         try:
             self.shard.close()
         finally:
@@ -214,7 +280,14 @@ def serve(config: ServerConfig, *, port_file: Path | None = None) -> int:
     if port_file is not None:
         tmp = port_file.with_name(port_file.name + ".tmp")
         tmp.write_text(
-            json.dumps({"port": port, "metrics_port": server.metrics_port, "pid": os.getpid()})
+            json.dumps(
+                {
+                    "port": port,
+                    "metrics_port": server.metrics_port,
+                    "health_port": server.health_port,
+                    "pid": os.getpid(),
+                }
+            )  # fmt: skip
         )
         os.replace(tmp, port_file)
     while not stop:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -64,6 +64,14 @@ class ShardMetrics:
             "Server-side latency of gRPC calls, by method and status code",
             ["method", "code"],
             buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.refusals = Counter(
+            "tierps_refusals",
+            "Calls refused or cancelled by the shard's guards (server/security.py, "
+            "server/limits.py), by method, status code and cause (token, role, calls, "
+            "streams, bytes, idle, total)",
+            ["method", "code", "cause"],
             registry=self.registry,
         )
         self.registry.register(_TableCollector(shard))

@@ -296,6 +296,11 @@ class AdminServicer(_Servicer, pb_grpc.AdminServiceServicer):
         )
 
     @rpc
+    def DeleteSnapshot(self, request: pb.DeleteSnapshotRequest, context: Any) -> Any:
+        removed = self.shard.delete_snapshot(request.name, request.save_id, request.incomplete_only)
+        return pb.DeleteSnapshotResponse(removed=removed)
+
+    @rpc
     def Evict(self, request: pb.EvictRequest, context: Any) -> Any:
         result = self.shard.evict(request.table)
         return pb.EvictResponse(num_rows=result["removed"], current_step=result["current_step"])

@@ -25,6 +25,7 @@ from tierps.storage import (
     EmbeddingStore,
     FailedPreconditionError,
     InvalidArgumentError,
+    ResourceExhaustedError,
     TableConfig,
     snapshot,
 )
@@ -460,7 +461,10 @@ class Shard:
 
     def commit_snapshot(self, name: str, save_id: str) -> Iterator[Progress]:
         root = self._snapshot_root()
-        manifest = snapshot.commit(root, name, save_id)
+        try:
+            manifest = snapshot.commit(root, name, save_id)
+        except ResourceExhaustedError as error:
+            raise ResourceExhaustedError(f"{self.where} committing: {error}") from None
         rows = sum(entry["rows"] for entry in manifest["tables"].values())
         yield Progress(rows, rows, str(root / name), done=True)
 
@@ -527,6 +531,26 @@ class Shard:
 
     def list_snapshots(self) -> list[dict[str, Any]]:
         return snapshot.list_snapshots(self._snapshot_root())
+
+    def delete_snapshot(self, name: str, save_id: str, incomplete_only: bool) -> list[str]:
+        """Remove a snapshot, one save's files of it, or (no name, incomplete_only) every
+        failed save's leftovers (snapshot.delete, snapshot.gc); the paths removed."""
+        root = self._snapshot_root()
+        with self._admin:  # not while this shard saves or loads
+            if not name:
+                if not incomplete_only:
+                    raise InvalidArgumentError(
+                        "DeleteSnapshot: field 'name' expected a snapshot name, or empty with "
+                        "incomplete_only=true (every failed save's leftovers), got neither"
+                    )
+                removed = snapshot.gc(root)
+            else:
+                removed = snapshot.delete(
+                    root, name, save_id=save_id, incomplete_only=incomplete_only
+                )
+        log.info("removed %d snapshot paths", len(removed),
+                 extra={"shard_id": self.shard_id, "removed": removed})  # fmt: skip
+        return removed
 
     # -- background work: flushes, recovery, health ------------------------------------------
 

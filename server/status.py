@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from tierps.server.security import PermissionDeniedError
 from tierps.storage.errors import (
     BackendError,
     DataLossError,
@@ -29,6 +30,7 @@ log = logging.getLogger("tierps.server")
 # Checked in order; the first class the error is an instance of gives the code.
 STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),  # a reader's create=true
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -49,6 +49,7 @@ keys out of order, rather than write a snapshot no load would accept.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -64,7 +65,12 @@ import numpy as np
 
 from tierps.storage.admission import bloom_size, counter_dtype
 from tierps.storage.config import Admission, Placement, TableConfig, owner_shard
-from tierps.storage.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from tierps.storage.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
 from tierps.storage.validation import MAX_STEP, first_non_finite
 
 FORMAT_VERSION = 3
@@ -147,7 +153,38 @@ def part_name(shard_id: int, num_shards: int) -> str:
 
 
 def snapshot_path(root: Path, name: str) -> Path:
-    return Path(root) / check_name(name)
+    """root/name, refused (FailedPreconditionError) where it is a symlink, or passes
+    through one, that leads out of root: saves and loads never leave the snapshot dir."""
+    path = Path(root) / check_name(name)
+    check_inside(root, path, f"snapshot {name!r}")
+    return path
+
+
+def _inside(root: Path, path: Path) -> bool:
+    real, top = path.resolve(), Path(root).resolve()
+    return real == top or top in real.parents
+
+
+def check_inside(root: Path, path: Path, what: str) -> None:
+    """Refuse a path (existing, or a dangling link) that resolves outside root."""
+    if (path.exists() or path.is_symlink()) and not _inside(root, path):
+        raise FailedPreconditionError(
+            f"{what}: {path} expected inside the snapshot directory {Path(root).resolve()}, "
+            f"but it resolves to {path.resolve()} (a symlink out of it); remove the link"
+        )
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def full_error(error: OSError, what: str) -> ResourceExhaustedError:
+    """A file system full (or over quota) while writing a snapshot, said as
+    ResourceExhaustedError naming what was written and the file."""
+    return ResourceExhaustedError(
+        f"{what}: the snapshot directory's file system is full ({error.strerror} writing "
+        f"{error.filename or 'a file there'}); what this save wrote there was removed; free "
+        f"space, or delete snapshots (tierps admin snapshot delete NAME / snapshot gc)"
+    )
 
 
 def layout(config: TableConfig) -> dict[str, Any]:
@@ -234,9 +271,32 @@ def write_part(
     check_new(root, name)
     part = part_name(shard_id, num_shards)
     part_dir = staging / part
+    where = f"snapshot {name!r}: shard {shard_id}'s part {part_dir}"
+    check_inside(root, staging, where)
     if part_dir.exists():  # this save's part, written before by a call that failed
         shutil.rmtree(part_dir)
-    part_dir.mkdir(parents=True)
+    try:
+        part_dir.mkdir(parents=True)
+        yield from _write_part(staging, part, save_id, shard_id, num_shards, exports,
+                               rows_estimate, name)  # fmt: skip
+    except OSError as error:
+        shutil.rmtree(part_dir, ignore_errors=True)
+        if error.errno in FULL:
+            raise full_error(error, where) from None
+        raise
+
+
+def _write_part(
+    staging: Path,
+    part: str,
+    save_id: str,
+    shard_id: int,
+    num_shards: int,
+    exports: Iterable[tuple[Any, ...]],
+    rows_estimate: int,
+    name: str,
+) -> Iterator[Progress]:
+    part_dir = staging / part
     tables: dict[str, Any] = {}
     done = 0
     try:
@@ -393,6 +453,7 @@ def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
         raise NotFoundError(f"snapshot {name!r} not found in {root}")
     if (snapshot / MANIFEST).exists():
         raise FailedPreconditionError(f"snapshot {name!r} already exists in {root}")
+    check_inside(root, snapshot / check_save_id(save_id), f"snapshot {name!r}: save {save_id}")
     parts: dict[int, dict[str, Any]] = {}
     headers: dict[int, dict[str, Any]] = {}
     num_shards = None
@@ -453,6 +514,10 @@ def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
         _write_json_atomic(snapshot / MANIFEST, manifest, exclusive=True)
     except FileExistsError:
         raise FailedPreconditionError(f"snapshot {name!r} already exists in {root}") from None
+    except OSError as error:
+        if error.errno in FULL:
+            raise full_error(error, f"snapshot {name!r}: its {MANIFEST}") from None
+        raise
     return manifest
 
 
@@ -479,6 +544,7 @@ class Snapshot:
         self.path = snapshot_path(root, name)
         if not self.path.is_dir():
             raise NotFoundError(f"snapshot {name!r} not found in {root}")
+        check_inside(root, self.path / MANIFEST, f"snapshot {name!r}")
         if not (self.path / MANIFEST).exists():
             parts = sorted(str(p.relative_to(self.path)) for p in self.path.glob("*/part-*.json"))
             raise FailedPreconditionError(
@@ -1060,6 +1126,8 @@ def list_snapshots(root: Path) -> list[dict[str, Any]]:
     for path in sorted(Path(root).iterdir()):
         if not path.is_dir() or not _NAME.fullmatch(path.name) or ".." in path.name:
             continue
+        if not _inside(root, path):  # a symlink out of the snapshot dir: not a snapshot
+            continue
         info: dict[str, Any] = {
             "name": path.name,
             "complete": False,
@@ -1081,3 +1149,62 @@ def list_snapshots(root: Path) -> list[dict[str, Any]]:
                 )
         out.append(info)
     return out
+
+
+def delete(root: Path, name: str, *, save_id: str = "", incomplete_only: bool = False) -> list[str]:
+    """Remove snapshot `name` (a link to a directory inside root: the link only); with
+    save_id, only that save's staging files, and the snapshot's directory if nothing else
+    is left in it. incomplete_only: a complete snapshot is refused
+    (FailedPreconditionError). Returns the paths removed."""
+    path = snapshot_path(root, name)
+    if not (path.is_dir() or path.is_symlink()):
+        raise NotFoundError(f"snapshot {name!r} not found in {root}")
+    complete = (path / MANIFEST).exists()
+    if save_id:
+        target = path / check_save_id(save_id)
+        check_inside(root, target, f"snapshot {name!r}: save {save_id}")
+        if complete and _read_json(path / MANIFEST, f"snapshot {name!r}").get("save_id") == save_id:
+            raise FailedPreconditionError(
+                f"snapshot {name!r}: save {save_id} is the committed snapshot; delete the "
+                f"snapshot by name instead"
+            )
+        removed = []
+        if target.exists():
+            _remove(target)
+            removed.append(str(target))
+        if not complete and path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+            path.rmdir()
+            removed.append(str(path))
+        return removed
+    if complete and incomplete_only:
+        raise FailedPreconditionError(
+            f"snapshot {name!r} in {root} is complete; incomplete_only deletes only snapshots "
+            f"without a {MANIFEST}"
+        )
+    _remove(path)
+    return [str(path)]
+
+
+def gc(root: Path) -> list[str]:
+    """Remove what failed saves left in root: every incomplete snapshot, and in a complete
+    one every save directory its manifest does not name. Run it while no save runs (a
+    save in progress is incomplete too). Returns the paths removed."""
+    removed: list[str] = []
+    for info in list_snapshots(root):
+        path = Path(root) / info["name"]
+        if not info["complete"]:
+            removed += delete(root, info["name"])
+            continue
+        manifest = _read_json(path / MANIFEST, f"snapshot {info['name']!r}")
+        for child in path.iterdir():
+            if child.is_dir() and child.name != manifest.get("save_id"):
+                removed += delete(root, info["name"], save_id=child.name)
+    return removed
+
+
+def _remove(path: Path) -> None:
+    """A directory tree (links in it removed, never followed), or a link itself."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +160,7 @@ def test_compose_stops_gracefully_and_checks_health() -> None:
         assert duration_s(service["stop_grace_period"]) >= 15, name
         test = service["healthcheck"]["test"]
         assert test[:3] == ["CMD", "python", "-c"], name
-        assert f"127.0.0.1:{flag(service['command'], '--port')}" in test[3], name
+        assert f"127.0.0.1:{flag(service['command'], '--health-port')}" in test[3], name
         assert "SERVING" in test[3]
         compile(test[3], "healthcheck", "exec")
 
@@ -211,15 +213,17 @@ def test_k8s_grpc_port_agrees_everywhere() -> None:
     metrics_port = int(flag(args, "--metrics-port"))
     assert resolve_port("grpc", container) == grpc_port
     assert resolve_port("metrics", container) == metrics_port
-    for probe in ("startupProbe", "readinessProbe"):
-        assert container[probe]["grpc"]["port"] == grpc_port, probe
+    health_port = int(flag(args, "--health-port"))
+    assert resolve_port("health", container) == health_port
+    for probe in ("startupProbe", "readinessProbe"):  # gRPC probes cannot speak TLS
+        assert container[probe]["grpc"]["port"] == health_port, probe
     liveness = container["livenessProbe"]
     action = liveness.get("grpc") or liveness["tcpSocket"]
     assert resolve_port(action["port"], container) == grpc_port
     service_ports = {p["name"]: p for p in docs["Service"]["spec"]["ports"]}
-    for name, port in (("grpc", grpc_port), ("metrics", metrics_port)):
-        assert service_ports[name]["port"] == port
-        assert resolve_port(service_ports[name]["targetPort"], container) == port
+    assert set(service_ports) == {"grpc"}  # metrics are scraped per pod, health by kubelet
+    assert service_ports["grpc"]["port"] == grpc_port
+    assert resolve_port(service_ports["grpc"]["targetPort"], container) == grpc_port
 
 
 def test_k8s_volumes() -> None:
@@ -306,6 +310,8 @@ def test_every_serve_command_parses_with_the_real_cli(monkeypatch: pytest.Monkey
         assert args[0] == "serve", where
         assert cli.main(args) == 0, where
         ns = parsed[-1]
+        secured = None not in (ns.tls_cert, ns.tls_key, ns.tls_client_ca, ns.tokens_file)
+        assert secured or (where == "Dockerfile CMD" and ns.insecure), where
         config = ServerConfig(
             shard_id=ns.shard_id, num_shards=ns.num_shards, data_dir=ns.data_dir,
             snapshot_dir=ns.snapshot_dir, host=ns.host, port=ns.port,
@@ -345,8 +351,11 @@ def test_health_snippets_report_the_real_health_service(tmp_path: Path) -> None:
 
     from tierps.server.daemon import create_server
 
-    config = ServerConfig(shard_id=0, num_shards=1, data_dir=tmp_path / "data", port=0)
-    server, port = create_server(config)
+    config = ServerConfig(
+        shard_id=0, num_shards=1, data_dir=tmp_path / "data", port=0, health_port=0
+    )
+    server, _ = create_server(config)
+    port = server.health_port
     snippets = health_snippets()
     assert len(snippets) == len(shard_services()) + 1
     local = [
@@ -360,3 +369,79 @@ def test_health_snippets_report_the_real_health_service(tmp_path: Path) -> None:
             assert run_snippet(code) == 1, f"{where} passes a NOT_SERVING shard"
     for where, code in local:
         assert run_snippet(code) == 1, f"{where} passes a stopped shard"
+
+
+# -- security ------------------------------------------------------------------------------
+
+
+def test_the_secrets_are_mounted_where_the_flags_read_them() -> None:
+    container = shard_container(k8s_docs()["StatefulSet"])
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    volumes = {
+        v["name"]: v for v in k8s_docs()["StatefulSet"]["spec"]["template"]["spec"]["volumes"]
+    }
+    for option in ("--tls-cert", "--tls-key", "--tls-client-ca", "--tokens-file"):
+        path = Path(flag(container["args"], option))
+        mount = mounts[str(path.parent)]
+        assert mount["readOnly"] is True, option
+        assert "secretName" in volumes[mount["name"]]["secret"], option
+    declared = set(compose()["secrets"])
+    for name, service in shard_services().items():
+        for option in ("--tls-cert", "--tls-key", "--tls-client-ca", "--tokens-file"):
+            path = Path(flag(service["command"], option))
+            assert path.parent == Path("/run/secrets"), (name, option)
+            assert path.name in service["secrets"] and path.name in declared, (name, option)
+
+
+def test_the_network_policy_admits_clients_to_grpc_and_monitoring_to_metrics() -> None:
+    docs = k8s_docs()
+    policy, sts = docs["NetworkPolicy"], docs["StatefulSet"]
+    pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    container = shard_container(sts)
+    allowed = {
+        int(port["port"]): rule["from"]
+        for rule in policy["spec"]["ingress"]
+        for port in rule["ports"]
+    }
+    grpc_port = int(flag(container["args"], "--port"))
+    metrics_port = int(flag(container["args"], "--metrics-port"))
+    assert set(allowed) == {grpc_port, metrics_port}  # nothing else, health included
+    assert allowed[grpc_port] == [{"podSelector": {"matchLabels": {"tierps.io/client": "true"}}}]
+    assert "namespaceSelector" in allowed[metrics_port][0]
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="make-secrets.sh needs openssl")
+def test_make_secrets_makes_what_a_secured_shard_and_its_clients_use(tmp_path: Path) -> None:
+    import grpc
+    import numpy as np
+
+    from tierps.client import ChannelSecurity, EmbeddingClient, ShardError, TableConfig
+    from tierps.server.daemon import create_server
+
+    secrets = tmp_path / "secrets"
+    subprocess.run(["bash", str(DEPLOY / "make-secrets.sh"), str(secrets)], check=True,
+                   capture_output=True)  # fmt: skip
+    config = ServerConfig(
+        shard_id=0, num_shards=1, data_dir=tmp_path / "data", tls_cert=secrets / "tls.crt",
+        tls_key=secrets / "tls.key", tls_client_ca=secrets / "ca.crt",
+        tokens_file=secrets / "tokens",
+    )  # fmt: skip
+    server, port = create_server(config)
+    client_files = {"ca_file": secrets / "ca.crt", "cert_file": secrets / "client.crt",
+                    "key_file": secrets / "client.key"}  # fmt: skip
+
+    def client(role: str) -> EmbeddingClient:
+        token = (secrets / f"{role}_token").read_text().strip()
+        security = ChannelSecurity(**client_files, token=token)
+        return EmbeddingClient([f"localhost:{port}"], timeout_s=10, security=security)
+
+    with server:
+        with client("admin") as admin:
+            admin.create_table(TableConfig(name="t", dim=4))
+        with client("trainer") as trainer:
+            assert trainer.lookup("t", np.arange(3)).shape == (3, 4)
+        with client("reader") as reader, pytest.raises(ShardError) as refused:
+            reader.drop_table("t")
+        assert refused.value.code is grpc.StatusCode.PERMISSION_DENIED

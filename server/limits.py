@@ -1,0 +1,274 @@
+"""Limits that keep a shard serving whatever its clients do (CallLimits, a server
+interceptor):
+
+- at most `max_calls` calls at once (health excepted), RESOURCE_EXHAUSTED beyond: a call never
+  queues behind others, and the server's pool keeps HEALTH_WORKERS threads more than the cap,
+  so health checks always find one;
+- of those, at most `max_receiving` request streams still waiting for their client's
+  messages (RESOURCE_EXHAUSTED beyond), so idle streams cannot take the slots other
+  clients' calls need;
+- request bytes counted as each message arrives against the shard's budget of in-flight
+  bytes (RESOURCE_EXHAUSTED once over it, before the next message is read): a refused
+  push holds at most the budget plus one message, and lets go of it at once;
+- a request stream idle for idle_s while the shard waits for its next message, or a data
+  call running for total_s, is cancelled (the client sees CANCELLED), freeing its thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from tierps.proto import tierps_service_pb2 as pb
+from tierps.server.handlers import with_behavior
+from tierps.storage.errors import ResourceExhaustedError
+
+TRIM_AFTER_BYTES = 16 << 20  # a failed call that held this much gives its memory back
+HEALTH_WORKERS = 4  # threads of the server's pool beyond max_calls: health always has some
+_HEALTH = "/grpc.health.v1.Health/"
+_DATA = f"/{pb.DESCRIPTOR.services_by_name['EmbeddingService'].full_name}/"
+Refused = Callable[[str, str, str, str], None]  # (method, code, cause, why): count and log
+
+
+def _libc_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+# A call refused for its bytes had its messages freed, but glibc keeps large freed blocks in
+# its heap (its mmap threshold grows to their size): malloc_trim hands them back to the OS.
+_MALLOC_TRIM = _libc_malloc_trim()
+
+
+class _Expired(grpc.RpcError):
+    """The request stream of a call the watchdog cancelled: never taken as a whole request."""
+
+
+class _Call:
+    """One admitted call's share of the limits."""
+
+    __slots__ = ("method", "context", "started", "waiting_since", "expired", "size", "held",
+                 "receiving", "timed", "failed")  # fmt: skip
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.context: Any = None
+        self.started = time.monotonic()
+        self.waiting_since: float | None = None  # while the shard waits for a message
+        self.expired: str | None = None
+        self.size = 0  # bytes of the message deserialized last
+        self.held = 0  # bytes of this call's messages counted in the budget
+        self.receiving = False
+        self.timed = method.startswith(_DATA)  # total_s applies
+        self.failed = False  # refused or failed: its messages are garbage now
+
+
+class CallLimits(grpc.ServerInterceptor):
+    def __init__(
+        self,
+        *,
+        max_calls: int,
+        max_receiving: int,
+        max_inflight_bytes: int,
+        idle_s: float,
+        total_s: float,
+        where: str,
+        refused: Refused,
+    ) -> None:
+        self.max_calls = max_calls
+        self.max_receiving = max_receiving
+        self.max_inflight_bytes = max_inflight_bytes
+        self.idle_s = idle_s
+        self.total_s = total_s
+        self.where = where
+        self._refused = refused
+        self._lock = threading.Lock()
+        self.calls = 0
+        self.receiving = 0
+        self.inflight_bytes = 0
+        self._watched: set[_Call] = set()
+        self._trim = False
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="tierps-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # -- admission ------------------------------------------------------------------------
+
+    def _refusal(self, call: _Call, cause: str, message: str) -> ResourceExhaustedError:
+        """Count and log a refusal; the error to raise (or abort with)."""
+        self._refused(call.method, "RESOURCE_EXHAUSTED", cause, message)
+        return ResourceExhaustedError(f"{self.where}: {message}")
+
+    def _refuse(self, call: _Call, context: Any, cause: str, message: str) -> None:
+        """Abort a call before its behavior runs."""
+        error = self._refusal(call, cause, message)
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+
+    def _admit(self, call: _Call, context: Any, streaming: bool) -> None:
+        """Take a call slot (and a receiving one for a request stream), or abort."""
+        call.context = context
+        with self._lock:
+            full = self.calls >= self.max_calls
+            streams_full = streaming and self.receiving >= self.max_receiving
+            if not (full or streams_full):
+                self.calls += 1
+                if streaming:
+                    self.receiving += 1
+                    call.receiving = True
+                if streaming or call.timed:
+                    self._watched.add(call)
+        if full:
+            self._refuse(call, context, "calls",
+                         f"{self.max_calls} calls at once expected at most, and as many run "
+                         f"now; retry later")  # fmt: skip
+        if streams_full:
+            self._refuse(call, context, "streams",
+                         f"{self.max_receiving} request streams waiting for their messages "
+                         f"expected at most, and as many wait now; send the call when its "
+                         f"messages are ready, or retry later")  # fmt: skip
+
+    def _take_bytes(self, call: _Call, size: int) -> None:
+        """Count a message's bytes in the budget, or raise ResourceExhaustedError (inside
+        the servicer's reading of the stream: its rpc wrapper answers the code)."""
+        with self._lock:
+            over = self.inflight_bytes + size > self.max_inflight_bytes
+            if not over:
+                self.inflight_bytes += size
+                call.held += size
+        if over:
+            raise self._refusal(call, "bytes",
+                         f"request bytes in flight expected at most {self.max_inflight_bytes} "
+                         f"on this shard, and a message of {size} bytes would pass it "
+                         f"({call.held} bytes of this call received); split the batch, or "
+                         f"retry later")  # fmt: skip
+
+    def _end_receiving(self, call: _Call) -> None:
+        with self._lock:
+            if call.receiving:
+                call.receiving = False
+                self.receiving -= 1
+
+    def _release(self, call: _Call) -> None:
+        with self._lock:
+            self.calls -= 1
+            if call.receiving:
+                call.receiving = False
+                self.receiving -= 1
+            self.inflight_bytes -= call.held
+            # A failed call that held much: the allocator gets its memory back (by the
+            # watchdog: the failure's traceback, which holds the messages, is let go by gRPC
+            # only after this returns). Not after a call that succeeded: the next one of its
+            # size reuses the memory.
+            self._trim = self._trim or (call.failed and call.held >= TRIM_AFTER_BYTES)
+            call.held = 0
+            self._watched.discard(call)
+
+    # -- the request stream -----------------------------------------------------------------
+
+    def _messages(self, call: _Call, requests: Iterator[Any]) -> Iterator[Any]:
+        """The request stream, each message's bytes counted as it arrives; its receiving
+        slot given back at its end. A stream the watchdog cancelled (or the client broke)
+        raises instead of ending: a partial request is never taken for a whole one."""
+        while True:
+            call.waiting_since = time.monotonic()
+            try:
+                message = next(requests)
+            except StopIteration:
+                if call.expired is not None or not call.context.is_active():
+                    raise _Expired() from None
+                break
+            except grpc.RpcError:
+                raise _Expired() from None
+            finally:
+                call.waiting_since = None
+            self._take_bytes(call, call.size)
+            yield message
+        self._end_receiving(call)
+
+    # -- the interceptor --------------------------------------------------------------------
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or details.method.startswith(_HEALTH):
+            return handler
+        call = _Call(details.method)
+        inner = handler.request_deserializer
+
+        def deserialize(data: bytes) -> Any:
+            call.size = len(data)
+            return inner(data) if inner is not None else data
+
+        streaming = handler.request_streaming
+
+        def request_of(request: Any) -> Any:
+            if streaming:
+                return self._messages(call, request)
+            try:  # a one-message call: here whole already
+                self._take_bytes(call, call.size)
+            except ResourceExhaustedError as error:
+                call.context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            return request
+
+        def wrap(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            if handler.response_streaming:
+
+                def responses(request: Any, context: Any) -> Iterator[Any]:
+                    self._admit(call, context, streaming)  # aborts if refused: nothing taken
+                    try:
+                        yield from behavior(request_of(request), context)
+                    except BaseException:
+                        call.failed = True
+                        raise
+                    finally:
+                        self._release(call)
+
+                return responses
+
+            def response(request: Any, context: Any) -> Any:
+                self._admit(call, context, streaming)
+                try:
+                    return behavior(request_of(request), context)
+                except BaseException:
+                    call.failed = True
+                    raise
+                finally:
+                    self._release(call)
+
+            return response
+
+        return with_behavior(handler, wrap, deserialize)
+
+    # -- the watchdog -----------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        tick = max(0.01, min(self.idle_s, self.total_s, 1.0) / 4)
+        while not self._stop.wait(tick):
+            now = time.monotonic()
+            with self._lock:
+                watched = list(self._watched)
+                trim, self._trim = self._trim, False
+            if trim and _MALLOC_TRIM is not None:
+                _MALLOC_TRIM(0)
+            for call in watched:
+                waiting = call.waiting_since
+                if waiting is not None and now - waiting > self.idle_s:
+                    self._expire(call, "idle", f"no message for {self.idle_s:g} s")
+                elif call.timed and now - call.started > self.total_s:
+                    self._expire(call, "total", f"running for more than {self.total_s:g} s")
+
+    def _expire(self, call: _Call, cause: str, why: str) -> None:
+        if call.expired is not None:
+            return
+        call.expired = cause
+        self._refused(call.method, "CANCELLED", cause, f"the shard cancelled it: {why}")
+        call.context.cancel()

@@ -1,0 +1,289 @@
+"""Who may talk to a shard: TLS credentials, bearer tokens with roles, and the rule that a
+shard reachable off loopback is not left open by accident.
+
+Tokens: `ROLE:TOKEN` entries (whitespace- or newline-separated, `#` starts a comment), read
+from ServerConfig.tokens_file or, without one, from the TIERPS_TOKENS environment variable;
+never from the command line (a process list shows it). A call carries its token as
+`authorization: Bearer TOKEN` metadata. AuthCheck (a server interceptor) answers
+UNAUTHENTICATED to a call without a known token and PERMISSION_DENIED to a role that may not
+make the call; health stays open for probes.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tierps.proto import tierps_service_pb2 as pb
+from tierps.server.handlers import refusal, with_behavior
+from tierps.storage.errors import TierpsError
+
+log = logging.getLogger("tierps.server")
+
+TOKENS_ENV = "TIERPS_TOKENS"
+AUTH_HEADER = "authorization"
+BEARER = "Bearer "
+MIN_TOKEN_CHARS = 16
+HEALTH_SERVICE = "/grpc.health.v1.Health/"
+_DATA = f"/{pb.DESCRIPTOR.services_by_name['EmbeddingService'].full_name}/"
+_ADMIN = f"/{pb.DESCRIPTOR.services_by_name['AdminService'].full_name}/"
+LOOKUPS = frozenset({_DATA + "Lookup", _DATA + "LookupUnary"})
+# The rpcs of each role but admin (which may make every call, reflection included).
+# Stats is a trainer's as well as ListTables and DescribeTable: EmbeddingClient learns each
+# shard's life from it, which is how a trainer is told that a shard lost acknowledged
+# updates. A reader may make lookups with create=false only, and ListTables (the client
+# reads each table's dim from it); a reader's client goes without Stats (no life).
+ROLE_METHODS: dict[str, frozenset[str]] = {
+    "trainer": frozenset(
+        {*LOOKUPS, _DATA + "PushGradients", _DATA + "PushGradientsUnary", _DATA + "Assign"}
+        | {_ADMIN + m for m in ("ListTables", "DescribeTable", "Stats")}
+    ),
+    "reader": frozenset({*LOOKUPS, _ADMIN + "ListTables"}),
+}
+ROLES = ("admin", *ROLE_METHODS)
+
+
+class PermissionDeniedError(TierpsError):
+    """A caller whose role may not make this call (PERMISSION_DENIED): nothing was done."""
+
+
+# -- TLS ----------------------------------------------------------------------------------------
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as error:
+        raise OSError(f"{what} {path}: cannot read it: {error.strerror or error}") from None
+
+
+def server_credentials(
+    cert: Path, key: Path, client_ca: Path | None = None
+) -> grpc.ServerCredentials:
+    """TLS for a shard's port from PEM files; with client_ca, mutual TLS: a client must
+    show a certificate signed by it."""
+    return grpc.ssl_server_credentials(
+        [(_read(key, "TLS key"), _read(cert, "TLS certificate"))],
+        root_certificates=None if client_ca is None else _read(client_ca, "TLS client CA"),
+        require_client_auth=client_ca is not None,
+    )
+
+
+# -- tokens -------------------------------------------------------------------------------------
+
+
+def parse_tokens(text: str, source: str) -> dict[str, str]:
+    """{token: role} of `ROLE:TOKEN` entries; a bad entry is refused naming its source and
+    position, never its token."""
+    tokens: dict[str, str] = {}
+    words = (w for line in text.splitlines() for w in line.split("#", 1)[0].split())
+    for index, entry in enumerate(words):
+        role, _, token = entry.partition(":")
+        if role not in ROLES or len(token) < MIN_TOKEN_CHARS:
+            raise ValueError(
+                f"{source}: entry {index} expected ROLE:TOKEN with ROLE one of {ROLES} and a "
+                f"token of at least {MIN_TOKEN_CHARS} characters, got role {role!r} and "
+                f"{len(token)} characters"
+            )
+        if token in tokens:
+            raise ValueError(f"{source}: entry {index} repeats an earlier entry's token")
+        tokens[token] = role
+    if not tokens:
+        raise ValueError(f"{source}: expected at least one ROLE:TOKEN entry, got none")
+    return tokens
+
+
+def load_tokens(tokens_file: Path | None) -> dict[str, str] | None:
+    """{token: role} from tokens_file, else from $TIERPS_TOKENS; None where neither is set
+    (no authentication). (A shard keeps reading a tokens file as it changes: TokensFile.)"""
+    if tokens_file is not None:
+        text = _read(tokens_file, "tokens file").decode()
+        return parse_tokens(text, f"tokens file {tokens_file}")
+    text = os.environ.get(TOKENS_ENV)
+    return None if text is None else parse_tokens(text, f"${TOKENS_ENV}")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
+def check_exposure(host: str, tls: bool, tokens: bool, insecure: bool, where: str) -> None:
+    """Refuse (ValueError) to serve off loopback without TLS and tokens unless `insecure`;
+    with it, warn."""
+    if is_loopback(host) or (tls and tokens):
+        return
+    missing = " and ".join(m for m, have in (("TLS", tls), ("tokens", tokens)) if not have)
+    if not insecure:
+        raise ValueError(
+            f"{where}: --host {host} is reachable off this machine but has no {missing}; "
+            f"give --tls-cert/--tls-key and a tokens file (or ${TOKENS_ENV}), or --insecure "
+            f"to serve so on a network you trust"
+        )
+    log.warning(
+        "%s: serving on %s without %s (--insecure): anyone who reaches the port may read, "
+        "write and drop every table", where, host, missing,
+    )  # fmt: skip
+
+
+# -- the interceptor ----------------------------------------------------------------------------
+
+
+RELOAD_CHECK_S = 1.0  # how often a tokens file is looked at for changes
+
+
+class TokensFile:
+    """The tokens of a file, read again when it changes (its mtime, size or inode: a
+    Kubernetes Secret volume swaps a link), looked at most every RELOAD_CHECK_S: a token is
+    rotated without a restart. A changed file that does not parse keeps the tokens in force,
+    and says why in the log."""
+
+    def __init__(self, path: Path, where: str) -> None:
+        self.path = Path(path)
+        self.where = where
+        self._stamp = self._stat()
+        self.tokens = load_tokens(self.path) or {}
+        self._next_check = time.monotonic() + RELOAD_CHECK_S
+        self._lock = threading.Lock()
+
+    def _stat(self) -> tuple[int, int, int]:
+        info = os.stat(self.path)
+        return info.st_mtime_ns, info.st_size, info.st_ino
+
+    def current(self) -> dict[str, str]:
+        now = time.monotonic()
+        if now < self._next_check or not self._lock.acquire(blocking=False):
+            return self.tokens
+        try:
+            self._next_check = now + RELOAD_CHECK_S
+            stamp = self._stat()
+            if stamp != self._stamp:
+                self._stamp = stamp
+                self.tokens = load_tokens(self.path) or {}
+                log.warning("%s: tokens file %s changed: %d tokens now (%s)", self.where,
+                            self.path, len(self.tokens),
+                            ", ".join(f"{r}: {list(self.tokens.values()).count(r)}"
+                                      for r in ROLES))  # fmt: skip
+        except (OSError, ValueError) as error:
+            log.error("%s: tokens file %s changed but cannot be used, the tokens in force "
+                      "stay: %s", self.where, self.path, error)  # fmt: skip
+        finally:
+            self._lock.release()
+        return self.tokens
+
+
+class AuthCheck(grpc.ServerInterceptor):
+    """Checks each call's bearer token and role before the call runs. `refused(method, code,
+    cause, why)` is told of each refusal (cause "token" or "role"); `why` never holds the
+    token."""
+
+    def __init__(
+        self,
+        tokens: dict[str, str] | TokensFile,
+        refused: Callable[[str, str, str, str], None],
+        where: str,
+    ) -> None:
+        self._source = tokens
+        self._known: dict[str, str] = {}
+        self._tokens: list[tuple[bytes, str]] = []
+        self._refused = refused
+        self.where = where
+
+    def _current(self) -> list[tuple[bytes, str]]:
+        tokens = self._source.current() if isinstance(self._source, TokensFile) else self._source
+        if tokens is not self._known:  # encoded once per version of the tokens
+            self._known = tokens
+            self._tokens = [(token.encode(), role) for token, role in tokens.items()]
+        return self._tokens
+
+    def role_of(self, metadata: Any) -> str | None:
+        """The role of the call's token; every known token is compared, in constant time."""
+        given = next((v for k, v in metadata or () if k == AUTH_HEADER), "")
+        if isinstance(given, bytes):
+            given = given.decode("latin-1")
+        presented = (given[len(BEARER) :] if given.startswith(BEARER) else "").encode()
+        role = None
+        for token, token_role in self._current():
+            if hmac.compare_digest(token, presented):
+                role = token_role
+        return role
+
+    def _refuse(self, handler: Any, method: str, code: grpc.StatusCode, why: str) -> Any:
+        cause = "token" if code is grpc.StatusCode.UNAUTHENTICATED else "role"
+        self._refused(method, code.name, cause, why)
+        return refusal(handler, code, f"{self.where}: {why}")
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = continuation(details)
+        method = details.method
+        if handler is None or method.startswith(HEALTH_SERVICE):
+            return handler
+        role = self.role_of(details.invocation_metadata)
+        if role is None:
+            return self._refuse(
+                handler, method, grpc.StatusCode.UNAUTHENTICATED,
+                f"{method} expected metadata '{AUTH_HEADER}: {BEARER}TOKEN' with a token this "
+                f"shard knows, got none or an unknown one",
+            )  # fmt: skip
+        if role == "admin":
+            return handler
+        if method not in ROLE_METHODS[role]:
+            return self._refuse(
+                handler, method, grpc.StatusCode.PERMISSION_DENIED,
+                f"role {role!r} may not call {method} (it may call "
+                f"{', '.join(sorted(m.rsplit('/', 1)[1] for m in ROLE_METHODS[role]))})",
+            )  # fmt: skip
+        if role == "reader" and method in LOOKUPS:
+            return self._reader_lookup(handler, method)
+        return handler
+
+    def _reader_lookup(self, handler: Any, method: str) -> Any:
+        """The lookup, its create flags checked as the messages are read (the fields the
+        servicer decodes anyway: no second parse); create=true refuses the call before the
+        shard is asked anything."""
+
+        def refuse(index: int) -> PermissionDeniedError:
+            why = (f"role 'reader' may look up with create=false only; message {index} of "
+                   f"{method} has create=true")  # fmt: skip
+            self._refused(method, grpc.StatusCode.PERMISSION_DENIED.name, "role", why)
+            return PermissionDeniedError(f"{self.where}: {why}")
+
+        if handler.request_streaming:
+
+            def checked(requests: Iterator[Any]) -> Iterator[Any]:
+                for index, message in enumerate(requests):
+                    if message.create:
+                        raise refuse(index)
+                    yield message
+
+            return with_behavior(
+                handler, lambda behavior: lambda requests, ctx: behavior(checked(requests), ctx)
+            )
+
+        def unary(behavior: Any) -> Any:
+            def run(request: Any, context: grpc.ServicerContext) -> Any:
+                try:
+                    batches = request.batches
+                except ValueError:  # undecodable: the servicer says what is wrong
+                    return behavior(request, context)
+                index = next((i for i, b in enumerate(batches) if b.create), None)
+                if index is not None:
+                    context.abort(grpc.StatusCode.PERMISSION_DENIED, str(refuse(index)))
+                return behavior(request, context)
+
+            return run
+
+        return with_behavior(handler, unary)

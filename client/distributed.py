@@ -80,6 +80,7 @@ import torch
 import torch.distributed as dist
 from prometheus_client import Histogram
 
+from tierps.client.admin import ClusterAdmin
 from tierps.client.embedding import EmbeddingClient
 from tierps.client.torch import EmbeddingBagCollection, PipelinedModule, _collection, pipeline
 
@@ -112,7 +113,9 @@ class TrainerGroup:
     client: this rank's EmbeddingClient (the modules' client). modules: this rank's
     EmbeddingBagCollection / EmbeddingBag modules, the same on every rank; the group sets
     their staleness (sync: 0; async: 1) and owns their pushes. mode: "sync" or "async";
-    staleness: async's bound k >= 1 (sync: 0). Needs torch.distributed initialized; making
+    staleness: async's bound k >= 1 (sync: 0). admin: what saves and loads the checkpoints'
+    snapshots on rank 0 (default: client; where the shards check tokens, that needs the
+    admin role, which a trainer's token lacks). Needs torch.distributed initialized; making
     a group is a collective call (every rank makes its groups in the same order)."""
 
     def __init__(
@@ -122,6 +125,7 @@ class TrainerGroup:
         *,
         mode: str = "sync",
         staleness: int = 0,
+        admin: ClusterAdmin | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -144,6 +148,7 @@ class TrainerGroup:
                 f"mode='sync' for none"
             )
         self.client = client
+        self.admin = admin if admin is not None else client
         self.mode = mode
         self.staleness = staleness
         self.modules = [_collection(module) for module in modules]
@@ -320,7 +325,7 @@ class TrainerGroup:
             try:
                 root = Path(directory)
                 root.mkdir(parents=True, exist_ok=True)
-                self.client.save_snapshot(checkpoint)
+                self.admin.save_snapshot(checkpoint)
                 saved = {
                     "step": self.step,
                     "world_size": self.world_size,
@@ -353,7 +358,7 @@ class TrainerGroup:
         error: BaseException | None = None
         if self.rank == 0 and checkpoint is not None:
             try:
-                self.client.load_snapshot(checkpoint)
+                self.admin.load_snapshot(checkpoint)
             except Exception as failure:
                 error = failure
         failed = self._failed_ranks(error is not None)  # every rank after the load

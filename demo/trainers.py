@@ -21,8 +21,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tierps.client import security
 from tierps.client.distributed import MODES, RESTARTABLE
 
+# The client's TLS and token flags (tierps.client.security) the ranks are given as the demo was.
+SECURITY_FLAGS = (
+    "--tls-ca",
+    "--tls-client-cert",
+    "--tls-client-key",
+    "--tls-server-name",
+    "--token-file",
+)
 MAX_RESTARTS = 1  # torchrun restarts a job whose rank died once; it resumes from a checkpoint
 
 
@@ -72,6 +81,10 @@ def launch(
         "--checkpoint-dir": checkpoint_dir,
         "--torch-threads": torch_threads,
     }
+    for flag in SECURITY_FLAGS:  # paths only: a token never goes on a command line
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"), None)
+        if value is not None:
+            flags[flag] = value
     command, environment = torchrun_on_this_machine(
         args.trainers,
         "tierps.demo.trainers",
@@ -99,6 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--staleness", type=int, default=0)
     parser.add_argument("--checkpoint-dir", type=Path, required=True)
     parser.add_argument("--torch-threads", type=int, default=1)
+    security.add_arguments(parser)
     return parser
 
 
@@ -128,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, ranks = dist.get_rank(), dist.get_world_size()
     share = (rank, ranks)
     dataset = load_dataset(args.dataset, seed=args.seed, samples=args.samples)
-    with EmbeddingClient(args.addresses.split(",")) as client:
+    with EmbeddingClient(args.addresses.split(","), security=security.from_args(args)) as client:
         model = build_tierps_model(client, dataset, dim=args.dim, seed=args.seed)
         collection = model.embeddings.collection
         group = TrainerGroup(client, [collection], mode=args.mode, staleness=args.staleness)

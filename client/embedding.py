@@ -468,7 +468,11 @@ class EmbeddingClient(ClusterAdmin):
                     self.chunk_bytes,
                 )
             )
-            return self._data[shard].Assign(requests, timeout=self.timeout_s)
+            size = sum(wire.stream_bytes(name, dim, 0, keys.size, 4 * dim, self.chunk_bytes)
+                       for name, dim, keys, _ in batches)  # fmt: skip
+            return self._data[shard].Assign(
+                requests, timeout=self.timeout_s, metadata=wire.declared(size)
+            )
 
         return sum(reply.num_keys for reply in self._fan_out(calls, call))
 
@@ -662,7 +666,9 @@ class EmbeddingClient(ClusterAdmin):
                 [(name, dim, create, (_wire_keys(keys),)) for name, dim, keys, _ in batches]
             )
             try:
-                reply = self._lookup_one[shard](request, timeout=self.timeout_s)
+                reply = self._lookup_one[shard](
+                    request, timeout=self.timeout_s, metadata=wire.declared(len(request))
+                )
                 return wire.lookup_reply_values(reply)
             except grpc.RpcError as error:
                 if not self._refused_as_too_large(shard, error, bulk):
@@ -676,7 +682,12 @@ class EmbeddingClient(ClusterAdmin):
         )
         values = np.empty(_reply_bytes(batches), np.uint8)  # the chunks land in place
         filled = 0
-        for response in self._data[shard].Lookup(requests, timeout=self.timeout_s):
+        size = sum(wire.stream_bytes(name, dim, create, keys.size, 0, self.chunk_bytes)
+                   for name, dim, keys, _ in batches)  # fmt: skip
+        replies = self._data[shard].Lookup(
+            requests, timeout=self.timeout_s, metadata=wire.declared(size)
+        )
+        for response in replies:
             chunk = np.frombuffer(response.values, np.uint8)
             if filled + chunk.size > values.size:
                 raise self._reply_size_error(shard, batches, f"more than {values.size}")
@@ -730,7 +741,9 @@ class EmbeddingClient(ClusterAdmin):
                     [(name, dim, steps[name], (_wire_keys(k), g)) for name, dim, k, g in parts]
                 )
                 try:
-                    return self._push_one[shard](request, timeout=self.timeout_s)
+                    return self._push_one[shard](
+                        request, timeout=self.timeout_s, metadata=wire.declared(len(request))
+                    )
                 except grpc.RpcError as error:
                     # refused before it was read: nothing applied, the stream may carry it
                     if not self._refused_as_too_large(shard, error, bulk):
@@ -743,7 +756,13 @@ class EmbeddingClient(ClusterAdmin):
                     self.chunk_bytes,
                 )
             )  # fmt: skip
-            return self._data[shard].PushGradients(requests, timeout=self.timeout_s)
+            size = sum(
+                wire.stream_bytes(name, dim, steps[name], k.size, 4 * dim, self.chunk_bytes)
+                for name, dim, k, _ in parts
+            )
+            return self._data[shard].PushGradients(
+                requests, timeout=self.timeout_s, metadata=wire.declared(size)
+            )
 
         try:
             updated = sum(reply.num_keys for reply in self._fan_out(calls, call))

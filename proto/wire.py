@@ -28,6 +28,10 @@ MAX_MESSAGE_BYTES = ONE_MESSAGE_BYTES + HEADER_ROOM
 # Said by a shard refusing a call as too large for one message; with gRPC's own "larger
 # than max" it tells the client that nothing happened and the stream form may carry it.
 TOO_LARGE_FOR_ONE_MESSAGE = "too large for one message"
+# gRPC metadata: a data call's request bytes (its serialized messages), declared by the client
+# before it sends any, so a shard can refuse a call too large for it before reading a message
+# (server/limits.py).
+REQUEST_BYTES_HEADER = "tierps-request-bytes"
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -76,6 +80,29 @@ def assign_requests(
         return pb.AssignRequest(table=table, dim=dim, keys=keys, values=values)
 
     return _with_rows(make, dim, keys, values, chunk_bytes)
+
+
+def declared(request_bytes: int) -> tuple[tuple[str, str]]:
+    """The call metadata declaring a call's request bytes."""
+    return ((REQUEST_BYTES_HEADER, str(request_bytes)),)
+
+
+def stream_bytes(
+    table: str, dim: int, third: int, keys: int, row_bytes: int, chunk_bytes: int = CHUNK_BYTES
+) -> int:
+    """The serialized bytes of the messages lookup_requests (row_bytes 0, third = create),
+    push_requests (third = step) or assign_requests (third 0) make for `keys` keys with
+    row_bytes of rows each: what a client declares before streaming them. Closed form over
+    _row_spans: every span but the last holds `step` keys."""
+    header = _nbytes(_request_pieces(table, dim, third, ()))
+
+    def message(rows: int) -> int:
+        return header + sum(len(_length_field(4, size)) + size
+                            for size in (8 * rows, row_bytes * rows) if size)  # fmt: skip
+
+    step = max(1, chunk_bytes // (8 + row_bytes))
+    full, rest = divmod(keys, step)
+    return full * message(step) + (message(rest) if rest or not keys else 0)
 
 
 def join_values(responses: Iterable[pb.LookupResponse]) -> bytes:

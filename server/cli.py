@@ -12,6 +12,7 @@ log = logging.getLogger("tierps.server")
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
+    from tierps.server.config import MAX_INFLIGHT_BYTES
     from tierps.storage.xp import GPU_ARRAYS
 
     serve = commands.add_parser(
@@ -82,7 +83,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     security.add_argument(
         "--max-inflight-mb", type=int,
-        help="request bytes the shard's calls may hold at once, MiB (default 2048)",
+        help="request bytes the shard's calls may hold at once, MiB (default "
+        f"{MAX_INFLIGHT_BYTES >> 20})",
     )  # fmt: skip
     security.add_argument(
         "--stream-idle-s", type=float, help="cancel a request stream silent this long (30)"

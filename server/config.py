@@ -8,12 +8,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierps.proto.wire import CHUNK_BYTES, MAX_MESSAGE_BYTES
+from tierps.proto.wire import CHUNK_BYTES, HEADER_ROOM, MAX_MESSAGE_BYTES, ONE_MESSAGE_BYTES
 from tierps.storage import TableConfig
 from tierps.storage.validation import check_int
 from tierps.storage.xp import GPU_ARRAYS
 
-MAX_BATCH_BYTES = 1 << 30  # one call's request, or a lookup's reply, held whole by the shard
+# Why the size defaults are what they are: EmbeddingClient sends at most max_call_bytes
+# (DEFAULT_MAX_CALL_BYTES, 256 MiB) of bulk per call and shard, and asks for at most that
+# much back; the wire carries that much as one message (ONE_MESSAGE_BYTES, plus HEADER_ROOM).
+# A shard that takes as much per call never refuses a call of the default client, and a call
+# holds no more than that of the shard's memory.
+MAX_BATCH_BYTES = ONE_MESSAGE_BYTES  # bulk bytes of one call's request, or of a lookup's reply
+
+
+def max_call_request_bytes(max_batch_bytes: int) -> int:
+    """A call's request bytes on the wire, at most: its bulk plus the messages' headers. The
+    one message's fit HEADER_ROOM; a stream's take ~40 bytes plus the table's name each,
+    under 1/16 of the bulk for messages of 8 KiB or more (the client's are CHUNK_BYTES)."""
+    return max_batch_bytes + max(HEADER_ROOM, max_batch_bytes // 16)
+
+
+# Two calls of the largest size at once, and their memory is all the shard holds of requests.
+MAX_INFLIGHT_BYTES = 2 * max_call_request_bytes(MAX_BATCH_BYTES)
 
 
 @dataclass(frozen=True)
@@ -41,7 +57,8 @@ class ServerConfig:
     threads of its own (probes that cannot speak TLS; never starved by data calls). None: off.
     max_workers is also the cap on calls at once (health excepted), RESOURCE_EXHAUSTED
     beyond; max_receiving_streams: of those, request streams still waiting for their
-    messages; max_inflight_bytes: request bytes held at once by the shard's calls;
+    messages; max_inflight_bytes: request bytes held at once by the shard's calls (each call
+    is held to max_call_request_bytes(max_batch_bytes) on the wire);
     stream_idle_s: a request stream silent this long is cancelled; call_total_s: a data call
     running this long is cancelled (server/limits.py).
     flush_interval_s: a background flush writes every dirty row (write-back tables) down to
@@ -77,7 +94,7 @@ class ServerConfig:
     metrics_host: str | None = None
     health_port: int | None = None
     max_receiving_streams: int = 8
-    max_inflight_bytes: int = 2 * MAX_BATCH_BYTES
+    max_inflight_bytes: int = MAX_INFLIGHT_BYTES
     stream_idle_s: float = 30.0
     call_total_s: float = 600.0
 

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto.wire import channel_options
-from tierps.server.config import ServerConfig
+from tierps.server.config import ServerConfig, max_call_request_bytes
 from tierps.server.handlers import refusal
 from tierps.server.limits import HEALTH_WORKERS, CallLimits
 from tierps.server.lives import LIFE_HEADER
@@ -88,7 +88,9 @@ class ShardServer:
             self.health = health.HealthServicer(experimental_non_blocking=True)
             self.limits = CallLimits(
                 max_calls=config.max_workers, max_receiving=config.max_receiving_streams,
-                max_inflight_bytes=config.max_inflight_bytes, idle_s=config.stream_idle_s,
+                max_inflight_bytes=config.max_inflight_bytes,
+                max_call_bytes=max_call_request_bytes(config.max_batch_bytes),
+                idle_s=config.stream_idle_s,
                 total_s=config.call_total_s, where=where, refused=self._refused,
             )  # fmt: skip
             interceptors: list[grpc.ServerInterceptor] = [self.limits, LifeCheck(self.shard)]

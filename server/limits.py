@@ -7,9 +7,16 @@ interceptor):
 - of those, at most `max_receiving` request streams still waiting for their client's
   messages (RESOURCE_EXHAUSTED beyond), so idle streams cannot take the slots other
   clients' calls need;
-- request bytes counted as each message arrives against the shard's budget of in-flight
-  bytes (RESOURCE_EXHAUSTED once over it, before the next message is read): a refused
-  push holds at most the budget plus one message, and lets go of it at once;
+- request bytes against a per-call limit and the shard's budget of in-flight bytes. A call
+  declares its request bytes up front (metadata wire.REQUEST_BYTES_HEADER, as
+  EmbeddingClient does): a declaration over the per-call limit, or over what the budget has
+  left, is refused (RESOURCE_EXHAUSTED) before any message is read, so a refused 1 GiB push
+  costs the shard a few MiB (what gRPC buffers of it); an admitted declaration is reserved
+  from the budget until the call ends, so concurrent calls cannot overrun it. Bytes a call
+  sends beyond its declaration (all of them, where it declares none: an old or lying
+  client) are counted as each message arrives, RESOURCE_EXHAUSTED once over either limit,
+  before the next message is read: such a refused push holds at most the budget (or the
+  per-call limit) plus one message, and lets go of it at once;
 - a request stream idle for idle_s while the shard waits for its next message, or a data
   call running for total_s, is cancelled (the client sees CANCELLED), freeing its thread.
 """
@@ -25,6 +32,7 @@ from typing import Any
 import grpc
 
 from tierps.proto import tierps_service_pb2 as pb
+from tierps.proto.wire import REQUEST_BYTES_HEADER
 from tierps.server.handlers import with_behavior
 from tierps.storage.errors import ResourceExhaustedError
 
@@ -47,6 +55,11 @@ def _libc_malloc_trim() -> Callable[[int], int] | None:
 _MALLOC_TRIM = _libc_malloc_trim()
 
 
+def _declared_bytes(value: str) -> int | None:
+    """A declared request size, or None where the value is not one."""
+    return int(value) if value.isascii() and value.isdigit() and len(value) <= 20 else None
+
+
 class _Expired(grpc.RpcError):
     """The request stream of a call the watchdog cancelled: never taken as a whole request."""
 
@@ -54,17 +67,19 @@ class _Expired(grpc.RpcError):
 class _Call:
     """One admitted call's share of the limits."""
 
-    __slots__ = ("method", "context", "started", "waiting_since", "expired", "size", "held",
-                 "receiving", "timed", "failed")  # fmt: skip
+    __slots__ = ("method", "declared", "context", "started", "waiting_since", "expired", "size",
+                 "received", "held", "receiving", "timed", "failed")  # fmt: skip
 
-    def __init__(self, method: str) -> None:
+    def __init__(self, method: str, declared: str | None) -> None:
         self.method = method
+        self.declared = declared  # the request bytes the client declared, as it sent them
         self.context: Any = None
         self.started = time.monotonic()
         self.waiting_since: float | None = None  # while the shard waits for a message
         self.expired: str | None = None
         self.size = 0  # bytes of the message deserialized last
-        self.held = 0  # bytes of this call's messages counted in the budget
+        self.received = 0  # bytes of this call's messages read so far
+        self.held = 0  # bytes of the budget this call holds: max(declared, received)
         self.receiving = False
         self.timed = method.startswith(_DATA)  # total_s applies
         self.failed = False  # refused or failed: its messages are garbage now
@@ -77,6 +92,7 @@ class CallLimits(grpc.ServerInterceptor):
         max_calls: int,
         max_receiving: int,
         max_inflight_bytes: int,
+        max_call_bytes: int,
         idle_s: float,
         total_s: float,
         where: str,
@@ -85,6 +101,7 @@ class CallLimits(grpc.ServerInterceptor):
         self.max_calls = max_calls
         self.max_receiving = max_receiving
         self.max_inflight_bytes = max_inflight_bytes
+        self.max_call_bytes = max_call_bytes
         self.idle_s = idle_s
         self.total_s = total_s
         self.where = where
@@ -115,13 +132,26 @@ class CallLimits(grpc.ServerInterceptor):
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
 
     def _admit(self, call: _Call, context: Any, streaming: bool) -> None:
-        """Take a call slot (and a receiving one for a request stream), or abort."""
+        """Take a call slot (and a receiving one for a request stream) and reserve the
+        request bytes it declared, or abort: before any of its messages is read."""
         call.context = context
+        declared = 0 if call.declared is None else _declared_bytes(call.declared)
+        if declared is None:
+            self._refused(call.method, "INVALID_ARGUMENT", "declared", call.declared or "")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{self.where}: metadata '{REQUEST_BYTES_HEADER}' expected the "
+                          f"call's request bytes (a decimal integer >= 0), got "
+                          f"{call.declared[:40]!r}")  # fmt: skip
         with self._lock:
             full = self.calls >= self.max_calls
             streams_full = streaming and self.receiving >= self.max_receiving
-            if not (full or streams_full):
+            too_large = declared > self.max_call_bytes
+            left = self.max_inflight_bytes - self.inflight_bytes
+            no_room = declared > left
+            if not (full or streams_full or too_large or no_room):
                 self.calls += 1
+                self.inflight_bytes += declared  # reserved until the call ends
+                call.held = declared
                 if streaming:
                     self.receiving += 1
                     call.receiving = True
@@ -136,21 +166,43 @@ class CallLimits(grpc.ServerInterceptor):
                          f"{self.max_receiving} request streams waiting for their messages "
                          f"expected at most, and as many wait now; send the call when its "
                          f"messages are ready, or retry later")  # fmt: skip
+        if too_large:
+            self._refuse(call, context, "declared",
+                         f"request of {declared} bytes declared ({REQUEST_BYTES_HEADER}), "
+                         f"expected at most {self.max_call_bytes} bytes per call; split the "
+                         f"batch")  # fmt: skip
+        if no_room:
+            self._refuse(call, context, "bytes",
+                         f"request of {declared} bytes declared ({REQUEST_BYTES_HEADER}), "
+                         f"expected at most the {left} bytes left of this shard's budget "
+                         f"of {self.max_inflight_bytes} request bytes in flight; retry "
+                         f"later")  # fmt: skip
 
     def _take_bytes(self, call: _Call, size: int) -> None:
-        """Count a message's bytes in the budget, or raise ResourceExhaustedError (inside
-        the servicer's reading of the stream: its rpc wrapper answers the code)."""
+        """Count a message's bytes: those beyond what the call reserved are taken from the
+        budget; or raise ResourceExhaustedError (inside the servicer's reading of the
+        stream: its rpc wrapper answers the code)."""
         with self._lock:
-            over = self.inflight_bytes + size > self.max_inflight_bytes
+            received = call.received + size
+            extra = max(0, received - call.held)  # beyond the call's declaration
+            over_call = received > self.max_call_bytes
+            over = over_call or self.inflight_bytes + extra > self.max_inflight_bytes
             if not over:
-                self.inflight_bytes += size
-                call.held += size
+                call.received = received
+                self.inflight_bytes += extra
+                call.held += extra
+        if over_call:
+            raise self._refusal(call, "bytes",
+                         f"request bytes expected at most {self.max_call_bytes} per call, and "
+                         f"a message of {size} bytes would pass it ({call.received} bytes of "
+                         f"this call received); split the batch")  # fmt: skip
         if over:
             raise self._refusal(call, "bytes",
                          f"request bytes in flight expected at most {self.max_inflight_bytes} "
                          f"on this shard, and a message of {size} bytes would pass it "
-                         f"({call.held} bytes of this call received); split the batch, or "
-                         f"retry later")  # fmt: skip
+                         f"({call.received} bytes of this call received, "
+                         f"{call.declared or 0} declared); split the batch, or retry "
+                         f"later")  # fmt: skip
 
     def _end_receiving(self, call: _Call) -> None:
         with self._lock:
@@ -201,7 +253,8 @@ class CallLimits(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None or details.method.startswith(_HEALTH):
             return handler
-        call = _Call(details.method)
+        declared = (v for k, v in details.invocation_metadata or () if k == REQUEST_BYTES_HEADER)
+        call = _Call(details.method, next(declared, None))
         inner = handler.request_deserializer
 
         def deserialize(data: bytes) -> Any:

@@ -489,11 +489,11 @@ def test_a_push_failing_in_part_on_one_shard_names_that_shard_not_succeeded(
         def details(self) -> str:
             return "injected: shard stopping"
 
-    def second_call_fails(request: Any, timeout: float | None = None) -> Any:
+    def second_call_fails(request: Any, **options: Any) -> Any:
         calls.append(request)
         if len(calls) == 2:
             raise Unavailable()
-        return real_push(request, timeout=timeout)
+        return real_push(request, **options)
 
     client._push_one[0] = second_call_fails
     with pytest.raises(ShardError) as raised:

@@ -94,6 +94,26 @@ def test_hand_encoded_requests_are_protobufs_bytes(lookups: list, pushes: list) 
     assert ours == theirs
 
 
+@settings(max_examples=60, deadline=None)
+@given(names, st.integers(1, 300), st.integers(0, 2**64 - 1), st.integers(0, 500),
+       st.integers(12, 5000))  # fmt: skip
+def test_declared_stream_bytes_are_protobufs_sizes(
+    table: str, dim: int, step: int, n: int, chunk_bytes: int
+) -> None:
+    """What a client declares before streaming (wire.stream_bytes) is what protobuf
+    serializes for the stream's messages, for each of the three streamed calls."""
+    keys = np.arange(n, dtype="<i8").tobytes()
+    rows = np.zeros((n, dim), "<f4").tobytes()
+    streams = [
+        (wire.lookup_requests(table, dim, keys, create=True, chunk_bytes=chunk_bytes), True, 0),
+        (wire.push_requests(table, dim, step, keys, rows, chunk_bytes), step, 4 * dim),
+        (wire.assign_requests(table, dim, keys, rows, chunk_bytes), 0, 4 * dim),
+    ]
+    for messages, third, row_bytes in streams:
+        sizes = sum(message.ByteSize() for message in messages)
+        assert wire.stream_bytes(table, dim, third, n, row_bytes, chunk_bytes) == sizes
+
+
 @pytest.mark.parametrize("shapes", [[], [(0, 4)], [(3, 4)], [(2, 3), (0, 3), (5, 3)], [(70, 33)]])
 def test_a_hand_encoded_reply_is_protobufs_bytes(shapes: list[tuple[int, int]]) -> None:
     rng = np.random.default_rng(len(shapes))

@@ -17,11 +17,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierps.client import EmbeddingClient, TableConfig
+from tierps.client.embedding import DEFAULT_MAX_CALL_BYTES
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
 from tierps.server.cluster import LocalCluster
+from tierps.server.config import MAX_BATCH_BYTES, ServerConfig, max_call_request_bytes
 from tierps.server.daemon import ShardServer
+from tierps.storage import optim
 
 CODE = grpc.StatusCode
 DIM = 4
@@ -202,3 +205,162 @@ def test_a_refused_1gib_push_costs_at_most_the_byte_budget_and_a_few_messages(
             assert time.monotonic() < deadline, "the refused push's memory stayed"
             time.sleep(0.1)
         assert tier_rows(client) == rows_before  # nothing of the push was applied
+
+
+def push_chunk(dim: int, step: int = 1) -> pb.PushGradientsRequest:
+    """One stream message of about CHUNK_BYTES: what a client streaming a push sends."""
+    rows = wire.CHUNK_BYTES // (8 + 4 * dim)
+    keys = np.arange(rows, dtype="<i8").tobytes()
+    grads = np.zeros((rows, dim), "<f4").tobytes()
+    return pb.PushGradientsRequest(table="t", dim=dim, step=step, keys=keys, grads=grads)
+
+
+def test_a_declared_1gib_push_is_refused_before_a_message_is_read(tmp_path: Path) -> None:
+    """With the default limits, a push declaring 1 GiB (wire.REQUEST_BYTES_HEADER, as
+    EmbeddingClient declares every call) is over the per-call limit: the shard (a subprocess,
+    RSS from /proc) refuses it before reading a message. It costs what gRPC core takes off
+    the socket before the refusal reaches the client: its flow-control window (a few MiB at
+    most; gRPC's largest BDP window is 4 MiB) and the message it was assembling (CHUNK_BYTES):
+    the bound is 4 messages of CHUNK_BYTES, against the ~100 MiB an undeclared push costs
+    with a 64 MiB budget (the test above)."""
+    with (
+        LocalCluster(1, tmp_path / "cluster", extra_args=("--flush-interval-s", "0")) as cluster,
+        EmbeddingClient(cluster.addresses, timeout_s=60) as client,
+    ):
+        dim = 256
+        client.create_table(TableConfig(name="t", dim=dim))
+        client.lookup("t", np.arange(1000))  # warm: the call path's own allocations
+        pid = cluster._processes[0].pid
+        Path(f"/proc/{pid}/clear_refs").write_text("5")  # its peak RSS (VmHWM) := its RSS
+        before_rss = _status_kib(pid, "VmRSS")
+        chunk = push_chunk(dim)
+        messages = PUSH_BYTES // chunk.ByteSize() + 1
+        declared = messages * chunk.ByteSize()
+        stub = pb_grpc.EmbeddingServiceStub(client._channels[0])
+        started = time.perf_counter()
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.PushGradients(
+                (chunk for _ in range(messages)), timeout=60, metadata=wire.declared(declared)
+            )
+        elapsed = time.perf_counter() - started
+        assert refused.value.code() is CODE.RESOURCE_EXHAUSTED
+        limit = max_call_request_bytes(MAX_BATCH_BYTES)
+        details = refused.value.details()
+        assert f"shard 0: request of {declared} bytes declared" in details
+        assert f"at most {limit} bytes per call" in details
+        peak = _status_kib(pid, "VmHWM")
+        grown_kib = peak - before_rss
+        bound_kib = 4 * (wire.CHUNK_BYTES >> 10)
+        print(f"refused declared 1 GiB push in {elapsed * 1e3:.0f} ms: peak RSS "
+              f"{peak / 1024:.0f} MiB, grown {grown_kib / 1024:.1f} MiB over "
+              f"{before_rss / 1024:.0f} MiB; bound "
+              f"{bound_kib / 1024:.0f} MiB")  # fmt: skip
+        assert grown_kib <= bound_kib
+        assert client.describe("t")[0]["current_step"] == 0  # nothing of the push was applied
+
+
+def held_push(
+    dim: int, keys: np.ndarray, step: int, sent_first: threading.Event, go: threading.Event
+) -> Iterator[pb.PushGradientsRequest]:
+    """A push stream that sends its first message, then waits for `go` before the rest."""
+    grads = np.ones((keys.size, dim), "<f4").tobytes()
+    for index, message in enumerate(
+        wire.push_requests("t", dim, step, keys.astype("<i8").tobytes(), grads, 1 << 20)
+    ):
+        if index == 1:
+            sent_first.set()
+            go.wait(30)
+        yield message
+
+
+def test_declared_calls_reserve_the_budget_and_one_past_it_is_refused(
+    shard_server: Callable[..., ShardServer],
+) -> None:
+    """Two pushes declaring 6 MiB each hold 12 MiB of a 16 MiB budget from their admission,
+    while they still send; a third declaring 6 MiB is refused at once, naming its size and
+    what was left; the two complete, their rows updated as numpy says (SGD lr 1: -1 each)."""
+    budget, dim, n = 16 << 20, 60, 26_000
+    server = shard_server(max_inflight_bytes=budget)
+    server.shard.create_table(TableConfig(name="t", dim=dim, optimizer=optim.SGD(lr=1.0)))
+    declared = wire.stream_bytes("t", dim, 1, n, 4 * dim, 1 << 20)
+    assert 6 << 20 < declared < 7 << 20
+    go = threading.Event()
+    with EmbeddingClient([server.address], timeout_s=30) as client:
+        before = client.lookup("t", np.arange(3 * n))
+        stub = pb_grpc.EmbeddingServiceStub(client._channels[0])
+        started, calls = [], []
+        for index in range(2):
+            started.append(threading.Event())
+            keys = np.arange(index * n, (index + 1) * n)
+            stream = held_push(dim, keys, index + 1, started[index], go)
+            calls.append(stub.PushGradients.future(
+                stream, timeout=30, metadata=wire.declared(declared)))  # fmt: skip
+        assert all(event.wait(10) for event in started)
+        assert server.limits.inflight_bytes == 2 * declared  # reserved, not yet all received
+        third = held_push(dim, np.arange(2 * n, 3 * n), 3, threading.Event(), go)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.PushGradients(third, timeout=30, metadata=wire.declared(declared))
+        assert refused.value.code() is CODE.RESOURCE_EXHAUSTED
+        assert (f"shard 0: request of {declared} bytes declared (tierps-request-bytes), expected "
+                f"at most the {budget - 2 * declared} bytes left of this shard's budget of "
+                f"{budget}") in refused.value.details()  # fmt: skip
+        go.set()
+        assert [call.result().num_keys for call in calls] == [n, n]
+        after = client.lookup("t", np.arange(3 * n))
+        np.testing.assert_array_equal(after[: 2 * n], before[: 2 * n] - np.float32(1))
+        np.testing.assert_array_equal(after[2 * n :], before[2 * n :])  # the refused push
+    assert server.limits.inflight_bytes == 0 and server.limits.calls == 0
+
+
+def test_a_call_sending_more_than_it_declared_is_cut_off_at_the_budget(
+    shard_server: Callable[..., ShardServer],
+) -> None:
+    """A push declaring 1 MiB that sends 40 MiB is counted past its declaration as its
+    messages arrive, and cut off at the 16 MiB budget, as an undeclared one; a declaration
+    that is not a size is INVALID_ARGUMENT."""
+    budget, dim = 16 << 20, 256
+    server = shard_server(max_inflight_bytes=budget)
+    server.shard.create_table(TableConfig(name="t", dim=dim))
+    chunk = push_chunk(dim)
+    stub = pb_grpc.EmbeddingServiceStub(grpc.insecure_channel(server.address))
+    with pytest.raises(grpc.RpcError) as cut:
+        stub.PushGradients((chunk for _ in range(10)), timeout=30, metadata=wire.declared(1 << 20))
+    assert cut.value.code() is CODE.RESOURCE_EXHAUSTED
+    assert f"expected at most {budget} on this shard" in cut.value.details()
+    assert f"{1 << 20} declared" in cut.value.details()
+    with pytest.raises(grpc.RpcError) as malformed:
+        stub.PushGradients(iter([chunk]), timeout=30, metadata=(("tierps-request-bytes", "-1"),))
+    assert malformed.value.code() is CODE.INVALID_ARGUMENT
+    assert "'tierps-request-bytes' expected the call's request bytes" in malformed.value.details()
+    assert server.limits.inflight_bytes == 0 and server.limits.calls == 0
+    assert server.shard.describe("t")["current_step"] == 0  # nothing applied
+
+
+@pytest.mark.parametrize("one_message_bytes", [wire.ONE_MESSAGE_BYTES, 0], ids=["one", "stream"])
+def test_a_large_push_the_client_splits_fits_the_shards_limits(
+    shard_server: Callable[..., ShardServer], one_message_bytes: int
+) -> None:
+    """The client's calls of max_call_bytes of bulk fit a shard whose max_batch_bytes is the
+    same, scaled down (4 MiB, a 10 MiB push in three calls), as one message or streamed;
+    and the defaults agree: a call of DEFAULT_MAX_CALL_BYTES fits the default per-call
+    limit, and two of them the default budget."""
+    batch, dim, n = 4 << 20, 64, 40_000  # 10.6 MB of keys and gradients
+    server = shard_server(
+        max_batch_bytes=batch, max_inflight_bytes=2 * max_call_request_bytes(batch)
+    )
+    server.shard.create_table(TableConfig(name="t", dim=dim, optimizer=optim.SGD(lr=1.0)))
+    with EmbeddingClient(
+        [server.address], max_call_bytes=batch, one_message_bytes=one_message_bytes
+    ) as client:
+        keys = np.arange(n)
+        before = client.lookup("t", keys)
+        assert client.push_gradients("t", keys, np.ones((n, dim), np.float32)) == n
+        np.testing.assert_array_equal(client.lookup("t", keys), before - np.float32(1))
+    accepted = server.metrics.refusals.labels  # no call was refused
+    assert accepted("/tierps.v1.EmbeddingService/PushGradients", "RESOURCE_EXHAUSTED",
+                    "declared")._value.get() == 0  # fmt: skip
+    default_call = DEFAULT_MAX_CALL_BYTES // (8 + 4 * dim)  # keys of the widest default call
+    streamed = wire.stream_bytes("t" * 255, dim, 2**63, default_call, 4 * dim)
+    assert streamed <= max_call_request_bytes(MAX_BATCH_BYTES)
+    defaults = ServerConfig(shard_id=0, num_shards=1, data_dir=Path())
+    assert 2 * streamed <= defaults.max_inflight_bytes

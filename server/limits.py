@@ -137,11 +137,10 @@ class CallLimits(grpc.ServerInterceptor):
         call.context = context
         declared = 0 if call.declared is None else _declared_bytes(call.declared)
         if declared is None:
-            self._refused(call.method, "INVALID_ARGUMENT", "declared", call.declared or "")
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{self.where}: metadata '{REQUEST_BYTES_HEADER}' expected the "
-                          f"call's request bytes (a decimal integer >= 0), got "
-                          f"{call.declared[:40]!r}")  # fmt: skip
+            why = (f"metadata '{REQUEST_BYTES_HEADER}' expected the call's request bytes (a "
+                   f"decimal integer >= 0), got {(call.declared or '')[:40]!r}")  # fmt: skip
+            self._refused(call.method, "INVALID_ARGUMENT", "declared", why)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.where}: {why}")
         with self._lock:
             full = self.calls >= self.max_calls
             streams_full = streaming and self.receiving >= self.max_receiving

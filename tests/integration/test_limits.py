@@ -356,9 +356,11 @@ def test_a_large_push_the_client_splits_fits_the_shards_limits(
         before = client.lookup("t", keys)
         assert client.push_gradients("t", keys, np.ones((n, dim), np.float32)) == n
         np.testing.assert_array_equal(client.lookup("t", keys), before - np.float32(1))
-    accepted = server.metrics.refusals.labels  # no call was refused
-    assert accepted("/tierps.v1.EmbeddingService/PushGradients", "RESOURCE_EXHAUSTED",
-                    "declared")._value.get() == 0  # fmt: skip
+    refusals = server.metrics.refusals.labels
+    for method in ("PushGradients", "PushGradientsUnary"):  # none refused for its bytes
+        for cause in ("declared", "bytes"):
+            refused = refusals(f"/tierps.v1.EmbeddingService/{method}", "RESOURCE_EXHAUSTED", cause)
+            assert refused._value.get() == 0
     default_call = DEFAULT_MAX_CALL_BYTES // (8 + 4 * dim)  # keys of the widest default call
     streamed = wire.stream_bytes("t" * 255, dim, 2**63, default_call, 4 * dim)
     assert streamed <= max_call_request_bytes(MAX_BATCH_BYTES)

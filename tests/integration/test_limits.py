@@ -102,6 +102,10 @@ def test_an_abandoned_stream_is_cancelled_after_its_idle_time_and_frees_its_slot
             list(abandoned)
         assert cancelled.value.code() is CODE.CANCELLED
         release.set()
+        deadline = time.monotonic() + 5  # the client hears CANCELLED before the shard's
+        while server.limits.receiving:  # thread has unwound the call and given its slot back
+            assert time.monotonic() < deadline, "the cancelled stream's slot was not given back"
+            time.sleep(0.01)
         keys = np.arange(3, dtype="<i8").tobytes()
         request = pb.LookupRequest(table="t", dim=DIM, create=True, keys=keys)
         assert len(list(stub.Lookup(iter([request]), timeout=10))) == 1  # the slot is free

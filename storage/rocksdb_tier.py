@@ -19,7 +19,7 @@ import numpy as np
 from rocksdict import Rdict, WriteBatch, WriteOptions
 
 from tierps.storage.errors import BackendError, DataLossError, StorageFullError
-from tierps.storage.tiers import HandDown
+from tierps.storage.tiers import DurableTier, HandDown
 
 KEY_DTYPE = np.dtype(">i8")
 # RocksDB's words for a full file system or a space limit, and for corrupt data
@@ -80,7 +80,7 @@ def encode_rows(rows: np.ndarray) -> list[bytes]:
     return rows.view(np.dtype((np.void, rows.shape[1] * 4))).ravel().tolist()
 
 
-class RocksDBTier:
+class RocksDBTier(DurableTier):
     """Bottom tier: never evicts, keeps what it is given; writes only rows newer than its
     own copy (dirty ones)."""
 

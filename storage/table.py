@@ -5,9 +5,13 @@ misses to the next, and so on; keys found nowhere get their initial row, a pure 
 (seed, key). Rows found below the top are promoted; whatever a tier cannot keep spills to
 the tier below it. Updates run on the gathered rows and are stored back at the top.
 
-With an admission filter (admit_after > 0), the final misses of a training lookup or a push
-are first sighted by the filter (the one place it is asked): only the keys it admits get
-their initial row; the others read default_value and are neither stored nor trained.
+Keys that no stored tier holds go to the table's fallbacks (storage/fallbacks.py): the
+admission filter, the adaptive buckets and, last, the initializer, each answering some keys
+and passing the rest on. Every gathered row carries its origin (RowOrigin: a tier, the
+initializer, an admission refusal, a bucket), and lookup and apply_gradients act on the
+origin alone. With an admission filter (admit_after > 0), the final misses of a training
+lookup or a push are sighted by the filter: only the keys it admits get their initial row;
+the others read default_value (REFUSED) and are neither stored nor trained.
 
 With eviction (steps_to_live, min_l2_norm), `evict` removes stale or small rows from every
 tier. A table's current step is the largest step pushed to it; with steps_to_live > 0 every
@@ -20,8 +24,8 @@ step pushed (first_step), so a snapshot loaded into a new table does not age fro
 With adaptive embedding (hash_bucket_size, promote_after; storage/adaptive.py), the same last
 step sights the final misses of a training lookup or a push in a counter: a key promoted now
 gets its own row, initialised from its bucket row's current weights with fresh optimizer
-state; the others read their bucket's row (depth bucket_depth, never stored), and a push
-trains the bucket rows with their summed gradients instead.
+state; the others read their bucket's row (BUCKET, never stored), and a push trains the
+bucket rows with their summed gradients instead.
 """
 
 from __future__ import annotations
@@ -31,14 +35,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from tierps.storage import fallbacks
 from tierps.storage.adaptive import BucketRows
-from tierps.storage.admission import make_filter
+from tierps.storage.admission import CounterFilter, make_filter
 from tierps.storage.config import STEP_SLOTS, TableConfig, WritePolicy, step_bits
 from tierps.storage.errors import BackendError, InvalidArgumentError
+from tierps.storage.fallbacks import Fallback, Gathered, RowOrigin
 from tierps.storage.host_kernels import all_distinct
 from tierps.storage.tiers import DurableTier, Spill, Tier
 from tierps.storage.validation import as_keys, as_rows, check_step, first_non_finite
@@ -48,6 +54,13 @@ log = logging.getLogger(__name__)
 DEFAULT_CHUNK_ROWS = 65536
 FLUSH_CHUNK_BYTES = 4 << 20  # a flush moves dirty rows down in chunks of this size
 Chunk = tuple[np.ndarray, np.ndarray]  # (keys [c], rows [c, row_width])
+
+
+class _Push(NamedTuple):
+    """A push in progress (EmbeddingTable._push)."""
+
+    stamp: int | None  # the last-update step its rows get (steps_to_live > 0), else None
+    undo: list[Callable[[], None]]  # run in reverse if the push fails
 
 
 class EmbeddingTable:
@@ -74,7 +87,6 @@ class EmbeddingTable:
         self.key_limit: int | None = None if config.use_hashtable else config.capacity
         # admit_after > 0: counts sightings of keys without a row (soft state: in memory only)
         self.admission = make_filter(config)
-        self.refused_depth = len(tiers) + 1  # _gather's depth of a key the filter kept out
         self.lookups_default = 0  # looked-up keys (with repeats) answered with default_value
         self.gradients_dropped = 0  # distinct keys of pushes whose gradients were dropped
         # hash_bucket_size, promote_after > 0: shared bucket rows and the sighting counts of
@@ -82,7 +94,15 @@ class EmbeddingTable:
         if buckets is None and config.promote_after:
             buckets = BucketRows(config)
         self.buckets = buckets if config.promote_after else None
-        self.bucket_depth = len(tiers) + 2  # _gather's depth of a key served by its bucket
+        # what answers the keys no stored tier holds, in order (storage/fallbacks.py)
+        self.fallbacks: list[Fallback] = []
+        if self.admission is not None:
+            self.fallbacks.append(
+                fallbacks.Admission(self.admission, config.stored_width, config.default_value)
+            )
+        if self.buckets is not None:
+            self.fallbacks.append(fallbacks.Buckets(self.buckets, config.stored_width, self._fresh))
+        self.fallbacks.append(fallbacks.Initializer(self._fresh))
         # eviction: steps of pushes (0: none yet; the store keeps them across restarts)
         self.step_slots = STEP_SLOTS if config.steps_to_live else 0
         self.current_step = 0  # the largest step pushed
@@ -93,54 +113,38 @@ class EmbeddingTable:
 
     # -- the cascade ---------------------------------------------------------------------
 
-    def _gather(
-        self, keys: np.ndarray, *, sight: bool = False
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Full rows of keys (duplicates allowed), the depth each came from (len(tiers):
-        initialised now; refused_depth: kept out by the admission filter, its row
-        default_value, never to be stored; bucket_depth: not yet promoted, its row its
-        bucket's, never to be stored), and whether each is newer than RocksDB. `sight`: the
-        call is a sighting of its final misses (a training lookup or a push)."""
-        n, width = keys.size, self.config.stored_width
-        rows = np.empty((n, width), dtype=np.float32)
-        depth = np.full(n, len(self.tiers), dtype=np.int8)
-        dirty = np.ones(n, dtype=bool)  # an initialised row is newer than RocksDB's (none)
+    def _gather(self, keys: np.ndarray, *, sight: bool = False) -> Gathered:
+        """Rows of keys [n] (duplicates allowed) and where each came from (Gathered): the
+        stored tiers top down, then the fallbacks (storage/fallbacks.py) for the keys that
+        no tier holds, each answering some and passing the rest on; the last, the
+        Initializer, answers all. `sight`: the call is a sighting of its final misses (a
+        training lookup or a push)."""
+        n = keys.size
+        rows = np.empty((n, self.config.stored_width), dtype=np.float32)
+        origin = np.full(n, RowOrigin.TIER, dtype=np.int8)
+        level = np.full(n, -1, dtype=np.int8)
+        dirty = np.ones(n, dtype=bool)  # a row made now is newer than RocksDB's (none)
         pending = np.arange(n)
-        for level, tier in enumerate(self.tiers):
+        for here, tier in enumerate(self.tiers):
             if pending.size == 0:
-                break
+                return Gathered(rows, origin, level, dirty)
             hit, found, found_dirty = tier.find(keys[pending])
             if hit.size == n:  # all found in one tier: keep its array as it is
-                return found, np.full(n, level, np.int8), found_dirty
+                return Gathered(found, origin, np.full(n, here, np.int8), found_dirty)
             at = pending[hit]
-            rows[at], depth[at], dirty[at] = found, level, found_dirty
+            rows[at], level[at], dirty[at] = found, here, found_dirty
             pending = np.delete(pending, hit)
-        if self.admission is not None and pending.size:
-            admitted = (
-                self.admission.observe(keys[pending]) if sight
-                else np.zeros(pending.size, dtype=bool)
-            )  # fmt: skip
-            refused = pending[~admitted]
-            rows[refused] = self.config.default_value
-            depth[refused] = self.refused_depth
-            pending = pending[admitted]
-        weights = None
-        if self.buckets is not None and pending.size:
-            promoted = (
-                self.buckets.observe(keys[pending]) if sight
-                else np.zeros(pending.size, dtype=bool)
-            )  # fmt: skip
-            shared = pending[~promoted]
-            rows[shared, : self.config.row_width] = self.buckets.read(keys[shared])
-            depth[shared] = self.bucket_depth
-            pending = pending[promoted]
-            weights = self.buckets.read(keys[pending])[:, : self.config.dim]
-        if pending.size == n and weights is None:  # nothing found (a first touch)
-            rows = self._fresh(keys)
-        else:
-            rows[pending] = self._fresh(keys[pending], weights)
-        self.initialized += pending.size
-        return rows, depth, dirty
+        for fallback in self.fallbacks:
+            if pending.size == 0:
+                break
+            answer = fallback.answer(keys[pending], sight=sight)
+            self.initialized += int(np.count_nonzero(answer.origin == RowOrigin.INITIALIZER))
+            if answer.index.size == n:  # nothing was stored (a first touch): no copy
+                return Gathered(answer.rows, answer.origin, level, dirty)
+            at = pending[answer.index]
+            rows[at], origin[at] = answer.rows, answer.origin
+            pending = np.delete(pending, answer.index)
+        return Gathered(rows, origin, level, dirty)
 
     def _fresh(self, keys: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
         """Stored rows [n, stored_width] of keys: initial (or the given) weights, fresh
@@ -243,35 +247,33 @@ class EmbeddingTable:
         all_valid = valid.size == keys.size
         live = keys if all_valid else keys[valid]
         with self._lock:
-            rows, depth = self._lookup_rows(live, create)
+            rows = self._lookup_rows(live, create)
         if all_valid:
             return np.ascontiguousarray(rows[:, :dim])
         out = np.zeros((keys.size, dim), dtype=np.float32)
         out[valid] = rows[:, :dim]
         return out
 
-    def _lookup_rows(self, keys: np.ndarray, create: bool) -> tuple[np.ndarray, np.ndarray]:
-        """lookup's rows and depths (see _gather), under the table lock. Rows found below
-        the top move up; in training, rows initialised now are stored, all or nothing: if
-        storing fails, the call's sightings roll back and it raises. An evaluation lookup
+    def _lookup_rows(self, keys: np.ndarray, create: bool) -> np.ndarray:
+        """lookup's rows [n, stored_width], under the table lock. Rows found below the top
+        move up; in training, rows initialised now are stored, all or nothing: if storing
+        fails, the call's sightings roll back and it raises. An evaluation lookup
         (create=False) that cannot move its rows up (a full disk under the evictions)
         still answers: it stores nothing, and nothing was let go of."""
         with self._sightings(create):
-            rows, depth, dirty = self._gather(keys, sight=create)
-            # promoted: rows found below the top and, in training, rows initialised now
-            # (never a key the admission filter kept out: refused_depth is deeper still)
-            deepest = len(self.tiers) if create else len(self.tiers) - 1
-            promote = (depth > 0) & (depth <= deepest)
+            rows, origin, level, dirty = self._gather(keys, sight=create)
+            made = origin == RowOrigin.INITIALIZER
+            promote = (level > 0) | made if create else level > 0
             created = 0
             if promote.any():
                 if promote.all() and all_distinct(keys):  # e.g. a first touch: no copies
                     moved, moved_rows, moved_dirty = keys, rows, dirty
-                    created = int(np.count_nonzero(depth == len(self.tiers)))
+                    created = int(np.count_nonzero(made))
                 else:
                     moved, first = np.unique(keys[promote], return_index=True)
                     picked = np.flatnonzero(promote)[first]
                     moved_rows, moved_dirty = rows[picked], dirty[picked]
-                    created = int(np.count_nonzero(depth[picked] == len(self.tiers)))
+                    created = int(np.count_nonzero(made[picked]))
                 try:
                     self._store(moved, moved_rows, moved_dirty)
                 except BackendError as error:
@@ -281,11 +283,10 @@ class EmbeddingTable:
                         "%s: lookup answered without caching its rows: %s", self.where, error
                     )
         self.created += created
-        if self.admission is not None:
-            self.lookups_default += int(np.count_nonzero(depth == self.refused_depth))
+        self.lookups_default += int(np.count_nonzero(origin == RowOrigin.REFUSED))
         if self.buckets is not None:
-            self.buckets.lookups += int(np.count_nonzero(depth == self.bucket_depth))
-        return rows, depth
+            self.buckets.lookups += int(np.count_nonzero(origin == RowOrigin.BUCKET))
+        return rows
 
     def check_gradients(
         self, keys: Any, grads: Any, step: Any
@@ -350,8 +351,34 @@ class EmbeddingTable:
 
     def apply_checked_gradients(self, keys: np.ndarray, grads: np.ndarray, step: int) -> int:
         """apply_gradients of what check_gradients returned: a caller that checks every
-        batch of a call before applying any (the shard) checks each batch once."""
+        batch of a call before applying any (the shard) checks each batch once.
+
+        The picture: rows a top tier trains where they lie (the GPU tier) are trained there;
+        the rest are gathered, split by origin, updated on copies and stored. All or
+        nothing: a refusal or a failure undoes every step (_push)."""
         where = f"{self.where}: apply_gradients"
+        keys, grads = self._summed_by_key(keys, grads)
+        with self._lock, self._push(step) as push:
+            keys, grads, resident = self._train_resident(where, push, keys, grads, step)
+            if keys.size == 0:
+                return resident
+            gathered = self._gather(keys, sight=True)  # gather
+            origin = gathered.origin  # split by origin
+            own = (origin == RowOrigin.TIER) | (origin == RowOrigin.INITIALIZER)
+            shared = origin == RowOrigin.BUCKET
+            rows = self._update(where, keys[own], grads[own], gathered.rows[own], step)  # update
+            if push.stamp is not None:
+                self._stamp(rows, push.stamp)
+            if shared.any():  # a write-through table writes them with the rows (_store)
+                push.undo.append(self._train_buckets(where, keys[shared], grads[shared], step))
+            self._store(keys[own], rows, np.ones(rows.shape[0], dtype=bool))  # store
+        self.gradients_dropped += int(np.count_nonzero(origin == RowOrigin.REFUSED))
+        self.created += int(np.count_nonzero(origin == RowOrigin.INITIALIZER))
+        return resident + int(np.count_nonzero(own | shared))
+
+    def _summed_by_key(self, keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Distinct keys >= 0 and their summed gradients (keys < 0 dropped). Keys that are
+        already distinct (the client dedups) keep their order and gradients as given."""
         valid = keys >= 0
         if not valid.all():
             keys, grads = keys[valid], grads[valid]
@@ -359,100 +386,61 @@ class EmbeddingTable:
         if not distinct:
             unique, inverse = np.unique(keys, return_inverse=True)
             distinct = unique.size == keys.size
-        if distinct:  # no repeats (the client dedups): keep the given order
-            unique, summed = keys, grads
-        else:  # sum in order of arrival; 1-D np.add.at has a fast path that 2-D lacks (4x)
-            dim = self.config.dim
-            summed = np.zeros((unique.size, dim), dtype=np.float32)
-            flat = (inverse[:, None] * dim + np.arange(dim)).reshape(-1)
-            np.add.at(summed.reshape(-1), flat, grads.reshape(-1))
-        with self._lock:
-            clock = self.current_step, self.first_step, self.leap_step
-            # a push moves the table's step (eviction), whatever it updates
-            stamp = self._advance_clock(step)
-            undo: Callable[[], None] | None = None
-            try:
-                resident, undo, refused = self._train_resident(unique, summed, step, stamp)
-                if refused is not None:  # a value went non-finite; put back already
-                    self._refuse_non_finite(where, unique[resident], refused, step)
-                trained = int(resident.size)
-                if trained:
-                    if trained == unique.size:
-                        return trained
-                    rest = np.ones(unique.size, dtype=bool)
-                    rest[resident] = False
-                    unique, summed = unique[rest], summed[rest]
-                return self._train_gathered(where, unique, summed, step, stamp) + trained
-            except BaseException:
-                # refused (non-finite) or the other rows' store failed: either changed
-                # nothing, and neither may the rows trained in place nor the clock
-                if undo is not None:
-                    undo()
-                self.current_step, self.first_step, self.leap_step = clock
-                raise
+        if distinct:
+            return keys, grads
+        # sum in order of arrival; 1-D np.add.at has a fast path that 2-D lacks (4x)
+        dim = self.config.dim
+        summed = np.zeros((unique.size, dim), dtype=np.float32)
+        flat = (inverse[:, None] * dim + np.arange(dim)).reshape(-1)
+        np.add.at(summed.reshape(-1), flat, grads.reshape(-1))
+        return unique, summed
 
-    def _train_gathered(
-        self, where: str, unique: np.ndarray, summed: np.ndarray, step: int, stamp: int
-    ) -> int:
-        """The host path of apply_checked_gradients, all or nothing: gather copies of the
-        rows of distinct keys (sighting the final misses), run the optimizer on the copies
-        and on the bucket rows, and refuse (InvalidArgumentError) before storing anything
-        if a value went non-finite - the sightings rolled back, the bucket rows put back."""
-        put_back: Callable[[], None] | None = None
-        with self._sightings():
-            try:
-                rows, depth, _ = self._gather(unique, sight=True)
-                dropped = 0
-                if self.admission is not None:
-                    admitted = depth != self.refused_depth
-                    if not admitted.all():
-                        dropped = int(admitted.size - np.count_nonzero(admitted))
-                        unique, summed = unique[admitted], summed[admitted]
-                        rows, depth = rows[admitted], depth[admitted]
-                shared = np.zeros(unique.size, dtype=bool)
-                if self.buckets is not None:
-                    shared = depth == self.bucket_depth
-                    own = ~shared
-                    shared_keys, shared_grads = unique[shared], summed[shared]
-                    unique, summed, rows, depth = unique[own], summed[own], rows[own], depth[own]
-                with np.errstate(over="ignore", invalid="ignore"):  # refused just below
-                    self.config.optimizer.apply(rows, summed, step)  # on copies: nothing changed
-                self._refuse_non_finite(where, unique, rows, step)
-                bucketed = int(np.count_nonzero(shared))
-                if bucketed:  # a write-through table writes them with the rows (_store)
-                    put_back = self._train_buckets(where, shared_keys, shared_grads, step)
-                if self.step_slots:  # the table's clock, which only moves forward: a push with
-                    # an older step (a restarted trainer, a lagging worker) still marks its rows
-                    # fresh, so the next evict cannot remove rows trained just now
-                    self._stamp(rows, stamp)
-                self._store(unique, rows, np.ones(unique.size, dtype=bool))
-            except BaseException:
-                if put_back is not None:
-                    put_back()
-                raise
-        self.gradients_dropped += dropped
-        self.created += int(np.count_nonzero(depth == len(self.tiers)))
-        return int(unique.size) + bucketed
+    @contextmanager
+    def _push(self, step: int) -> Iterator[_Push]:
+        """A push, all or nothing: moves the table's clock (eviction) and opens its
+        sightings; if the body raises (a refusal, a failed store), runs the undos it
+        registered (rows trained in place, bucket rows) in reverse, rolls the sightings
+        back and puts the clock back."""
+        clock = self.current_step, self.first_step, self.leap_step
+        stamp = self._advance_clock(step)
+        push = _Push(stamp if self.step_slots else None, [])
+        try:
+            with self._sightings():
+                yield push
+        except BaseException:
+            for undo in reversed(push.undo):
+                undo()
+            self.current_step, self.first_step, self.leap_step = clock
+            raise
+
+    def _update(
+        self, where: str, keys: np.ndarray, grads: np.ndarray, rows: np.ndarray, step: int
+    ) -> np.ndarray:
+        """The optimizer on copies of stored rows [n, stored_width] of distinct keys, or
+        InvalidArgumentError naming the first value it made non-finite (nothing changed)."""
+        with np.errstate(over="ignore", invalid="ignore"):  # refused just below
+            self.config.optimizer.apply(rows, grads, step)
+        self._refuse_non_finite(where, keys, rows, step)
+        return rows
 
     @contextmanager
     def _sightings(self, sight: bool = True) -> Iterator[None]:
-        """A call's sightings (the admission and promotion counters in use) and initialised
-        rows: committed if the body returns, rolled back if it raises. sight=False: a call
-        that sights nothing (an evaluation lookup)."""
-        counts = [self.admission, self.buckets.counts if self.buckets is not None else None]
-        counters = [counter for counter in counts if counter is not None and sight]
+        """A call's sightings (the fallbacks' soft state) and initialised rows: committed if
+        the body returns, rolled back if it raises. sight=False: a call that sights nothing
+        (an evaluation lookup)."""
+        fallbacks = self.fallbacks if sight else []
         initialized = self.initialized
-        for counter in counters:
-            counter.begin()
+        for fallback in fallbacks:
+            fallback.begin()
         try:
             yield
         except BaseException:
-            for counter in counters:
-                counter.rollback()
+            for fallback in fallbacks:
+                fallback.rollback()
             self.initialized = initialized
             raise
-        for counter in counters:
-            counter.commit()
+        for fallback in fallbacks:
+            fallback.commit()
 
     def _train_buckets(
         self, where: str, keys: np.ndarray, grads: np.ndarray, step: int
@@ -504,20 +492,26 @@ class EmbeddingTable:
         )
 
     def _train_resident(
-        self, keys: np.ndarray, grads: np.ndarray, step: int, stamp: int
-    ) -> tuple[np.ndarray, Callable[[], None] | None, np.ndarray | None]:
-        """Train the rows of keys held by a top tier that trains in place (the GPU tier: its
-        fused optimizer, without moving rows to the host and back); returns what
-        CacheTier.train_resident does: their indices into keys, its undo, and the rows if
-        a value went non-finite. A write-through table does not: each update must reach
-        RocksDB, so its rows take the host path."""
+        self, where: str, push: _Push, keys: np.ndarray, grads: np.ndarray, step: int
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """Train the rows of distinct keys held by a top tier that trains in place (the GPU
+        tier's fused optimizer, without moving rows to the host and back; its undo goes to
+        the push). Returns the other keys, their gradients and how many were trained here;
+        refuses (InvalidArgumentError, rows already put back) a value made non-finite. A
+        write-through table does not train in place: each update must reach RocksDB."""
         top = self.tiers[0]
-        if (
-            not getattr(top, "trains_in_place", False)
-            or self.config.write_policy is WritePolicy.WRITE_THROUGH
-        ):
-            return np.empty(0, dtype=np.int64), None, None
-        return top.train_resident(keys, grads, step, stamp if self.step_slots else None)
+        if not top.trains_in_place or self.config.write_policy is WritePolicy.WRITE_THROUGH:
+            return keys, grads, 0
+        resident, undo, refused = top.train_resident(keys, grads, step, push.stamp)
+        if refused is not None:
+            self._refuse_non_finite(where, keys[resident], refused, step)
+        if undo is not None:
+            push.undo.append(undo)
+        if resident.size == 0:
+            return keys, grads, 0
+        rest = np.ones(keys.size, dtype=bool)
+        rest[resident] = False
+        return keys[rest], grads[rest], int(resident.size)
 
     def check_values(self, keys: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
         """(keys, values) as assign takes them, or InvalidArgumentError."""
@@ -643,7 +637,7 @@ class EmbeddingTable:
                 state["promotion"] = self.buckets.counts.export_counts()
                 state["promotion_calls"] = int(self.buckets.counts.calls)
             if self.admission is not None:
-                if hasattr(self.admission, "export_counts"):
+                if isinstance(self.admission, CounterFilter):
                     state["admission"] = self.admission.export_counts()
                     state["admission_calls"] = int(self.admission.calls)
                 else:
@@ -662,7 +656,7 @@ class EmbeddingTable:
             if self.buckets is not None and "promotion" in state:
                 self.buckets.counts.import_counts(state["promotion"], state["promotion_calls"])
             if self.admission is not None and "admission" in state:
-                if hasattr(self.admission, "import_counts"):
+                if isinstance(self.admission, CounterFilter):
                     self.admission.import_counts(state["admission"], state["admission_calls"])
                 else:
                     self.admission.import_counters(state["admission"])

@@ -3,6 +3,7 @@ optimizer state as an unbounded in-memory reference written here with per-key lo
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from tests.conftest import export_dict
 from tierps.storage import EmbeddingStore, TableConfig, init, optim
+from tierps.storage.fallbacks import Answer, RowOrigin
 from tierps.storage.tiers import host_rows_for_budget
 from tierps.storage.xp import gpu_module
 
@@ -24,9 +26,13 @@ CAPACITY = UNIVERSE + 20  # direct set-ups: keys in [0, CAPACITY), probes includ
 class ReferenceTable:
     """Unbounded dict model: key -> full row (weights | optimizer state)."""
 
-    def __init__(self, config: TableConfig) -> None:
+    def __init__(self, config: TableConfig, refuse_above: int | None = None) -> None:
         self.config = config
         self.rows: dict[int, np.ndarray] = {}
+        self.refuse_above = refuse_above  # keys above it without a row: default_value only
+
+    def _refused(self, key: int) -> bool:
+        return self.refuse_above is not None and key > self.refuse_above and key not in self.rows
 
     def _row(self, key: int) -> np.ndarray:
         if key in self.rows:
@@ -37,6 +43,9 @@ class ReferenceTable:
         out = np.zeros((keys.size, self.config.dim), dtype=np.float32)
         for i, key in enumerate(keys.tolist()):
             if key < 0:
+                continue
+            if self._refused(key):
+                out[i] = self.config.default_value
                 continue
             row = self._row(key)
             if create:
@@ -50,6 +59,8 @@ class ReferenceTable:
             if key >= 0:
                 summed[key] = summed.get(key, np.zeros(self.config.dim, np.float32)) + grad
         for key, grad in summed.items():
+            if self._refused(key):
+                continue
             row = self._row(key)[None, :]
             self.config.optimizer.apply(row, grad[None, :], step)
             self.rows[key] = row[0]
@@ -280,3 +291,56 @@ def test_checkpoint_opens_as_a_store(tmp_path: Path) -> None:
     assert sorted(got) == sorted(expected)
     for key, row in expected.items():
         np.testing.assert_array_equal(got[key], row)
+
+
+class RefuseAbove:
+    """A trivial lifecycle policy, written here against storage/fallbacks.py's interface
+    only: keys above `limit` without a row read default_value and are never stored or
+    trained (until assigned)."""
+
+    def __init__(self, limit: int, config: TableConfig) -> None:
+        self.limit, self.config = limit, config
+
+    def answer(self, keys: np.ndarray, *, sight: bool) -> Answer:
+        index = np.flatnonzero(keys > self.limit)
+        rows = np.full((index.size, self.config.stored_width), self.config.default_value)
+        origin = np.full(index.size, RowOrigin.REFUSED, dtype=np.int8)
+        return Answer(index, rows.astype(np.float32), origin)
+
+    def begin(self) -> None:
+        return None
+
+    def commit(self) -> None:
+        return None
+
+    def rollback(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("optimizer", [OPTIMIZERS[0], OPTIMIZERS[4]], ids=lambda o: o.kind)
+@pytest.mark.parametrize("setup", ["roomy", "tiny", "write_through", "direct"])
+def test_a_policy_added_from_outside_passes_the_contract(
+    tmp_path: Path, setup: str, optimizer: optim.Optimizer
+) -> None:
+    """A policy added to a table's fallbacks, with no change to the cascade, holds the
+    contract: the table agrees with the reference that refuses the same keys."""
+    limit = UNIVERSE // 3
+    config = dataclasses.replace(make_config(setup, optimizer), default_value=0.25)
+    reference = ReferenceTable(config, refuse_above=limit)
+    probe = np.arange(-2, UNIVERSE + 20, dtype=np.int64)
+    with EmbeddingStore(tmp_path / "db") as store:
+        table = store.create_table(config)
+        table.fallbacks.insert(0, RefuseAbove(limit, config))
+        run_trace(table, reference, seed=zlib.crc32(setup.encode()) % 1000)
+        assert_same_rows(table, reference)
+        assert any(key > limit for key in reference.rows)  # assigned keys above it
+        refused = [key for key in range(limit + 1, UNIVERSE) if key not in reference.rows]
+        assert refused and table.stats()["initialized"] > 0
+        assert table.gradients_dropped > 0 and table.lookups_default > 0
+        before = table.lookup(probe, create=False)
+        np.testing.assert_array_equal(before[np.array(refused) + 2], 0.25)  # probe from -2
+    with EmbeddingStore(tmp_path / "db") as reopened:
+        table = reopened.table("t")
+        table.fallbacks.insert(0, RefuseAbove(limit, config))
+        np.testing.assert_array_equal(table.lookup(probe, create=False), before)
+        assert_same_rows(table, reference)

@@ -4,6 +4,7 @@ EmbeddingBagConfig), with string enums for the modes."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from tierps.storage import host_kernels, init, optim
+from tierps.storage.codec import RowCodec
 from tierps.storage.errors import InvalidArgumentError
 from tierps.storage.hashing import mix64
 from tierps.storage.validation import check_finite, check_int, check_range
@@ -20,13 +22,6 @@ from tierps.storage.xp import array_module
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_DIM = 65536
-STEP_SLOTS = 2  # float32 slots after a stored row that hold its last-update step (steps_to_live)
-
-
-def step_bits(step: int) -> np.ndarray:
-    """The STEP_SLOTS float32 slots that hold `step` as a row's last-update step: its int64
-    bits, copied bit for bit (steps_to_live > 0)."""
-    return np.array([step], dtype="<i8").view(np.float32)
 
 
 class Eviction(StrEnum):
@@ -199,25 +194,39 @@ class TableConfig:
         check_finite(owner, "default_value", self.default_value)
         check_range(owner, "min_l2_norm", self.min_l2_norm, 0.0, float("inf"))
 
+    @functools.cached_property
+    def codec(self) -> RowCodec:
+        """The layout of this table's stored rows (storage/codec.py): in memory, float32
+        weights, optimizer state and, with steps_to_live > 0, the last-update step; in
+        RocksDB, the same in the cold dtypes."""
+        return RowCodec(self.dim, self.optimizer.size_factor, steps=bool(self.steps_to_live))
+
+    @functools.cached_property
+    def bucket_codec(self) -> RowCodec:
+        """The layout of adaptive bucket rows (storage/adaptive.py): weights and optimizer
+        state in float32, no step, in memory and in RocksDB alike."""
+        return RowCodec(self.dim, self.optimizer.size_factor)
+
     @property
     def row_width(self) -> int:
-        """float32 values per stored row: weights and optimizer state side by side."""
+        """float32 values of weights and optimizer state per row (what a snapshot holds)."""
         return self.dim * self.optimizer.size_factor
 
     @property
     def row_bytes(self) -> int:
-        return 4 * self.row_width
+        """Bytes of a row's weights and state as float32 (RowCodec.row_bytes)."""
+        return self.codec.row_bytes
 
     @property
     def stored_width(self) -> int:
-        """float32 slots every tier stores per row: row_width, then, with steps_to_live > 0,
-        STEP_SLOTS more holding the row's last-update step as one little-endian int64, bit
-        for bit (only ever copied, never computed on). Snapshots hold row_width only."""
-        return self.row_width + (STEP_SLOTS if self.steps_to_live else 0)
+        """float32 slots every cache tier stores per row (RowCodec.width): row_width, then
+        the last-update step with steps_to_live > 0."""
+        return self.codec.width
 
     @property
     def stored_bytes(self) -> int:
-        return 4 * self.stored_width
+        """Bytes of a row in a cache tier (RowCodec.memory_bytes)."""
+        return self.codec.memory_bytes
 
     def initial_rows(self, keys: Any, weights: Any = None) -> Any:
         """[n, row_width] rows of int64 keys with fresh optimizer state; the weights are the

@@ -42,7 +42,7 @@ import numpy as np
 from tierps.storage import fallbacks
 from tierps.storage.adaptive import BucketRows
 from tierps.storage.admission import CounterFilter, make_filter
-from tierps.storage.config import STEP_SLOTS, TableConfig, WritePolicy, step_bits
+from tierps.storage.config import TableConfig, WritePolicy
 from tierps.storage.errors import BackendError, InvalidArgumentError
 from tierps.storage.fallbacks import Fallback, Gathered, RowOrigin
 from tierps.storage.host_kernels import all_distinct
@@ -104,7 +104,8 @@ class EmbeddingTable:
             self.fallbacks.append(fallbacks.Buckets(self.buckets, config.stored_width, self._fresh))
         self.fallbacks.append(fallbacks.Initializer(self._fresh))
         # eviction: steps of pushes (0: none yet; the store keeps them across restarts)
-        self.step_slots = STEP_SLOTS if config.steps_to_live else 0
+        self.codec = config.codec  # the stored row's layout: weights, state, step stamp
+        self.step_slots = self.codec.step_slots
         self.current_step = 0  # the largest step pushed
         self.first_step = 0  # the smallest step pushed
         self.evictions = 0  # evict calls that ran
@@ -149,25 +150,7 @@ class EmbeddingTable:
     def _fresh(self, keys: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
         """Stored rows [n, stored_width] of keys: initial (or the given) weights, fresh
         optimizer state, and the current step as their last-update step."""
-        rows = self.config.initial_rows(keys, weights)
-        return self._with_step(rows) if self.step_slots else rows
-
-    def _with_step(self, rows: np.ndarray) -> np.ndarray:
-        """rows [n, row_width] widened to stored rows stamped with the current step."""
-        out = np.empty((rows.shape[0], self.config.stored_width), dtype=np.float32)
-        out[:, : self.config.row_width] = rows
-        self._stamp(out, self.current_step)
-        return out
-
-    def _stamp(self, rows: np.ndarray, step: int) -> None:
-        """Write `step` as the last-update step of stored rows (steps_to_live > 0): its int64
-        bits in the trailing STEP_SLOTS float32 slots, copied bit for bit."""
-        rows[:, self.config.row_width :] = step_bits(step)
-
-    def _steps(self, rows: np.ndarray) -> np.ndarray:
-        """The last-update step (int64 [n]) of stored rows (steps_to_live > 0)."""
-        tail = np.ascontiguousarray(rows[:, self.config.row_width :])
-        return tail.view("<i8").reshape(-1).astype(np.int64)
+        return self.codec.widen(self.config.initial_rows(keys, weights), self.current_step)
 
     def _store(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> None:
         """Put unique keys' rows in the top tier; what it cannot keep flows down. A
@@ -368,7 +351,7 @@ class EmbeddingTable:
             shared = origin == RowOrigin.BUCKET
             rows = self._update(where, keys[own], grads[own], gathered.rows[own], step)  # update
             if push.stamp is not None:
-                self._stamp(rows, push.stamp)
+                self.codec.stamp(rows, push.stamp)
             if shared.any():  # a write-through table writes them with the rows (_store)
                 push.undo.append(self._train_buckets(where, keys[shared], grads[shared], step))
             self._store(keys[own], rows, np.ones(rows.shape[0], dtype=bool))  # store
@@ -545,8 +528,7 @@ class EmbeddingTable:
             raise InvalidArgumentError(f"{where}: keys expected distinct and >= 0")
         self.check_keys(keys, "restore")
         with self._lock:
-            if self.step_slots:
-                rows = self._with_step(rows)
+            rows = self.codec.widen(rows, self.current_step)
             self._store(keys, rows, np.ones(keys.size, dtype=bool))
 
     def flush(
@@ -615,7 +597,7 @@ class EmbeddingTable:
             (
                 keys,
                 np.ascontiguousarray(rows[:, :width]),
-                self._steps(rows) if self.step_slots else None,
+                self.codec.steps(rows) if self.step_slots else None,
             )
             for keys, rows in chunks
         )
@@ -672,7 +654,7 @@ class EmbeddingTable:
         weights' L2 norm (in float64) is below min_l2_norm."""
         out = np.zeros(rows.shape[0], dtype=bool)
         if self.config.steps_to_live:
-            updated = np.maximum(self._steps(rows), self.first_step)
+            updated = np.maximum(self.codec.steps(rows), self.first_step)
             out |= self.current_step - updated >= self.config.steps_to_live
         if self.config.min_l2_norm:
             weights = rows[:, : self.config.dim].astype(np.float64)

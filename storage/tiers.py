@@ -45,7 +45,8 @@ from typing import Any
 import numpy as np
 
 from tierps.storage import host_kernels
-from tierps.storage.config import TableConfig, step_bits
+from tierps.storage.codec import step_bits
+from tierps.storage.config import TableConfig
 from tierps.storage.hash_table import HashTable
 from tierps.storage.xp import to_host
 

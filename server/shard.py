@@ -242,7 +242,7 @@ class Shard:
         checked so before any is served."""
         table = self._table(name, dim)
         self.check_keys(table.config, keys)
-        table.check_keys(np.asarray(keys, dtype=np.int64))
+        table.check_key_range(np.asarray(keys, dtype=np.int64))
         return table
 
     def owner(self, config: TableConfig) -> int | None:

@@ -191,7 +191,7 @@ class EmbeddingTable:
 
     # -- public calls ----------------------------------------------------------------------
 
-    def check_keys(self, keys: np.ndarray, call: str = "lookup") -> None:
+    def check_key_range(self, keys: np.ndarray, call: str = "lookup") -> None:
         """Refuse (InvalidArgumentError) a key >= capacity of a table with
         use_hashtable=False, naming the first such key and its index; keys < 0 are padding
         and pass. Every public call runs this before anything changes; a caller checking
@@ -208,9 +208,14 @@ class EmbeddingTable:
             )
 
     def lookup(self, keys: Any, *, create: bool = True) -> np.ndarray:
-        """Weights [n, dim] of keys, in their order. Keys < 0 are padding and give zeros.
-        create=True (training) stores rows for new keys; create=False (evaluation, serving)
-        returns their initial values and stores nothing.
+        """Weights float32 [n, dim] of keys (int64 [n], any integer array-like; duplicates
+        allowed), in their order. Keys < 0 are padding and give zeros. create=True
+        (training) stores rows for new keys; create=False (evaluation, serving) returns
+        their initial values and stores nothing.
+
+        Example (dim 4)::
+
+            rows = table.lookup(np.array([7, -1, 7, 12]))  # float32 [4, 4]; rows[1] == 0
 
         With admission (admit_after > 0), a key without a row reads default_value in every
         element and nothing is stored for it, unless this call admits it: a training lookup
@@ -224,7 +229,7 @@ class EmbeddingTable:
         optimizer state), stored and returned. create=False lookups neither count nor
         promote."""
         keys = as_keys(f"{self.where}: lookup", keys)
-        self.check_keys(keys, "lookup")
+        self.check_key_range(keys, "lookup")
         dim = self.config.dim
         valid = np.flatnonzero(keys >= 0)
         all_valid = valid.size == keys.size
@@ -279,7 +284,7 @@ class EmbeddingTable:
         storage/validation.py)."""
         where = f"{self.where}: apply_gradients"
         keys = as_keys(where, keys)
-        self.check_keys(keys, "apply_gradients")
+        self.check_key_range(keys, "apply_gradients")
         grads = as_rows(where, "grads", grads, keys.size, self.config.dim)
         return keys, grads, check_step(where, step)
 
@@ -308,10 +313,16 @@ class EmbeddingTable:
         return self.current_step
 
     def apply_gradients(self, keys: Any, grads: Any, step: int) -> int:
-        """Run the table's optimizer on the rows of keys, wherever they live. Gradients of
-        duplicate keys are summed first; keys < 0 are ignored; unseen keys are created.
-        `step` (from 1) is the optimizer step, used by Adam's bias correction. Returns the
-        number of distinct keys updated.
+        """Run the table's optimizer on the rows of keys (int64 [n]) with grads (float32
+        [n, dim], finite), wherever the rows live. Gradients of duplicate keys are summed
+        first; keys < 0 are ignored; unseen keys are created. `step` (from 1) is the
+        optimizer step, used by Adam's bias correction. Returns the number of distinct keys
+        updated.
+
+        Example (dim 4)::
+
+            table.apply_gradients(np.array([7, 7, 12]), np.ones((3, 4), np.float32), step=1)
+            # -> 2: key 7 trained with the gradient 2.0, key 12 with 1.0
 
         A push whose update would make any stored value non-finite (weights or optimizer
         state, a bucket row's too: Adam's v from a finite 1e20 gradient is inf in float32)
@@ -500,11 +511,12 @@ class EmbeddingTable:
         """(keys, values) as assign takes them, or InvalidArgumentError."""
         where = f"{self.where}: assign"
         keys = as_keys(where, keys)
-        self.check_keys(keys, "assign")
+        self.check_key_range(keys, "assign")
         return keys, as_rows(where, "values", values, keys.size, self.config.dim)
 
     def assign(self, keys: Any, values: Any) -> int:
-        """Set the weights of keys and reset their optimizer state to its initial value.
+        """Set the weights of keys (int64 [n]) to values (float32 [n, dim]) and reset their
+        optimizer state to its initial value.
         Where a key repeats, its last value wins; keys < 0 are ignored. Returns the number
         of distinct keys set."""
         return self.assign_checked(*self.check_values(keys, values))
@@ -526,7 +538,7 @@ class EmbeddingTable:
         rows = as_rows(where, "rows", rows, keys.size, self.config.row_width)
         if np.unique(keys).size != keys.size or (keys.size and keys.min() < 0):
             raise InvalidArgumentError(f"{where}: keys expected distinct and >= 0")
-        self.check_keys(keys, "restore")
+        self.check_key_range(keys, "restore")
         with self._lock:
             rows = self.codec.widen(rows, self.current_step)
             self._store(keys, rows, np.ones(keys.size, dtype=bool))

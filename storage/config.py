@@ -14,12 +14,18 @@ from typing import Any
 import numpy as np
 
 from tierps.storage import host_kernels, init, optim
-from tierps.storage.codec import RowCodec
+from tierps.storage.codec import COLD_DTYPES, RowCodec
 from tierps.storage.errors import InvalidArgumentError
 from tierps.storage.hashing import mix64
 from tierps.storage.validation import check_finite, check_int, check_range
 from tierps.storage.xp import array_module
 
+# optimizers whose state holds sums of squared gradients, which float16 cannot hold
+SQUARES_STATE = {
+    "adagrad": "accumulator (a sum of squared gradients)",
+    "adam": "second moment v",
+    "ftrl": "sum of squared gradients n",
+}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_DIM = 65536
 
@@ -80,6 +86,16 @@ class TableConfig:
     - steps_to_live and min_l2_norm (eviction, DeepRec and Monolith): rows not updated for
       steps_to_live steps, or whose weights' L2 norm is below min_l2_norm, are removed by an
       admin evict call, and before each snapshot when evict_before_snapshot.
+
+    Cold rows: cold_dtype is the type of the weights in RocksDB, "float32" (default),
+    "float16" or "bfloat16" (half the bytes); cold_state_dtype that of the optimizer state
+    ("": as cold_dtype). The host and GPU tiers keep float32, the step stamp stays exact. A
+    row is rounded each time it is written to RocksDB (spilled, flushed, written through),
+    so a row whose only copy is on disk, and a snapshot of it, holds the rounded values
+    (storage/codec.py). float16 state is refused for the optimizers whose state is a sum of
+    squared gradients (Adagrad's accumulator, Adam's v, FTRL's n): it overflows above 65,504
+    and underflows below 6e-8; take float16 weights with cold_state_dtype="float32" (or
+    "bfloat16", float32's range) there.
     """
 
     name: str
@@ -106,6 +122,8 @@ class TableConfig:
     steps_to_live: int = 0
     min_l2_norm: float = 0.0
     evict_before_snapshot: bool = False
+    cold_dtype: str = "float32"
+    cold_state_dtype: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -193,13 +211,45 @@ class TableConfig:
         )  # fmt: skip
         check_finite(owner, "default_value", self.default_value)
         check_range(owner, "min_l2_norm", self.min_l2_norm, 0.0, float("inf"))
+        self._check_cold(owner)
+
+    def _check_cold(self, owner: str) -> None:
+        for name, allowed in (
+            ("cold_dtype", COLD_DTYPES),
+            ("cold_state_dtype", ("", *COLD_DTYPES)),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{owner}: field '{name}' expected one of {list(allowed)}, got "
+                    f"{getattr(self, name)!r}"
+                )
+        kind = self.optimizer.kind
+        if self.cold_state == "float16" and kind in SQUARES_STATE:
+            raise ValueError(
+                f"{owner}: field 'cold_state_dtype' expected 'float32' or 'bfloat16' with "
+                f"{kind} (its {SQUARES_STATE[kind]} outgrows float16's 65,504 or falls below its "
+                f"6e-8), got float16 (from cold_dtype={self.cold_dtype!r}, "
+                f"cold_state_dtype={self.cold_state_dtype!r}); for half-size weights keep the "
+                f"state wider: cold_dtype='float16', cold_state_dtype='float32'"
+            )
+
+    @property
+    def cold_state(self) -> str:
+        """The type of the optimizer state in RocksDB: cold_state_dtype, or cold_dtype."""
+        return self.cold_state_dtype or self.cold_dtype
 
     @functools.cached_property
     def codec(self) -> RowCodec:
         """The layout of this table's stored rows (storage/codec.py): in memory, float32
         weights, optimizer state and, with steps_to_live > 0, the last-update step; in
         RocksDB, the same in the cold dtypes."""
-        return RowCodec(self.dim, self.optimizer.size_factor, steps=bool(self.steps_to_live))
+        return RowCodec(
+            self.dim,
+            self.optimizer.size_factor,
+            steps=bool(self.steps_to_live),
+            weights_dtype=self.cold_dtype,
+            state_dtype=self.cold_state,
+        )
 
     @functools.cached_property
     def bucket_codec(self) -> RowCodec:

@@ -242,6 +242,19 @@ class EmbeddingTable:
         out[valid] = rows[:, :dim]
         return out
 
+    def peek(self, keys: Any) -> Gathered:
+        """Full rows float32 [n, stored_width] of keys >= 0 (int64 [n]) as the tiers hold
+        them now (weights, optimizer state, step stamp), with each row's RowOrigin: what an
+        evaluation lookup would read, storing, promoting and sighting nothing (a tier's find
+        still counts its hits and refreshes recency). For tests and debugging."""
+        keys = as_keys(f"{self.where}: peek", keys)
+        with self._lock:
+            initialized = self.initialized
+            try:
+                return self._gather(keys, sight=False)
+            finally:
+                self.initialized = initialized
+
     def _lookup_rows(self, keys: np.ndarray, create: bool) -> np.ndarray:
         """lookup's rows [n, stored_width], under the table lock. Rows found below the top
         move up; in training, rows initialised now are stored, all or nothing: if storing

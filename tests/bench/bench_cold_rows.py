@@ -6,8 +6,8 @@ cold-row type, with a host tier of --host-kib KiB per table and shard, small eno
 rows spill to RocksDB (so most rows are rounded whenever they go down). The baseline is the
 same run with float32 cold rows, in the same process. Reported per run: the test AUC after
 each epoch, the bytes of one RocksDB value (RowCodec.value_bytes) and of all rows' values,
-the RocksDB tiers' SST bytes once the stopped cluster's stores are reopened (RocksDB flushes
-its replayed log then), and the data directories' size (log files included). Saves
+the RocksDB tiers' SST bytes once the stopped cluster's stores are reopened and compacted
+(each key's latest value only), and the data directories' size (log files included). Saves
 docs/perf/cold_rows.json.
 """
 
@@ -66,9 +66,8 @@ def run_one(label: str, cold: dict, args: argparse.Namespace, dataset) -> dict:
                 name: {"hit_rate": round(figures["hit_rate"], 4), "rows": figures["rows"]}
                 for name, figures in tier_hit_rates(client, names).items()
             }
-        # the cluster stopped gracefully (every row flushed); reopened, each store's tables
-        # hold their rows in SST files (RocksDB flushes the replayed log at open, keeping
-        # each key's latest value only)
+        # the cluster stopped gracefully (every row flushed); reopened and compacted, each
+        # table's files hold each key's latest value only
         tiers = {"rocksdb_rows": 0, "rocksdb_value_bytes": 0, "rocksdb_sst_bytes": 0}
         for shard_dir in sorted((root / "cluster").glob("shard-*")):
             if not shard_dir.is_dir():
@@ -76,6 +75,7 @@ def run_one(label: str, cold: dict, args: argparse.Namespace, dataset) -> dict:
             with EmbeddingStore(shard_dir / "rocksdb") as store:
                 for config in configs:
                     durable = store.table(config.name).durable
+                    durable.compact()  # only each key's latest value stays in the files
                     rows = sum(keys.size for keys, _ in durable.export(1 << 16))
                     tiers["rocksdb_rows"] += rows
                     tiers["rocksdb_value_bytes"] += rows * durable.codec.value_bytes

@@ -331,9 +331,14 @@ class BloomFilter:
         admitted = self._counters[positions].min(axis=1) >= self.admit_after
         if self._journal is not None:
             self._journal.append(
-                (where, before, int(np.count_nonzero(before == 0)), int(unique.size),
-                 int(np.count_nonzero(admitted)))
-            )  # fmt: skip
+                (
+                    where,
+                    before,
+                    int(np.count_nonzero(before == 0)),
+                    int(unique.size),
+                    int(np.count_nonzero(admitted)),
+                )
+            )
         self.sightings += int(unique.size)
         self.keys_admitted += int(np.count_nonzero(admitted))
         return admitted[inverse.reshape(-1)]

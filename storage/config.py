@@ -150,9 +150,11 @@ class TableConfig:
         check_int(owner, "host_cache_bytes", self.host_cache_bytes, 0, 2**62)
         check_int(owner, "gpu_cache_bytes", self.gpu_cache_bytes, 0, 2**62)
         for name, enum in (
-            ("eviction", Eviction), ("write_policy", WritePolicy), ("placement", Placement),
+            ("eviction", Eviction),
+            ("write_policy", WritePolicy),
+            ("placement", Placement),
             ("admission", Admission),
-        ):  # fmt: skip
+        ):
             value = getattr(self, name)
             try:
                 object.__setattr__(self, name, enum(value))
@@ -186,8 +188,13 @@ class TableConfig:
                 f"{owner}: field 'table_shard' expected -1 unless placement='table', got "
                 f"{self.table_shard} with placement={str(self.placement)!r}"
             )
-        for name in ("hash_bucket_size", "promote_after", "admit_after", "max_elements",
-                     "steps_to_live"):  # fmt: skip
+        for name in (
+            "hash_bucket_size",
+            "promote_after",
+            "admit_after",
+            "max_elements",
+            "steps_to_live",
+        ):
             check_int(owner, name, getattr(self, name), 0, 2**62)
         if bool(self.hash_bucket_size) != bool(self.promote_after):
             raise ValueError(
@@ -206,9 +213,14 @@ class TableConfig:
                 f"{owner}: field 'max_elements' expected >= 1 with admission='bloom', got 0"
             )
         check_range(
-            owner, "false_positive_rate", self.false_positive_rate, 0.0, 1.0,
-            low_open=True, high_open=True,
-        )  # fmt: skip
+            owner,
+            "false_positive_rate",
+            self.false_positive_rate,
+            0.0,
+            1.0,
+            low_open=True,
+            high_open=True,
+        )
         check_finite(owner, "default_value", self.default_value)
         check_range(owner, "min_l2_norm", self.min_l2_norm, 0.0, float("inf"))
         self._check_cold(owner)
@@ -284,9 +296,13 @@ class TableConfig:
         xp = array_module(keys)
         if weights is None and xp is np and type(self.initializer) is init.Uniform:
             compiled = host_kernels.uniform_rows(
-                keys, self.dim, self.row_width, self.initializer, self.seed,
+                keys,
+                self.dim,
+                self.row_width,
+                self.initializer,
+                self.seed,
                 self.optimizer.state_fill(),
-            )  # fmt: skip
+            )
             if compiled is not None:
                 return compiled
         rows = xp.empty((keys.shape[0], self.row_width), dtype=xp.float32)

@@ -1,4 +1,4 @@
-"""CUDA kernels for the GPU tier: hash-table find, claim and upsert, row gather and scatter,
+"""CUDA kernels for the GPU tier: hash-table find, claim and upsert, row gather,
 and one fused kernel per optimizer step.
 
 The generic array code (storage/hash_table.py, storage/optim.py) is the reference; these

@@ -284,8 +284,13 @@ class RocksDBTier(DurableTier):
 
     def stats(self) -> dict[str, int]:
         if self._cf is None:  # closed while the store recovers
-            return {"rows": 0, "bytes": 0, "hits": self.hits, "misses": self.misses,
-                    "rows_written": self.rows_written}  # fmt: skip
+            return {
+                "rows": 0,
+                "bytes": 0,
+                "hits": self.hits,
+                "misses": self.misses,
+                "rows_written": self.rows_written,
+            }
         return {
             "rows": int(self._cf.property_int_value("rocksdb.estimate-num-keys") or 0),
             "bytes": int(self._cf.property_int_value("rocksdb.total-sst-files-size") or 0)

@@ -438,15 +438,35 @@ class CacheTier(Tier):
         backup = np.empty((ids.size, touched), dtype=np.float32)
         was_dirty = self.dirty[ids] if not everything else None
         bad = host_kernels.k_train(
-            kind, self.arena, ids, resident_grads, hyper, size, True, backup, stamp_bits,
-            stamp is not None, width, self.dirty,
-        )  # fmt: skip
+            kind,
+            self.arena,
+            ids,
+            resident_grads,
+            hyper,
+            size,
+            True,
+            backup,
+            stamp_bits,
+            stamp is not None,
+            width,
+            self.dirty,
+        )
         if bad >= 0:  # put back already; the trained rows, same arithmetic, for the refusal
             trained = np.take(self.arena, ids, axis=0)
             host_kernels.k_train(
-                kind, trained, np.arange(ids.size), resident_grads, hyper, size, False,
-                backup, stamp_bits, False, width, np.empty(ids.size, dtype=bool),
-            )  # fmt: skip
+                kind,
+                trained,
+                np.arange(ids.size),
+                resident_grads,
+                hyper,
+                size,
+                False,
+                backup,
+                stamp_bits,
+                False,
+                width,
+                np.empty(ids.size, dtype=bool),
+            )
             return hit, None, trained[:, :width]
         if everything:
             return hit, None, None

@@ -16,7 +16,7 @@ list; `_gather` does not change.
 
 Example: a policy that keeps keys above K out, asked before the table's own fallbacks::
 
-    class RefuseAbove:
+    class RefuseAbove(Stateless):  # no soft state: begin, commit, rollback do nothing
         def __init__(self, limit, width, default_value=0.0):
             self.limit, self.width, self.default_value = limit, width, default_value
 
@@ -24,10 +24,6 @@ Example: a policy that keeps keys above K out, asked before the table's own fall
             index = np.flatnonzero(keys > self.limit)
             rows = np.full((index.size, self.width), self.default_value, np.float32)
             return Answer(index, rows, np.full(index.size, RowOrigin.REFUSED, np.int8))
-
-        def begin(self): ...
-        def commit(self): ...
-        def rollback(self): ...
 
     table.fallbacks.insert(0, RefuseAbove(1000, table.config.stored_width))
 """
@@ -95,7 +91,37 @@ def _origins(count: int, origin: RowOrigin) -> np.ndarray:
     return np.full(count, origin, dtype=np.int8)
 
 
-class Initializer:
+class Stateless:
+    """The sighting hooks of a fallback that keeps no soft state: nothing to begin, keep or
+    undo."""
+
+    def begin(self) -> None:
+        return None
+
+    def commit(self) -> None:
+        return None
+
+    def rollback(self) -> None:
+        return None
+
+
+class Counted:
+    """The sighting hooks of a fallback whose soft state is one counter (an admission
+    filter, the promotion counts): begin, commit and rollback are the counter's."""
+
+    counter: AdmissionFilter
+
+    def begin(self) -> None:
+        self.counter.begin()
+
+    def commit(self) -> None:
+        self.counter.commit()
+
+    def rollback(self) -> None:
+        self.counter.rollback()
+
+
+class Initializer(Stateless):
     """The last fallback: every key gets its initial row (a pure function of seed and key)."""
 
     def __init__(self, fresh: FreshRows) -> None:
@@ -105,42 +131,24 @@ class Initializer:
         index = np.arange(keys.size)
         return Answer(index, self.fresh(keys, None), _origins(keys.size, RowOrigin.INITIALIZER))
 
-    def begin(self) -> None:
-        return None
 
-    def commit(self) -> None:
-        return None
-
-    def rollback(self) -> None:
-        return None
-
-
-class Admission:
+class Admission(Counted):
     """admit_after > 0: a key is passed on to the initializer only when this sighting admits
     it; the others read default_value (REFUSED). An evaluation lookup admits none."""
 
     def __init__(self, admission: AdmissionFilter, width: int, default_value: float) -> None:
-        self.filter = admission
+        self.counter = admission
         self.width = width
         self.default_value = default_value
 
     def answer(self, keys: np.ndarray, *, sight: bool) -> Answer:
-        admitted = self.filter.observe(keys) if sight else np.zeros(keys.size, dtype=bool)
+        admitted = self.counter.observe(keys) if sight else np.zeros(keys.size, dtype=bool)
         index = np.flatnonzero(~admitted)
         rows = np.full((index.size, self.width), self.default_value, dtype=np.float32)
         return Answer(index, rows, _origins(index.size, RowOrigin.REFUSED))
 
-    def begin(self) -> None:
-        self.filter.begin()
 
-    def commit(self) -> None:
-        self.filter.commit()
-
-    def rollback(self) -> None:
-        self.filter.rollback()
-
-
-class Buckets:
+class Buckets(Counted):
     """Adaptive embedding (promote_after > 0): answers every key. A key not promoted by this
     sighting reads its bucket's row (BUCKET); a promoted one gets its own row now, from its
     bucket's current weights with fresh optimizer state (INITIALIZER). An evaluation lookup
@@ -148,6 +156,7 @@ class Buckets:
 
     def __init__(self, buckets: BucketRows, width: int, fresh: FreshRows) -> None:
         self.buckets = buckets
+        self.counter = buckets.counts
         self.width = width
         self.fresh = fresh
 
@@ -163,12 +172,3 @@ class Buckets:
             rows[promoted] = self.fresh(keys[promoted], weights)
             origin[promoted] = RowOrigin.INITIALIZER
         return Answer(np.arange(keys.size), rows, origin)
-
-    def begin(self) -> None:
-        self.buckets.counts.begin()
-
-    def commit(self) -> None:
-        self.buckets.counts.commit()
-
-    def rollback(self) -> None:
-        self.buckets.counts.rollback()

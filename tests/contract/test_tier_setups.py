@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import export_dict
 from tierps.storage import EmbeddingStore, TableConfig, init, optim
-from tierps.storage.fallbacks import Answer, RowOrigin
+from tierps.storage.fallbacks import Answer, RowOrigin, Stateless
 from tierps.storage.tiers import host_rows_for_budget
 from tierps.storage.xp import gpu_module
 
@@ -298,10 +298,10 @@ def test_checkpoint_opens_as_a_store(tmp_path: Path) -> None:
         np.testing.assert_array_equal(got[key], row)
 
 
-class RefuseAbove:
+class RefuseAbove(Stateless):
     """A trivial lifecycle policy, written here against storage/fallbacks.py's interface
     only: keys above `limit` without a row read default_value and are never stored or
-    trained (until assigned)."""
+    trained (until assigned). It keeps no soft state (Stateless: no sightings to undo)."""
 
     def __init__(self, limit: int, config: TableConfig) -> None:
         self.limit, self.config = limit, config
@@ -311,15 +311,6 @@ class RefuseAbove:
         rows = np.full((index.size, self.config.stored_width), self.config.default_value)
         origin = np.full(index.size, RowOrigin.REFUSED, dtype=np.int8)
         return Answer(index, rows.astype(np.float32), origin)
-
-    def begin(self) -> None:
-        return None
-
-    def commit(self) -> None:
-        return None
-
-    def rollback(self) -> None:
-        return None
 
 
 @pytest.mark.parametrize("optimizer", [OPTIMIZERS[0], OPTIMIZERS[4]], ids=lambda o: o.kind)

@@ -151,3 +151,55 @@ def test_a_start_refused_for_a_conflicting_table_releases_the_data_dir(
         create_server(conflicting)
     assert raised.value is not None  # the traceback is alive, as in any caller that keeps it
     shard_server(data_dir=data_dir)
+
+
+def test_a_snapshot_of_cold_rows_holds_them_rounded_and_loads_them_bit_for_bit(
+    tmp_path: Path,
+) -> None:
+    """A bfloat16 table's snapshot holds the rows as RocksDB has them (every one rounded:
+    the snapshot's float32 values are bfloat16 values, checked with torch), step stamps
+    exact, and a load gives a new shard the same stored bits."""
+    torch = pytest.importorskip("torch")
+    config = TableConfig(
+        "cold", DIM, optimizer=optim.Adam(lr=0.01), steps_to_live=100, cold_dtype="bfloat16"
+    )
+    keys = np.arange(300, dtype=np.int64)
+
+    def shard(tag: str) -> Shard:
+        return Shard(
+            ServerConfig(
+                shard_id=0,
+                num_shards=1,
+                data_dir=tmp_path / tag,
+                snapshot_dir=tmp_path / "snapshots",
+                tables=(config,),
+            )
+        )
+
+    def stored(source: Shard) -> tuple[np.ndarray, np.ndarray]:
+        table = source.store.table("cold")
+        table.flush()
+        chunks = list(table.durable.export(1000))
+        return np.concatenate([k for k, _ in chunks]), np.concatenate([r for _, r in chunks])
+
+    source = shard("a")
+    table = source.store.table("cold")
+    generator = rng(3)
+    for step in range(1, 4):
+        table.apply_gradients(keys, normal(generator, (keys.size, DIM)), step)
+    list(source.save_part("s", "sid"))
+    list(source.commit_snapshot("s", "sid"))
+    saved_keys, saved_rows = stored(source)
+    part = tmp_path / "snapshots" / "s" / "sid" / "part-00000-of-00001"
+    on_file = np.fromfile(part / "cold.rows", dtype="<f4").reshape(-1, config.row_width)
+    as_bfloat16 = torch.from_numpy(on_file.copy()).to(torch.bfloat16).to(torch.float32).numpy()
+    np.testing.assert_array_equal(on_file, as_bfloat16)  # every value a bfloat16 one
+    np.testing.assert_array_equal(on_file, saved_rows[:, : config.row_width])
+    np.testing.assert_array_equal(np.fromfile(part / "cold.steps", dtype="<i8"), 3)
+    target = shard("b")
+    list(target.load_snapshot("s"))
+    loaded_keys, loaded_rows = stored(target)
+    np.testing.assert_array_equal(loaded_keys, saved_keys)
+    np.testing.assert_array_equal(loaded_rows.view(np.uint32), saved_rows.view(np.uint32))
+    source.close()
+    target.close()

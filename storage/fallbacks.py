@@ -88,7 +88,7 @@ class Fallback(Protocol):
 
 
 def _origins(count: int, origin: RowOrigin) -> np.ndarray:
-    return np.full(count, origin, dtype=np.int8)
+    return np.full(count, int(origin), dtype=np.int8)  # int(): numpy is slow with an enum
 
 
 class Stateless:

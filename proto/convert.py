@@ -8,7 +8,15 @@ from typing import Any
 
 from tierps.proto import tierps_service_pb2 as pb
 
-_STRINGS = ("dtype", "eviction", "write_policy", "placement", "admission")
+_STRINGS = (
+    "dtype",
+    "eviction",
+    "write_policy",
+    "placement",
+    "admission",
+    "cold_dtype",
+    "cold_state_dtype",
+)
 # Scalars whose presence is kept: an explicit 0 or false stays apart from unset.
 _OPTIONAL_INTS = (
     "seed", "host_cache_bytes", "gpu_cache_bytes", "use_hashtable", "capacity", "table_shard",

@@ -102,7 +102,7 @@ class Component(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class TableConfig(_message.Message):
-    __slots__ = ("name", "dim", "dtype", "initializer", "optimizer", "seed", "host_cache_bytes", "gpu_cache_bytes", "eviction", "write_policy", "use_hashtable", "capacity", "placement", "table_shard", "hash_bucket_size", "promote_after", "admit_after", "admission", "max_elements", "false_positive_rate", "default_value", "steps_to_live", "min_l2_norm", "evict_before_snapshot")
+    __slots__ = ("name", "dim", "dtype", "initializer", "optimizer", "seed", "host_cache_bytes", "gpu_cache_bytes", "eviction", "write_policy", "use_hashtable", "capacity", "placement", "table_shard", "hash_bucket_size", "promote_after", "admit_after", "admission", "max_elements", "false_positive_rate", "default_value", "steps_to_live", "min_l2_norm", "evict_before_snapshot", "cold_dtype", "cold_state_dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,8 @@ class TableConfig(_message.Message):
     STEPS_TO_LIVE_FIELD_NUMBER: _ClassVar[int]
     MIN_L2_NORM_FIELD_NUMBER: _ClassVar[int]
     EVICT_BEFORE_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    COLD_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    COLD_STATE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     dtype: str
@@ -151,7 +153,9 @@ class TableConfig(_message.Message):
     steps_to_live: int
     min_l2_norm: float
     evict_before_snapshot: bool
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., initializer: _Optional[_Union[Component, _Mapping]] = ..., optimizer: _Optional[_Union[Component, _Mapping]] = ..., seed: _Optional[int] = ..., host_cache_bytes: _Optional[int] = ..., gpu_cache_bytes: _Optional[int] = ..., eviction: _Optional[str] = ..., write_policy: _Optional[str] = ..., use_hashtable: _Optional[bool] = ..., capacity: _Optional[int] = ..., placement: _Optional[str] = ..., table_shard: _Optional[int] = ..., hash_bucket_size: _Optional[int] = ..., promote_after: _Optional[int] = ..., admit_after: _Optional[int] = ..., admission: _Optional[str] = ..., max_elements: _Optional[int] = ..., false_positive_rate: _Optional[float] = ..., default_value: _Optional[float] = ..., steps_to_live: _Optional[int] = ..., min_l2_norm: _Optional[float] = ..., evict_before_snapshot: _Optional[bool] = ...) -> None: ...
+    cold_dtype: str
+    cold_state_dtype: str
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., initializer: _Optional[_Union[Component, _Mapping]] = ..., optimizer: _Optional[_Union[Component, _Mapping]] = ..., seed: _Optional[int] = ..., host_cache_bytes: _Optional[int] = ..., gpu_cache_bytes: _Optional[int] = ..., eviction: _Optional[str] = ..., write_policy: _Optional[str] = ..., use_hashtable: _Optional[bool] = ..., capacity: _Optional[int] = ..., placement: _Optional[str] = ..., table_shard: _Optional[int] = ..., hash_bucket_size: _Optional[int] = ..., promote_after: _Optional[int] = ..., admit_after: _Optional[int] = ..., admission: _Optional[str] = ..., max_elements: _Optional[int] = ..., false_positive_rate: _Optional[float] = ..., default_value: _Optional[float] = ..., steps_to_live: _Optional[int] = ..., min_l2_norm: _Optional[float] = ..., evict_before_snapshot: _Optional[bool] = ..., cold_dtype: _Optional[str] = ..., cold_state_dtype: _Optional[str] = ...) -> None: ...
 
 class CreateTableRequest(_message.Message):
     __slots__ = ("config",)

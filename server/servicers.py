@@ -18,12 +18,13 @@ from tierps.proto.convert import table_config_to_dict, table_config_to_proto
 from tierps.server.shard import AssignBatch, LookupBatch, PushBatch, Shard
 from tierps.server.status import Observe, rpc, run_to_completion
 from tierps.storage import InvalidArgumentError, ResourceExhaustedError, TableConfig
+from tierps.storage.codec import WIRE_DTYPE, wire_row_bytes
 from tierps.storage.snapshot import Progress
 
 # -- bytes <-> arrays ---------------------------------------------------------------------------
 
 
-def gather(
+def table_batches(
     requests: Iterable[Any], header: tuple[str, ...], bulk: tuple[str, ...], max_bytes: int
 ) -> list[tuple[Any, dict[str, Any]]]:
     """The batches of a request stream, one per table: each batch's first message (its
@@ -86,14 +87,18 @@ def decode_keys(raw: bytes, table: str) -> np.ndarray:
 def decode_rows(raw: bytes, field: str, table: str, n: int, dim: int) -> np.ndarray:
     if dim < 1:
         raise InvalidArgumentError(f"table {table!r}: field 'dim' expected >= 1, got {dim}")
-    expected = 4 * n * dim
+    expected = n * wire_row_bytes(dim)
     if len(raw) != expected:
         raise InvalidArgumentError(
             f"table {table!r}: field '{field}' expected {expected} bytes ({n} keys x dim "
             f"{dim} x 4-byte float32), got {len(raw)} bytes"
-            + (f", not a multiple of 4*dim={4 * dim}" if len(raw) % (4 * dim) else "")
+            + (
+                f", not a multiple of 4*dim={wire_row_bytes(dim)}"
+                if len(raw) % wire_row_bytes(dim)
+                else ""
+            )
         )
-    return np.frombuffer(raw, dtype="<f4").reshape(n, dim)
+    return np.frombuffer(raw, dtype=WIRE_DTYPE).reshape(n, dim)
 
 
 def _progress(progress: Progress) -> pb.SnapshotProgress:
@@ -153,12 +158,12 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
         self, messages: Iterable[pb.LookupRequest], max_reply_bytes: int
     ) -> list[np.ndarray]:
         batches = []
-        for first, bulk in gather(
+        for first, bulk in table_batches(
             messages, ("table", "dim", "create"), ("keys",), self.max_batch_bytes
         ):
             keys = decode_keys(bulk["keys"], first.table)
             batches.append(LookupBatch(first.table, first.dim, keys, first.create))
-        reply_bytes = sum(4 * batch.keys.size * batch.dim for batch in batches)
+        reply_bytes = sum(batch.keys.size * wire_row_bytes(batch.dim) for batch in batches)
         if reply_bytes > max_reply_bytes:
             tables = ", ".join(repr(batch.table) for batch in batches)
             one = max_reply_bytes < self.max_batch_bytes  # the message limit, not the call's
@@ -172,7 +177,7 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
 
     def _push(self, messages: Iterable[pb.PushGradientsRequest]) -> pb.PushGradientsResponse:
         batches = []
-        for first, bulk in gather(
+        for first, bulk in table_batches(
             messages, ("table", "dim", "step"), ("keys", "grads"), self.max_batch_bytes
         ):
             keys = decode_keys(bulk["keys"], first.table)
@@ -183,7 +188,7 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
     @rpc
     def Lookup(self, requests: Iterator[pb.LookupRequest], context: Any) -> Iterator:
         for rows in self._lookup(requests, self.max_batch_bytes):
-            per_chunk = max(1, self.chunk_bytes // (4 * rows.shape[1]))
+            per_chunk = max(1, self.chunk_bytes // wire_row_bytes(rows.shape[1]))
             for start in range(0, rows.shape[0], per_chunk):
                 chunk = rows[start : start + per_chunk]
                 yield pb.LookupResponse(values=chunk.tobytes(), num_rows=chunk.shape[0])
@@ -206,7 +211,7 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
     @rpc
     def Assign(self, requests: Iterator[pb.AssignRequest], context: Any) -> Any:
         batches = []
-        for first, bulk in gather(
+        for first, bulk in table_batches(
             requests, ("table", "dim"), ("keys", "values"), self.max_batch_bytes
         ):
             keys = decode_keys(bulk["keys"], first.table)

@@ -243,7 +243,7 @@ class Shard:
         checked so before any is served."""
         table = self._table(name, dim)
         self.check_keys(table.config, keys)
-        table.check_keys(np.asarray(keys, dtype=np.int64))
+        table.check_key_range(np.asarray(keys, dtype=np.int64))
         return table
 
     def owner(self, config: TableConfig) -> int | None:
@@ -512,7 +512,7 @@ class Shard:
                         table_name, self.shard_id, self.num_shards, SNAPSHOT_CHUNK_ROWS
                     ):
                         if keys.size:
-                            stage.rows.write(keys, _stored_rows(config, rows, steps))
+                            stage.rows.write(keys, config.codec.widen(rows, steps))
                         done += scanned
                         kept += keys.size
                         yield Progress(done, total, str(opened.path), rows_kept=kept)
@@ -664,22 +664,6 @@ class Shard:
             self.store.close()
         self._table_threads.shutdown()
         self.lives.end_cleanly()
-
-
-def _stored_rows(
-    config: TableConfig, rows: np.ndarray, steps: np.ndarray | None = None
-) -> np.ndarray:
-    """Snapshot rows [n, row_width] as the tiers store them: with steps_to_live, widened by
-    each row's last-update step as the snapshot carries it (int64 bits, bit for bit), or 0
-    where it carries none (a format version 2 snapshot: counted from the table's first
-    push, as a new row)."""
-    if not config.steps_to_live:
-        return rows
-    out = np.zeros((rows.shape[0], config.stored_width), dtype=np.float32)
-    out[:, : config.row_width] = rows
-    if steps is not None:
-        out[:, config.row_width :] = steps.astype("<i8").view(np.float32).reshape(-1, 2)
-    return out
 
 
 def _proc_status_bytes(field: str) -> int:

@@ -9,8 +9,8 @@ erased on promotion): a training lookup or a push in which the key has no row in
 once per call per distinct key; create=False lookups neither count nor promote. The counts
 are soft state (memory only): after a restart or a drop a key without a row starts counting
 from 0 again; a snapshot carries them (exact, by key, also into another shard count).
-EmbeddingTable asks them in one place, the last step of its cascade, like the admission
-filter.
+EmbeddingTable asks them in one place, its Buckets fallback (storage/fallbacks.py), like
+the admission filter.
 
 A promoted row starts with FRESH optimizer state (the optimizer's initial fill), not the
 bucket's: the bucket's state - Adagrad's sum of squares, Adam's moments, a momentum buffer -

@@ -5,9 +5,10 @@ A sighting is one call - a training lookup (create=True) or a push (apply_gradie
 which the key comes up with no row in any tier; a key that repeats within one call is sighted
 once. Evaluation lookups (create=False) neither count nor admit, and a key that has a row
 (admitted, assigned, restored from a snapshot, or there before) never reaches the filter
-again. EmbeddingTable asks its filter in one place, the last step of its cascade: the final
-misses of a training lookup or a push go to `observe`, which counts them and says which are
-admitted; those get their initial row, the others read default_value and are not stored.
+again. EmbeddingTable asks its filter in one place, its Admission fallback
+(storage/fallbacks.py): the final misses of a training lookup or a push go to `observe`,
+which counts them and says which are admitted; those get their initial row, the others
+read default_value and are not stored.
 
 Two filters behind one batched interface (`observe(keys) -> admitted mask`, `estimate`,
 `stats`); neither loops over keys in Python:
@@ -331,9 +332,14 @@ class BloomFilter:
         admitted = self._counters[positions].min(axis=1) >= self.admit_after
         if self._journal is not None:
             self._journal.append(
-                (where, before, int(np.count_nonzero(before == 0)), int(unique.size),
-                 int(np.count_nonzero(admitted)))
-            )  # fmt: skip
+                (
+                    where,
+                    before,
+                    int(np.count_nonzero(before == 0)),
+                    int(unique.size),
+                    int(np.count_nonzero(admitted)),
+                )
+            )
         self.sightings += int(unique.size)
         self.keys_admitted += int(np.count_nonzero(admitted))
         return admitted[inverse.reshape(-1)]

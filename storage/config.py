@@ -4,6 +4,7 @@ EmbeddingBagConfig), with string enums for the modes."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -13,20 +14,20 @@ from typing import Any
 import numpy as np
 
 from tierps.storage import host_kernels, init, optim
+from tierps.storage.codec import COLD_DTYPES, RowCodec
 from tierps.storage.errors import InvalidArgumentError
 from tierps.storage.hashing import mix64
 from tierps.storage.validation import check_finite, check_int, check_range
 from tierps.storage.xp import array_module
 
+# optimizers whose state holds sums of squared gradients, which float16 cannot hold
+SQUARES_STATE = {
+    "adagrad": "accumulator (a sum of squared gradients)",
+    "adam": "second moment v",
+    "ftrl": "sum of squared gradients n",
+}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_DIM = 65536
-STEP_SLOTS = 2  # float32 slots after a stored row that hold its last-update step (steps_to_live)
-
-
-def step_bits(step: int) -> np.ndarray:
-    """The STEP_SLOTS float32 slots that hold `step` as a row's last-update step: its int64
-    bits, copied bit for bit (steps_to_live > 0)."""
-    return np.array([step], dtype="<i8").view(np.float32)
 
 
 class Eviction(StrEnum):
@@ -85,6 +86,16 @@ class TableConfig:
     - steps_to_live and min_l2_norm (eviction, DeepRec and Monolith): rows not updated for
       steps_to_live steps, or whose weights' L2 norm is below min_l2_norm, are removed by an
       admin evict call, and before each snapshot when evict_before_snapshot.
+
+    Cold rows: cold_dtype is the type of the weights in RocksDB, "float32" (default),
+    "float16" or "bfloat16" (half the bytes); cold_state_dtype that of the optimizer state
+    ("": as cold_dtype). The host and GPU tiers keep float32, the step stamp stays exact. A
+    row is rounded each time it is written to RocksDB (spilled, flushed, written through),
+    so a row whose only copy is on disk, and a snapshot of it, holds the rounded values
+    (storage/codec.py). float16 state is refused for the optimizers whose state is a sum of
+    squared gradients (Adagrad's accumulator, Adam's v, FTRL's n): it overflows above 65,504
+    and underflows below 6e-8; take float16 weights with cold_state_dtype="float32" (or
+    "bfloat16", float32's range) there.
     """
 
     name: str
@@ -111,6 +122,8 @@ class TableConfig:
     steps_to_live: int = 0
     min_l2_norm: float = 0.0
     evict_before_snapshot: bool = False
+    cold_dtype: str = "float32"
+    cold_state_dtype: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -137,9 +150,11 @@ class TableConfig:
         check_int(owner, "host_cache_bytes", self.host_cache_bytes, 0, 2**62)
         check_int(owner, "gpu_cache_bytes", self.gpu_cache_bytes, 0, 2**62)
         for name, enum in (
-            ("eviction", Eviction), ("write_policy", WritePolicy), ("placement", Placement),
+            ("eviction", Eviction),
+            ("write_policy", WritePolicy),
+            ("placement", Placement),
             ("admission", Admission),
-        ):  # fmt: skip
+        ):
             value = getattr(self, name)
             try:
                 object.__setattr__(self, name, enum(value))
@@ -173,8 +188,13 @@ class TableConfig:
                 f"{owner}: field 'table_shard' expected -1 unless placement='table', got "
                 f"{self.table_shard} with placement={str(self.placement)!r}"
             )
-        for name in ("hash_bucket_size", "promote_after", "admit_after", "max_elements",
-                     "steps_to_live"):  # fmt: skip
+        for name in (
+            "hash_bucket_size",
+            "promote_after",
+            "admit_after",
+            "max_elements",
+            "steps_to_live",
+        ):
             check_int(owner, name, getattr(self, name), 0, 2**62)
         if bool(self.hash_bucket_size) != bool(self.promote_after):
             raise ValueError(
@@ -193,31 +213,82 @@ class TableConfig:
                 f"{owner}: field 'max_elements' expected >= 1 with admission='bloom', got 0"
             )
         check_range(
-            owner, "false_positive_rate", self.false_positive_rate, 0.0, 1.0,
-            low_open=True, high_open=True,
-        )  # fmt: skip
+            owner,
+            "false_positive_rate",
+            self.false_positive_rate,
+            0.0,
+            1.0,
+            low_open=True,
+            high_open=True,
+        )
         check_finite(owner, "default_value", self.default_value)
         check_range(owner, "min_l2_norm", self.min_l2_norm, 0.0, float("inf"))
+        self._check_cold(owner)
+
+    def _check_cold(self, owner: str) -> None:
+        for name, allowed in (
+            ("cold_dtype", COLD_DTYPES),
+            ("cold_state_dtype", ("", *COLD_DTYPES)),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{owner}: field '{name}' expected one of {list(allowed)}, got "
+                    f"{getattr(self, name)!r}"
+                )
+        kind = self.optimizer.kind
+        if self.cold_state == "float16" and kind in SQUARES_STATE:
+            raise ValueError(
+                f"{owner}: field 'cold_state_dtype' expected 'float32' or 'bfloat16' with "
+                f"{kind} (its {SQUARES_STATE[kind]} outgrows float16's 65,504 or falls below its "
+                f"6e-8), got float16 (from cold_dtype={self.cold_dtype!r}, "
+                f"cold_state_dtype={self.cold_state_dtype!r}); for half-size weights keep the "
+                f"state wider: cold_dtype='float16', cold_state_dtype='float32'"
+            )
+
+    @property
+    def cold_state(self) -> str:
+        """The type of the optimizer state in RocksDB: cold_state_dtype, or cold_dtype."""
+        return self.cold_state_dtype or self.cold_dtype
+
+    @functools.cached_property
+    def codec(self) -> RowCodec:
+        """The layout of this table's stored rows (storage/codec.py): in memory, float32
+        weights, optimizer state and, with steps_to_live > 0, the last-update step; in
+        RocksDB, the same in the cold dtypes."""
+        return RowCodec(
+            self.dim,
+            self.optimizer.size_factor,
+            steps=bool(self.steps_to_live),
+            weights_dtype=self.cold_dtype,
+            state_dtype=self.cold_state,
+        )
+
+    @functools.cached_property
+    def bucket_codec(self) -> RowCodec:
+        """The layout of adaptive bucket rows (storage/adaptive.py): weights and optimizer
+        state in float32, no step, in memory and in RocksDB alike."""
+        return RowCodec(self.dim, self.optimizer.size_factor)
 
     @property
     def row_width(self) -> int:
-        """float32 values per stored row: weights and optimizer state side by side."""
+        """float32 values of weights and optimizer state per row (what a snapshot holds)."""
         return self.dim * self.optimizer.size_factor
 
     @property
     def row_bytes(self) -> int:
-        return 4 * self.row_width
+        """Bytes of a row's weights and state as float32 (RowCodec.row_bytes)."""
+        return self.codec.row_bytes
 
     @property
     def stored_width(self) -> int:
-        """float32 slots every tier stores per row: row_width, then, with steps_to_live > 0,
-        STEP_SLOTS more holding the row's last-update step as one little-endian int64, bit
-        for bit (only ever copied, never computed on). Snapshots hold row_width only."""
-        return self.row_width + (STEP_SLOTS if self.steps_to_live else 0)
+        """float32 slots every cache tier stores per row (RowCodec.width): row_width, then
+        the last-update step with steps_to_live > 0."""
+        return self.codec.width
 
     @property
     def stored_bytes(self) -> int:
-        return 4 * self.stored_width
+        """Bytes of a row in a cache tier (RowCodec.memory_bytes)."""
+        return self.codec.memory_bytes
 
     def initial_rows(self, keys: Any, weights: Any = None) -> Any:
         """[n, row_width] rows of int64 keys with fresh optimizer state; the weights are the
@@ -225,9 +296,13 @@ class TableConfig:
         xp = array_module(keys)
         if weights is None and xp is np and type(self.initializer) is init.Uniform:
             compiled = host_kernels.uniform_rows(
-                keys, self.dim, self.row_width, self.initializer, self.seed,
+                keys,
+                self.dim,
+                self.row_width,
+                self.initializer,
+                self.seed,
                 self.optimizer.state_fill(),
-            )  # fmt: skip
+            )
             if compiled is not None:
                 return compiled
         rows = xp.empty((keys.shape[0], self.row_width), dtype=xp.float32)

@@ -217,16 +217,6 @@ if numba is not None:
                     out[i, c] = 0.0
 
     @_jit
-    def k_scatter_rows(values, has_values, ids, n, rows, arena, width):
-        for i in range(n):
-            target = ids[i]
-            if target < 0:
-                continue
-            r = values[target] if has_values else target
-            for c in range(width):
-                arena[r, c] = rows[i, c]
-
-    @_jit
     def k_lookup(
         table, values, scores, mask, keys, arena, out, dirty, slots, found_dirty, tick, lfu
     ):
@@ -455,10 +445,6 @@ class NumbaLauncher:
             table, values, mask, keys, n, arena, _, out, _, width, _, _, zero, slots = args
             slots, given = _null(slots, np.int64)
             k_find_rows(table, values, mask, keys, n, arena, out, width, zero, slots, given)
-        elif name == "tierps_scatter_rows":
-            values, ids, n, rows, _, arena, _, width, _, _ = args
-            values, given = _null(values, np.int64)
-            k_scatter_rows(values, given, ids, n, rows, arena, width)
         elif name in _OPTIMIZER_KINDS:
             arena, _, ids, grads, n, dim, _, *hyper = args
             kind = _OPTIMIZER_KINDS[name]

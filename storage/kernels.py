@@ -1,4 +1,4 @@
-"""CUDA kernels for the GPU tier: hash-table find, claim and upsert, row gather and scatter,
+"""CUDA kernels for the GPU tier: hash-table find, claim and upsert, row gather,
 and one fused kernel per optimizer step.
 
 The generic array code (storage/hash_table.py, storage/optim.py) is the reference; these
@@ -224,26 +224,6 @@ extern "C" __global__ void tierps_find_rows(const long long* __restrict__ table,
     }
 }
 
-/* Assign: arena[r, :width] = rows[i, :width] with r = values[ids[i]] when values is not null
-   (ids are then hash-table slots), else r = ids[i]; ids[i] < 0 are skipped. With repeated
-   targets one of the rows wins, which one is not defined. */
-extern "C" __global__ void tierps_scatter_rows(const long long* __restrict__ values,
-                                               const long long* __restrict__ ids, long long n,
-                                               const float* __restrict__ rows,
-                                               long long rows_stride, float* arena,
-                                               long long arena_stride, long long width,
-                                               int lane_shift, int vec) {
-    const long long t = tierps_thread();
-    const long long i = t >> lane_shift;
-    if (i >= n) return;
-    const long long lanes = 1LL << lane_shift;
-    const long long id = ids[i];
-    if (id < 0) return;
-    const long long r = values ? values[id] : id;
-    tierps_copy_row(arena + r * arena_stride, rows + i * rows_stride, width,
-                    t & (lanes - 1), lanes, vec);
-}
-
 /* Fused optimizer steps, in place on rows arena[ids[i]] = [weights | state slots], each slot
    dim floats, with gradients grads[i, :dim]. ids are unique (the push summed repeats), so no
    two threads touch one float. 2**lane_shift threads per row, each taking every lanes-th
@@ -360,7 +340,6 @@ KERNEL_NAMES = (
     "tierps_claim",
     "tierps_upsert",
     "tierps_find_rows",
-    "tierps_scatter_rows",
     "tierps_sgd",
     "tierps_momentum",
     "tierps_adagrad",
@@ -680,51 +659,6 @@ def find_rows(
         ),
     )
     return slots, out
-
-
-def scatter_rows(
-    arena: Any,
-    ids: Any,
-    rows: Any,
-    *,
-    values: Any = None,
-    launch: Launcher | None = None,
-) -> None:
-    """arena[r, :rows.shape[1]] = rows[i] with r = ids[i], or r = values[ids[i]] when
-    `values` (a hash table's value array) is given and ids are its slots. ids < 0 are
-    skipped. With repeated targets one row wins, which one is undefined (as with numpy's
-    fancy assignment, where the last does)."""
-    xp = array_module(arena)
-    ids = _int64(xp, ids)
-    n = ids.shape[0]
-    arena_stride = _row_stride("arena", arena)
-    rows_stride = _row_stride("rows", rows)
-    width = rows.shape[1]
-    if rows.shape[0] != n or width > arena.shape[1]:
-        raise ValueError(
-            f"kernels: field 'rows' expected shape ({n}, <= {arena.shape[1]}), "
-            f"got {tuple(rows.shape)}"
-        )
-    if n == 0 or width == 0:
-        return
-    vec = _vec(width, (arena, arena_stride), (rows, rows_stride))
-    shift = _lanes(-(-width // vec))
-    _resolve(launch)(
-        "tierps_scatter_rows",
-        n << shift,
-        (
-            values,
-            ids,
-            np.int64(n),
-            rows,
-            np.int64(rows_stride),
-            arena,
-            np.int64(arena_stride),
-            np.int64(width),
-            np.int32(shift),
-            np.int32(vec),
-        ),
-    )
 
 
 # --------------------------------------------------------------------------- optimizers

@@ -1,8 +1,9 @@
 """The RocksDB tier: every row of a table, durable, in one column family per table.
 
-Keys are 8-byte big-endian int64 (so byte order is key order); values are the raw
-little-endian float32 row, weights and optimizer state together (with steps_to_live > 0, its
-last 8 bytes are the row's last-update step, a little-endian int64: TableConfig.stored_width).
+Keys are 8-byte big-endian int64 (so byte order is key order); values are rows as the
+table's RowCodec encodes them (storage/codec.py): weights and optimizer state together, in
+float32 or a cold dtype, and with steps_to_live > 0 the row's last-update step as a
+little-endian int64.
 rocksdict only offers per-key puts and list gets, so batches cross into it as lists built by
 numpy and iterated in C (map over the batch), never by a Python loop.
 """
@@ -18,8 +19,9 @@ from typing import Any
 import numpy as np
 from rocksdict import Rdict, WriteBatch, WriteOptions
 
+from tierps.storage.codec import RowCodec
 from tierps.storage.errors import BackendError, DataLossError, StorageFullError
-from tierps.storage.tiers import HandDown
+from tierps.storage.tiers import DurableTier, HandDown
 
 KEY_DTYPE = np.dtype(">i8")
 # RocksDB's words for a full file system or a space limit, and for corrupt data
@@ -75,12 +77,7 @@ def decode_keys(raw: list[bytes] | tuple[bytes, ...]) -> np.ndarray:
     return np.frombuffer(b"".join(raw), dtype=KEY_DTYPE).astype(np.int64)
 
 
-def encode_rows(rows: np.ndarray) -> list[bytes]:
-    rows = np.ascontiguousarray(rows, dtype="<f4")
-    return rows.view(np.dtype((np.void, rows.shape[1] * 4))).ravel().tolist()
-
-
-class RocksDBTier:
+class RocksDBTier(DurableTier):
     """Bottom tier: never evicts, keeps what it is given; writes only rows newer than its
     own copy (dirty ones)."""
 
@@ -90,7 +87,7 @@ class RocksDBTier:
         self,
         db: Rdict,
         column_family: str,
-        width: int,
+        codec: RowCodec,
         *,
         where: str,
         sync: bool = False,
@@ -100,7 +97,8 @@ class RocksDBTier:
         self._write_options = WriteOptions()
         self._write_options.sync = sync  # fsync the log on every write (survives power loss)
         self.state = WriteState() if state is None else state
-        self.width = width
+        self.codec = codec  # the layout of a row and of its RocksDB value
+        self.width = codec.width  # float32 slots of a row in memory
         self.where = where  # "table 'x' on shard 0", for error messages
         self.hits = 0
         self.misses = 0
@@ -196,13 +194,16 @@ class RocksDBTier:
         hit = np.flatnonzero(found)
         # one copy: joined into a bytearray, whose numpy view is writable as it is
         blob = bytearray().join(values if hit.size == keys.size else filter(None, values))
-        if len(blob) != hit.size * self.width * 4:
+        self._check_size(len(blob), hit.size)
+        return hit, self.codec.decode(blob, hit.size)
+
+    def _check_size(self, size: int, rows: int) -> None:
+        if size != rows * self.codec.value_bytes:
             raise DataLossError(
                 f"rocksdb backend holds corrupt rows for {self.where}: expected "
-                f"{hit.size} rows of {self.width * 4} bytes, got {len(blob)} bytes"
+                f"{rows} rows of {self.codec.value_bytes} bytes ({self.codec}), got "
+                f"{size} bytes"
             )
-        rows = np.frombuffer(blob, dtype="<f4").reshape(hit.size, self.width)
-        return hit, rows.astype(np.float32, copy=False)  # a copy only on big-endian hosts
 
     def write(
         self,
@@ -219,10 +220,10 @@ class RocksDBTier:
         if keys.size == 0 and not others:
             return
         batch = WriteBatch(raw_mode=True)
-        deque(map(batch.put, encode_keys(keys), encode_rows(rows), repeat(self._handle)), 0)
+        deque(map(batch.put, encode_keys(keys), self.codec.encode(rows), repeat(self._handle)), 0)
         if others:
             tier, other_keys, other_rows = also  # type: ignore[misc]
-            other = encode_keys(other_keys), encode_rows(other_rows)
+            other = encode_keys(other_keys), tier.codec.encode(other_rows)
             deque(map(batch.put, *other, repeat(tier._handle)), 0)
         self._widen(keys)  # before the write: a failed batch may still have landed
         if others:
@@ -263,8 +264,18 @@ class RocksDBTier:
     def _chunks(self, items: Iterator, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         while chunk := list(islice(items, chunk_rows)):
             keys, values = zip(*chunk, strict=True)
-            rows = np.frombuffer(b"".join(values), dtype="<f4").reshape(len(keys), self.width)
-            yield decode_keys(keys), rows.astype(np.float32)
+            blob = bytearray().join(values)
+            self._check_size(len(blob), len(keys))
+            yield decode_keys(keys), self.codec.decode(blob, len(keys))
+
+    def compact(self) -> None:
+        """RocksDB's manual compaction of the whole column family: overwritten and deleted
+        values are dropped from its files (for tools and measurements; RocksDB compacts on
+        its own as it writes)."""
+        try:
+            self._family().compact_range(None, None)
+        except Exception as error:  # rocksdict raises plain Exception for I/O errors
+            raise self._fail("compact", error) from error
 
     def contains(self, keys: np.ndarray) -> np.ndarray:
         mask = np.zeros(keys.size, dtype=bool)
@@ -273,8 +284,13 @@ class RocksDBTier:
 
     def stats(self) -> dict[str, int]:
         if self._cf is None:  # closed while the store recovers
-            return {"rows": 0, "bytes": 0, "hits": self.hits, "misses": self.misses,
-                    "rows_written": self.rows_written}  # fmt: skip
+            return {
+                "rows": 0,
+                "bytes": 0,
+                "hits": self.hits,
+                "misses": self.misses,
+                "rows_written": self.rows_written,
+            }
         return {
             "rows": int(self._cf.property_int_value("rocksdb.estimate-num-keys") or 0),
             "bytes": int(self._cf.property_int_value("rocksdb.total-sst-files-size") or 0)

@@ -584,7 +584,7 @@ class Snapshot:
         if config.steps_to_live:
             kinds["steps"] = None
         if config.promote_after:
-            kinds["buckets"] = 4 * config.row_width * config.hash_bucket_size
+            kinds["buckets"] = config.bucket_codec.row_bytes * config.hash_bucket_size
             kinds["promotion"] = None
         if config.admit_after:
             if config.admission is Admission.BLOOM:
@@ -598,10 +598,10 @@ class Snapshot:
         """The manifest's row counts and config must agree with its file sizes, or a load
         would read past the end or misread rows."""
         config = self.configs[table_name]
-        width = config.row_width
+        row_bytes = config.codec.row_bytes  # a row of a .rows file: float32 [row_width]
         for part in entry["parts"]:
             rows = int(part["rows"])
-            sizes = [(part["keys_file"], 8 * rows), (part["rows_file"], 4 * width * rows)]
+            sizes = [(part["keys_file"], 8 * rows), (part["rows_file"], row_bytes * rows)]
             for kind, size in self.state_kinds(config).items():
                 file = part[f"{kind}_file"]
                 if kind == "steps":
@@ -614,8 +614,9 @@ class Snapshot:
                 if file["bytes"] != expected:
                     raise SnapshotRefusedError(
                         f"snapshot {self.name!r}: {MANIFEST} is corrupted: table {table_name!r} "
-                        f"(dim {config.dim}, {config.optimizer.kind}: rows of {width} floats, "
-                        f"{rows} rows in this part) needs {expected} bytes in {file['path']}, "
+                        f"(dim {config.dim}, {config.optimizer.kind}: rows of "
+                        f"{config.row_width} floats, {rows} rows in this part) needs "
+                        f"{expected} bytes in {file['path']}, "
                         f"but the manifest gives {file['bytes']}"
                     )
         if sum(int(part["rows"]) for part in entry["parts"]) != int(entry["rows"]):
@@ -795,7 +796,7 @@ class Snapshot:
         where = self._part_where(table_name, part)
         shard, rows_total, width = int(part["shard_id"]), int(part["rows"]), config.row_width
         kinds = ("keys", "rows", "steps") if "steps_file" in part else ("keys", "rows")
-        per_row = {"keys": 8, "rows": 4 * width, "steps": 8}
+        per_row = {"keys": 8, "rows": config.codec.row_bytes, "steps": 8}
         files = {kind: part[f"{kind}_file"] for kind in kinds}
         paths = {kind: self._resolve(where, kind, file) for kind, file in files.items()}
         digests = {kind: hashlib.sha256() for kind in files}

@@ -46,6 +46,7 @@ from rocksdict import Checkpoint, Options, Rdict, WriteBatch, WriteOptions
 from tierps.storage import kernels
 from tierps.storage.adaptive import BucketRows
 from tierps.storage.admission import bloom_bytes
+from tierps.storage.codec import RowCodec
 from tierps.storage.config import TableConfig
 from tierps.storage.errors import (
     BackendError,
@@ -349,7 +350,7 @@ class EmbeddingStore:
             # with the compiled host kernels, a push trains resident rows where they lie
             compiled = kernels.launcher_for(np) is not None
             tiers.append(CacheTier(config, config.host_cache_bytes, trains_in_place=compiled))
-        tiers.append(self._rocksdb_tier(family, config.stored_width, where))
+        tiers.append(self._rocksdb_tier(family, config.codec, where))
         gpu = self._gpu_tier(config)
         if gpu is not None:
             tiers.insert(0, gpu)
@@ -357,7 +358,7 @@ class EmbeddingStore:
         if config.promote_after:
             bucket_family = self._family(buckets_family)
             buckets = BucketRows(
-                config, self._rocksdb_tier(bucket_family, config.row_width, f"{where} buckets")
+                config, self._rocksdb_tier(bucket_family, config.bucket_codec, f"{where} buckets")
             )
         table = EmbeddingTable(config, tiers, where=where, buckets=buckets)
         steps = self._db.get(_STEPS_PREFIX + config.name.encode())
@@ -366,9 +367,9 @@ class EmbeddingStore:
         self._tables[config.name] = table
         return table
 
-    def _rocksdb_tier(self, family: str, width: int, where: str) -> RocksDBTier:
+    def _rocksdb_tier(self, family: str, codec: RowCodec, where: str) -> RocksDBTier:
         return RocksDBTier(
-            self._db, family, width, where=where, sync=self.sync_writes, state=self.write_state
+            self._db, family, codec, where=where, sync=self.sync_writes, state=self.write_state
         )
 
     def _gpu_budget(self, config: TableConfig) -> int:
@@ -482,13 +483,13 @@ class EmbeddingStore:
         rows_family = self._family(f"{_CF_PREFIX}{config.name}@{tag}")
         buckets_family = f"{_BUCKETS_CF_PREFIX}{config.name}@{tag}"
         staged = StagedTable(
-            config, self._rocksdb_tier(rows_family, config.stored_width, where),
+            config, self._rocksdb_tier(rows_family, config.codec, where),
             None, (rows_family, buckets_family),
         )  # fmt: skip
         if config.promote_after:
             self._family(buckets_family)
             staged.buckets = self._rocksdb_tier(
-                buckets_family, config.row_width, f"{where} buckets"
+                buckets_family, config.bucket_codec, f"{where} buckets"
             )
         return staged
 

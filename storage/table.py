@@ -5,9 +5,13 @@ misses to the next, and so on; keys found nowhere get their initial row, a pure 
 (seed, key). Rows found below the top are promoted; whatever a tier cannot keep spills to
 the tier below it. Updates run on the gathered rows and are stored back at the top.
 
-With an admission filter (admit_after > 0), the final misses of a training lookup or a push
-are first sighted by the filter (the one place it is asked): only the keys it admits get
-their initial row; the others read default_value and are neither stored nor trained.
+Keys that no stored tier holds go to the table's fallbacks (storage/fallbacks.py): the
+admission filter, the adaptive buckets and, last, the initializer, each answering some keys
+and passing the rest on. Every gathered row carries its origin (RowOrigin: a tier, the
+initializer, an admission refusal, a bucket), and lookup and apply_gradients act on the
+origin alone. With an admission filter (admit_after > 0), the final misses of a training
+lookup or a push are sighted by the filter: only the keys it admits get their initial row;
+the others read default_value (REFUSED) and are neither stored nor trained.
 
 With eviction (steps_to_live, min_l2_norm), `evict` removes stale or small rows from every
 tier. A table's current step is the largest step pushed to it; with steps_to_live > 0 every
@@ -20,8 +24,8 @@ step pushed (first_step), so a snapshot loaded into a new table does not age fro
 With adaptive embedding (hash_bucket_size, promote_after; storage/adaptive.py), the same last
 step sights the final misses of a training lookup or a push in a counter: a key promoted now
 gets its own row, initialised from its bucket row's current weights with fresh optimizer
-state; the others read their bucket's row (depth bucket_depth, never stored), and a push
-trains the bucket rows with their summed gradients instead.
+state; the others read their bucket's row (BUCKET, never stored), and a push trains the
+bucket rows with their summed gradients instead.
 """
 
 from __future__ import annotations
@@ -35,10 +39,12 @@ from typing import Any
 
 import numpy as np
 
+from tierps.storage import fallbacks
 from tierps.storage.adaptive import BucketRows
-from tierps.storage.admission import make_filter
-from tierps.storage.config import STEP_SLOTS, TableConfig, WritePolicy, step_bits
+from tierps.storage.admission import CounterFilter, make_filter
+from tierps.storage.config import TableConfig, WritePolicy
 from tierps.storage.errors import BackendError, InvalidArgumentError
+from tierps.storage.fallbacks import Fallback, Gathered, RowOrigin
 from tierps.storage.host_kernels import all_distinct
 from tierps.storage.tiers import DurableTier, Spill, Tier
 from tierps.storage.validation import as_keys, as_rows, check_step, first_non_finite
@@ -48,6 +54,60 @@ log = logging.getLogger(__name__)
 DEFAULT_CHUNK_ROWS = 65536
 FLUSH_CHUNK_BYTES = 4 << 20  # a flush moves dirty rows down in chunks of this size
 Chunk = tuple[np.ndarray, np.ndarray]  # (keys [c], rows [c, row_width])
+
+
+# RowOrigin's values as plain ints: numpy compares an array with an IntEnum member ~5x slower
+_TIER, _INITIALIZER, _REFUSED, _BUCKET = (
+    int(origin)
+    for origin in (RowOrigin.TIER, RowOrigin.INITIALIZER, RowOrigin.REFUSED, RowOrigin.BUCKET)
+)
+
+
+def _where(mask: np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The rows of each array where mask is True; the arrays themselves (no copy) when it
+    is True everywhere, as for a push whose keys all have rows."""
+    if mask.all():
+        return arrays
+    return tuple(array[mask] for array in arrays)
+
+
+class _Push:
+    """A push, all or nothing (`with _Push(table, step) as push:`, under the table lock):
+    entering moves the table's clock (eviction) and opens its fallbacks' sightings; leaving
+    by an exception (a refusal, a failed store) runs the undos the body registered (rows
+    trained in place, bucket rows) in reverse, rolls the sightings back and puts the clock
+    back. A class, not a generator: a warm push's overhead is a few microseconds."""
+
+    __slots__ = ("table", "step", "stamp", "undo", "clock", "initialized")
+
+    def __init__(self, table: EmbeddingTable, step: int) -> None:
+        self.table = table
+        self.step = step
+        self.stamp: int | None = None  # the last-update step of its rows (steps_to_live)
+        self.undo: list[Callable[[], None]] = []  # run in reverse if the push fails
+
+    def __enter__(self) -> _Push:
+        table = self.table
+        self.clock = table.current_step, table.first_step, table.leap_step
+        self.initialized = table.initialized
+        stamp = table._advance_clock(self.step)
+        self.stamp = stamp if table.step_slots else None
+        for fallback in table.fallbacks:
+            fallback.begin()
+        return self
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        table = self.table
+        if kind is None:
+            for fallback in table.fallbacks:
+                fallback.commit()
+            return
+        for undo in reversed(self.undo):
+            undo()
+        for fallback in table.fallbacks:
+            fallback.rollback()
+        table.initialized = self.initialized
+        table.current_step, table.first_step, table.leap_step = self.clock
 
 
 class EmbeddingTable:
@@ -74,7 +134,6 @@ class EmbeddingTable:
         self.key_limit: int | None = None if config.use_hashtable else config.capacity
         # admit_after > 0: counts sightings of keys without a row (soft state: in memory only)
         self.admission = make_filter(config)
-        self.refused_depth = len(tiers) + 1  # _gather's depth of a key the filter kept out
         self.lookups_default = 0  # looked-up keys (with repeats) answered with default_value
         self.gradients_dropped = 0  # distinct keys of pushes whose gradients were dropped
         # hash_bucket_size, promote_after > 0: shared bucket rows and the sighting counts of
@@ -82,9 +141,18 @@ class EmbeddingTable:
         if buckets is None and config.promote_after:
             buckets = BucketRows(config)
         self.buckets = buckets if config.promote_after else None
-        self.bucket_depth = len(tiers) + 2  # _gather's depth of a key served by its bucket
+        # what answers the keys no stored tier holds, in order (storage/fallbacks.py)
+        self.fallbacks: list[Fallback] = []
+        if self.admission is not None:
+            self.fallbacks.append(
+                fallbacks.Admission(self.admission, config.stored_width, config.default_value)
+            )
+        if self.buckets is not None:
+            self.fallbacks.append(fallbacks.Buckets(self.buckets, config.stored_width, self._fresh))
+        self.fallbacks.append(fallbacks.Initializer(self._fresh))
         # eviction: steps of pushes (0: none yet; the store keeps them across restarts)
-        self.step_slots = STEP_SLOTS if config.steps_to_live else 0
+        self.codec = config.codec  # the stored row's layout: weights, state, step stamp
+        self.step_slots = self.codec.step_slots
         self.current_step = 0  # the largest step pushed
         self.first_step = 0  # the smallest step pushed
         self.evictions = 0  # evict calls that ran
@@ -93,77 +161,43 @@ class EmbeddingTable:
 
     # -- the cascade ---------------------------------------------------------------------
 
-    def _gather(
-        self, keys: np.ndarray, *, sight: bool = False
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Full rows of keys (duplicates allowed), the depth each came from (len(tiers):
-        initialised now; refused_depth: kept out by the admission filter, its row
-        default_value, never to be stored; bucket_depth: not yet promoted, its row its
-        bucket's, never to be stored), and whether each is newer than RocksDB. `sight`: the
-        call is a sighting of its final misses (a training lookup or a push)."""
-        n, width = keys.size, self.config.stored_width
-        rows = np.empty((n, width), dtype=np.float32)
-        depth = np.full(n, len(self.tiers), dtype=np.int8)
-        dirty = np.ones(n, dtype=bool)  # an initialised row is newer than RocksDB's (none)
+    def _gather(self, keys: np.ndarray, *, sight: bool = False) -> Gathered:
+        """Rows of keys [n] (duplicates allowed) and where each came from (Gathered): the
+        stored tiers top down, then the fallbacks (storage/fallbacks.py) for the keys that
+        no tier holds, each answering some and passing the rest on; the last, the
+        Initializer, answers all. `sight`: the call is a sighting of its final misses (a
+        training lookup or a push)."""
+        n = keys.size
+        rows = np.empty((n, self.config.stored_width), dtype=np.float32)
+        origin = np.zeros(n, dtype=np.int8)  # _TIER
+        level = np.full(n, -1, dtype=np.int8)
+        dirty = np.ones(n, dtype=bool)  # a row made now is newer than RocksDB's (none)
         pending = np.arange(n)
-        for level, tier in enumerate(self.tiers):
+        for here, tier in enumerate(self.tiers):
             if pending.size == 0:
-                break
+                return Gathered(rows, origin, level, dirty)
             hit, found, found_dirty = tier.find(keys[pending])
             if hit.size == n:  # all found in one tier: keep its array as it is
-                return found, np.full(n, level, np.int8), found_dirty
+                return Gathered(found, origin, np.full(n, here, np.int8), found_dirty)
             at = pending[hit]
-            rows[at], depth[at], dirty[at] = found, level, found_dirty
+            rows[at], level[at], dirty[at] = found, here, found_dirty
             pending = np.delete(pending, hit)
-        if self.admission is not None and pending.size:
-            admitted = (
-                self.admission.observe(keys[pending]) if sight
-                else np.zeros(pending.size, dtype=bool)
-            )  # fmt: skip
-            refused = pending[~admitted]
-            rows[refused] = self.config.default_value
-            depth[refused] = self.refused_depth
-            pending = pending[admitted]
-        weights = None
-        if self.buckets is not None and pending.size:
-            promoted = (
-                self.buckets.observe(keys[pending]) if sight
-                else np.zeros(pending.size, dtype=bool)
-            )  # fmt: skip
-            shared = pending[~promoted]
-            rows[shared, : self.config.row_width] = self.buckets.read(keys[shared])
-            depth[shared] = self.bucket_depth
-            pending = pending[promoted]
-            weights = self.buckets.read(keys[pending])[:, : self.config.dim]
-        if pending.size == n and weights is None:  # nothing found (a first touch)
-            rows = self._fresh(keys)
-        else:
-            rows[pending] = self._fresh(keys[pending], weights)
-        self.initialized += pending.size
-        return rows, depth, dirty
+        for fallback in self.fallbacks:
+            if pending.size == 0:
+                break
+            answer = fallback.answer(keys[pending], sight=sight)
+            self.initialized += int(np.count_nonzero(answer.origin == _INITIALIZER))
+            if answer.index.size == n:  # nothing was stored (a first touch): no copy
+                return Gathered(answer.rows, answer.origin, level, dirty)
+            at = pending[answer.index]
+            rows[at], origin[at] = answer.rows, answer.origin
+            pending = np.delete(pending, answer.index)
+        return Gathered(rows, origin, level, dirty)
 
     def _fresh(self, keys: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
         """Stored rows [n, stored_width] of keys: initial (or the given) weights, fresh
         optimizer state, and the current step as their last-update step."""
-        rows = self.config.initial_rows(keys, weights)
-        return self._with_step(rows) if self.step_slots else rows
-
-    def _with_step(self, rows: np.ndarray) -> np.ndarray:
-        """rows [n, row_width] widened to stored rows stamped with the current step."""
-        out = np.empty((rows.shape[0], self.config.stored_width), dtype=np.float32)
-        out[:, : self.config.row_width] = rows
-        self._stamp(out, self.current_step)
-        return out
-
-    def _stamp(self, rows: np.ndarray, step: int) -> None:
-        """Write `step` as the last-update step of stored rows (steps_to_live > 0): its int64
-        bits in the trailing STEP_SLOTS float32 slots, copied bit for bit."""
-        rows[:, self.config.row_width :] = step_bits(step)
-
-    def _steps(self, rows: np.ndarray) -> np.ndarray:
-        """The last-update step (int64 [n]) of stored rows (steps_to_live > 0)."""
-        tail = np.ascontiguousarray(rows[:, self.config.row_width :])
-        return tail.view("<i8").reshape(-1).astype(np.int64)
+        return self.codec.widen(self.config.initial_rows(keys, weights), self.current_step)
 
     def _store(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> None:
         """Put unique keys' rows in the top tier; what it cannot keep flows down. A
@@ -204,7 +238,7 @@ class EmbeddingTable:
 
     # -- public calls ----------------------------------------------------------------------
 
-    def check_keys(self, keys: np.ndarray, call: str = "lookup") -> None:
+    def check_key_range(self, keys: np.ndarray, call: str = "lookup") -> None:
         """Refuse (InvalidArgumentError) a key >= capacity of a table with
         use_hashtable=False, naming the first such key and its index; keys < 0 are padding
         and pass. Every public call runs this before anything changes; a caller checking
@@ -221,9 +255,14 @@ class EmbeddingTable:
             )
 
     def lookup(self, keys: Any, *, create: bool = True) -> np.ndarray:
-        """Weights [n, dim] of keys, in their order. Keys < 0 are padding and give zeros.
-        create=True (training) stores rows for new keys; create=False (evaluation, serving)
-        returns their initial values and stores nothing.
+        """Weights float32 [n, dim] of keys (int64 [n], any integer array-like; duplicates
+        allowed), in their order. Keys < 0 are padding and give zeros. create=True
+        (training) stores rows for new keys; create=False (evaluation, serving) returns
+        their initial values and stores nothing.
+
+        Example (dim 4)::
+
+            rows = table.lookup(np.array([7, -1, 7, 12]))  # float32 [4, 4]; rows[1] == 0
 
         With admission (admit_after > 0), a key without a row reads default_value in every
         element and nothing is stored for it, unless this call admits it: a training lookup
@@ -237,41 +276,52 @@ class EmbeddingTable:
         optimizer state), stored and returned. create=False lookups neither count nor
         promote."""
         keys = as_keys(f"{self.where}: lookup", keys)
-        self.check_keys(keys, "lookup")
+        self.check_key_range(keys, "lookup")
         dim = self.config.dim
         valid = np.flatnonzero(keys >= 0)
         all_valid = valid.size == keys.size
         live = keys if all_valid else keys[valid]
         with self._lock:
-            rows, depth = self._lookup_rows(live, create)
+            rows = self._lookup_rows(live, create)
         if all_valid:
             return np.ascontiguousarray(rows[:, :dim])
         out = np.zeros((keys.size, dim), dtype=np.float32)
         out[valid] = rows[:, :dim]
         return out
 
-    def _lookup_rows(self, keys: np.ndarray, create: bool) -> tuple[np.ndarray, np.ndarray]:
-        """lookup's rows and depths (see _gather), under the table lock. Rows found below
-        the top move up; in training, rows initialised now are stored, all or nothing: if
-        storing fails, the call's sightings roll back and it raises. An evaluation lookup
+    def peek(self, keys: Any) -> Gathered:
+        """Full rows float32 [n, stored_width] of keys >= 0 (int64 [n]) as the tiers hold
+        them now (weights, optimizer state, step stamp), with each row's RowOrigin: what an
+        evaluation lookup would read, storing, promoting and sighting nothing (a tier's find
+        still counts its hits and refreshes recency). For tests and debugging."""
+        keys = as_keys(f"{self.where}: peek", keys)
+        with self._lock:
+            initialized = self.initialized
+            try:
+                return self._gather(keys, sight=False)
+            finally:
+                self.initialized = initialized
+
+    def _lookup_rows(self, keys: np.ndarray, create: bool) -> np.ndarray:
+        """lookup's rows [n, stored_width], under the table lock. Rows found below the top
+        move up; in training, rows initialised now are stored, all or nothing: if storing
+        fails, the call's sightings roll back and it raises. An evaluation lookup
         (create=False) that cannot move its rows up (a full disk under the evictions)
         still answers: it stores nothing, and nothing was let go of."""
         with self._sightings(create):
-            rows, depth, dirty = self._gather(keys, sight=create)
-            # promoted: rows found below the top and, in training, rows initialised now
-            # (never a key the admission filter kept out: refused_depth is deeper still)
-            deepest = len(self.tiers) if create else len(self.tiers) - 1
-            promote = (depth > 0) & (depth <= deepest)
+            rows, origin, level, dirty = self._gather(keys, sight=create)
+            made = origin == _INITIALIZER
+            promote = (level > 0) | made if create else level > 0
             created = 0
             if promote.any():
                 if promote.all() and all_distinct(keys):  # e.g. a first touch: no copies
                     moved, moved_rows, moved_dirty = keys, rows, dirty
-                    created = int(np.count_nonzero(depth == len(self.tiers)))
+                    created = int(np.count_nonzero(made))
                 else:
                     moved, first = np.unique(keys[promote], return_index=True)
                     picked = np.flatnonzero(promote)[first]
                     moved_rows, moved_dirty = rows[picked], dirty[picked]
-                    created = int(np.count_nonzero(depth[picked] == len(self.tiers)))
+                    created = int(np.count_nonzero(made[picked]))
                 try:
                     self._store(moved, moved_rows, moved_dirty)
                 except BackendError as error:
@@ -281,11 +331,10 @@ class EmbeddingTable:
                         "%s: lookup answered without caching its rows: %s", self.where, error
                     )
         self.created += created
-        if self.admission is not None:
-            self.lookups_default += int(np.count_nonzero(depth == self.refused_depth))
+        self.lookups_default += int(np.count_nonzero(origin == _REFUSED))
         if self.buckets is not None:
-            self.buckets.lookups += int(np.count_nonzero(depth == self.bucket_depth))
-        return rows, depth
+            self.buckets.lookups += int(np.count_nonzero(origin == _BUCKET))
+        return rows
 
     def check_gradients(
         self, keys: Any, grads: Any, step: Any
@@ -295,7 +344,7 @@ class EmbeddingTable:
         storage/validation.py)."""
         where = f"{self.where}: apply_gradients"
         keys = as_keys(where, keys)
-        self.check_keys(keys, "apply_gradients")
+        self.check_key_range(keys, "apply_gradients")
         grads = as_rows(where, "grads", grads, keys.size, self.config.dim)
         return keys, grads, check_step(where, step)
 
@@ -324,10 +373,16 @@ class EmbeddingTable:
         return self.current_step
 
     def apply_gradients(self, keys: Any, grads: Any, step: int) -> int:
-        """Run the table's optimizer on the rows of keys, wherever they live. Gradients of
-        duplicate keys are summed first; keys < 0 are ignored; unseen keys are created.
-        `step` (from 1) is the optimizer step, used by Adam's bias correction. Returns the
-        number of distinct keys updated.
+        """Run the table's optimizer on the rows of keys (int64 [n]) with grads (float32
+        [n, dim], finite), wherever the rows live. Gradients of duplicate keys are summed
+        first; keys < 0 are ignored; unseen keys are created. `step` (from 1) is the
+        optimizer step, used by Adam's bias correction. Returns the number of distinct keys
+        updated.
+
+        Example (dim 4)::
+
+            table.apply_gradients(np.array([7, 7, 12]), np.ones((3, 4), np.float32), step=1)
+            # -> 2: key 7 trained with the gradient 2.0, key 12 with 1.0
 
         A push whose update would make any stored value non-finite (weights or optimizer
         state, a bucket row's too: Adam's v from a finite 1e20 gradient is inf in float32)
@@ -350,8 +405,35 @@ class EmbeddingTable:
 
     def apply_checked_gradients(self, keys: np.ndarray, grads: np.ndarray, step: int) -> int:
         """apply_gradients of what check_gradients returned: a caller that checks every
-        batch of a call before applying any (the shard) checks each batch once."""
+        batch of a call before applying any (the shard) checks each batch once.
+
+        The picture: rows a top tier trains where they lie (the GPU tier) are trained there;
+        the rest are gathered, split by origin, updated on copies and stored. All or
+        nothing: a refusal or a failure undoes every step (_Push)."""
         where = f"{self.where}: apply_gradients"
+        keys, grads = self._summed_by_key(keys, grads)
+        with self._lock, _Push(self, step) as push:
+            keys, grads, resident = self._train_resident(where, push, keys, grads, step)
+            if keys.size == 0:
+                return resident
+            gathered = self._gather(keys, sight=True)  # gather
+            origin = gathered.origin  # split by origin
+            own = (origin == _TIER) | (origin == _INITIALIZER)
+            shared = origin == _BUCKET
+            own_keys, own_grads, rows = _where(own, keys, grads, gathered.rows)
+            rows = self._update(where, own_keys, own_grads, rows, step)  # update
+            if push.stamp is not None:  # the clock's step, even for a push with an older one
+                self.codec.stamp(rows, push.stamp)
+            if shared.any():  # a write-through table writes them with the rows (_store)
+                push.undo.append(self._train_buckets(where, keys[shared], grads[shared], step))
+            self._store(own_keys, rows, np.ones(own_keys.size, dtype=bool))  # store
+        self.gradients_dropped += int(np.count_nonzero(origin == _REFUSED))
+        self.created += int(np.count_nonzero(origin == _INITIALIZER))
+        return resident + int(np.count_nonzero(own | shared))
+
+    def _summed_by_key(self, keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Distinct keys >= 0 and their summed gradients (keys < 0 dropped). Keys that are
+        already distinct (the client dedups) keep their order and gradients as given."""
         valid = keys >= 0
         if not valid.all():
             keys, grads = keys[valid], grads[valid]
@@ -359,100 +441,43 @@ class EmbeddingTable:
         if not distinct:
             unique, inverse = np.unique(keys, return_inverse=True)
             distinct = unique.size == keys.size
-        if distinct:  # no repeats (the client dedups): keep the given order
-            unique, summed = keys, grads
-        else:  # sum in order of arrival; 1-D np.add.at has a fast path that 2-D lacks (4x)
-            dim = self.config.dim
-            summed = np.zeros((unique.size, dim), dtype=np.float32)
-            flat = (inverse[:, None] * dim + np.arange(dim)).reshape(-1)
-            np.add.at(summed.reshape(-1), flat, grads.reshape(-1))
-        with self._lock:
-            clock = self.current_step, self.first_step, self.leap_step
-            # a push moves the table's step (eviction), whatever it updates
-            stamp = self._advance_clock(step)
-            undo: Callable[[], None] | None = None
-            try:
-                resident, undo, refused = self._train_resident(unique, summed, step, stamp)
-                if refused is not None:  # a value went non-finite; put back already
-                    self._refuse_non_finite(where, unique[resident], refused, step)
-                trained = int(resident.size)
-                if trained:
-                    if trained == unique.size:
-                        return trained
-                    rest = np.ones(unique.size, dtype=bool)
-                    rest[resident] = False
-                    unique, summed = unique[rest], summed[rest]
-                return self._train_gathered(where, unique, summed, step, stamp) + trained
-            except BaseException:
-                # refused (non-finite) or the other rows' store failed: either changed
-                # nothing, and neither may the rows trained in place nor the clock
-                if undo is not None:
-                    undo()
-                self.current_step, self.first_step, self.leap_step = clock
-                raise
+        if distinct:
+            return keys, grads
+        # sum in order of arrival; 1-D np.add.at has a fast path that 2-D lacks (4x)
+        dim = self.config.dim
+        summed = np.zeros((unique.size, dim), dtype=np.float32)
+        flat = (inverse[:, None] * dim + np.arange(dim)).reshape(-1)
+        np.add.at(summed.reshape(-1), flat, grads.reshape(-1))
+        return unique, summed
 
-    def _train_gathered(
-        self, where: str, unique: np.ndarray, summed: np.ndarray, step: int, stamp: int
-    ) -> int:
-        """The host path of apply_checked_gradients, all or nothing: gather copies of the
-        rows of distinct keys (sighting the final misses), run the optimizer on the copies
-        and on the bucket rows, and refuse (InvalidArgumentError) before storing anything
-        if a value went non-finite - the sightings rolled back, the bucket rows put back."""
-        put_back: Callable[[], None] | None = None
-        with self._sightings():
-            try:
-                rows, depth, _ = self._gather(unique, sight=True)
-                dropped = 0
-                if self.admission is not None:
-                    admitted = depth != self.refused_depth
-                    if not admitted.all():
-                        dropped = int(admitted.size - np.count_nonzero(admitted))
-                        unique, summed = unique[admitted], summed[admitted]
-                        rows, depth = rows[admitted], depth[admitted]
-                shared = np.zeros(unique.size, dtype=bool)
-                if self.buckets is not None:
-                    shared = depth == self.bucket_depth
-                    own = ~shared
-                    shared_keys, shared_grads = unique[shared], summed[shared]
-                    unique, summed, rows, depth = unique[own], summed[own], rows[own], depth[own]
-                with np.errstate(over="ignore", invalid="ignore"):  # refused just below
-                    self.config.optimizer.apply(rows, summed, step)  # on copies: nothing changed
-                self._refuse_non_finite(where, unique, rows, step)
-                bucketed = int(np.count_nonzero(shared))
-                if bucketed:  # a write-through table writes them with the rows (_store)
-                    put_back = self._train_buckets(where, shared_keys, shared_grads, step)
-                if self.step_slots:  # the table's clock, which only moves forward: a push with
-                    # an older step (a restarted trainer, a lagging worker) still marks its rows
-                    # fresh, so the next evict cannot remove rows trained just now
-                    self._stamp(rows, stamp)
-                self._store(unique, rows, np.ones(unique.size, dtype=bool))
-            except BaseException:
-                if put_back is not None:
-                    put_back()
-                raise
-        self.gradients_dropped += dropped
-        self.created += int(np.count_nonzero(depth == len(self.tiers)))
-        return int(unique.size) + bucketed
+    def _update(
+        self, where: str, keys: np.ndarray, grads: np.ndarray, rows: np.ndarray, step: int
+    ) -> np.ndarray:
+        """The optimizer on copies of stored rows [n, stored_width] of distinct keys, or
+        InvalidArgumentError naming the first value it made non-finite (nothing changed)."""
+        with np.errstate(over="ignore", invalid="ignore"):  # refused just below
+            self.config.optimizer.apply(rows, grads, step)
+        self._refuse_non_finite(where, keys, rows, step)
+        return rows
 
     @contextmanager
     def _sightings(self, sight: bool = True) -> Iterator[None]:
-        """A call's sightings (the admission and promotion counters in use) and initialised
-        rows: committed if the body returns, rolled back if it raises. sight=False: a call
-        that sights nothing (an evaluation lookup)."""
-        counts = [self.admission, self.buckets.counts if self.buckets is not None else None]
-        counters = [counter for counter in counts if counter is not None and sight]
+        """A call's sightings (the fallbacks' soft state) and initialised rows: committed if
+        the body returns, rolled back if it raises. sight=False: a call that sights nothing
+        (an evaluation lookup)."""
+        fallbacks = self.fallbacks if sight else []
         initialized = self.initialized
-        for counter in counters:
-            counter.begin()
+        for fallback in fallbacks:
+            fallback.begin()
         try:
             yield
         except BaseException:
-            for counter in counters:
-                counter.rollback()
+            for fallback in fallbacks:
+                fallback.rollback()
             self.initialized = initialized
             raise
-        for counter in counters:
-            counter.commit()
+        for fallback in fallbacks:
+            fallback.commit()
 
     def _train_buckets(
         self, where: str, keys: np.ndarray, grads: np.ndarray, step: int
@@ -504,30 +529,39 @@ class EmbeddingTable:
         )
 
     def _train_resident(
-        self, keys: np.ndarray, grads: np.ndarray, step: int, stamp: int
-    ) -> tuple[np.ndarray, Callable[[], None] | None, np.ndarray | None]:
-        """Train the rows of keys held by a top tier that trains in place (the GPU tier: its
-        fused optimizer, without moving rows to the host and back); returns what
-        CacheTier.train_resident does: their indices into keys, its undo, and the rows if
-        a value went non-finite. A write-through table does not: each update must reach
-        RocksDB, so its rows take the host path."""
+        self, where: str, push: _Push, keys: np.ndarray, grads: np.ndarray, step: int
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """Train the rows of distinct keys held by a top tier that trains in place (the GPU
+        tier's fused optimizer, without moving rows to the host and back; its undo goes to
+        the push). Returns the other keys, their gradients and how many were trained here;
+        refuses (InvalidArgumentError, rows already put back) a value made non-finite. A
+        write-through table does not train in place: each update must reach RocksDB."""
         top = self.tiers[0]
-        if (
-            not getattr(top, "trains_in_place", False)
-            or self.config.write_policy is WritePolicy.WRITE_THROUGH
-        ):
-            return np.empty(0, dtype=np.int64), None, None
-        return top.train_resident(keys, grads, step, stamp if self.step_slots else None)
+        if not top.trains_in_place or self.config.write_policy is WritePolicy.WRITE_THROUGH:
+            return keys, grads, 0
+        resident, undo, refused = top.train_resident(keys, grads, step, push.stamp)
+        if refused is not None:
+            self._refuse_non_finite(where, keys[resident], refused, step)
+        if undo is not None:
+            push.undo.append(undo)
+        if resident.size == 0:
+            return keys, grads, 0
+        if resident.size == keys.size:  # all trained here (a warm cache): nothing left
+            return keys[:0], grads[:0], int(resident.size)
+        rest = np.ones(keys.size, dtype=bool)
+        rest[resident] = False
+        return keys[rest], grads[rest], int(resident.size)
 
     def check_values(self, keys: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
         """(keys, values) as assign takes them, or InvalidArgumentError."""
         where = f"{self.where}: assign"
         keys = as_keys(where, keys)
-        self.check_keys(keys, "assign")
+        self.check_key_range(keys, "assign")
         return keys, as_rows(where, "values", values, keys.size, self.config.dim)
 
     def assign(self, keys: Any, values: Any) -> int:
-        """Set the weights of keys and reset their optimizer state to its initial value.
+        """Set the weights of keys (int64 [n]) to values (float32 [n, dim]) and reset their
+        optimizer state to its initial value.
         Where a key repeats, its last value wins; keys < 0 are ignored. Returns the number
         of distinct keys set."""
         return self.assign_checked(*self.check_values(keys, values))
@@ -549,10 +583,9 @@ class EmbeddingTable:
         rows = as_rows(where, "rows", rows, keys.size, self.config.row_width)
         if np.unique(keys).size != keys.size or (keys.size and keys.min() < 0):
             raise InvalidArgumentError(f"{where}: keys expected distinct and >= 0")
-        self.check_keys(keys, "restore")
+        self.check_key_range(keys, "restore")
         with self._lock:
-            if self.step_slots:
-                rows = self._with_step(rows)
+            rows = self.codec.widen(rows, self.current_step)
             self._store(keys, rows, np.ones(keys.size, dtype=bool))
 
     def flush(
@@ -621,7 +654,7 @@ class EmbeddingTable:
             (
                 keys,
                 np.ascontiguousarray(rows[:, :width]),
-                self._steps(rows) if self.step_slots else None,
+                self.codec.steps(rows) if self.step_slots else None,
             )
             for keys, rows in chunks
         )
@@ -643,7 +676,7 @@ class EmbeddingTable:
                 state["promotion"] = self.buckets.counts.export_counts()
                 state["promotion_calls"] = int(self.buckets.counts.calls)
             if self.admission is not None:
-                if hasattr(self.admission, "export_counts"):
+                if isinstance(self.admission, CounterFilter):
                     state["admission"] = self.admission.export_counts()
                     state["admission_calls"] = int(self.admission.calls)
                 else:
@@ -662,7 +695,7 @@ class EmbeddingTable:
             if self.buckets is not None and "promotion" in state:
                 self.buckets.counts.import_counts(state["promotion"], state["promotion_calls"])
             if self.admission is not None and "admission" in state:
-                if hasattr(self.admission, "import_counts"):
+                if isinstance(self.admission, CounterFilter):
                     self.admission.import_counts(state["admission"], state["admission_calls"])
                 else:
                     self.admission.import_counters(state["admission"])
@@ -678,7 +711,7 @@ class EmbeddingTable:
         weights' L2 norm (in float64) is below min_l2_norm."""
         out = np.zeros(rows.shape[0], dtype=bool)
         if self.config.steps_to_live:
-            updated = np.maximum(self._steps(rows), self.first_step)
+            updated = np.maximum(self.codec.steps(rows), self.first_step)
             out |= self.current_step - updated >= self.config.steps_to_live
         if self.config.min_l2_norm:
             weights = rows[:, : self.config.dim].astype(np.float64)

@@ -15,6 +15,7 @@ tiers move rows as opaque float32 slots and never look inside.
   the tier below holds it, and if `below` raises, this tier is as it was.
 - remove(keys) -> int: drop the rows of these keys (absent ones are skipped); returns how
   many were dropped. Eviction (steps_to_live, min_l2_norm) runs it on every tier.
+- contains(keys) -> bool [n]: whether each key's row is held here, touching nothing.
 - dirty_keys() -> keys of the rows newer than the tier below; dirty_rows(keys) -> (keys,
   rows, handle): those of `keys` still here and dirty, with their rows now; mark_clean(handle)
   after the caller has stored them below (under the same table lock, so nothing changed them
@@ -23,9 +24,10 @@ tiers move rows as opaque float32 slots and never look inside.
 - stats() -> dict; close().
 
 Calls take and return numpy arrays whatever a tier keeps its rows in: the GPU tier moves keys
-and rows across itself. A top tier whose trains_in_place is True also has train_resident
-(keys, grads, step, stamp) -> (indices of the keys whose rows it trained where they lie, an
-undo of that, the trained rows if a value went non-finite).
+and rows across itself. The interface is declared (the ABC Tier); its one optional capability
+is a property: a tier whose trains_in_place is True implements train_resident (keys, grads,
+step, stamp) -> (indices of the keys whose rows it trained where they lie, an undo of that,
+the trained rows if a value went non-finite).
 
 The last tier is durable (DurableTier): it also writes rows directly and exports them all.
 
@@ -34,15 +36,17 @@ The last tier is durable (DurableTier): it also writes rows directly and exports
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from tierps.storage import host_kernels
-from tierps.storage.config import TableConfig, step_bits
+from tierps.storage.codec import step_bits
+from tierps.storage.config import TableConfig
 from tierps.storage.hash_table import HashTable
 from tierps.storage.xp import to_host
 
@@ -75,25 +79,53 @@ class Spill:
 HandDown = Callable[[Spill], None]  # places a spill in the tiers below, or raises
 
 
-class Tier(Protocol):
+class Tier(ABC):
+    """A tier of one table's rows (see the module docstring for each call's contract)."""
+
     name: str
 
+    @abstractmethod
     def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+    @abstractmethod
     def insert(
         self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray, below: HandDown
     ) -> None: ...
+    @abstractmethod
     def remove(self, keys: np.ndarray) -> int: ...
+    @abstractmethod
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        """bool [n]: whether each key's row is held here (no hit counted, nothing touched)."""
+
+    @abstractmethod
     def dirty_keys(self) -> np.ndarray: ...
+    @abstractmethod
     def dirty_rows(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, Any]: ...
+    @abstractmethod
     def mark_clean(self, handle: Any) -> None: ...
+    @abstractmethod
     def stats(self) -> dict[str, int]: ...
+    @abstractmethod
     def close(self) -> None: ...
 
+    @property
+    def trains_in_place(self) -> bool:
+        """Whether train_resident runs the optimizer on rows where they lie (a capability:
+        False unless a tier overrides both)."""
+        return False
 
-class DurableTier(Tier, Protocol):
+    def train_resident(
+        self, keys: np.ndarray, grads: np.ndarray, step: int, stamp: int | None
+    ) -> tuple[np.ndarray, Callable[[], None] | None, np.ndarray | None]:
+        """See CacheTier.train_resident; only a tier whose trains_in_place is True has it."""
+        raise NotImplementedError(f"the {self.name} tier does not train rows in place")
+
+
+class DurableTier(Tier):
     """The bottom tier: holds every row after a flush."""
 
+    @abstractmethod
     def write(self, keys: np.ndarray, rows: np.ndarray) -> None: ...
+    @abstractmethod
     def export(self, chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
 
 
@@ -113,7 +145,7 @@ def host_rows_for_budget(budget_bytes: int, row_bytes: int, max_load: float = 0.
     return low
 
 
-class CacheTier:
+class CacheTier(Tier):
     """Rows in one arena [rows, row_width], addressed through a HashTable, within a byte
     budget: the host tier (numpy, host_cache_bytes) and the GPU tier (cupy, gpu_cache_bytes)
     are this one class over two array modules.
@@ -144,7 +176,7 @@ class CacheTier:
     ) -> None:
         self.xp = xp
         self.name = name
-        self.trains_in_place = trains_in_place  # the cascade runs train_resident on it first
+        self._trains_in_place = trains_in_place  # the cascade runs train_resident on it first
         self.config = config
         self.width = config.stored_width
         self.max_rows = host_rows_for_budget(budget_bytes, config.stored_bytes)
@@ -165,6 +197,10 @@ class CacheTier:
     @property
     def rows(self) -> int:
         return self.index.size
+
+    @property
+    def trains_in_place(self) -> bool:
+        return self._trains_in_place
 
     def _grow(self, rows: int) -> None:
         """Numpy only: a device tier is allocated whole and never grows. A large arena
@@ -402,15 +438,35 @@ class CacheTier:
         backup = np.empty((ids.size, touched), dtype=np.float32)
         was_dirty = self.dirty[ids] if not everything else None
         bad = host_kernels.k_train(
-            kind, self.arena, ids, resident_grads, hyper, size, True, backup, stamp_bits,
-            stamp is not None, width, self.dirty,
-        )  # fmt: skip
+            kind,
+            self.arena,
+            ids,
+            resident_grads,
+            hyper,
+            size,
+            True,
+            backup,
+            stamp_bits,
+            stamp is not None,
+            width,
+            self.dirty,
+        )
         if bad >= 0:  # put back already; the trained rows, same arithmetic, for the refusal
             trained = np.take(self.arena, ids, axis=0)
             host_kernels.k_train(
-                kind, trained, np.arange(ids.size), resident_grads, hyper, size, False,
-                backup, stamp_bits, False, width, np.empty(ids.size, dtype=bool),
-            )  # fmt: skip
+                kind,
+                trained,
+                np.arange(ids.size),
+                resident_grads,
+                hyper,
+                size,
+                False,
+                backup,
+                stamp_bits,
+                False,
+                width,
+                np.empty(ids.size, dtype=bool),
+            )
             return hit, None, trained[:, :width]
         if everything:
             return hit, None, None
@@ -447,6 +503,9 @@ class CacheTier:
         slots = xp.unique(slots[slots >= 0])
         self._release(slots)
         return int(slots.size)
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        return to_host(self.index.find(self.xp.asarray(keys)) >= 0)
 
     def dirty_keys(self) -> np.ndarray:
         keys, ids = self.index.export()
@@ -488,7 +547,7 @@ def direct_arena_bytes(capacity: int, row_bytes: int) -> int:
     return capacity * (row_bytes + 2 * _DIRTY_FLAG_BYTES)
 
 
-class DirectTier:
+class DirectTier(Tier):
     """Rows of keys in [0, capacity), row i of a preallocated arena [capacity, row_width]
     holding key i: no hash table (SOK's use_hashtable=False).
 
@@ -544,6 +603,9 @@ class DirectTier:
         self.dirty[keys] = False
         self.rows -= keys.size
         return int(keys.size)
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        return self.present[keys]
 
     def dirty_keys(self) -> np.ndarray:
         return np.flatnonzero(self.dirty).astype(np.int64)  # a key is its own row id

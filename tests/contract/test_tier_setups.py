@@ -3,6 +3,7 @@ optimizer state as an unbounded in-memory reference written here with per-key lo
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from tests.conftest import export_dict
 from tierps.storage import EmbeddingStore, TableConfig, init, optim
+from tierps.storage.fallbacks import Answer, RowOrigin, Stateless
 from tierps.storage.tiers import host_rows_for_budget
 from tierps.storage.xp import gpu_module
 
@@ -24,9 +26,17 @@ CAPACITY = UNIVERSE + 20  # direct set-ups: keys in [0, CAPACITY), probes includ
 class ReferenceTable:
     """Unbounded dict model: key -> full row (weights | optimizer state)."""
 
-    def __init__(self, config: TableConfig) -> None:
+    def __init__(self, config: TableConfig, refuse_above: int | None = None) -> None:
         self.config = config
         self.rows: dict[int, np.ndarray] = {}
+        self.refuse_above = refuse_above  # keys above it without a row: default_value only
+
+    def sync(self, keys: np.ndarray) -> None:
+        """Called before the table serves each call of the trace (ColdReference reads the
+        table's rows there); nothing to do for an exact reference."""
+
+    def _refused(self, key: int) -> bool:
+        return self.refuse_above is not None and key > self.refuse_above and key not in self.rows
 
     def _row(self, key: int) -> np.ndarray:
         if key in self.rows:
@@ -37,6 +47,9 @@ class ReferenceTable:
         out = np.zeros((keys.size, self.config.dim), dtype=np.float32)
         for i, key in enumerate(keys.tolist()):
             if key < 0:
+                continue
+            if self._refused(key):
+                out[i] = self.config.default_value
                 continue
             row = self._row(key)
             if create:
@@ -50,6 +63,8 @@ class ReferenceTable:
             if key >= 0:
                 summed[key] = summed.get(key, np.zeros(self.config.dim, np.float32)) + grad
         for key, grad in summed.items():
+            if self._refused(key):
+                continue
             row = self._row(key)[None, :]
             self.config.optimizer.apply(row, grad[None, :], step)
             self.rows[key] = row[0]
@@ -137,6 +152,7 @@ def run_trace(table, reference: ReferenceTable, seed: int) -> None:
         keys = rng.zipf(1.3, BATCH).astype(np.int64) % UNIVERSE
         keys[rng.random(BATCH) < 0.05] = -1  # padding
         op = rng.choice(["lookup", "eval", "apply", "apply", "assign"])
+        reference.sync(keys)
         if op in ("lookup", "eval"):
             create = op == "lookup"
             got = table.lookup(keys, create=create)
@@ -280,3 +296,147 @@ def test_checkpoint_opens_as_a_store(tmp_path: Path) -> None:
     assert sorted(got) == sorted(expected)
     for key, row in expected.items():
         np.testing.assert_array_equal(got[key], row)
+
+
+class RefuseAbove(Stateless):
+    """A trivial lifecycle policy, written here against storage/fallbacks.py's interface
+    only: keys above `limit` without a row read default_value and are never stored or
+    trained (until assigned). It keeps no soft state (Stateless: no sightings to undo)."""
+
+    def __init__(self, limit: int, config: TableConfig) -> None:
+        self.limit, self.config = limit, config
+
+    def answer(self, keys: np.ndarray, *, sight: bool) -> Answer:
+        index = np.flatnonzero(keys > self.limit)
+        rows = np.full((index.size, self.config.stored_width), self.config.default_value)
+        origin = np.full(index.size, RowOrigin.REFUSED, dtype=np.int8)
+        return Answer(index, rows.astype(np.float32), origin)
+
+
+@pytest.mark.parametrize("optimizer", [OPTIMIZERS[0], OPTIMIZERS[4]], ids=lambda o: o.kind)
+@pytest.mark.parametrize("setup", ["roomy", "tiny", "write_through", "direct"])
+def test_a_policy_added_from_outside_passes_the_contract(
+    tmp_path: Path, setup: str, optimizer: optim.Optimizer
+) -> None:
+    """A policy added to a table's fallbacks, with no change to the cascade, holds the
+    contract: the table agrees with the reference that refuses the same keys."""
+    limit = UNIVERSE // 3
+    config = dataclasses.replace(make_config(setup, optimizer), default_value=0.25)
+    reference = ReferenceTable(config, refuse_above=limit)
+    probe = np.arange(-2, UNIVERSE + 20, dtype=np.int64)
+    with EmbeddingStore(tmp_path / "db") as store:
+        table = store.create_table(config)
+        table.fallbacks.insert(0, RefuseAbove(limit, config))
+        run_trace(table, reference, seed=zlib.crc32(setup.encode()) % 1000)
+        assert_same_rows(table, reference)
+        assert any(key > limit for key in reference.rows)  # assigned keys above it
+        refused = [key for key in range(limit + 1, UNIVERSE) if key not in reference.rows]
+        assert refused and table.stats()["initialized"] > 0
+        assert table.gradients_dropped > 0 and table.lookups_default > 0
+        before = table.lookup(probe, create=False)
+        np.testing.assert_array_equal(before[np.array(refused) + 2], 0.25)  # probe from -2
+    with EmbeddingStore(tmp_path / "db") as reopened:
+        table = reopened.table("t")
+        table.fallbacks.insert(0, RefuseAbove(limit, config))
+        np.testing.assert_array_equal(table.lookup(probe, create=False), before)
+        assert_same_rows(table, reference)
+
+
+def rounded(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values rounded to `dtype` by references outside tierps: numpy's float16,
+    torch's bfloat16 (both round to nearest, ties to even)."""
+    if dtype == "float32":
+        return values
+    if dtype == "float16":
+        return values.astype(np.float16).astype(np.float32)
+    torch = pytest.importorskip("torch")
+    as_tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    return as_tensor.to(torch.bfloat16).to(torch.float32).numpy()
+
+
+# half an ulp, relative, of each cold dtype (11 and 8 significant bits), and of float16's
+# subnormals (absolute): how far rounding moves a value
+HALF_ULP = {"float32": 0.0, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+HALF_ULP_ABS = {"float32": 0.0, "float16": 2.0**-25, "bfloat16": 0.0}
+
+
+class ColdReference(ReferenceTable):
+    """Rounding-aware: a stored row is, at any moment, either the reference's row or that
+    row rounded to the cold dtypes (its only copy went through RocksDB since it last
+    changed). Before each call the reference reads the table's rows of the call's stored
+    keys (EmbeddingTable.peek), checks that each is one of the two, and goes on from it.
+
+    "The reference's row" within the suite's atol (1e-6: the compiled kernels may fuse a
+    multiply-add); "rounded" means every value is one the cold dtype holds (rounding it
+    again changes nothing, checked with numpy's float16 and torch's bfloat16) and lies
+    within half an ulp of the reference's (plus atol). `rounded_rows` counts rows found
+    rounded."""
+
+    def __init__(self, config: TableConfig, table) -> None:
+        super().__init__(config)
+        self.table = table
+        self.rounded_rows = 0
+        dim = config.dim
+        self.dtypes = [(slice(0, dim), config.cold_dtype), (slice(dim, None), config.cold_state)]
+
+    def is_rounding_of(self, actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
+        """bool [n]: rows of `actual` that are `expected` rounded to the cold dtypes."""
+        ok = np.ones(actual.shape[0], dtype=bool)
+        for columns, dtype in self.dtypes:
+            got, want = actual[:, columns], expected[:, columns]
+            bound = np.abs(want) * HALF_ULP[dtype] + HALF_ULP_ABS[dtype] + 1e-6
+            ok &= (rounded(got, dtype) == got).all(axis=1)
+            ok &= (np.abs(got - want) <= bound).all(axis=1)
+        return ok
+
+    def sync(self, keys: np.ndarray) -> None:
+        stored = np.array(sorted({k for k in keys.tolist() if k in self.rows}), dtype=np.int64)
+        if stored.size == 0:
+            return
+        actual = self.table.peek(stored).rows[:, : self.config.row_width]
+        expected = np.stack([self.rows[k] for k in stored.tolist()])
+        exact = (np.abs(actual - expected) <= 1e-6).all(axis=1)
+        was_rounded = self.is_rounding_of(actual, expected)
+        assert (exact | was_rounded).all(), f"keys {stored[~(exact | was_rounded)]}"
+        self.rounded_rows += int(np.count_nonzero(was_rounded & ~exact))
+        for key, row in zip(stored.tolist(), actual, strict=True):
+            self.rows[key] = row.copy()
+
+
+COLD_CASES = {
+    "f16-sgd": ("float16", "", optim.SGD(lr=0.1)),
+    "f16-weights-adagrad": ("float16", "float32", optim.Adagrad(lr=0.1)),
+    "bf16-adam": ("bfloat16", "", optim.Adam(lr=0.01)),
+    "bf16-momentum": ("bfloat16", "", optim.Momentum(lr=0.05, momentum=0.8)),
+}
+
+
+@pytest.mark.parametrize("case", list(COLD_CASES))
+@pytest.mark.parametrize("setup", ["roomy", "tiny", "no_host", "write_through"])
+def test_cold_rows_match_the_rounding_aware_reference(
+    tmp_path: Path, setup: str, case: str
+) -> None:
+    """float16 / bfloat16 cold rows hold the contract: every row is the reference's or its
+    rounding, and RocksDB (export, a reopened store) holds the rounded rows."""
+    cold, cold_state, optimizer = COLD_CASES[case]
+    config = dataclasses.replace(
+        make_config(setup, optimizer), cold_dtype=cold, cold_state_dtype=cold_state
+    )
+    with EmbeddingStore(tmp_path / "db") as store:
+        table = store.create_table(config)
+        reference = ColdReference(config, table)
+        run_trace(table, reference, seed=zlib.crc32(setup.encode()) % 1000)
+        reference.sync(np.array(list(reference.rows), dtype=np.int64))
+        if setup != "roomy":  # rows went down to RocksDB and came back rounded
+            assert reference.rounded_rows > 0
+        stored = export_dict(table)  # RocksDB's rows: every one rounded
+        assert sorted(stored) == sorted(reference.rows)
+        keys = np.array(sorted(stored), dtype=np.int64)
+        on_disk = np.stack([stored[k] for k in keys.tolist()])
+        expected = np.stack([reference.rows[k] for k in keys.tolist()])
+        assert reference.is_rounding_of(on_disk, expected).all()
+        assert table.tiers[-1].codec.value_bytes < config.row_bytes  # half-size weights
+    with EmbeddingStore(tmp_path / "db") as reopened:
+        table = reopened.table("t")
+        assert table.config == config
+        np.testing.assert_array_equal(table.lookup(keys, create=False), on_disk[:, : config.dim])

@@ -111,7 +111,7 @@ def test_the_first_key_out_of_range_is_named_and_padding_is_not_refused(
     with pytest.raises(InvalidArgumentError, match=rf"got key {bad} at index 3$"):
         table.lookup(keys)
     with pytest.raises(InvalidArgumentError, match=rf"got key {bad} at index 3$"):
-        table.check_keys(keys)
+        table.check_key_range(keys)
     uint_keys = np.array([2, bad], np.uint64)  # other integer dtypes are checked alike
     with pytest.raises(InvalidArgumentError, match=rf"got key {bad} at index 1$"):
         table.assign(uint_keys, ones(2))

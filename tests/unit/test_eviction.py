@@ -212,7 +212,7 @@ def test_steps_whose_bits_are_float_nans_are_kept_bit_for_bit(tmp_path: Path) ->
         push(table, oracle, np.arange(50), signalling + 2)
     with EmbeddingStore(tmp_path / "db") as store:
         table = store.table("t")
-        stored = np.concatenate([table._steps(rows) for _, rows in table.durable.export(64)])
+        stored = np.concatenate([table.codec.steps(rows) for _, rows in table.durable.export(64)])
         assert sorted(set(stored.tolist())) == [signalling, signalling + 2]
         push(table, oracle, np.arange(10), signalling + 4)
         push(table, oracle, np.arange(10, 20), signalling + 3)  # older: stamped + 4

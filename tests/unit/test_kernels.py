@@ -701,33 +701,6 @@ def test_find_rows_matches_reference(backend: Backend, arena_width: int, width: 
     assert np.isnan(out[~hit]).all() and np.isnan(out[:, cols:]).all()
 
 
-def test_scatter_rows_matches_numpy(backend: Backend) -> None:
-    rng = np.random.default_rng(5)
-    arena = rng.standard_normal((50, 12), dtype=np.float32)
-    # direct row ids, one skipped (-1), into the first 8 columns (float4 path)
-    ids = rng.permutation(50)[:20].astype(np.int64)
-    ids[4] = -1
-    rows = rng.standard_normal((20, 8), dtype=np.float32)
-    expected = arena.copy()
-    expected[ids[ids >= 0], :8] = rows[ids >= 0]
-    got = backend.dev(arena.copy())
-    kernels.scatter_rows(got, backend.dev(ids), backend.dev(rows), launch=backend.launch)
-    np.testing.assert_array_equal(to_host(got), expected)
-    # through a hash table's values (ids are slots), 3 columns (scalar path)
-    values = rng.permutation(50).astype(np.int64)
-    slots = rng.permutation(50)[:10].astype(np.int64)
-    rows3 = rng.standard_normal((10, 3), dtype=np.float32)
-    expected[values[slots], :3] = rows3
-    kernels.scatter_rows(
-        got,
-        backend.dev(slots),
-        backend.dev(rows3),
-        values=backend.dev(values),
-        launch=backend.launch,
-    )
-    np.testing.assert_array_equal(to_host(got), expected)
-
-
 # --------------------------------------------------------------------------- optimizers
 
 OPTIMIZERS = {

@@ -1,0 +1,119 @@
+"""EmbeddingTable: the tier cascade of one table (storage/table.py), its row origins and
+fallbacks (storage/fallbacks.py) and the declared tier interface (storage/tiers.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.conftest import export_dict
+from tierps.storage import EmbeddingStore, TableConfig, optim
+from tierps.storage.fallbacks import RowOrigin
+from tierps.storage.tiers import CacheTier, DirectTier, Tier
+
+DIM = 4
+
+
+def test_empty_batches_work(store: EmbeddingStore) -> None:
+    table = store.create_table(TableConfig("items", DIM, host_cache_bytes=4096))
+    table.apply_gradients(np.arange(100), np.ones((100, DIM), np.float32), step=1)
+    before = export_dict(table)
+    empty = np.empty(0, dtype=np.int64)
+    assert table.lookup(empty).shape == (0, DIM)
+    table.apply_gradients(empty, np.empty((0, DIM), np.float32), 2)
+    table.assign(empty, np.empty((0, DIM), np.float32))
+    assert sorted(export_dict(table)) == sorted(before)
+
+
+def test_negative_keys_are_padding(store: EmbeddingStore) -> None:
+    config = TableConfig("t", DIM, optimizer=optim.SGD(lr=1.0))
+    table = store.create_table(config)
+    keys = np.array([-1, 5, -7, 5, -(2**63)], dtype=np.int64)
+    out = table.lookup(keys)
+    np.testing.assert_array_equal(out[[0, 2, 4]], 0.0)
+    expected = config.initial_rows(np.array([5]))[0]
+    np.testing.assert_array_equal(out[[1, 3]], [expected, expected])
+    table.apply_gradients(keys, np.ones((5, DIM), np.float32), 1)
+    table.assign(np.array([-3]), np.ones((1, DIM), np.float32))
+    stored = export_dict(table)
+    assert sorted(stored) == [5]
+    np.testing.assert_allclose(stored[5], expected - 2.0)  # two occurrences, lr 1
+
+
+def test_lookup_without_create_stores_nothing(store: EmbeddingStore) -> None:
+    config = TableConfig("t", DIM, host_cache_bytes=4096)
+    table = store.create_table(config)
+    keys = np.arange(50, dtype=np.int64)
+    got = table.lookup(keys, create=False)
+    np.testing.assert_array_equal(got, config.initial_rows(keys)[:, :DIM])
+    assert export_dict(table) == {}
+    assert table.stats()["created"] == 0
+
+
+def test_smaller_integer_dtypes_are_accepted(store: EmbeddingStore) -> None:
+    table = store.create_table(TableConfig("t", DIM))
+    np.testing.assert_array_equal(
+        table.lookup(np.array([1, 2], dtype=np.int32)),
+        table.lookup(np.array([1, 2], dtype=np.int64)),
+    )
+
+
+def test_gathered_rows_say_where_they_came_from(store: EmbeddingStore) -> None:
+    """peek reports each row's origin: a tier (and which), or the initializer; an
+    admission refusal and a bucket row have origins of their own."""
+    config = TableConfig("t", DIM, optimizer=optim.SGD(lr=1.0), host_cache_bytes=1 << 20)
+    table = store.create_table(config)
+    table.lookup(np.arange(4, dtype=np.int64))  # stored in the host tier
+    table.flush()
+    gathered = table.peek(np.array([0, 1, 9], dtype=np.int64))
+    np.testing.assert_array_equal(
+        gathered.origin, [RowOrigin.TIER, RowOrigin.TIER, RowOrigin.INITIALIZER]
+    )
+    np.testing.assert_array_equal(gathered.level, [0, 0, -1])
+    np.testing.assert_array_equal(gathered.rows[2], config.initial_rows(np.array([9]))[0])
+    assert table.stats()["initialized"] == 4  # peek stores and counts nothing
+
+    admit = store.create_table(TableConfig("admit", DIM, admit_after=2, default_value=0.5))
+    refused = admit.peek(np.array([3], dtype=np.int64))
+    assert refused.origin[0] == RowOrigin.REFUSED and (refused.rows[0, :DIM] == 0.5).all()
+    bucketed = store.create_table(
+        TableConfig("adaptive", DIM, hash_bucket_size=8, promote_after=3)
+    ).peek(np.array([3], dtype=np.int64))
+    assert bucketed.origin[0] == RowOrigin.BUCKET
+
+
+def test_the_fallbacks_run_in_order_after_the_stored_tiers(store: EmbeddingStore) -> None:
+    config = TableConfig("t", DIM, admit_after=2)
+    table = store.create_table(config)
+    kinds = [type(fallback).__name__ for fallback in table.fallbacks]
+    assert kinds == ["Admission", "Initializer"]
+    keys = np.array([5, 6], dtype=np.int64)
+    table.lookup(keys)  # the first sighting: refused
+    assert export_dict(table) == {}
+    table.lookup(keys)  # the second: admitted, initialised and stored
+    assert sorted(export_dict(table)) == [5, 6]
+
+
+def test_every_tier_declares_the_interface_and_its_capability(store: EmbeddingStore) -> None:
+    """Tier is an ABC: a tier must implement every call (contains included); trains_in_place
+    is a property, False unless a tier says otherwise."""
+
+    class Partial(Tier):
+        name = "partial"
+
+        def find(self, keys):  # the rest left out
+            raise AssertionError
+
+    with pytest.raises(TypeError, match="abstract"):
+        Partial()  # type: ignore[abstract]
+    config = TableConfig("t", DIM, host_cache_bytes=1 << 20)
+    direct = DirectTier(TableConfig("d", DIM, use_hashtable=False, capacity=10))
+    host = CacheTier(config, 1 << 20)
+    assert not direct.trains_in_place and not host.trains_in_place
+    assert CacheTier(config, 1 << 20, trains_in_place=True).trains_in_place
+    table = store.create_table(config)
+    table.lookup(np.array([1, 2], dtype=np.int64))
+    table.flush()
+    probe = np.array([1, 3, 2], dtype=np.int64)
+    for tier in table.tiers:  # the host tier and RocksDB
+        np.testing.assert_array_equal(tier.contains(probe), [True, False, True])

@@ -288,9 +288,10 @@ _PreparedPooling = _PreparedHost | _PreparedDevice
 
 
 class EmbeddingClient(ClusterAdmin):
-    """A trainer's client of the cluster whose shard i listens at addresses[i]; a context
-    manager. It has every ClusterAdmin call (create_table, drop_table, list_tables,
-    describe, save_snapshot, load_snapshot, list_snapshots, stats) and the data calls.
+    """A trainer's client of the cluster whose shard i listens at addresses[i] (None: the
+    addresses in TIERPS_ADDRESSES, as `tierps cluster` prints them); a context manager. It
+    has every ClusterAdmin call (create_table, drop_table, list_tables, describe,
+    save_snapshot, load_snapshot, list_snapshots, stats) and the data calls.
 
     Every data call has a deadline of timeout_s per shard call. A call failing with UNAVAILABLE is
     retried by gRPC as `retry` says; any failure a shard gives is raised as a ShardError
@@ -299,7 +300,7 @@ class EmbeddingClient(ClusterAdmin):
 
     def __init__(
         self,
-        addresses: list[str],
+        addresses: Sequence[str] | str | None = None,
         *,
         timeout_s: float = 30.0,
         retry: RetryPolicy | None = None,
@@ -320,7 +321,7 @@ class EmbeddingClient(ClusterAdmin):
         super().__init__(addresses, timeout_s=timeout_s, retry=retry)
         # Data calls' own threads: snapshot streams hold the admin pool for as long as they
         # run, and a prefetch may fan out while a push does.
-        self._calls = ThreadPoolExecutor(2 * len(addresses), thread_name_prefix="tierps-calls")
+        self._calls = ThreadPoolExecutor(2 * len(self.addresses), thread_name_prefix="tierps-calls")
         self.chunk_bytes = chunk_bytes
         self.max_call_bytes = max_call_bytes
         self._data = [pb_grpc.EmbeddingServiceStub(channel) for channel in self._channels]
@@ -337,7 +338,7 @@ class EmbeddingClient(ClusterAdmin):
         ]
         # Bulk bytes a call to shard i may carry as one message each way: lowered for a
         # shard that refused a call as too large for one (its message limit is lower).
-        self._one_message_bytes = [one_message_bytes] * len(addresses)
+        self._one_message_bytes = [one_message_bytes] * len(self.addresses)
         self._configs: dict[str, TableConfig] = {}
         self._steps: dict[str, int] = {}
         self._lock = threading.Lock()

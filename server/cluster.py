@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -34,6 +34,31 @@ def wait_until_serving(address: str, timeout_s: float) -> None:
                 last = f"{error.code().name}: {error.details()}"
             time.sleep(0.05)
     raise TimeoutError(f"shard at {address} not SERVING after {timeout_s:.0f} s (last: {last})")
+
+
+class ShardStartError(RuntimeError):
+    """A shard's daemon exited while starting; the message quotes its log of this start."""
+
+
+def _ports_of(port_file: Path, pid: int) -> dict[str, Any] | None:
+    """The ports a shard daemon with this pid wrote to port_file (JSON), or None while the
+    file is missing or was written by another process (an earlier or another daemon)."""
+    try:
+        ports = json.loads(port_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return ports if ports.get("pid") == pid else None
+
+
+def _running_daemon(port_file: Path) -> dict[str, Any] | None:
+    """The ports of the shard daemon that wrote port_file if that process still runs a
+    `tierps ... serve` (not a pid reused since), else None."""
+    try:
+        ports = json.loads(port_file.read_text())
+        cmdline = Path(f"/proc/{int(ports['pid'])}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return ports if b"serve" in cmdline and any(b"tierps" in a for a in cmdline) else None
 
 
 class LocalCluster:
@@ -75,6 +100,7 @@ class LocalCluster:
         self.metrics_ports: list[int | None] = []
         self._processes: list[subprocess.Popen[bytes] | None] = [None] * num_shards
         self._logs: list[IO[bytes] | None] = [None] * num_shards
+        self._log_starts = [0] * num_shards
 
     def _paths(self, shard_id: int) -> tuple[Path, Path, Path]:
         stem = self.data_dir / f"shard-{shard_id}"
@@ -99,10 +125,19 @@ class LocalCluster:
         """Start one shard's daemon (again, after stop_shard) and wait until it serves."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         _, port_file, log_file = self._paths(shard_id)
-        port_file.unlink(missing_ok=True)
         if self._processes[shard_id] is not None:
             raise RuntimeError(f"LocalCluster: shard {shard_id} is running; stop_shard it first")
+        running = _running_daemon(port_file)
+        if running is not None:
+            raise ShardStartError(
+                f"shard {shard_id}: {port_file.with_suffix('')} is in use by a running shard "
+                f"(pid {running['pid']}, port {running['port']}): another cluster on this data "
+                f"dir? Stop it, or give another data dir"
+            )
+        # The port file is left as it is (a shard starting at once could own it): this
+        # shard's is the one naming its pid.
         log = open(log_file, "ab")  # noqa: SIM115 - closed in stop_shard
+        self._log_starts[shard_id] = log.tell()  # a failure quotes this start's lines only
         try:
             self._processes[shard_id] = subprocess.Popen(
                 self._command(shard_id),
@@ -116,13 +151,13 @@ class LocalCluster:
             raise
         self._logs[shard_id] = log
         deadline = time.monotonic() + self.start_timeout_s
-        while not port_file.exists():
-            if self._processes[shard_id].poll() is not None:
-                raise RuntimeError(self._failure(shard_id, "exited while starting"))
+        process = self._processes[shard_id]
+        while (ports := _ports_of(port_file, process.pid)) is None:
+            if process.poll() is not None:
+                raise ShardStartError(self._failure(shard_id, "exited while starting"))
             if time.monotonic() > deadline:
                 raise TimeoutError(self._failure(shard_id, "did not start in time"))
             time.sleep(0.05)
-        ports = json.loads(port_file.read_text())
         address = f"{self.host}:{ports['port']}"
         wait_until_serving(address, max(1.0, deadline - time.monotonic()))
         while len(self.addresses) <= shard_id:
@@ -134,7 +169,12 @@ class LocalCluster:
     def _failure(self, shard_id: int, what: str) -> str:
         _, _, log_file = self._paths(shard_id)
         process = self._processes[shard_id]
-        tail = log_file.read_text(errors="replace")[-3000:] if log_file.exists() else ""
+        try:
+            with open(log_file, "rb") as lines:
+                lines.seek(self._log_starts[shard_id])
+                tail = lines.read().decode(errors="replace")[-3000:]
+        except OSError:
+            tail = ""
         code = process.poll() if process is not None else None
         return f"shard {shard_id} {what} (exit code {code}); log {log_file}:\n{tail}"
 

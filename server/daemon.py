@@ -217,6 +217,12 @@ def serve(config: ServerConfig, *, port_file: Path | None = None) -> int:
             json.dumps({"port": port, "metrics_port": server.metrics_port, "pid": os.getpid()})
         )
         os.replace(tmp, port_file)
+    metrics = f", metrics at http://{config.host}:{server.metrics_port}/metrics"
+    print(
+        f"shard {config.shard_id} of {config.num_shards} serving at {server.address}"
+        f"{metrics if server.metrics_port is not None else ''}",
+        flush=True,
+    )  # stdout, for a person; the JSON log on stderr says the same
     while not stop:
         time.sleep(0.2)
     try:

@@ -256,6 +256,28 @@ class TableConfig:
         return cls(**data)
 
 
+def config_differences(existing: TableConfig, requested: TableConfig) -> str:
+    """The fields in which two table configs differ, as "field 'dim' expected 16 (the
+    table's), got 32; ..." (nested fields dotted: 'optimizer.lr'); "" when they agree."""
+
+    def flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    have, want = flat(existing.to_dict()), flat(requested.to_dict())
+    return "; ".join(
+        f"field {name!r} expected {have.get(name, '(none)')!r} (the table's), got "
+        f"{want.get(name, '(none)')!r}"
+        for name in [*have, *(n for n in want if n not in have)]
+        if have.get(name) != want.get(name)
+    )
+
+
 def _from_kind(field_name: str, registry: dict[str, type], data: dict[str, Any]) -> Any:
     params = dict(data)
     kind = params.pop("kind", None)

@@ -46,7 +46,7 @@ from rocksdict import Checkpoint, Options, Rdict, WriteBatch, WriteOptions
 from tierps.storage import kernels
 from tierps.storage.adaptive import BucketRows
 from tierps.storage.admission import bloom_bytes
-from tierps.storage.config import TableConfig
+from tierps.storage.config import TableConfig, config_differences
 from tierps.storage.errors import (
     BackendError,
     FailedPreconditionError,
@@ -427,7 +427,7 @@ class EmbeddingStore:
                 if existing.config != config:
                     raise FailedPreconditionError(
                         f"{self._where(config.name)} exists with another config: "
-                        f"existing {existing.config.to_dict()}, requested {config.to_dict()}"
+                        f"{config_differences(existing.config, config)}"
                     )
                 return existing
             self.check_creatable(config)

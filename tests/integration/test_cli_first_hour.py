@@ -1,0 +1,162 @@
+"""What a new user meets first, against one real subprocess cluster (LocalCluster): the
+admin CLI's flags after the subcommand and TIERPS_ADDRESSES, `create --config` with the
+list `tables --json` prints, a config clash named field by field, snapshot progress (no
+carriage returns into a pipe; a fixed total and whole rows on a terminal; NOT_FOUND listing
+the snapshots there), a reader that goes away, a second `tierps cluster` on a data dir in
+use, and --version."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import re
+import struct
+import subprocess
+import sys
+import termios
+from collections.abc import Iterator
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tierps.client import EmbeddingClient, TableConfig, optim
+from tierps.server.cluster import LocalCluster
+
+TIMEOUT_S = 60.0
+TABLE = TableConfig("clicks", 8, optimizer=optim.Adagrad(lr=0.1), seed=3)
+KEYS = np.arange(0, 5000, dtype=np.int64)
+
+
+def tierps(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tierps.server.cli", *args], capture_output=True, text=True,
+        timeout=TIMEOUT_S, stdin=subprocess.DEVNULL, env=env,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    root = tmp_path_factory.mktemp("first-hour")
+    with LocalCluster(2, root / "data", root / "snapshots") as running:
+        with EmbeddingClient(running.addresses) as client:
+            client.create_table(TABLE)
+            client.lookup(TABLE.name, KEYS)
+        yield running
+
+
+@pytest.fixture
+def env(cluster: LocalCluster) -> dict[str, str]:
+    """The environment with the cluster's addresses in TIERPS_ADDRESSES."""
+    return {**os.environ, "TIERPS_ADDRESSES": ",".join(cluster.addresses)}
+
+
+def test_flags_after_the_subcommand_and_addresses_from_the_environment(
+    env: dict[str, str],
+) -> None:
+    result = tierps("admin", "tables", "--json", "--timeout-s", "20", env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [TABLE.to_dict()]
+    result = tierps("admin", "snapshot", "list", "--json", env=env)
+    assert result.returncode == 0, result.stderr
+    assert isinstance(json.loads(result.stdout), list)
+    without = {k: v for k, v in env.items() if k != "TIERPS_ADDRESSES"}
+    result = tierps("admin", "tables", env=without)
+    assert result.returncode == 1 and "TIERPS_ADDRESSES" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_create_takes_the_tables_json_list_and_names_a_clashing_field(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    listed = tmp_path / "tables.json"
+    listed.write_text(tierps("admin", "tables", "--json", env=env).stdout)
+    result = tierps("admin", "create", "--config", str(listed), env=env)
+    assert result.returncode == 0, result.stderr
+    assert "'clicks' exists already" in result.stdout
+
+    other = TableConfig("clicks", 16, optimizer=optim.Adagrad(lr=0.2), seed=3)
+    clash = tmp_path / "clash.json"
+    clash.write_text(json.dumps(other.to_dict()))
+    result = tierps("admin", "create", "--config", str(clash), env=env)
+    assert result.returncode == 1
+    assert "field 'dim' expected 8 (the table's), got 16" in result.stderr, result.stderr
+    assert "field 'optimizer.lr' expected 0.1 (the table's), got 0.2" in result.stderr
+    assert "'seed'" not in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr) < 400, result.stderr  # not two whole configs
+
+
+def test_snapshot_progress_in_a_pipe_and_on_a_terminal(env: dict[str, str]) -> None:
+    piped = tierps("admin", "snapshot", "save", "first-piped", env=env)
+    assert piped.returncode == 0, piped.stderr
+    assert "\r" not in piped.stderr and "\r" not in piped.stdout
+    assert f"saved snapshot 'first-piped': {KEYS.size:,} rows" in piped.stdout
+
+    # On a terminal: a bar whose total never changes, in whole rows, never past it.
+    terminal, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24 x 100
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tierps.server.cli", "admin", "snapshot", "load", "first-piped"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=child, env=env,
+    )  # fmt: skip
+    os.close(child)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(terminal, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(terminal)
+    assert process.wait(TIMEOUT_S) == 0
+    process.stdout.close()
+    bars = re.findall(r"(\d+)/(\d+) \[", seen.decode(errors="replace"))
+    assert bars, seen
+    totals = {int(total) for _, total in bars}
+    assert totals == {2 * KEYS.size}, seen  # each of 2 shards reads every part: fixed
+    done = [int(n) for n, _ in bars]
+    assert done == sorted(done) and done[-1] == 2 * KEYS.size, seen
+
+
+def test_a_missing_snapshot_shows_no_bar_and_lists_what_exists(env: dict[str, str]) -> None:
+    tierps("admin", "snapshot", "save", "first-listed", env=env)
+    result = tierps("admin", "snapshot", "load", "no-such", env=env)
+    assert result.returncode == 1
+    assert "NOT_FOUND" in result.stderr and "first-listed" in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr  # one line: no bar
+
+
+def test_a_reader_that_goes_away_ends_it_quietly(env: dict[str, str]) -> None:
+    for args in (("stats",), ("stats", "--json")):
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tierps.server.cli", "admin", *args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        )  # fmt: skip
+        process.stdout.close()  # as `| head` does once it has its lines
+        _, stderr = process.communicate(timeout=TIMEOUT_S)
+        assert process.returncode == 141, (args, stderr)
+        assert b"Broken pipe" not in stderr and b"Traceback" not in stderr, stderr
+
+
+def test_a_second_cluster_on_a_data_dir_in_use_is_refused_cleanly(cluster: LocalCluster) -> None:
+    port_files = sorted(cluster.data_dir.glob("shard-*.port"))
+    before = {path: path.read_text() for path in port_files}
+    assert len(before) == 2
+    result = tierps("cluster", "--shards", "2", "--data-dir", str(cluster.data_dir))
+    assert result.returncode == 1
+    assert "in use by a running shard" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert {path: path.read_text() for path in port_files} == before
+    with EmbeddingClient(cluster.addresses) as client:  # the running cluster serves on
+        assert client.lookup(TABLE.name, KEYS[:3], create=False).shape == (3, 8)
+
+
+def test_version() -> None:
+    result = tierps("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"tierps {version('tierps')}"

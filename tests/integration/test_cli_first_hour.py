@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from tierps.client import EmbeddingClient, TableConfig, optim
+from tierps.server import cli
 from tierps.server.cluster import LocalCluster
 
 TIMEOUT_S = 60.0
@@ -49,44 +50,52 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 
 @pytest.fixture
-def env(cluster: LocalCluster) -> dict[str, str]:
-    """The environment with the cluster's addresses in TIERPS_ADDRESSES."""
-    return {**os.environ, "TIERPS_ADDRESSES": ",".join(cluster.addresses)}
+def env(cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """TIERPS_ADDRESSES set to the cluster's, here and in the environment returned."""
+    monkeypatch.setenv("TIERPS_ADDRESSES", ",".join(cluster.addresses))
+    return {**os.environ}
+
+
+def admin(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """`tierps admin ARGS` run in this process (its parser and code, this cluster; a
+    subprocess would only add a second of imports): (exit status, stdout, stderr)."""
+    code = cli.main(["admin", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 def test_flags_after_the_subcommand_and_addresses_from_the_environment(
-    env: dict[str, str],
+    env: dict[str, str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    result = tierps("admin", "tables", "--json", "--timeout-s", "20", env=env)
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == [TABLE.to_dict()]
-    result = tierps("admin", "snapshot", "list", "--json", env=env)
-    assert result.returncode == 0, result.stderr
-    assert isinstance(json.loads(result.stdout), list)
-    without = {k: v for k, v in env.items() if k != "TIERPS_ADDRESSES"}
-    result = tierps("admin", "tables", env=without)
-    assert result.returncode == 1 and "TIERPS_ADDRESSES" in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr
+    code, out, err = admin(capsys, "tables", "--json", "--timeout-s", "20")
+    assert code == 0, err
+    assert json.loads(out) == [TABLE.to_dict()]
+    code, out, err = admin(capsys, "snapshot", "list", "--json")
+    assert code == 0, err
+    assert isinstance(json.loads(out), list)
+    monkeypatch.delenv("TIERPS_ADDRESSES")
+    code, out, err = admin(capsys, "tables")
+    assert code == 1 and "TIERPS_ADDRESSES" in err, err
 
 
 def test_create_takes_the_tables_json_list_and_names_a_clashing_field(
-    env: dict[str, str], tmp_path: Path
+    env: dict[str, str], capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     listed = tmp_path / "tables.json"
-    listed.write_text(tierps("admin", "tables", "--json", env=env).stdout)
-    result = tierps("admin", "create", "--config", str(listed), env=env)
-    assert result.returncode == 0, result.stderr
-    assert "'clicks' exists already" in result.stdout
+    listed.write_text(admin(capsys, "tables", "--json")[1])
+    code, out, err = admin(capsys, "create", "--config", str(listed))
+    assert code == 0, err
+    assert "'clicks' exists already" in out
 
     other = TableConfig("clicks", 16, optimizer=optim.Adagrad(lr=0.2), seed=3)
     clash = tmp_path / "clash.json"
     clash.write_text(json.dumps(other.to_dict()))
-    result = tierps("admin", "create", "--config", str(clash), env=env)
-    assert result.returncode == 1
-    assert "field 'dim' expected 8 (the table's), got 16" in result.stderr, result.stderr
-    assert "field 'optimizer.lr' expected 0.1 (the table's), got 0.2" in result.stderr
-    assert "'seed'" not in result.stderr and "Traceback" not in result.stderr
-    assert len(result.stderr) < 400, result.stderr  # not two whole configs
+    code, out, err = admin(capsys, "create", "--config", str(clash))
+    assert code == 1
+    assert "field 'dim' expected 8 (the table's), got 16" in err, err
+    assert "field 'optimizer.lr' expected 0.1 (the table's), got 0.2" in err
+    assert "'seed'" not in err
+    assert len(err) < 400, err  # not two whole configs
 
 
 def test_snapshot_progress_in_a_pipe_and_on_a_terminal(env: dict[str, str]) -> None:
@@ -123,12 +132,14 @@ def test_snapshot_progress_in_a_pipe_and_on_a_terminal(env: dict[str, str]) -> N
     assert done == sorted(done) and done[-1] == 2 * KEYS.size, seen
 
 
-def test_a_missing_snapshot_shows_no_bar_and_lists_what_exists(env: dict[str, str]) -> None:
-    tierps("admin", "snapshot", "save", "first-listed", env=env)
-    result = tierps("admin", "snapshot", "load", "no-such", env=env)
-    assert result.returncode == 1
-    assert "NOT_FOUND" in result.stderr and "first-listed" in result.stderr, result.stderr
-    assert result.stderr.count("\n") == 1, result.stderr  # one line: no bar
+def test_a_missing_snapshot_lists_what_exists(
+    env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert admin(capsys, "snapshot", "save", "first-listed")[0] == 0
+    code, out, err = admin(capsys, "snapshot", "load", "no-such")
+    assert code == 1
+    assert "NOT_FOUND" in err and "first-listed" in err, err
+    assert err.count("\n") == 1, err
 
 
 def test_a_reader_that_goes_away_ends_it_quietly(env: dict[str, str]) -> None:

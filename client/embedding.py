@@ -46,7 +46,7 @@ from tierps.client.pooling import (
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
-from tierps.storage.config import Placement, TableConfig, owner_shard
+from tierps.storage.config import TableConfig, key_shards, single_shard
 from tierps.storage.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -804,13 +804,12 @@ class EmbeddingClient(ClusterAdmin):
         per_shard: list[list[Batch]] = [[] for _ in self.addresses]
         for name, (dim, keys) in tables.items():
             config = self.table_config(name)
-            table_placed = config.placement is Placement.TABLE
-            if table_placed or self.num_shards == 1:  # every key on one shard: no split
+            owner = single_shard(config, self.num_shards)
+            if owner is not None:  # every key on one shard: no split
                 if keys.size:
-                    owner = owner_shard(config, self.num_shards) if table_placed else 0
                     per_shard[owner].append((name, dim, keys, np.arange(keys.size)))
                 continue
-            shard_of = (keys % self.num_shards).astype(np.uint16)  # num_shards <= 2**16
+            shard_of = key_shards(config, keys, self.num_shards).astype(np.uint16)  # N <= 2**16
             order = np.argsort(shard_of, kind="stable")  # a radix sort for 16-bit ints
             bounds = np.searchsorted(shard_of[order], np.arange(self.num_shards + 1))
             for shard in range(self.num_shards):

@@ -28,7 +28,7 @@ from tierps.storage import (
     TableConfig,
     snapshot,
 )
-from tierps.storage.config import Placement, WritePolicy, owner_shard
+from tierps.storage.config import Placement, WritePolicy, key_shards, owner_shard
 from tierps.storage.snapshot import Progress
 from tierps.storage.table import FLUSH_CHUNK_BYTES, EmbeddingTable
 from tierps.storage.xp import gpu_arrays
@@ -273,13 +273,13 @@ class Shard:
                     f"to shard {owner}"
                 )
             return
-        wrong = (keys >= 0) & (keys % self.num_shards != self.shard_id)
+        shards = key_shards(config, keys, self.num_shards)
+        wrong = (keys >= 0) & (shards != self.shard_id)
         if wrong.any():
             index = int(np.argmax(wrong))
-            key = int(keys[index])
             raise InvalidArgumentError(
-                f"table {config.name!r}: key {key} at index {index} belongs to shard "
-                f"{key % self.num_shards}, not to {self.where} (a key k lives on shard "
+                f"table {config.name!r}: key {int(keys[index])} at index {index} belongs to "
+                f"shard {int(shards[index])}, not to {self.where} (a key k lives on shard "
                 f"k % {self.num_shards})"
             )
 

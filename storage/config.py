@@ -316,7 +316,18 @@ def owner_shard(config: TableConfig, num_shards: int) -> int:
 
 def key_shards(config: TableConfig, keys: np.ndarray, num_shards: int) -> np.ndarray:
     """The shard of each int64 key >= 0 of a table in a cluster of num_shards: k % num_shards
-    (placement="row"), or the table's owner_shard for every key (placement="table")."""
-    if config.placement is Placement.TABLE:
-        return np.full(keys.shape, owner_shard(config, num_shards), dtype=np.int64)
+    (placement="row"), or the table's owner_shard for every key (placement="table"). The one
+    owner of key placement: the client's routing, a shard's check of the keys it is sent
+    and a snapshot load's share of each shard all ask it (or single_shard, its shortcut)."""
+    single = single_shard(config, num_shards)
+    if single is not None:
+        return np.full(keys.shape, single, dtype=np.int64)
     return keys % num_shards
+
+
+def single_shard(config: TableConfig, num_shards: int) -> int | None:
+    """The one shard that holds every key of the table (a table placed whole: its
+    owner_shard; a cluster of one shard: 0), or None when its keys spread (key_shards)."""
+    if config.placement is Placement.TABLE:
+        return owner_shard(config, num_shards)
+    return 0 if num_shards == 1 else None

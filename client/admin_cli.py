@@ -14,6 +14,7 @@ from tqdm import tqdm
 from tierps.client.addresses import ADDRESSES_ENV
 from tierps.client.admin import ShardError
 from tierps.client.embedding import EmbeddingClient
+from tierps.client.top import run_top
 from tierps.storage.config import TableConfig
 from tierps.storage.errors import TierpsError
 
@@ -71,6 +72,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     action("stats", "every shard's tables, memory and uptime, and each table's tiers")
     evict = action("evict", "remove a table's stale (steps_to_live) and small (min_l2_norm) rows")
     evict.add_argument("table")
+    top = action(
+        "top",
+        "a live view: per shard calls/s and p50/p99 latency per RPC (shards serving metrics), "
+        "rows, bytes and hit rate per tier; per table rows and keys/s looked up and pushed",
+    )
+    top.add_argument(
+        "--interval-s", type=float, default=2.0,
+        help="seconds between refreshes, and the window of the rates (default 2)",
+    )  # fmt: skip
+    top.add_argument("--once", action="store_true", help="print one frame and exit (scripts)")
     snapshot = action("snapshot", "save, load or list snapshots")
     verbs = snapshot.add_subparsers(dest="verb", required=True)
     action("save", "save a consistent snapshot of every table", verbs).add_argument("name")
@@ -247,6 +258,10 @@ def _read_configs(path: Path) -> list[TableConfig]:
 
 
 def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
+    if args.action == "top":
+        if not args.interval_s > 0:
+            raise ValueError(f"--interval-s expected > 0, got {args.interval_s}")
+        return run_top(admin, interval_s=args.interval_s, once=args.once, as_json=args.json)
     if args.action == "create":
         configs = _read_configs(args.config)
         if args.init is not None and len(configs) != 1:

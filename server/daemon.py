@@ -143,6 +143,7 @@ class ShardServer:
         self.shard.start_background()
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
+            self.shard.metrics_port = self.metrics_port  # Stats tells clients (admin top)
         self.shard.publish_serving()  # NOT_SERVING still if its store cannot write
         log.info(
             "serving",

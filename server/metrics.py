@@ -17,7 +17,8 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 
 class _TableCollector(Collector):
-    """Rows, bytes, hits and misses per table and tier, read from the shard when scraped."""
+    """Rows, bytes, hits and misses per table and tier, keys looked up and pushed per table,
+    the last flush's time and the process's memory, read from the shard when scraped."""
 
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
@@ -40,18 +41,40 @@ class _TableCollector(Collector):
             "Keys looked for and not found, per table and tier",
             labels=labels,
         )
+        looked_up = CounterMetricFamily(
+            "tierps_table_keys_looked_up", "Keys looked up, per table", labels=["shard", "table"]
+        )
+        pushed = CounterMetricFamily(
+            "tierps_table_keys_pushed", "Keys pushed, per table", labels=["shard", "table"]
+        )
+        last_flush = GaugeMetricFamily(
+            "tierps_last_flush_timestamp_seconds",
+            "Unix time of the last flush of every dirty row to RocksDB (0: none yet); the "
+            "flush lag is time() minus this",
+            labels=["shard"],
+        )
+        rss = GaugeMetricFamily(
+            "tierps_resident_memory_bytes", "Resident memory of the shard process", labels=["shard"]
+        )
+        shard = str(self.shard.shard_id)
         try:
-            tables = self.shard.stats()["tables"]
+            stats = self.shard.stats()
         except Exception:  # closing, or a table dropped mid-scrape: report nothing this time
-            tables = []
-        for table in tables:
+            stats = {"tables": []}
+        for table in stats["tables"]:
+            name = table["config"].name
             for tier in table["tiers"]:
-                values = [str(self.shard.shard_id), table["config"].name, tier["name"]]
+                values = [shard, name, tier["name"]]
                 rows.add_metric(values, tier["rows"])
                 size.add_metric(values, tier["bytes"])
                 hits.add_metric(values, tier["hits"])
                 misses.add_metric(values, tier["misses"])
-        yield from (rows, size, hits, misses)
+            looked_up.add_metric([shard, name], table["keys_looked_up"])
+            pushed.add_metric([shard, name], table["keys_pushed"])
+        if "last_flush_unix_s" in stats:
+            last_flush.add_metric([shard], stats["last_flush_unix_s"])
+            rss.add_metric([shard], stats["rss_bytes"])
+        yield from (rows, size, hits, misses, looked_up, pushed, last_flush, rss)
 
 
 class ShardMetrics:

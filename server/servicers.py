@@ -123,6 +123,8 @@ def _description(described: dict[str, Any]) -> pb.TableDescription:
         initialized=described["initialized"],
         created=described["created"],
         lifecycle=described["lifecycle"],
+        keys_looked_up=described["keys_looked_up"],
+        keys_pushed=described["keys_pushed"],
     )
 
 

@@ -3,6 +3,7 @@ needs (key ownership, dims, sizes) and the locking that makes snapshots consiste
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -159,6 +160,10 @@ class Shard:
         self.num_shards = config.num_shards
         self.where = f"shard {self.shard_id} of {self.num_shards}"
         self.started = time.time()
+        self.metrics_port = 0  # the bound /metrics port, set by the daemon serving it
+        # Per table: [keys looked up, keys pushed] since the start (Stats, metrics, top).
+        self._key_counts: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+        self._key_counts_lock = threading.Lock()
         self._check_identity(Path(config.data_dir))
         if config.require_gpu:
             module, why = gpu_arrays(config.gpu_arrays)
@@ -309,10 +314,12 @@ class Shard:
         """Weights of each batch's keys; every batch is checked before any is looked up."""
         with self._gate.shared():
             targets = [self._checked(batch.table, batch.dim, batch.keys) for batch in batches]
-            return self._each_table(
+            rows = self._each_table(
                 lambda pair: pair[0].lookup(pair[1].keys, create=pair[1].create),
                 list(zip(targets, batches, strict=True)),
             )
+        self._count_keys(batches, 0)
+        return rows
 
     def push_gradients(self, batches: list[PushBatch]) -> int:
         """Apply each table's gradients; every batch (its gradients and step included) is
@@ -323,9 +330,18 @@ class Shard:
                 target = self._checked(batch.table, batch.dim, batch.keys)
                 arguments = target.check_gradients(batch.keys, batch.grads, batch.step)
                 checked.append((target, *arguments))
-            return sum(
+            updated = sum(
                 self._each_table(lambda item: item[0].apply_checked_gradients(*item[1:]), checked)
             )
+        self._count_keys(batches, 1)
+        return updated
+
+    def _count_keys(self, batches: Sequence[LookupBatch | PushBatch], kind: int) -> None:
+        """Count the batches' keys per table (kind 0: looked up, 1: pushed), once a call
+        that succeeded."""
+        with self._key_counts_lock:
+            for batch in batches:
+                self._key_counts[batch.table][kind] += int(batch.keys.size)
 
     def assign(self, batches: list[AssignBatch]) -> int:
         """Set each table's rows; every batch is checked before any is set."""
@@ -350,6 +366,8 @@ class Shard:
     def drop_table(self, name: str) -> None:
         with self._admin, self._gate.exclusive():
             self.store.drop_table(name)
+        with self._key_counts_lock:
+            self._key_counts.pop(name, None)
 
     def list_tables(self) -> list[TableConfig]:
         return sorted(self.store.tables(), key=lambda config: config.name)
@@ -379,6 +397,8 @@ class Shard:
             "initialized": stats["initialized"],
             "created": stats["created"],
             "lifecycle": _lifecycle(stats),
+            "keys_looked_up": self._key_counts[name][0] if name in self._key_counts else 0,
+            "keys_pushed": self._key_counts[name][1] if name in self._key_counts else 0,
         }
 
     def stats(self) -> dict[str, Any]:
@@ -395,6 +415,7 @@ class Shard:
             "previous_life_clean": self.lives.ended_cleanly,
             "last_flush_unix_s": self.last_flush or 0.0,
             "writable": self.store.writable,
+            "metrics_port": self.metrics_port,
         }
 
     # -- eviction ----------------------------------------------------------------------------

@@ -3,7 +3,7 @@ admin CLI's flags after the subcommand and TIERPS_ADDRESSES, `create --config` w
 list `tables --json` prints, a config clash named field by field, snapshot progress (no
 carriage returns into a pipe; a fixed total and whole rows on a terminal; NOT_FOUND listing
 the snapshots there), a reader that goes away, a second `tierps cluster` on a data dir in
-use, and --version."""
+use, --version, and `tierps admin top --once`."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import struct
 import subprocess
 import sys
 import termios
+import threading
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
@@ -42,7 +43,7 @@ def tierps(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     root = tmp_path_factory.mktemp("first-hour")
-    with LocalCluster(2, root / "data", root / "snapshots") as running:
+    with LocalCluster(2, root / "data", root / "snapshots", metrics=True) as running:
         with EmbeddingClient(running.addresses) as client:
             client.create_table(TABLE)
             client.lookup(TABLE.name, KEYS)
@@ -171,3 +172,48 @@ def test_version() -> None:
     result = tierps("--version")
     assert result.returncode == 0
     assert result.stdout.strip() == f"tierps {version('tierps')}"
+
+
+def test_top_once_shows_each_shard_tier_and_table(
+    env: dict[str, str], capsys: pytest.CaptureFixture[str], cluster: LocalCluster
+) -> None:
+    """Totals against the keys this test sends (EmbeddingClient sends each distinct key once
+    to its shard); rates and latencies from traffic running while top samples."""
+    code, out, err = admin(capsys, "top", "--once", "--interval-s", "0.1", "--json")
+    assert code == 0, err
+    before = {t["name"]: t for t in json.loads(out)["tables"]}[TABLE.name]
+    looked, pushed = np.arange(100, 400, dtype=np.int64), np.arange(7, 107, dtype=np.int64)
+    stop = threading.Event()
+    with EmbeddingClient(cluster.addresses) as client:
+        for _ in range(3):
+            client.lookup(TABLE.name, np.concatenate([looked, looked[:10], [-1]]))
+        client.push_gradients(TABLE.name, pushed, np.ones((pushed.size, 8), np.float32), step=1)
+
+        def traffic() -> None:
+            while not stop.is_set():
+                client.lookup(TABLE.name, KEYS[:64], create=False)
+
+        thread = threading.Thread(target=traffic)
+        thread.start()
+        try:
+            code, out, err = admin(capsys, "top", "--once", "--interval-s", "0.5", "--json")
+            text = admin(capsys, "top", "--once", "--interval-s", "0.2")
+        finally:
+            stop.set()
+            thread.join()
+    assert code == 0, err
+    figures = json.loads(out)
+    after = {t["name"]: t for t in figures["tables"]}[TABLE.name]
+    during = after["keys_looked_up"] - before["keys_looked_up"] - 3 * looked.size
+    # whole calls of 64 keys, 32 on each shard (a call may be counted on one shard so far)
+    assert during > 0 and during % 32 == 0, (before, after)
+    assert after["keys_pushed"] - before["keys_pushed"] == pushed.size
+    assert after["keys_looked_up_per_s"] > 0
+    assert [s["address"] for s in figures["shards"]] == cluster.addresses
+    for shard in figures["shards"]:
+        lookup = shard["rpc"]["LookupUnary"]
+        assert lookup["calls_per_s"] > 0 and 0 < lookup["p50_s"] <= lookup["p99_s"], shard
+        assert [t["name"] for t in shard["tiers"]] == ["host", "rocksdb"]
+    assert text[0] == 0, text[2]
+    for needle in ("LookupUnary", "p99", "host", "rocksdb", TABLE.name, *cluster.addresses):
+        assert needle in text[1], (needle, text[1])

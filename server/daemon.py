@@ -121,7 +121,7 @@ class ShardServer:
         return f"{self.config.host}:{self.port}"
 
     def _observe(self, method: str, code: str, seconds: float) -> None:
-        self.metrics.rpc_seconds.labels(method, code).observe(seconds)
+        self.metrics.observe(method, code, seconds)
 
     def _set_serving(self, serving: bool) -> None:
         status = (

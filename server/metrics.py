@@ -82,15 +82,20 @@ class ShardMetrics:
 
     def __init__(self, shard: Shard) -> None:
         self.registry = CollectorRegistry()
+        self.shard_label = str(shard.shard_id)
         self.rpc_seconds = Histogram(
             "tierps_rpc_seconds",
-            "Server-side latency of gRPC calls, by method and status code",
-            ["method", "code"],
+            "Server-side latency of gRPC calls, by shard, method and status code",
+            ["shard", "method", "code"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.registry.register(_TableCollector(shard))
         self._http = None
+
+    def observe(self, method: str, code: str, seconds: float) -> None:
+        """One call's latency in tierps_rpc_seconds."""
+        self.rpc_seconds.labels(self.shard_label, method, code).observe(seconds)
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics over HTTP; returns the bound port."""

@@ -154,7 +154,8 @@ def _cluster(args: argparse.Namespace) -> int:
             metrics = cluster.metrics_ports[shard_id]
             extra = f"  metrics http://{cluster.host}:{metrics}/metrics" if metrics else ""
             print(f"  shard {shard_id}: {address}{extra}")
-        print(f"addresses: {joined} (also in {addresses_file}); for the client and admin:")
+        print(f"addresses: {joined}")
+        print(f"# also in {addresses_file}; for the client and tierps admin, in a shell:")
         print(f"export {ADDRESSES_ENV}={joined}", flush=True)
         while not stop:
             time.sleep(0.2)

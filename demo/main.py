@@ -455,15 +455,16 @@ def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: fl
     cluster_dir = args.data_dir / f"demo-cluster-{args.shards}"
     snapshot_dir = args.data_dir / "snapshots"
     optimizer = SparseOptimizer("adam", args.lr)
+    addresses = args.addresses or os.environ.get(ADDRESSES_ENV) or None
     print(
         f"DeepFM dim {args.dim}, batch {batch_size}, {epochs} epoch(s), Adam lr {args.lr} "
         f"(tables: on the shards, staleness {args.staleness}; dense: torch, "
         f"{torch.get_num_threads()} thread(s)); "
-        f"{args.shards} shards in {cluster_dir}, host tier {host_mb} MiB per table and shard"
+        + ("" if addresses else f"{args.shards} shards in {cluster_dir}, ")
+        + f"host tier {host_mb} MiB per table and shard"
         + (f", GPU tier {args.gpu_cache_mb} MiB" if args.gpu_cache_mb else "")
     )
     gpu_flags = ("--gpu-cache-mb", str(args.gpu_cache_mb)) if args.gpu_cache_mb else ()
-    addresses = args.addresses or os.environ.get(ADDRESSES_ENV) or None
     with (
         contextlib.nullcontext(None) if addresses
         else LocalCluster(args.shards, cluster_dir, snapshot_dir, extra_args=gpu_flags)

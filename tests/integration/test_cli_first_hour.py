@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tierps.client import EmbeddingClient, TableConfig, optim
 from tierps.server import cli
@@ -219,3 +220,21 @@ def test_top_once_shows_each_shard_tier_and_table(
     assert text[0] == 0, text[2]
     for needle in ("LookupUnary", "p99", "host", "rocksdb", TABLE.name, *cluster.addresses):
         assert needle in text[1], (needle, text[1])
+
+
+def test_the_demo_trains_on_the_cluster_in_tierps_addresses(
+    env: dict[str, str], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """With TIERPS_ADDRESSES set, `tierps demo` trains on that cluster and starts none."""
+    threads = torch.get_num_threads()  # the demo sets torch's threads: this process's too
+    try:
+        demo = tmp_path / "demo"
+        code = cli.main(["demo", "--dataset", "synthetic", "--samples", "2000", "--epochs",
+                         "1", "--batch-size", "512", "--data-dir", str(demo)])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"the running cluster at {', '.join(env['TIERPS_ADDRESSES'].split(','))}" in out
+    assert "epoch 1: train logloss" in out and "snapshot 'deepfm-synthetic-" in out, out
+    assert not (tmp_path / "demo").exists()  # no cluster of its own, no snapshots pruned

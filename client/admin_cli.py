@@ -42,51 +42,62 @@ def _connection_flags(parser: argparse.ArgumentParser, *, suppress: bool) -> Non
     )  # fmt: skip
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every subcommand parser below parser (snapshot's verbs too), depth first."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                found += [sub, *_subcommands(sub)]
+    return found
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _connection_flags(parser, suppress=False)
-    common = argparse.ArgumentParser(add_help=False)
-    _connection_flags(common, suppress=True)
     actions = parser.add_subparsers(dest="action", required=True)
-
-    def action(name: str, help: str, parent: Any = actions) -> argparse.ArgumentParser:
-        return parent.add_parser(name, help=help, description=help, parents=[common])
-
-    create = action("create", "create a table (or each table of a list) on every shard")
+    create = actions.add_parser("create", help="create a table on every shard")
     create.add_argument(
         "--config", type=Path, required=True,
         help="a TableConfig as JSON: one object, or a list of them (the form `tables --json` "
-        "prints)",
+        "prints), each created",
     )  # fmt: skip
     create.add_argument(
         "--init", type=Path,
         help="initial rows, read here: a .npy matrix [n, dim] (row i: key i) or a .npz with "
-        "arrays keys and values (one table only)",
+        "arrays keys and values (a --config of one table)",
     )  # fmt: skip
-    action("tables", "list the tables and their configs")
-    describe = action(
+    actions.add_parser("tables", help="list the tables and their configs")
+    describe = actions.add_parser(
         "describe",
-        "rows, bytes and hit rates of a table per tier, its admission filter, eviction and "
+        help="rows, bytes and hit rates of a table per tier, its admission filter, eviction and "
         "adaptive embedding",
     )
     describe.add_argument("table")
-    action("stats", "every shard's tables, memory and uptime, and each table's tiers")
-    evict = action("evict", "remove a table's stale (steps_to_live) and small (min_l2_norm) rows")
+    actions.add_parser(
+        "stats", help="every shard's tables, memory and uptime, and each table's tiers"
+    )
+    evict = actions.add_parser(
+        "evict", help="remove a table's stale (steps_to_live) and small (min_l2_norm) rows"
+    )
     evict.add_argument("table")
-    top = action(
+    top = actions.add_parser(
         "top",
-        "a live view: per shard calls/s and p50/p99 latency per RPC (shards serving metrics), "
-        "rows, bytes and hit rate per tier; per table rows and keys/s looked up and pushed",
+        help="a live view: per shard calls/s and p50/p99 latency per RPC (shards serving "
+        "metrics), rows, bytes and hit rate per tier; per table rows and keys/s looked up and "
+        "pushed",
     )
     top.add_argument(
         "--interval-s", type=float, default=2.0,
         help="seconds between refreshes, and the window of the rates (default 2)",
     )  # fmt: skip
     top.add_argument("--once", action="store_true", help="print one frame and exit (scripts)")
-    snapshot = action("snapshot", "save, load or list snapshots")
+    snapshot = actions.add_parser("snapshot", help="save, load or list snapshots")
     verbs = snapshot.add_subparsers(dest="verb", required=True)
-    action("save", "save a consistent snapshot of every table", verbs).add_argument("name")
-    action("load", "load a snapshot (any shard count)", verbs).add_argument("name")
-    action("list", "the snapshots in the snapshot directory", verbs)
+    verbs.add_parser("save", help="save a consistent snapshot of every table").add_argument("name")
+    verbs.add_parser("load", help="load a snapshot (any shard count)").add_argument("name")
+    verbs.add_parser("list", help="the snapshots in the snapshot directory")
+    for subcommand in _subcommands(parser):
+        _connection_flags(subcommand, suppress=True)
 
 
 def _mb(n: int) -> str:

@@ -12,6 +12,7 @@ import json
 import os
 import pty
 import re
+import socket
 import struct
 import subprocess
 import sys
@@ -27,7 +28,7 @@ import torch
 
 from tierps.client import EmbeddingClient, TableConfig, optim
 from tierps.server import cli
-from tierps.server.cluster import LocalCluster
+from tierps.server.cluster import LocalCluster, ShardStartError
 
 TIMEOUT_S = 60.0
 TABLE = TableConfig("clicks", 8, optimizer=optim.Adagrad(lr=0.1), seed=3)
@@ -238,3 +239,17 @@ def test_the_demo_trains_on_the_cluster_in_tierps_addresses(
     assert f"the running cluster at {', '.join(env['TIERPS_ADDRESSES'].split(','))}" in out
     assert "epoch 1: train logloss" in out and "snapshot 'deepfm-synthetic-" in out, out
     assert not (tmp_path / "demo").exists()  # no cluster of its own, no snapshots pruned
+
+
+def test_a_port_clash_is_explained_with_this_start_s_log_only(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "shard-0.log").write_text("an old line of an earlier start\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ShardStartError) as refused:
+            LocalCluster(1, data, base_port=port).start()
+    assert f"cannot bind 127.0.0.1:{port}" in str(refused.value), refused.value
+    assert "an old line" not in str(refused.value)

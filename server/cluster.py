@@ -101,6 +101,7 @@ class LocalCluster:
         self._processes: list[subprocess.Popen[bytes] | None] = [None] * num_shards
         self._logs: list[IO[bytes] | None] = [None] * num_shards
         self._log_starts = [0] * num_shards
+        self._deadlines = [0.0] * num_shards  # monotonic: by when each launch must serve
 
     def _paths(self, shard_id: int) -> tuple[Path, Path, Path]:
         stem = self.data_dir / f"shard-{shard_id}"
@@ -123,10 +124,15 @@ class LocalCluster:
 
     def start_shard(self, shard_id: int) -> None:
         """Start one shard's daemon (again, after stop_shard) and wait until it serves."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        _, port_file, log_file = self._paths(shard_id)
+        self._check_free(shard_id)
+        self._launch(shard_id)
+        self._await_serving(shard_id)
+
+    def _check_free(self, shard_id: int) -> None:
+        """Refuse a shard that is running here, or whose data dir a running daemon holds."""
         if self._processes[shard_id] is not None:
             raise RuntimeError(f"LocalCluster: shard {shard_id} is running; stop_shard it first")
+        _, port_file, _ = self._paths(shard_id)
         running = _running_daemon(port_file)
         if running is not None:
             raise ShardStartError(
@@ -134,6 +140,11 @@ class LocalCluster:
                 f"(pid {running['pid']}, port {running['port']}): another cluster on this data "
                 f"dir? Stop it, or give another data dir"
             )
+
+    def _launch(self, shard_id: int) -> None:
+        """Start the shard's daemon process, not waiting for it."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        _, _, log_file = self._paths(shard_id)
         # The port file is left as it is (a shard starting at once could own it): this
         # shard's is the one naming its pid.
         log = open(log_file, "ab")  # noqa: SIM115 - closed in stop_shard
@@ -150,8 +161,14 @@ class LocalCluster:
             log.close()
             raise
         self._logs[shard_id] = log
-        deadline = time.monotonic() + self.start_timeout_s
+        self._deadlines[shard_id] = time.monotonic() + self.start_timeout_s
+
+    def _await_serving(self, shard_id: int) -> None:
+        """Wait until the launched shard wrote its ports and serves; record its address."""
+        _, port_file, _ = self._paths(shard_id)
+        deadline = self._deadlines[shard_id]
         process = self._processes[shard_id]
+        assert process is not None
         while (ports := _ports_of(port_file, process.pid)) is None:
             if process.poll() is not None:
                 raise ShardStartError(self._failure(shard_id, "exited while starting"))
@@ -203,9 +220,15 @@ class LocalCluster:
         return process.returncode
 
     def start(self) -> LocalCluster:
+        """Start every shard at once (nothing is started if any data dir is in use) and wait
+        until each serves; on a failure, stop them all."""
+        for shard_id in range(self.num_shards):
+            self._check_free(shard_id)
         try:
             for shard_id in range(self.num_shards):
-                self.start_shard(shard_id)
+                self._launch(shard_id)
+            for shard_id in range(self.num_shards):
+                self._await_serving(shard_id)
         except BaseException:
             self.stop()
             raise

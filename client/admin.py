@@ -6,13 +6,14 @@ import collections
 import json
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Self, TypeVar
 
 import grpc
 
+from tierps.client.addresses import resolve_addresses
 from tierps.client.security import NO_SECURITY, ChannelSecurity
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
@@ -150,24 +151,23 @@ class RetryPolicy:
 
 
 class ClusterAdmin:
-    """Admin of the cluster whose shard i listens at addresses[i]. A context manager.
+    """Admin of the cluster whose shard i listens at addresses[i] (None: the addresses in
+    TIERPS_ADDRESSES). A context manager.
     Every call but the snapshot save and load streams (which run as long as the data takes)
     has a deadline of timeout_s; UNAVAILABLE is retried as `retry` says. `security`: the
     CA, client certificate and token of shards that ask for them (client/security.py)."""
 
     def __init__(
         self,
-        addresses: list[str],
+        addresses: Sequence[str] | str | None = None,
         *,
         timeout_s: float = 30.0,
         retry: RetryPolicy | None = None,
         security: ChannelSecurity | None = None,
     ) -> None:
-        if not addresses:
-            raise ValueError(
-                f"{type(self).__name__}: addresses expected at least one 'host:port', got []"
-            )
-        self.addresses = list(addresses)
+        # None: from TIERPS_ADDRESSES (tierps.client.addresses)
+        addresses = resolve_addresses(addresses, type(self).__name__)
+        self.addresses = addresses
         self.timeout_s = timeout_s
         self.retry = RetryPolicy() if retry is None else retry
         self.security = NO_SECURITY if security is None else security
@@ -290,17 +290,18 @@ class ClusterAdmin:
         calls: Callable[[int, pb_grpc.AdminServiceStub], Iterator[pb.SnapshotProgress]],
         progress: Progress | None,
     ) -> list[pb.SnapshotProgress]:
-        """Run a progress-streaming call on every shard; report summed progress; return each
-        shard's last message."""
+        """Run a progress-streaming call on every shard; report summed progress, from the
+        moment every shard has reported (so the total does not grow as shards start); return
+        each shard's last message."""
         lock = threading.Lock()
-        figures = [(0, 0)] * len(self.addresses)
+        figures: list[tuple[int, int] | None] = [None] * len(self.addresses)
 
         def follow(shard_id: int, stub: pb_grpc.AdminServiceStub) -> pb.SnapshotProgress:
             last = None
             for last in calls(shard_id, stub):
                 with lock:
                     figures[shard_id] = (last.rows_done, last.rows_total)
-                    if progress is not None:
+                    if progress is not None and None not in figures:
                         progress(sum(f[0] for f in figures), sum(f[1] for f in figures))
             if last is None or not last.done:
                 raise ShardError(

@@ -12,30 +12,61 @@ from typing import Any
 from tqdm import tqdm
 
 from tierps.client import security
+from tierps.client.addresses import ADDRESSES_ENV
 from tierps.client.admin import ShardError
 from tierps.client.embedding import EmbeddingClient
+from tierps.client.top import run_top
 from tierps.storage.config import TableConfig
 from tierps.storage.errors import TierpsError
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def _connection_flags(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
+    """--addresses, --timeout-s and --json: on `tierps admin` itself (with the defaults) and
+    again on every subcommand (suppress: no default there, so one given before the
+    subcommand is not overwritten), so they may come before or after it."""
+
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if suppress else value
+
     parser.add_argument(
-        "--addresses", required=True,
-        help="the shards' host:port, comma-separated, in shard order (shard 0 first)",
+        "--addresses", default=default(None),
+        help=f"the shards' host:port, comma-separated, in shard order (shard 0 first); "
+        f"default: ${ADDRESSES_ENV}",
     )  # fmt: skip
-    parser.add_argument("--timeout-s", type=float, default=30.0, help="deadline of each call")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--timeout-s", type=float, default=default(30.0),
+        help="deadline of each call, seconds (default 30)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--json", action="store_true", default=default(False),
+        help="print JSON instead of a table",
+    )  # fmt: skip
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every subcommand parser below parser (snapshot's verbs too), depth first."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                found += [sub, *_subcommands(sub)]
+    return found
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _connection_flags(parser, suppress=False)
     security.add_arguments(parser)
     actions = parser.add_subparsers(dest="action", required=True)
     create = actions.add_parser("create", help="create a table on every shard")
     create.add_argument(
         "--config", type=Path, required=True,
-        help="a TableConfig as JSON (the form `tables --json` prints)",
+        help="a TableConfig as JSON: one object, or a list of them (the form `tables --json` "
+        "prints), each created",
     )  # fmt: skip
     create.add_argument(
         "--init", type=Path,
         help="initial rows, read here: a .npy matrix [n, dim] (row i: key i) or a .npz with "
-        "arrays keys and values",
+        "arrays keys and values (a --config of one table)",
     )  # fmt: skip
     actions.add_parser("tables", help="list the tables and their configs")
     describe = actions.add_parser(
@@ -51,6 +82,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "evict", help="remove a table's stale (steps_to_live) and small (min_l2_norm) rows"
     )
     evict.add_argument("table")
+    top = actions.add_parser(
+        "top",
+        help="a live view: per shard calls/s and p50/p99 latency per RPC (shards serving "
+        "metrics), rows, bytes and hit rate per tier; per table rows and keys/s looked up and "
+        "pushed",
+    )
+    top.add_argument(
+        "--interval-s", type=float, default=2.0,
+        help="seconds between refreshes, and the window of the rates (default 2)",
+    )  # fmt: skip
+    top.add_argument("--once", action="store_true", help="print one frame and exit (scripts)")
     snapshot = actions.add_parser("snapshot", help="save, load or list snapshots")
     verbs = snapshot.add_subparsers(dest="verb", required=True)
     verbs.add_parser("save", help="save a consistent snapshot of every table").add_argument("name")
@@ -61,6 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "gc", help="remove what failed saves left: incomplete snapshots, unnamed save dirs "
         "(run it while no save runs)",
     )  # fmt: skip
+    for subcommand in _subcommands(parser):
+        _connection_flags(subcommand, suppress=True)
 
 
 def _mb(n: int) -> str:
@@ -167,24 +211,52 @@ def _lifecycle_options(config: dict[str, Any]) -> str:
 
 
 def _with_bar(action: Any, label: str) -> dict[str, Any]:
-    with tqdm(total=0, unit="row", unit_scale=True, desc=label, file=sys.stderr) as bar:
+    """action(progress=...) with a progress bar of rows on stderr, only where stderr is a
+    terminal (a log gets no carriage-return updates). The bar appears at the first report,
+    so a call refused at once (a snapshot not found) shows none; its total is the first one
+    reported, once every shard reported (ClusterAdmin._stream), and stays fixed."""
+    if not sys.stderr.isatty():
+        return action(progress=None)
+    bar: tqdm | None = None
 
-        def progress(done: int, total: int) -> None:
-            bar.total = max(total, done)
-            bar.n = done
-            bar.refresh()
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=max(total, 1), unit="row", desc=label, file=sys.stderr)
+        bar.n = min(done, bar.total)  # a save's total is an estimate: never past 100%
+        bar.refresh()
 
+    try:
         return action(progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _snapshot_not_found(admin: EmbeddingClient, error: ShardError) -> str:
+    """A NOT_FOUND snapshot load's message, with the snapshots that do exist."""
+    try:
+        names = [s["name"] for s in admin.list_snapshots()]
+    except ShardError:
+        return str(error)
+    return f"{error}; snapshots there: {', '.join(names) if names else 'none'}"
 
 
 def run(args: argparse.Namespace) -> int:
-    addresses = [a.strip() for a in args.addresses.split(",") if a.strip()]
     try:
         channel_security = security.from_args(args)
         with EmbeddingClient(
-            addresses, timeout_s=args.timeout_s, security=channel_security
+            args.addresses, timeout_s=args.timeout_s, security=channel_security
         ) as admin:
-            result = _act(admin, args)
+            try:
+                result = _act(admin, args)
+            except ShardError as error:
+                if getattr(args, "verb", None) != "load" or error.code.name != "NOT_FOUND":
+                    raise
+                print(f"tierps admin: {_snapshot_not_found(admin, error)}", file=sys.stderr)
+                return 1
+    except BrokenPipeError:
+        raise  # the output's reader went away: tierps' main exits quietly
     except (ShardError, TierpsError, ValueError, OSError) as error:
         print(f"tierps admin: {error}", file=sys.stderr)
         return 1
@@ -193,18 +265,43 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_configs(path: Path) -> list[TableConfig]:
+    """The TableConfigs of a JSON file: one object, or a list (as `tables --json` prints)."""
+    data = json.loads(path.read_text())
+    entries = data if isinstance(data, list) else [data]
+    if not entries or not all(isinstance(entry, dict) for entry in entries):
+        raise ValueError(
+            f"{path}: expected a TableConfig JSON object or a non-empty list of them (the form "
+            f"`tierps admin tables --json` prints), got {type(data).__name__}"
+            + (f" of {sorted({type(e).__name__ for e in entries})}" if entries else " (empty)")
+        )
+    return [TableConfig.from_dict(entry) for entry in entries]
+
+
 def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
+    if args.action == "top":
+        if not args.interval_s > 0:
+            raise ValueError(f"--interval-s expected > 0, got {args.interval_s}")
+        return run_top(admin, interval_s=args.interval_s, once=args.once, as_json=args.json)
     if args.action == "create":
-        config = TableConfig.from_dict(json.loads(args.config.read_text()))
-        created = admin.create_table(config, initial=args.init)
-        result = {"table": config.name, "created": created}
-        if args.init is not None:
-            result["initial_rows_from"] = str(args.init)
-        if not args.json:
-            verb = "created" if created else "exists already, with this config:"
-            rows = f", initial rows from {args.init}" if args.init is not None else ""
-            print(f"table {config.name!r} {verb} on {len(admin.addresses)} shards{rows}")
-        return result
+        configs = _read_configs(args.config)
+        if args.init is not None and len(configs) != 1:
+            raise ValueError(
+                f"--init expected a --config of one table, got {len(configs)} tables in "
+                f"{args.config}"
+            )
+        results = []
+        for config in configs:
+            created = admin.create_table(config, initial=args.init)
+            result = {"table": config.name, "created": created}
+            if args.init is not None:
+                result["initial_rows_from"] = str(args.init)
+            results.append(result)
+            if not args.json:
+                verb = "created" if created else "exists already, with this config,"
+                rows = f", initial rows from {args.init}" if args.init is not None else ""
+                print(f"table {config.name!r} {verb} on {len(admin.addresses)} shards{rows}")
+        return results[0] if len(results) == 1 else results
     if args.action == "tables":
         configs = [c.to_dict() for c in admin.list_tables()]
         if not args.json:

@@ -47,7 +47,7 @@ from tierps.client.security import ChannelSecurity
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
-from tierps.storage.config import Placement, TableConfig, owner_shard
+from tierps.storage.config import TableConfig, key_shards, single_shard
 from tierps.storage.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -289,9 +289,10 @@ _PreparedPooling = _PreparedHost | _PreparedDevice
 
 
 class EmbeddingClient(ClusterAdmin):
-    """A trainer's client of the cluster whose shard i listens at addresses[i]; a context
-    manager. It has every ClusterAdmin call (create_table, drop_table, list_tables,
-    describe, save_snapshot, load_snapshot, list_snapshots, stats) and the data calls.
+    """A trainer's client of the cluster whose shard i listens at addresses[i] (None: the
+    addresses in TIERPS_ADDRESSES, as `tierps cluster` prints them); a context manager. It
+    has every ClusterAdmin call (create_table, drop_table, list_tables, describe,
+    save_snapshot, load_snapshot, list_snapshots, stats) and the data calls.
 
     Every data call has a deadline of timeout_s per shard call. A call failing with UNAVAILABLE is
     retried by gRPC as `retry` says; any failure a shard gives is raised as a ShardError
@@ -300,7 +301,7 @@ class EmbeddingClient(ClusterAdmin):
 
     def __init__(
         self,
-        addresses: list[str],
+        addresses: Sequence[str] | str | None = None,
         *,
         timeout_s: float = 30.0,
         retry: RetryPolicy | None = None,
@@ -322,7 +323,7 @@ class EmbeddingClient(ClusterAdmin):
         super().__init__(addresses, timeout_s=timeout_s, retry=retry, security=security)
         # Data calls' own threads: snapshot streams hold the admin pool for as long as they
         # run, and a prefetch may fan out while a push does.
-        self._calls = ThreadPoolExecutor(2 * len(addresses), thread_name_prefix="tierps-calls")
+        self._calls = ThreadPoolExecutor(2 * len(self.addresses), thread_name_prefix="tierps-calls")
         self.chunk_bytes = chunk_bytes
         self.max_call_bytes = max_call_bytes
         self._data = [pb_grpc.EmbeddingServiceStub(channel) for channel in self._channels]
@@ -339,7 +340,7 @@ class EmbeddingClient(ClusterAdmin):
         ]
         # Bulk bytes a call to shard i may carry as one message each way: lowered for a
         # shard that refused a call as too large for one (its message limit is lower).
-        self._one_message_bytes = [one_message_bytes] * len(addresses)
+        self._one_message_bytes = [one_message_bytes] * len(self.addresses)
         self._configs: dict[str, TableConfig] = {}
         self._steps: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -840,13 +841,12 @@ class EmbeddingClient(ClusterAdmin):
         per_shard: list[list[Batch]] = [[] for _ in self.addresses]
         for name, (dim, keys) in tables.items():
             config = self.table_config(name)
-            table_placed = config.placement is Placement.TABLE
-            if table_placed or self.num_shards == 1:  # every key on one shard: no split
+            owner = single_shard(config, self.num_shards)
+            if owner is not None:  # every key on one shard: no split
                 if keys.size:
-                    owner = owner_shard(config, self.num_shards) if table_placed else 0
                     per_shard[owner].append((name, dim, keys, np.arange(keys.size)))
                 continue
-            shard_of = (keys % self.num_shards).astype(np.uint16)  # num_shards <= 2**16
+            shard_of = key_shards(config, keys, self.num_shards).astype(np.uint16)  # N <= 2**16
             order = np.argsort(shard_of, kind="stable")  # a radix sort for 16-bit ints
             bounds = np.searchsorted(shard_of[order], np.arange(self.num_shards + 1))
             for shard in range(self.num_shards):

@@ -46,6 +46,7 @@ to pool on instead.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -138,12 +139,96 @@ _PIPELINED: weakref.WeakKeyDictionary[EmbeddingClient, weakref.WeakValueDictiona
 _PIPELINED_LOCK = threading.Lock()
 
 
+def jagged_features(
+    batch: Mapping[str, FeatureBatch] | Any, include_last_offset: bool = False
+) -> Mapping[str, FeatureBatch]:
+    """A batch as a dict feature name -> (values, offsets[, per_sample_weights]): a dict as
+    it is; a torchrec KeyedJaggedTensor read through its public methods (keys(), values(),
+    offsets() - computed from its lengths when it was made with those -, stride(),
+    weights_or_none()), without importing torchrec. Its layout is key-major: the stride()
+    bags of keys()[0], then those of keys()[1], ... Each key's offsets are given in the form
+    the module reads (include_last_offset: B + 1 of them). Variable batch sizes per key are
+    refused."""
+    if isinstance(batch, Mapping):
+        return batch
+    methods = ("keys", "values", "offsets", "stride", "weights_or_none")
+    missing = [name for name in methods if not callable(getattr(batch, name, None))]
+    if missing:
+        raise TypeError(
+            f"EmbeddingBagCollection: a batch expected a dict feature name -> bags, or a "
+            f"torchrec KeyedJaggedTensor; got {type(batch).__name__} (without {missing})"
+        )
+    variable = getattr(batch, "variable_stride_per_key", None)
+    if callable(variable) and variable():
+        raise ValueError(
+            "EmbeddingBagCollection: a KeyedJaggedTensor expected one batch size for every "
+            "key, got variable strides per key (stride_per_key)"
+        )
+    keys, values, offsets = list(batch.keys()), batch.values(), batch.offsets()
+    weights, stride = batch.weights_or_none(), int(batch.stride())
+    if len(offsets) != len(keys) * stride + 1:
+        raise ValueError(
+            f"EmbeddingBagCollection: a KeyedJaggedTensor of {len(keys)} keys x stride "
+            f"{stride} expected {len(keys) * stride + 1} offsets, got {len(offsets)}"
+        )
+    bounds = [int(b) for b in offsets[::stride][: len(keys) + 1]]  # one sync, not per key
+    features: dict[str, FeatureBatch] = {}
+    for index, key in enumerate(keys):
+        start, end = bounds[index], bounds[index + 1]
+        bags = offsets[index * stride : (index + 1) * stride + include_last_offset] - start
+        part = (values[start:end], bags)
+        features[key] = part if weights is None else (*part, weights[start:end])
+    return features
+
+
+class KeyedPooled:
+    """Pooled rows of several features in torchrec's KeyedTensor conventions: values() is
+    one tensor [B, sum of the features' dims], the features side by side in keys() order;
+    to_dict() (and [key]) give each feature's [B, dim] slice of it. Code written against
+    torchrec.EmbeddingBagCollection's output runs on it unchanged."""
+
+    def __init__(self, keys: list[str], outputs: list[torch.Tensor]) -> None:
+        self._keys = list(keys)
+        self._length_per_key = [int(output.shape[1]) for output in outputs]
+        self._values = torch.cat(outputs, dim=1) if outputs else torch.empty(0, 0)
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def key_dim(self) -> int:
+        return 1
+
+    def length_per_key(self) -> list[int]:
+        return list(self._length_per_key)
+
+    def offset_per_key(self) -> list[int]:
+        return [0, *itertools.accumulate(self._length_per_key)]
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        parts = torch.split(self._values, self._length_per_key, dim=1)
+        return dict(zip(self._keys, parts, strict=True))
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.to_dict()[key]
+
+    def __repr__(self) -> str:
+        shape = tuple(self._values.shape)
+        return f"KeyedPooled(keys={self._keys}, dims={self._length_per_key}, values {shape})"
+
+
 class EmbeddingBagCollection(nn.Module):
     """Pooled embeddings of several features, each bound to a table of the cluster.
 
     forward(batch) takes a dict feature name -> that feature's bags (a dense -1-padded
     tensor [..., nnz], (values, offsets), (values, offsets, per_sample_weights), or a COO;
-    tensors or numpy arrays) and returns a dict feature name -> pooled tensor.
+    tensors or numpy arrays) and returns a dict feature name -> pooled tensor; or a torchrec
+    KeyedJaggedTensor (read through its public methods: torchrec need not be installed),
+    and then returns a KeyedPooled, torchrec's KeyedTensor conventions (keys(), values(),
+    to_dict()), so that code written for torchrec.EmbeddingBagCollection runs on this one
+    with only its import changed.
 
     staleness: 0 (synchronous, the default) or 1 (a prefetched lookup may miss the one push
     before it); see the module docstring. pipeline(loader) yields the loader's batches,
@@ -333,10 +418,14 @@ class EmbeddingBagCollection(nn.Module):
         """Training mode with autograd on: lookups create rows and backward pushes."""
         return self.training and torch.is_grad_enabled()
 
-    def _prepare(self, batch: Mapping[str, FeatureBatch]) -> _PreparedPooling:
-        """The batch's lookup up to its RPCs (EmbeddingClient.lookup_pooled_features)."""
+    def _prepare(self, batch: Mapping[str, FeatureBatch] | Any) -> _PreparedPooling:
+        """The batch's lookup up to its RPCs (EmbeddingClient.lookup_pooled_features); a
+        KeyedJaggedTensor is read as the dict of its features (jagged_features)."""
         return self.client._prepare_pooled(
-            batch, self.features, self.include_last_offset, self.device
+            jagged_features(batch, self.include_last_offset),
+            self.features,
+            self.include_last_offset,
+            self.device,
         )
 
     def prefetch(self, batch: Mapping[str, FeatureBatch]) -> None:
@@ -376,8 +465,17 @@ class EmbeddingBagCollection(nn.Module):
         Several modules at once: the module-level pipeline()."""
         return pipeline(items, (self, features if features is not None else _itself))
 
-    def forward(self, batch: Mapping[str, FeatureBatch]) -> dict[str, torch.Tensor]:
-        return self._forward((batch,), batch)
+    def forward(
+        self, batch: Mapping[str, FeatureBatch] | Any
+    ) -> dict[str, torch.Tensor] | KeyedPooled:
+        """The pooled rows of each feature of the batch: a dict feature name -> tensor for a
+        dict batch; for a torchrec KeyedJaggedTensor, a KeyedPooled (torchrec's KeyedTensor
+        conventions: keys(), values() [B, sum of dims], to_dict()), as
+        torchrec.EmbeddingBagCollection returns."""
+        pooled = self._forward((batch,), batch)
+        if isinstance(batch, Mapping):
+            return pooled
+        return KeyedPooled(self._names, [pooled[name] for name in self._names])
 
     def _forward(
         self, key: tuple[Any, ...], batch: Mapping[str, FeatureBatch]

@@ -22,7 +22,9 @@ server-only install (no torch) still has a working `tierps` command.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -337,12 +339,23 @@ def tier_hit_rates(client: EmbeddingClient, tables: Sequence[str]) -> dict[str, 
 
 
 def format_hit_rates(rates: dict[str, dict[str, Any]]) -> str:
-    """One line such as: host 99.8% of 1,838,686 keys; rocksdb 0.0% of 3,020 keys. Rows are
-    left out: RocksDB's row figure is an estimate that counts overwrites until compaction."""
-    return "; ".join(
-        f"{name} {figures['hit_rate']:.1%} of {figures['hits'] + figures['misses']:,} keys"
-        for name, figures in rates.items()
-    )
+    """One line such as: host 99.8% of 1,838,686 keys; rocksdb held 0 of the 3,020 the host
+    missed (new keys: rows created). A tier below the first is asked only for the keys the
+    tier above missed, so it is worded as such; the last tier's misses are keys seen for the
+    first time. Rows are left out: RocksDB's row figure is an estimate that counts
+    overwrites until compaction."""
+    parts, above = [], None
+    for index, (name, figures) in enumerate(rates.items()):
+        looked = figures["hits"] + figures["misses"]
+        if above is None:
+            parts.append(f"{name} {figures['hit_rate']:.1%} of {looked:,} keys")
+        else:
+            new = " (new keys: rows created)" if index == len(rates) - 1 else ""
+            parts.append(
+                f"{name} held {figures['hits']:,} of the {looked:,} the {above} missed{new}"
+            )
+        above = name
+    return "; ".join(parts)
 
 
 # -- the command ----------------------------------------------------------------------------------
@@ -402,13 +415,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_server_security_arguments(parser)
     security.add_arguments(parser)
+    parser.add_argument(
+        "--keep-snapshots", type=int, default=1,
+        help="after saving, keep this many of the dataset's newest demo snapshots in "
+        "<data-dir>/snapshots and delete the older ones (0: keep all)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--addresses",
+        help="train on this running cluster (host:port, comma-separated, shard order) instead "
+        "of starting one; default: $TIERPS_ADDRESSES when set",
+    )  # fmt: skip
 
 
 def _check(args: argparse.Namespace) -> str | None:
     """What is wrong with the flags, or None."""
     for flag, low in (("epochs", 1), ("batch_size", 1), ("dim", 1), ("shards", 1),
                       ("samples", 10), ("host_cache_mb", 0), ("gpu_cache_mb", 0), ("seed", 0),
-                      ("torch_threads", 1)):  # fmt: skip
+                      ("torch_threads", 1), ("keep_snapshots", 0)):  # fmt: skip
         value = getattr(args, flag)
         if value is not None and value < low:
             return f"--{flag.replace('_', '-')} expected >= {low}, got {value}"
@@ -474,6 +497,7 @@ def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: fl
     import torch
 
     from tierps.client import EmbeddingClient, security
+    from tierps.client.addresses import ADDRESSES_ENV
     from tierps.demo.deepfm import SparseOptimizer
     from tierps.server.cluster import LocalCluster, server_security_args
 
@@ -489,28 +513,35 @@ def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: fl
     trainers = (
         f"{args.trainers} trainer(s) under torchrun, {args.mode}" if args.trainers else "1 trainer"
     )
+    addresses = args.addresses or os.environ.get(ADDRESSES_ENV) or None
     print(
         f"DeepFM dim {args.dim}, batch {batch_size}, {epochs} epoch(s), Adam lr {args.lr} "
         f"({trainers}; tables: on the shards, staleness {staleness}; dense: torch, "
         f"{torch.get_num_threads()} thread(s) per trainer); "
-        f"{args.shards} shards in {cluster_dir}, host tier {host_mb} MiB per table and shard"
+        + ("" if addresses else f"{args.shards} shards in {cluster_dir}, ")
+        + f"host tier {host_mb} MiB per table and shard"
         + (f", GPU tier {args.gpu_cache_mb} MiB" if args.gpu_cache_mb else "")
     )
     gpu_flags = ("--gpu-cache-mb", str(args.gpu_cache_mb)) if args.gpu_cache_mb else ()
     channel_security = security.from_args(args)
     server_flags = gpu_flags + server_security_args(args)
     with (
-        LocalCluster(
-            args.shards,
-            cluster_dir,
-            snapshot_dir,
-            extra_args=server_flags,
-            security=channel_security,
+        (
+            contextlib.nullcontext(None)
+            if addresses
+            else LocalCluster(
+                args.shards,
+                cluster_dir,
+                snapshot_dir,
+                extra_args=server_flags,
+                security=channel_security,
+            )
         ) as cluster,
-        EmbeddingClient(cluster.addresses, security=channel_security) as client,
+        EmbeddingClient(addresses or cluster.addresses, security=channel_security) as client,
     ):
         print(
-            f"cluster serving at {', '.join(cluster.addresses)}; hit rates below count since "
+            ("the running cluster at " if cluster is None else "cluster serving at ")
+            + f"{', '.join(client.addresses)}; hit rates below count since "
             f"the cluster started, evaluation lookups included: each tier's share of the keys "
             f"the tier above missed (the last tier's misses are new rows)"
         )
@@ -544,6 +575,11 @@ def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: fl
         name = _snapshot_name(client, args.dataset)
         saved = client.save_snapshot(name)
         print(f"snapshot {saved['name']!r}: {saved['rows']:,} rows in {saved['path']}")
+        if cluster is not None and args.keep_snapshots:  # the cluster's own dir is not ours
+            pruned = prune_demo_snapshots(snapshot_dir, args.dataset, args.keep_snapshots)
+            if pruned:
+                print(f"deleted {len(pruned)} older demo snapshot(s) (--keep-snapshots "
+                      f"{args.keep_snapshots}): {', '.join(pruned)}")  # fmt: skip
         rates = tier_hit_rates(client, tables)
     print(
         f"done in {time.perf_counter() - started:.1f} s: test AUC {results[-1].test_auc:.4f}, "
@@ -582,6 +618,21 @@ def _train_with_torchrun(
     return 0
 
 
+def prune_demo_snapshots(snapshot_dir: Path, dataset: str, keep: int) -> list[str]:
+    """Delete all but the `keep` newest (by modification time) of the dataset's demo
+    snapshots (deepfm-<dataset>-*) in snapshot_dir; the names deleted, oldest first."""
+    import shutil
+
+    demo_snapshots = sorted(
+        (path for path in snapshot_dir.glob(f"deepfm-{dataset}-*") if path.is_dir()),
+        key=lambda path: (path.stat().st_mtime_ns, path.name),
+    )
+    old = demo_snapshots[: max(0, len(demo_snapshots) - keep)]
+    for path in old:
+        shutil.rmtree(path)
+    return [path.name for path in old]
+
+
 def _snapshot_name(client: EmbeddingClient, dataset: str) -> str:
     """deepfm-<dataset>-<date>-<time>, with a -<n> suffix if a snapshot has that name."""
     base = f"deepfm-{dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -595,7 +646,11 @@ def _snapshot_name(client: EmbeddingClient, dataset: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m tierps.demo.main` does what `tierps demo` does."""
-    parser = argparse.ArgumentParser(prog="tierps demo", description=__doc__)
+    from tierps.server.cli import DefaultsHelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="tierps demo", description=__doc__, formatter_class=DefaultsHelpFormatter
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -212,7 +212,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., hit_rate: _Optional[float] = ...) -> None: ...
 
 class TableDescription(_message.Message):
-    __slots__ = ("config", "shard_id", "num_shards", "tiers", "initialized", "created", "lifecycle", "current_step")
+    __slots__ = ("config", "shard_id", "num_shards", "tiers", "initialized", "created", "lifecycle", "current_step", "keys_looked_up", "keys_pushed")
     class LifecycleEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +228,8 @@ class TableDescription(_message.Message):
     CREATED_FIELD_NUMBER: _ClassVar[int]
     LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
     CURRENT_STEP_FIELD_NUMBER: _ClassVar[int]
+    KEYS_LOOKED_UP_FIELD_NUMBER: _ClassVar[int]
+    KEYS_PUSHED_FIELD_NUMBER: _ClassVar[int]
     config: TableConfig
     shard_id: int
     num_shards: int
@@ -236,7 +238,9 @@ class TableDescription(_message.Message):
     created: int
     lifecycle: _containers.ScalarMap[str, float]
     current_step: int
-    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., initialized: _Optional[int] = ..., created: _Optional[int] = ..., lifecycle: _Optional[_Mapping[str, float]] = ..., current_step: _Optional[int] = ...) -> None: ...
+    keys_looked_up: int
+    keys_pushed: int
+    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., initialized: _Optional[int] = ..., created: _Optional[int] = ..., lifecycle: _Optional[_Mapping[str, float]] = ..., current_step: _Optional[int] = ..., keys_looked_up: _Optional[int] = ..., keys_pushed: _Optional[int] = ...) -> None: ...
 
 class SaveSnapshotRequest(_message.Message):
     __slots__ = ("name", "phase", "save_id")
@@ -336,7 +340,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("shard_id", "num_shards", "tables", "rss_bytes", "peak_rss_bytes", "uptime_s", "life", "previous_life_clean", "last_flush_unix_s", "writable")
+    __slots__ = ("shard_id", "num_shards", "tables", "rss_bytes", "peak_rss_bytes", "uptime_s", "life", "previous_life_clean", "last_flush_unix_s", "writable", "metrics_port")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
@@ -347,6 +351,7 @@ class StatsResponse(_message.Message):
     PREVIOUS_LIFE_CLEAN_FIELD_NUMBER: _ClassVar[int]
     LAST_FLUSH_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     WRITABLE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     num_shards: int
     tables: _containers.RepeatedCompositeFieldContainer[TableDescription]
@@ -357,4 +362,5 @@ class StatsResponse(_message.Message):
     previous_life_clean: bool
     last_flush_unix_s: float
     writable: bool
-    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableDescription, _Mapping]]] = ..., rss_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., life: _Optional[int] = ..., previous_life_clean: _Optional[bool] = ..., last_flush_unix_s: _Optional[float] = ..., writable: _Optional[bool] = ...) -> None: ...
+    metrics_port: int
+    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableDescription, _Mapping]]] = ..., rss_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., life: _Optional[int] = ..., previous_life_clean: _Optional[bool] = ..., last_flush_unix_s: _Optional[float] = ..., writable: _Optional[bool] = ..., metrics_port: _Optional[int] = ...) -> None: ...

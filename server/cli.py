@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 
 log = logging.getLogger("tierps.server")
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help that shows each option's default, unless it has none (None, False) or its
+    help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        none = action.default is None or action.default is False
+        if action.option_strings and not none and action.default is not argparse.SUPPRESS \
+                and "default" not in help:  # fmt: skip
+            help += " (default: %(default)s)"
+        return help
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
@@ -163,8 +177,13 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
     security.add_arguments(cluster)
 
 
+# In a `tierps cluster` data dir while it runs: the shards' addresses, comma-separated.
+ADDRESSES_FILE = "addresses"
+
+
 def _cluster(args: argparse.Namespace) -> int:
     from tierps.client import security
+    from tierps.client.addresses import ADDRESSES_ENV
     from tierps.server.cluster import LocalCluster, server_security_args
     from tierps.server.daemon import on_stop_signal
 
@@ -173,38 +192,80 @@ def _cluster(args: argparse.Namespace) -> int:
     durability += server_security_args(args)
     if args.flush_interval_s is not None:
         durability += ("--flush-interval-s", str(args.flush_interval_s))
-    with LocalCluster(
+    cluster = LocalCluster(
         args.shards, args.data_dir, args.snapshot_dir, base_port=args.base_port,
         metrics=args.metrics, extra_args=durability, security=security.from_args(args),
-    ) as cluster:  # fmt: skip
+    )  # fmt: skip
+    try:
+        cluster.start()
+    except (RuntimeError, TimeoutError, OSError) as error:  # start() stopped what it started
+        print(f"tierps cluster: {error}", file=sys.stderr)
+        return 1
+    addresses_file = args.data_dir / ADDRESSES_FILE
+    joined = ",".join(cluster.addresses)
+    try:
+        addresses_file.write_text(joined + "\n")
         print(f"{args.shards} shards serving (logs in {args.data_dir}/shard-<i>.log):")
         for shard_id, address in enumerate(cluster.addresses):
             metrics = cluster.metrics_ports[shard_id]
             extra = f"  metrics http://{cluster.host}:{metrics}/metrics" if metrics else ""
             print(f"  shard {shard_id}: {address}{extra}")
-        print(f"addresses: {','.join(cluster.addresses)}", flush=True)
+        print(f"addresses: {joined}")
+        print(f"# also in {addresses_file}; for the client and tierps admin, in a shell:")
+        print(f"export {ADDRESSES_ENV}={joined}", flush=True)
         while not stop:
             time.sleep(0.2)
         print("stopping...", flush=True)
+    finally:
+        cluster.stop()
+        if addresses_file.exists() and addresses_file.read_text().strip() == joined:
+            addresses_file.unlink()  # only ours: a cluster stopped leaves no stale addresses
     return 0
 
 
 def _add_storage_demo(commands: argparse._SubParsersAction) -> None:
+    about = (
+        "stream a Zipf trace through one table 4x larger than its host budget (storage "
+        "engine only, no cluster, no training)"
+    )
     demo = commands.add_parser(
-        "storage-demo",
-        help="stream a Zipf trace through one table 4x larger than its host budget (storage "
-        "engine only, no cluster, no training)",
+        "storage-demo", help=about,
+        description=f"{about[0].upper()}{about[1:]}: look up each batch and push gradients for "
+        "it, then print throughput, hit rates per tier and peak memory.",
+        formatter_class=DefaultsHelpFormatter,
     )  # fmt: skip
-    demo.add_argument("--data-dir", type=Path, default=Path("tierps-data"))
-    demo.add_argument("--dim", type=int, default=32)
+    demo.add_argument("--data-dir", type=Path, default=Path("tierps-data"), help="RocksDB here")
+    demo.add_argument("--dim", type=int, default=32, help="embedding dim")
     demo.add_argument("--host-mb", type=int, default=64, help="host tier budget, MiB")
     demo.add_argument("--steps", type=int, default=150, help="batches to stream")
     demo.add_argument("--batch", type=int, default=16384, help="keys per batch")
     demo.add_argument("--keep", action="store_true", help="continue from the last run's rows")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tierps")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`tierps ...`; the exit status. A reader of its output that goes away (`| head`)
+    ends it quietly."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # Python's advice: point stdout at devnull so the exit's flush raises nothing more.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # as a shell reports a process ended by SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="tierps", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"tierps {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_serve(commands)
     _add_cluster(commands)
@@ -221,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             "demo", help="train DeepFM on MovieLens-100k through a local cluster",
             description="Train DeepFM (MovieLens-100k, or a Criteo-like synthetic set) through "
             "a local cluster; print logloss, AUC, samples/s and tier hit rates per epoch.",
+            formatter_class=DefaultsHelpFormatter,
         )
     )  # fmt: skip
     _add_storage_demo(commands)

@@ -64,6 +64,31 @@ def wait_until_serving(
     raise TimeoutError(f"shard at {address} not SERVING after {timeout_s:.0f} s (last: {last})")
 
 
+class ShardStartError(RuntimeError):
+    """A shard's daemon exited while starting; the message quotes its log of this start."""
+
+
+def _ports_of(port_file: Path, pid: int) -> dict[str, Any] | None:
+    """The ports a shard daemon with this pid wrote to port_file (JSON), or None while the
+    file is missing or was written by another process (an earlier or another daemon)."""
+    try:
+        ports = json.loads(port_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return ports if ports.get("pid") == pid else None
+
+
+def _running_daemon(port_file: Path) -> dict[str, Any] | None:
+    """The ports of the shard daemon that wrote port_file if that process still runs a
+    `tierps ... serve` (not a pid reused since), else None."""
+    try:
+        ports = json.loads(port_file.read_text())
+        cmdline = Path(f"/proc/{int(ports['pid'])}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return ports if b"serve" in cmdline and any(b"tierps" in a for a in cmdline) else None
+
+
 class LocalCluster:
     """N shards, each a `tierps serve` subprocess with its data under data_dir/shard-<i>
     and its JSON logs in data_dir/shard-<i>.log, sharing snapshot_dir.
@@ -107,6 +132,8 @@ class LocalCluster:
         self.metrics_ports: list[int | None] = []
         self._processes: list[subprocess.Popen[bytes] | None] = [None] * num_shards
         self._logs: list[IO[bytes] | None] = [None] * num_shards
+        self._log_starts = [0] * num_shards
+        self._deadlines = [0.0] * num_shards  # monotonic: by when each launch must serve
 
     def _paths(self, shard_id: int) -> tuple[Path, Path, Path]:
         stem = self.data_dir / f"shard-{shard_id}"
@@ -129,12 +156,31 @@ class LocalCluster:
 
     def start_shard(self, shard_id: int) -> None:
         """Start one shard's daemon (again, after stop_shard) and wait until it serves."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        _, port_file, log_file = self._paths(shard_id)
-        port_file.unlink(missing_ok=True)
+        self._check_free(shard_id)
+        self._launch(shard_id)
+        self._await_serving(shard_id)
+
+    def _check_free(self, shard_id: int) -> None:
+        """Refuse a shard that is running here, or whose data dir a running daemon holds."""
         if self._processes[shard_id] is not None:
             raise RuntimeError(f"LocalCluster: shard {shard_id} is running; stop_shard it first")
+        _, port_file, _ = self._paths(shard_id)
+        running = _running_daemon(port_file)
+        if running is not None:
+            raise ShardStartError(
+                f"shard {shard_id}: {port_file.with_suffix('')} is in use by a running shard "
+                f"(pid {running['pid']}, port {running['port']}): another cluster on this data "
+                f"dir? Stop it, or give another data dir"
+            )
+
+    def _launch(self, shard_id: int) -> None:
+        """Start the shard's daemon process, not waiting for it."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        _, _, log_file = self._paths(shard_id)
+        # The port file is left as it is (a shard starting at once could own it): this
+        # shard's is the one naming its pid.
         log = open(log_file, "ab")  # noqa: SIM115 - closed in stop_shard
+        self._log_starts[shard_id] = log.tell()  # a failure quotes this start's lines only
         try:
             self._processes[shard_id] = subprocess.Popen(
                 self._command(shard_id),
@@ -147,14 +193,20 @@ class LocalCluster:
             log.close()
             raise
         self._logs[shard_id] = log
-        deadline = time.monotonic() + self.start_timeout_s
-        while not port_file.exists():
-            if self._processes[shard_id].poll() is not None:
-                raise RuntimeError(self._failure(shard_id, "exited while starting"))
+        self._deadlines[shard_id] = time.monotonic() + self.start_timeout_s
+
+    def _await_serving(self, shard_id: int) -> None:
+        """Wait until the launched shard wrote its ports and serves; record its address."""
+        _, port_file, _ = self._paths(shard_id)
+        deadline = self._deadlines[shard_id]
+        process = self._processes[shard_id]
+        assert process is not None
+        while (ports := _ports_of(port_file, process.pid)) is None:
+            if process.poll() is not None:
+                raise ShardStartError(self._failure(shard_id, "exited while starting"))
             if time.monotonic() > deadline:
                 raise TimeoutError(self._failure(shard_id, "did not start in time"))
             time.sleep(0.05)
-        ports = json.loads(port_file.read_text())
         address = f"{self.host}:{ports['port']}"
         wait_until_serving(address, max(1.0, deadline - time.monotonic()), self.security)
         while len(self.addresses) <= shard_id:
@@ -166,7 +218,12 @@ class LocalCluster:
     def _failure(self, shard_id: int, what: str) -> str:
         _, _, log_file = self._paths(shard_id)
         process = self._processes[shard_id]
-        tail = log_file.read_text(errors="replace")[-3000:] if log_file.exists() else ""
+        try:
+            with open(log_file, "rb") as lines:
+                lines.seek(self._log_starts[shard_id])
+                tail = lines.read().decode(errors="replace")[-3000:]
+        except OSError:
+            tail = ""
         code = process.poll() if process is not None else None
         return f"shard {shard_id} {what} (exit code {code}); log {log_file}:\n{tail}"
 
@@ -195,9 +252,15 @@ class LocalCluster:
         return process.returncode
 
     def start(self) -> LocalCluster:
+        """Start every shard at once (nothing is started if any data dir is in use) and wait
+        until each serves; on a failure, stop them all."""
+        for shard_id in range(self.num_shards):
+            self._check_free(shard_id)
         try:
             for shard_id in range(self.num_shards):
-                self.start_shard(shard_id)
+                self._launch(shard_id)
+            for shard_id in range(self.num_shards):
+                self._await_serving(shard_id)
         except BaseException:
             self.stop()
             raise

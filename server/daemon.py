@@ -166,7 +166,7 @@ class ShardServer:
         return f"{self.config.host}:{self.port}"
 
     def _observe(self, method: str, code: str, seconds: float) -> None:
-        self.metrics.rpc_seconds.labels(method, code).observe(seconds)
+        self.metrics.observe(method, code, seconds)
 
     def _refused(self, method: str, code: str, cause: str, why: str) -> None:
         """The one place a guard's refusal (or cancellation) is counted and logged; `why`
@@ -205,6 +205,7 @@ class ShardServer:
             self.metrics_port = self.metrics.serve(
                 self.config.metrics_host or self.config.host, self.config.metrics_port
             )
+            self.shard.metrics_port = self.metrics_port  # Stats tells clients (admin top)
         self.shard.publish_serving()  # NOT_SERVING still if its store cannot write
         log.info(
             "serving",
@@ -292,6 +293,13 @@ def serve(config: ServerConfig, *, port_file: Path | None = None) -> int:
             )  # fmt: skip
         )
         os.replace(tmp, port_file)
+    metrics_host = config.metrics_host or config.host
+    metrics = f", metrics at http://{metrics_host}:{server.metrics_port}/metrics"
+    print(
+        f"shard {config.shard_id} of {config.num_shards} serving at {server.address}"
+        f"{metrics if server.metrics_port is not None else ''}",
+        flush=True,
+    )  # stdout, for a person; the JSON log on stderr says the same
     while not stop:
         time.sleep(0.2)
     try:

@@ -17,7 +17,8 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 
 class _TableCollector(Collector):
-    """Rows, bytes, hits and misses per table and tier, read from the shard when scraped."""
+    """Rows, bytes, hits and misses per table and tier, keys looked up and pushed per table,
+    the last flush's time and the process's memory, read from the shard when scraped."""
 
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
@@ -40,18 +41,40 @@ class _TableCollector(Collector):
             "Keys looked for and not found, per table and tier",
             labels=labels,
         )
+        looked_up = CounterMetricFamily(
+            "tierps_table_keys_looked_up", "Keys looked up, per table", labels=["shard", "table"]
+        )
+        pushed = CounterMetricFamily(
+            "tierps_table_keys_pushed", "Keys pushed, per table", labels=["shard", "table"]
+        )
+        last_flush = GaugeMetricFamily(
+            "tierps_last_flush_timestamp_seconds",
+            "Unix time of the last flush of every dirty row to RocksDB (0: none yet); the "
+            "flush lag is time() minus this",
+            labels=["shard"],
+        )
+        rss = GaugeMetricFamily(
+            "tierps_resident_memory_bytes", "Resident memory of the shard process", labels=["shard"]
+        )
+        shard = str(self.shard.shard_id)
         try:
-            tables = self.shard.stats()["tables"]
+            stats = self.shard.stats()
         except Exception:  # closing, or a table dropped mid-scrape: report nothing this time
-            tables = []
-        for table in tables:
+            stats = {"tables": []}
+        for table in stats["tables"]:
+            name = table["config"].name
             for tier in table["tiers"]:
-                values = [str(self.shard.shard_id), table["config"].name, tier["name"]]
+                values = [shard, name, tier["name"]]
                 rows.add_metric(values, tier["rows"])
                 size.add_metric(values, tier["bytes"])
                 hits.add_metric(values, tier["hits"])
                 misses.add_metric(values, tier["misses"])
-        yield from (rows, size, hits, misses)
+            looked_up.add_metric([shard, name], table["keys_looked_up"])
+            pushed.add_metric([shard, name], table["keys_pushed"])
+        if "last_flush_unix_s" in stats:
+            last_flush.add_metric([shard], stats["last_flush_unix_s"])
+            rss.add_metric([shard], stats["rss_bytes"])
+        yield from (rows, size, hits, misses, looked_up, pushed, last_flush, rss)
 
 
 class ShardMetrics:
@@ -59,10 +82,11 @@ class ShardMetrics:
 
     def __init__(self, shard: Shard) -> None:
         self.registry = CollectorRegistry()
+        self.shard_label = str(shard.shard_id)
         self.rpc_seconds = Histogram(
             "tierps_rpc_seconds",
-            "Server-side latency of gRPC calls, by method and status code",
-            ["method", "code"],
+            "Server-side latency of gRPC calls, by shard, method and status code",
+            ["shard", "method", "code"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
@@ -76,6 +100,10 @@ class ShardMetrics:
         )
         self.registry.register(_TableCollector(shard))
         self._http = None
+
+    def observe(self, method: str, code: str, seconds: float) -> None:
+        """One call's latency in tierps_rpc_seconds."""
+        self.rpc_seconds.labels(self.shard_label, method, code).observe(seconds)
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics over HTTP; returns the bound port."""

@@ -129,6 +129,8 @@ def _description(described: dict[str, Any]) -> pb.TableDescription:
         created=described["created"],
         lifecycle=described["lifecycle"],
         current_step=described["current_step"],
+        keys_looked_up=described["keys_looked_up"],
+        keys_pushed=described["keys_pushed"],
     )
 
 

@@ -3,6 +3,7 @@ needs (key ownership, dims, sizes) and the locking that makes snapshots consiste
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -29,7 +30,7 @@ from tierps.storage import (
     TableConfig,
     snapshot,
 )
-from tierps.storage.config import Placement, WritePolicy, owner_shard
+from tierps.storage.config import Placement, WritePolicy, key_shards, owner_shard
 from tierps.storage.snapshot import Progress
 from tierps.storage.table import FLUSH_CHUNK_BYTES, EmbeddingTable
 from tierps.storage.xp import gpu_arrays
@@ -160,6 +161,10 @@ class Shard:
         self.num_shards = config.num_shards
         self.where = f"shard {self.shard_id} of {self.num_shards}"
         self.started = time.time()
+        self.metrics_port = 0  # the bound /metrics port, set by the daemon serving it
+        # Per table: [keys looked up, keys pushed] since the start (Stats, metrics, top).
+        self._key_counts: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+        self._key_counts_lock = threading.Lock()
         self._check_identity(Path(config.data_dir))
         if config.require_gpu:
             module, why = gpu_arrays(config.gpu_arrays)
@@ -274,13 +279,13 @@ class Shard:
                     f"to shard {owner}"
                 )
             return
-        wrong = (keys >= 0) & (keys % self.num_shards != self.shard_id)
+        shards = key_shards(config, keys, self.num_shards)
+        wrong = (keys >= 0) & (shards != self.shard_id)
         if wrong.any():
             index = int(np.argmax(wrong))
-            key = int(keys[index])
             raise InvalidArgumentError(
-                f"table {config.name!r}: key {key} at index {index} belongs to shard "
-                f"{key % self.num_shards}, not to {self.where} (a key k lives on shard "
+                f"table {config.name!r}: key {int(keys[index])} at index {index} belongs to "
+                f"shard {int(shards[index])}, not to {self.where} (a key k lives on shard "
                 f"k % {self.num_shards})"
             )
 
@@ -310,10 +315,12 @@ class Shard:
         """Weights of each batch's keys; every batch is checked before any is looked up."""
         with self._gate.shared():
             targets = [self._checked(batch.table, batch.dim, batch.keys) for batch in batches]
-            return self._each_table(
+            rows = self._each_table(
                 lambda pair: pair[0].lookup(pair[1].keys, create=pair[1].create),
                 list(zip(targets, batches, strict=True)),
             )
+        self._count_keys(batches, 0)
+        return rows
 
     def push_gradients(self, batches: list[PushBatch]) -> int:
         """Apply each table's gradients; every batch (its gradients and step included) is
@@ -324,9 +331,18 @@ class Shard:
                 target = self._checked(batch.table, batch.dim, batch.keys)
                 arguments = target.check_gradients(batch.keys, batch.grads, batch.step)
                 checked.append((target, *arguments))
-            return sum(
+            updated = sum(
                 self._each_table(lambda item: item[0].apply_checked_gradients(*item[1:]), checked)
             )
+        self._count_keys(batches, 1)
+        return updated
+
+    def _count_keys(self, batches: Sequence[LookupBatch | PushBatch], kind: int) -> None:
+        """Count the batches' keys per table (kind 0: looked up, 1: pushed), once a call
+        that succeeded."""
+        with self._key_counts_lock:
+            for batch in batches:
+                self._key_counts[batch.table][kind] += int(batch.keys.size)
 
     def assign(self, batches: list[AssignBatch]) -> int:
         """Set each table's rows; every batch is checked before any is set."""
@@ -351,6 +367,8 @@ class Shard:
     def drop_table(self, name: str) -> None:
         with self._admin, self._gate.exclusive():
             self.store.drop_table(name)
+        with self._key_counts_lock:
+            self._key_counts.pop(name, None)
 
     def list_tables(self) -> list[TableConfig]:
         return sorted(self.store.tables(), key=lambda config: config.name)
@@ -381,6 +399,8 @@ class Shard:
             "created": stats["created"],
             "lifecycle": _lifecycle(stats),
             "current_step": table.current_step,
+            "keys_looked_up": self._key_counts[name][0] if name in self._key_counts else 0,
+            "keys_pushed": self._key_counts[name][1] if name in self._key_counts else 0,
         }
 
     def stats(self) -> dict[str, Any]:
@@ -397,6 +417,7 @@ class Shard:
             "previous_life_clean": self.lives.ended_cleanly,
             "last_flush_unix_s": self.last_flush or 0.0,
             "writable": self.store.writable,
+            "metrics_port": self.metrics_port,
         }
 
     # -- eviction ----------------------------------------------------------------------------

@@ -331,6 +331,28 @@ class TableConfig:
         return cls(**data)
 
 
+def config_differences(existing: TableConfig, requested: TableConfig) -> str:
+    """The fields in which two table configs differ, as "field 'dim' expected 16 (the
+    table's), got 32; ..." (nested fields dotted: 'optimizer.lr'); "" when they agree."""
+
+    def flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    have, want = flat(existing.to_dict()), flat(requested.to_dict())
+    return "; ".join(
+        f"field {name!r} expected {have.get(name, '(none)')!r} (the table's), got "
+        f"{want.get(name, '(none)')!r}"
+        for name in [*have, *(n for n in want if n not in have)]
+        if have.get(name) != want.get(name)
+    )
+
+
 def _from_kind(field_name: str, registry: dict[str, type], data: dict[str, Any]) -> Any:
     params = dict(data)
     kind = params.pop("kind", None)
@@ -369,7 +391,18 @@ def owner_shard(config: TableConfig, num_shards: int) -> int:
 
 def key_shards(config: TableConfig, keys: np.ndarray, num_shards: int) -> np.ndarray:
     """The shard of each int64 key >= 0 of a table in a cluster of num_shards: k % num_shards
-    (placement="row"), or the table's owner_shard for every key (placement="table")."""
-    if config.placement is Placement.TABLE:
-        return np.full(keys.shape, owner_shard(config, num_shards), dtype=np.int64)
+    (placement="row"), or the table's owner_shard for every key (placement="table"). The one
+    owner of key placement: the client's routing, a shard's check of the keys it is sent
+    and a snapshot load's share of each shard all ask it (or single_shard, its shortcut)."""
+    single = single_shard(config, num_shards)
+    if single is not None:
+        return np.full(keys.shape, single, dtype=np.int64)
     return keys % num_shards
+
+
+def single_shard(config: TableConfig, num_shards: int) -> int | None:
+    """The one shard that holds every key of the table (a table placed whole: its
+    owner_shard; a cluster of one shard: 0), or None when its keys spread (key_shards)."""
+    if config.placement is Placement.TABLE:
+        return owner_shard(config, num_shards)
+    return 0 if num_shards == 1 else None

@@ -64,7 +64,14 @@ from typing import Any
 import numpy as np
 
 from tierps.storage.admission import bloom_size, counter_dtype
-from tierps.storage.config import Admission, Placement, TableConfig, owner_shard
+from tierps.storage.config import (
+    Admission,
+    Placement,
+    TableConfig,
+    key_shards,
+    owner_shard,
+    single_shard,
+)
 from tierps.storage.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -886,13 +893,13 @@ class Snapshot:
                 else f"{label}: keys expected >= 0, got {int(order[at + 1])}"
             )
         if config.placement is not Placement.TABLE:
-            wrong = np.flatnonzero(keys % self.num_shards != shard)
+            shards = key_shards(config, keys, self.num_shards)
+            wrong = np.flatnonzero(shards != shard)
             if wrong.size:
-                key = int(keys[wrong[0]])
                 raise SnapshotRefusedError(
                     f"{label}: keys expected on shard {shard} (key % {self.num_shards} == "
-                    f"{shard}), got key {key}, which belongs to part {key % self.num_shards} "
-                    f"(a key in two parts, or a part of another snapshot)"
+                    f"{shard}), got key {int(keys[wrong[0]])}, which belongs to part "
+                    f"{int(shards[wrong[0]])} (a key in two parts, or a part of another snapshot)"
                 )
         if not config.use_hashtable and int(keys[-1]) >= config.capacity:
             raise SnapshotRefusedError(
@@ -1006,7 +1013,7 @@ class Snapshot:
         if config.placement is not Placement.TABLE:
             problems.append(
                 (f"keys expected on shard {shard} (key % {self.num_shards} == {shard})",
-                 keys % self.num_shards != shard)
+                 key_shards(config, keys, self.num_shards) != shard)
             )  # fmt: skip
         for what, bad in problems:
             if bad.any():
@@ -1057,7 +1064,7 @@ class Snapshot:
                     held = out.get(kind)
                     out[kind] = state[kind] if held is None else np.maximum(held, state[kind])
                     continue
-                mine = state[kind][state[kind][:, 0] % num_shards == shard_id]
+                mine = state[kind][key_shards(config, state[kind][:, 0], num_shards) == shard_id]
                 counts[kind].append(mine)
                 out[f"{kind}_calls"] = max(out.get(f"{kind}_calls", 0), state[f"{kind}_calls"])
             if "buckets" in state:
@@ -1106,14 +1113,13 @@ class Snapshot:
         owner_shard(config, num_shards) and none to the others. InvalidArgumentError if the
         table's table_shard is not below num_shards."""
         config = self.configs[table_name]
-        whole = config.placement is Placement.TABLE
-        owner = owner_shard(config, num_shards) if whole else -1
+        owner = single_shard(config, num_shards)
         for part in self.tables[table_name]["parts"]:
             for keys, rows, steps in self.read_part(table_name, part, chunk_rows):
                 mine = (
                     slice(None) if owner == shard_id
-                    else slice(0) if whole
-                    else np.flatnonzero(keys % num_shards == shard_id)
+                    else slice(0) if owner is not None
+                    else np.flatnonzero(key_shards(config, keys, num_shards) == shard_id)
                 )  # fmt: skip
                 yield keys[mine], rows[mine], None if steps is None else steps[mine], keys.size
         self.check_disjoint(table_name)  # the parts read whole and verified: no repeats

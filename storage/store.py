@@ -47,7 +47,7 @@ from tierps.storage import kernels
 from tierps.storage.adaptive import BucketRows
 from tierps.storage.admission import bloom_bytes
 from tierps.storage.codec import RowCodec
-from tierps.storage.config import TableConfig
+from tierps.storage.config import TableConfig, config_differences
 from tierps.storage.errors import (
     BackendError,
     FailedPreconditionError,
@@ -94,61 +94,67 @@ def physical_memory_bytes() -> int:
         return 0
 
 
+def check_memory_share(
+    where: str, what: str, need: int, got: str, fix: str, memory_bytes: int | None = None
+) -> None:
+    """Refuse (ResourceExhaustedError) memory of `need` bytes that a table holds whole per
+    shard, when it is over DIRECT_MEMORY_FRACTION of physical memory (`memory_bytes`, this
+    machine's by default; unknown memory is not checked). The one bound of the direct
+    arena, the Bloom filter and the bucket rows: "{where}: {what} expected at most L bytes
+    (50% of this machine's M bytes), got {got}; {fix}"."""
+    memory = physical_memory_bytes() if memory_bytes is None else memory_bytes
+    limit = int(memory * DIRECT_MEMORY_FRACTION)
+    if need and memory and need > limit:
+        raise ResourceExhaustedError(
+            f"{where}: {what} expected at most {limit} bytes ({DIRECT_MEMORY_FRACTION:.0%} of "
+            f"this machine's {memory} bytes), got {got}; {fix}"
+        )
+
+
 def check_direct_size(config: TableConfig, where: str, memory_bytes: int | None = None) -> None:
-    """Refuse (ResourceExhaustedError) a direct table whose arena - all `capacity` rows,
-    weights and optimizer state, plus two flag bytes a row - would take more than
-    DIRECT_MEMORY_FRACTION of physical memory (`memory_bytes`, this machine's by default).
-    The bound is per table and shard: it catches a capacity no machine of this size can
-    hold, not the sum of many tables. A hashed table is not checked: its host_cache_bytes
-    budget bounds it and its other rows live in RocksDB."""
+    """A direct table's arena - all `capacity` rows, weights and optimizer state, plus two
+    flag bytes a row - within check_memory_share's bound. The bound is per table and shard:
+    it catches a capacity no machine of this size can hold, not the sum of many tables. A
+    hashed table is not checked: its host_cache_bytes budget bounds it and its other rows
+    live in RocksDB."""
     if config.use_hashtable:
         return
-    memory = physical_memory_bytes() if memory_bytes is None else memory_bytes
     per_row = direct_arena_bytes(1, config.stored_bytes)
     need = config.capacity * per_row
-    limit = int(memory * DIRECT_MEMORY_FRACTION)
-    if memory and need > limit:
-        raise ResourceExhaustedError(
-            f"{where}: use_hashtable=False holds all {config.capacity} rows in memory: "
-            f"{config.capacity} rows x {per_row} bytes (dim {config.dim} with "
-            f"{config.optimizer.kind}'s state, and the flags) = {need} bytes, expected at "
-            f"most {limit} bytes ({DIRECT_MEMORY_FRACTION:.0%} of this machine's {memory} "
-            f"bytes); lower capacity, or use a hashed table (use_hashtable=True), whose "
-            f"host_cache_bytes budget keeps the other rows in RocksDB only"
-        )
+    check_memory_share(
+        where, "field 'capacity' (use_hashtable=False holds all its rows in memory)", need,
+        f"{config.capacity} rows x {per_row} bytes (dim {config.dim} with "
+        f"{config.optimizer.kind}'s state, and the flags) = {need} bytes",
+        "lower capacity, or use a hashed table (use_hashtable=True), whose host_cache_bytes "
+        "budget keeps the other rows in RocksDB only",
+        memory_bytes,
+    )  # fmt: skip
 
 
 def check_admission_size(config: TableConfig, where: str, memory_bytes: int | None = None) -> None:
-    """Refuse (ResourceExhaustedError) a counting Bloom filter (admission="bloom") whose
-    counters - sized from max_elements and false_positive_rate, allocated per shard when the
-    table is opened - would take more than DIRECT_MEMORY_FRACTION of physical memory."""
+    """A counting Bloom filter's counters (admission="bloom"), sized from max_elements and
+    false_positive_rate and allocated per shard when the table opens, within
+    check_memory_share's bound."""
     need = bloom_bytes(config)
-    memory = physical_memory_bytes() if memory_bytes is None else memory_bytes
-    limit = int(memory * DIRECT_MEMORY_FRACTION)
-    if need and memory and need > limit:
-        raise ResourceExhaustedError(
-            f"{where}: field 'max_elements' expected a Bloom filter of at most {limit} bytes "
-            f"({DIRECT_MEMORY_FRACTION:.0%} of this machine's {memory} bytes), got "
-            f"max_elements={config.max_elements} at false_positive_rate="
-            f"{config.false_positive_rate:g}: {need} bytes of counters on each shard; lower "
-            f"max_elements, raise false_positive_rate, or use admission='counter'"
-        )
+    check_memory_share(
+        where, "field 'max_elements'", need,
+        f"max_elements={config.max_elements} at false_positive_rate="
+        f"{config.false_positive_rate:g}: {need} bytes of Bloom filter counters on each shard",
+        "lower max_elements, raise false_positive_rate, or use admission='counter'",
+        memory_bytes,
+    )  # fmt: skip
 
 
 def check_bucket_size(config: TableConfig, where: str, memory_bytes: int | None = None) -> None:
-    """Refuse (ResourceExhaustedError) adaptive embedding whose hash_bucket_size rows -
-    weights and optimizer state, held in memory on every shard - would take more than
-    DIRECT_MEMORY_FRACTION of physical memory."""
+    """Adaptive embedding's hash_bucket_size rows - weights and optimizer state, held in
+    memory on every shard - within check_memory_share's bound."""
     need = config.hash_bucket_size * config.row_bytes
-    memory = physical_memory_bytes() if memory_bytes is None else memory_bytes
-    limit = int(memory * DIRECT_MEMORY_FRACTION)
-    if need and memory and need > limit:
-        raise ResourceExhaustedError(
-            f"{where}: field 'hash_bucket_size' expected bucket rows of at most {limit} bytes "
-            f"({DIRECT_MEMORY_FRACTION:.0%} of this machine's {memory} bytes), got "
-            f"hash_bucket_size={config.hash_bucket_size}: {config.hash_bucket_size} rows x "
-            f"{config.row_bytes} bytes = {need} bytes on each shard; lower hash_bucket_size"
-        )
+    check_memory_share(
+        where, "field 'hash_bucket_size'", need,
+        f"hash_bucket_size={config.hash_bucket_size}: {config.hash_bucket_size} rows x "
+        f"{config.row_bytes} bytes = {need} bytes on each shard",
+        "lower hash_bucket_size", memory_bytes,
+    )  # fmt: skip
 
 
 def _options() -> Options:
@@ -428,7 +434,7 @@ class EmbeddingStore:
                 if existing.config != config:
                     raise FailedPreconditionError(
                         f"{self._where(config.name)} exists with another config: "
-                        f"existing {existing.config.to_dict()}, requested {config.to_dict()}"
+                        f"{config_differences(existing.config, config)}"
                     )
                 return existing
             self.check_creatable(config)

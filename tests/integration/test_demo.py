@@ -130,11 +130,14 @@ def test_demo_command_on_synthetic_data_runs_twice_in_one_data_dir(tmp_path: Pat
             assert f"epoch {epoch}: train logloss" in out, out
         assert out.count("test logloss") == 2 and "AUC" in out, out
         assert "samples/s" in out, out
-        assert "hit rates: host" in out and "rocksdb" in out, out
+        assert "hit rates: host" in out and "rocksdb held" in out, out
         assert "snapshot 'deepfm-synthetic-" in out, out
         assert f"staleness {staleness};" in out, out
+    # --keep-snapshots 1 (the default): the second run deleted the first one's snapshot
+    saved = re.search(r"snapshot '(deepfm-synthetic-[^']+)'", out)
+    assert saved is not None and "deleted 1 older demo snapshot(s)" in out, out
     snapshots = sorted(p.name for p in (tmp_path / "data" / "snapshots").iterdir())
-    assert len(snapshots) == 2, snapshots
+    assert snapshots == [saved.group(1)], snapshots
 
 
 def test_demo_command_explains_bad_flags(tmp_path: Path) -> None:

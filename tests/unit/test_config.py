@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tierps.storage import Eviction, TableConfig, WritePolicy, init, optim
+from tierps.storage.config import config_differences
 
 
 @pytest.mark.parametrize(
@@ -95,3 +96,17 @@ def test_unknown_kind_in_dict_is_refused() -> None:
     data["optimizer"] = {"kind": "rmsprop", "lr": 0.1}
     with pytest.raises(ValueError, match=r"'optimizer.kind' expected one of .*'rmsprop'"):
         TableConfig.from_dict(data)
+
+
+def test_config_differences_names_each_field_that_differs() -> None:
+    table = TableConfig("items", 16, optimizer=optim.Adagrad(lr=0.05), seed=1)
+    asked = TableConfig("items", 32, optimizer=optim.Adagrad(lr=0.1), seed=1)
+    assert config_differences(table, table) == ""
+    assert config_differences(table, asked) == (
+        "field 'dim' expected 16 (the table's), got 32; "
+        "field 'optimizer.lr' expected 0.05 (the table's), got 0.1"
+    )
+    other_kind = TableConfig("items", 16, optimizer=optim.SGD(lr=0.05), seed=1)
+    assert "field 'optimizer.kind' expected 'adagrad' (the table's), got 'sgd'" in (
+        config_differences(table, other_kind)
+    )

@@ -19,7 +19,7 @@ import pytest
 
 from tierps.storage import InvalidArgumentError, TableConfig, optim
 from tierps.storage import snapshot as fmt
-from tierps.storage.config import key_shards, owner_shard
+from tierps.storage.config import key_shards, owner_shard, single_shard
 
 MASK = 2**64 - 1
 NAMES = [f"feature_{i}" for i in range(12)] + ["items", "users", "ads", "country"]
@@ -95,6 +95,11 @@ def test_key_shards_of_row_and_table_placement() -> None:
     table = placed("items")
     np.testing.assert_array_equal(key_shards(table, keys, 3), owner_shard(table, 3))
     np.testing.assert_array_equal(key_shards(placed("items", 1), keys, 3), 1)
+    # single_shard, the shortcut: the one shard every key goes to, else None
+    assert single_shard(TableConfig("rows", 4), 3) is None
+    assert single_shard(TableConfig("rows", 4), 1) == 0
+    assert single_shard(table, 3) == owner_shard(table, 3)
+    assert single_shard(placed("items", 1), 3) == 1
 
 
 # -- snapshots ----------------------------------------------------------------------------------

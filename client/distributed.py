@@ -173,7 +173,8 @@ class TrainerGroup:
         self._collectives = dist.new_group(backend="gloo")
         self.tables = sorted({f.table for module in self.modules for f in module.features})
         # the job's step: the last step begun (0: none); rank 0's reading of the cluster
-        self.step = self._agree(max((client.table_step(t) for t in self.tables), default=0))
+        clock = max((client.table_step(t) for t in self.tables), default=0) if self.rank == 0 else 0
+        self.step = self._agree(clock)
         self.staleness_seen = 0  # the latest step's observed staleness
         self.max_staleness_seen = 0
         self._pending: deque[tuple[int, Future[Any]]] = deque()  # async: pushes in flight
@@ -181,16 +182,31 @@ class TrainerGroup:
     # -- collectives -------------------------------------------------------------------------
 
     def _agree(self, value: int) -> int:
-        """Rank 0's value, on every rank (a broadcast: every rank has read its own first)."""
+        """Rank 0's value, on every rank (a broadcast)."""
         box = torch.tensor([value], dtype=torch.int64)
         dist.broadcast(box, src=0, group=self._collectives)
         return int(box.item())
 
-    def _failed_ranks(self, failed: bool) -> list[int]:
-        """Which ranks report a failure (an all_gather; also a barrier)."""
+    def _together(self, work: Callable[[], Any], refused: str) -> None:
+        """Run `work` on this rank, then tell every rank whether any rank's failed (an
+        all_gather of one flag per rank, also a barrier): this rank's own error is raised
+        (noting the ranks that failed), another's as TrainerGroupError(refused + the ranks),
+        so that no rank waits for one that gave up."""
+        error: BaseException | None = None
+        try:
+            work()
+        except Exception as failure:
+            error = failure
         flags = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(flags, torch.tensor([int(failed)]), group=self._collectives)
-        return [rank for rank, flag in enumerate(flags) if int(flag.item())]
+        dist.all_gather(flags, torch.tensor([int(error is not None)]), group=self._collectives)
+        failed = [rank for rank, flag in enumerate(flags) if int(flag.item())]
+        if error is not None:
+            error.add_note(
+                f"tierps: failed on rank {self.rank} (ranks failed: {failed}); {refused}"
+            )
+            raise error
+        if failed:
+            raise TrainerGroupError(f"{refused} (ranks failed: {failed})")
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -240,31 +256,20 @@ class TrainerGroup:
             parts = [part[table] for part in gathered if table in part]
             keys = np.concatenate([keys for keys, _ in parts])
             grads = np.concatenate([grads for _, grads in parts])
-            unique, inverse = np.unique(keys, return_inverse=True)
-            summed = np.zeros((unique.size, grads.shape[1]), dtype=np.float32)
-            np.add.at(summed, inverse, grads)  # in rank order, the same on every rank
+            order = np.argsort(keys, kind="stable")  # a key's gradients stay in rank order
+            keys = keys[order]
+            starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+            unique = keys[starts]
+            summed = np.add.reduceat(grads[order], starts, axis=0)  # the same on every rank
             summed /= np.float32(self.world_size)
             low = self.rank * unique.size // self.world_size
             high = (self.rank + 1) * unique.size // self.world_size
             share[table] = (unique[low:high], summed[low:high])
-        error: BaseException | None = None
-        try:
-            module.client._push_unique(share, self.step)
-        except Exception as failure:  # every rank must hear of it before raising
-            error = failure
-        failed = self._failed_ranks(error is not None)
-        if error is not None:
-            error.add_note(
-                f"tierps: rank {self.rank}'s share of step {self.step}'s push failed "
-                f"(ranks failed: {failed}); resume from the last checkpoint"
-            )
-            raise error
-        if failed:
-            raise TrainerGroupError(
-                f"step {self.step}: the push of ranks {failed} failed, so this step's update "
-                f"of their share of the keys is missing on some shards; resume from the last "
-                f"checkpoint (rank {self.rank}'s share was applied)"
-            )
+        self._together(
+            lambda: module.client._push_unique(share, self.step),
+            f"step {self.step}'s push failed, so its update of the failed ranks' share of the "
+            f"keys is missing on some shards; resume from the last checkpoint",
+        )
 
     def _track(self, step: int, pushed: Future[Any]) -> None:
         """Async mode: a push of `step` handed to a module's background thread."""
@@ -306,43 +311,30 @@ class TrainerGroup:
         snapshot and `state` (the dense model's and optimizer's state_dict, for instance;
         torch.save) under one id in `directory` (shared by the ranks), then marks it the
         latest. Returns the id (also the snapshot's name)."""
-        flushed: BaseException | None = None
-        try:
-            self.flush()
-        except Exception as failure:  # the others must hear of it, not wait at the barrier
-            flushed = failure
-        failed = self._failed_ranks(flushed is not None)  # a barrier: every push is in
-        if flushed is not None:
-            raise flushed
-        if failed:
-            raise TrainerGroupError(
-                f"checkpoint at step {self.step}: a push of ranks {failed} failed, so no "
-                f"consistent cut exists; resume from the last checkpoint"
-            )
+        self._together(  # a barrier: every push is in
+            self.flush,
+            f"checkpoint at step {self.step}: a push failed, so no consistent cut exists; "
+            f"resume from the last checkpoint",
+        )
         checkpoint = f"ckpt-step{self.step:010d}-{uuid.uuid4().hex[:8]}"
-        error: BaseException | None = None
-        if self.rank == 0:
-            try:
-                root = Path(directory)
-                root.mkdir(parents=True, exist_ok=True)
-                self.admin.save_snapshot(checkpoint)
-                saved = {
-                    "step": self.step,
-                    "world_size": self.world_size,
-                    "mode": self.mode,
-                    "snapshot": checkpoint,
-                    "state": state,
-                }
-                _write_atomically(root / f"{checkpoint}.pt", lambda f: torch.save(saved, f))
-                latest = json.dumps({"checkpoint": checkpoint, "step": self.step}).encode()
-                _write_atomically(root / LATEST, lambda f: f.write(latest))
-            except Exception as failure:  # the others must not wait for a cut that failed
-                error = failure
-        failed = self._failed_ranks(error is not None)
-        if error is not None:
-            raise error
-        if failed:
-            raise TrainerGroupError(f"checkpoint at step {self.step} failed on rank 0")
+
+        def save() -> None:
+            root = Path(directory)
+            root.mkdir(parents=True, exist_ok=True)
+            self.admin.save_snapshot(checkpoint)
+            saved = {
+                "step": self.step,
+                "world_size": self.world_size,
+                "mode": self.mode,
+                "snapshot": checkpoint,
+                "state": state,
+            }
+            _write_atomically(root / f"{checkpoint}.pt", lambda f: torch.save(saved, f))
+            latest = json.dumps({"checkpoint": checkpoint, "step": self.step}).encode()
+            _write_atomically(root / LATEST, lambda f: f.write(latest))
+
+        # the others must not wait for a cut that failed
+        self._together(save if self.rank == 0 else _nothing, f"checkpoint at step {self.step}")
         return checkpoint
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> Any:
@@ -355,22 +347,23 @@ class TrainerGroup:
         root = Path(directory)
         latest = root / LATEST
         checkpoint = json.loads(latest.read_bytes())["checkpoint"] if latest.exists() else None
-        error: BaseException | None = None
-        if self.rank == 0 and checkpoint is not None:
-            try:
+        self._together(  # every rank after the load
+            lambda: (
                 self.admin.load_snapshot(checkpoint)
-            except Exception as failure:
-                error = failure
-        failed = self._failed_ranks(error is not None)  # every rank after the load
-        if error is not None:
-            raise error
-        if failed:
-            raise TrainerGroupError(f"loading checkpoint {checkpoint!r} failed on rank 0")
+                if self.rank == 0 and checkpoint is not None
+                else None
+            ),
+            f"loading checkpoint {checkpoint!r}",
+        )
         if checkpoint is None:
             return None
         saved = torch.load(root / f"{checkpoint}.pt", weights_only=False)
         self.step = int(saved["step"])
         return saved["state"]
+
+
+def _nothing() -> None:
+    """What a rank other than 0 does of a checkpoint's writing."""
 
 
 def _write_atomically(path: Path, write: Callable[[Any], Any]) -> None:

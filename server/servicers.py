@@ -87,16 +87,12 @@ def decode_keys(raw: bytes, table: str) -> np.ndarray:
 def decode_rows(raw: bytes, field: str, table: str, n: int, dim: int) -> np.ndarray:
     if dim < 1:
         raise InvalidArgumentError(f"table {table!r}: field 'dim' expected >= 1, got {dim}")
-    expected = n * wire_row_bytes(dim)
-    if len(raw) != expected:
+    row_bytes = wire_row_bytes(dim)
+    if len(raw) != n * row_bytes:
         raise InvalidArgumentError(
-            f"table {table!r}: field '{field}' expected {expected} bytes ({n} keys x dim "
+            f"table {table!r}: field '{field}' expected {n * row_bytes} bytes ({n} keys x dim "
             f"{dim} x 4-byte float32), got {len(raw)} bytes"
-            + (
-                f", not a multiple of 4*dim={wire_row_bytes(dim)}"
-                if len(raw) % wire_row_bytes(dim)
-                else ""
-            )
+            + (f", not a multiple of 4*dim={row_bytes}" if len(raw) % row_bytes else "")
         )
     return np.frombuffer(raw, dtype=WIRE_DTYPE).reshape(n, dim)
 

@@ -399,8 +399,8 @@ class Shard:
             "created": stats["created"],
             "lifecycle": _lifecycle(stats),
             "current_step": table.current_step,
-            "keys_looked_up": self._key_counts[name][0] if name in self._key_counts else 0,
-            "keys_pushed": self._key_counts[name][1] if name in self._key_counts else 0,
+            "keys_looked_up": self._key_counts.get(name, (0, 0))[0],
+            "keys_pushed": self._key_counts.get(name, (0, 0))[1],
         }
 
     def stats(self) -> dict[str, Any]:

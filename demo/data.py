@@ -114,14 +114,20 @@ class RaggedColumn:
     def take(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The bags of samples `rows` as (values, offsets): offsets [B] are torch's (bag i
         starts at offsets[i] and runs to the next one, or to the end)."""
+        values, bounds = self.gather(rows)
+        return values, bounds[:-1]
+
+    def gather(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The bags of samples `rows` as a RaggedColumn's arrays: (values, bounds [B + 1]),
+        bag i being values[bounds[i]:bounds[i + 1]]."""
         begin, end = self.starts[rows], self.starts[rows + 1]
         lengths = end - begin
         bounds = np.zeros(rows.size + 1, dtype=np.int64)
         np.cumsum(lengths, out=bounds[1:])
         if bounds[-1] == rows.size and (lengths == 1).all():
-            return self.values[begin], bounds[:-1]
+            return self.values[begin], bounds
         index = np.repeat(begin - bounds[:-1], lengths) + np.arange(bounds[-1], dtype=np.int64)
-        return self.values[index], bounds[:-1]
+        return self.values[index], bounds
 
 
 @dataclass
@@ -202,11 +208,23 @@ class CTRDataset:
         rows = self.rows(split)
         if shuffle_seed is not None:
             rows = np.random.default_rng(shuffle_seed).permutation(rows)
+        # The whole pass gathered at once, each batch then a slice of it (views): a batch
+        # costs a few slices, not a gather per feature (the step is a few ms).
+        ordered = {
+            feature.name: self.columns[feature.name].gather(rows) for feature in self.features
+        }
+        dense = None if self.dense is None else self.dense[rows]
+        labels = self.labels[rows]
         for start in range(0, rows.size, batch_size):
-            chunk = rows[start : start + batch_size]
-            if chunk.size < ranks:
+            size = min(batch_size, rows.size - start)
+            if size < ranks:
                 break
-            yield self.batch(chunk[rank * chunk.size // ranks : (rank + 1) * chunk.size // ranks])
+            low, high = start + rank * size // ranks, start + (rank + 1) * size // ranks
+            features = {}
+            for name, (values, bounds) in ordered.items():
+                first = bounds[low]
+                features[name] = (values[first : bounds[high]], bounds[low:high] - first)
+            yield Batch(features, None if dense is None else dense[low:high], labels[low:high])
 
     def num_batches(self, split: str, batch_size: int, ranks: int = 1) -> int:
         """How many batches `batches` gives (for each of `ranks` trainers)."""

@@ -72,34 +72,32 @@ def stacked_pooling_matrix(
     block after row block ([sum of B_f, num_unique], fbgemm's table-batched layout): one
     forward and one backward kernel call serve every feature of the table."""
     inverse = _joined([inverse for _, inverse, _ in parts])
+    # Every bag's bounds in the joined entries: each feature's offsets shifted to where its
+    # entries start (its last offset is the next feature's first), then the end.
+    base, shifted = 0, []
+    for bags, part_inverse, _ in parts:
+        shifted.append(bags.offsets[:-1] + base)
+        base += part_inverse.size
+    shifted.append(np.array([base], np.int64))
+    bounds = np.concatenate(shifted)
     live = inverse >= 0
-    # Each bag's live count, for all features at once: the running count of live entries
-    # at each feature's offsets (shifted to its entries' place), differenced; the
-    # differences across two features' boundary are dropped.
-    sizes = np.array([part_inverse.size for _, part_inverse, _ in parts])
-    bases = np.cumsum(sizes) - sizes
-    at = _joined([bags.offsets + base for (bags, _, _), base in zip(parts, bases, strict=True)])
-    running = np.zeros(live.size + 1, np.int64)
-    np.cumsum(live, out=running[1:])
-    counts = np.diff(running[at])
-    if len(parts) > 1:
-        counts = np.delete(counts, np.cumsum([bags.num_bags + 1 for bags, _, _ in parts[:-1]]) - 1)
+    if live.all():  # no padding (the usual batch): bags count their entries
+        counts, column = np.diff(bounds), inverse
+    else:  # each bag's live entries: the running count of live entries, differenced
+        running = np.zeros(live.size + 1, np.int64)
+        np.cumsum(live, out=running[1:])
+        counts, column = np.diff(running[bounds]), inverse[live]
     if all(combiner is Combiner.SUM and bags.weights is None for bags, _, combiner in parts):
-        data = np.ones(int(running[-1]), np.float32)
+        data = np.ones(column.size, np.float32)
     else:
-        data = _joined(
-            [
-                _coefficients(bags, live[base : base + size], count, combiner)
-                for (bags, _, combiner), base, size, count in zip(
-                    parts,
-                    bases,
-                    sizes,
-                    np.split(counts, np.cumsum([b.num_bags for b, _, _ in parts])[:-1]),
-                    strict=True,
-                )
-            ]
-        )
-    column = inverse[live]
+        data_parts, bag, entry = [], 0, 0
+        for bags, part_inverse, combiner in parts:
+            part_counts = counts[bag : bag + bags.num_bags]
+            part_live = live[entry : entry + part_inverse.size]
+            data_parts.append(_coefficients(bags, part_live, part_counts, combiner))
+            bag += bags.num_bags
+            entry += part_inverse.size
+        data = _joined(data_parts)
     indptr = np.zeros(counts.size + 1, dtype=np.int64)
     np.cumsum(counts, out=indptr[1:])
     index = np.int32 if max(num_unique, column.size) < np.iinfo(np.int32).max else np.int64

@@ -314,6 +314,44 @@ def test_ragged_take_matches_a_loop() -> None:
         np.testing.assert_array_equal(values[bounds[i] : bounds[i + 1]], column.bag(int(row)))
 
 
+@pytest.mark.parametrize("share", [(0, 1), (2, 3)])
+def test_batches_hold_each_chunks_samples_bag_by_bag(share: tuple[int, int]) -> None:
+    """batches() gathers a whole pass at once and slices it: each batch must still be its
+    chunk's share of the shuffled rows, bag by bag (a loop over RaggedColumn.bag), with
+    their dense features and labels; a last chunk smaller than the ranks is left out."""
+    rng = np.random.default_rng(4)
+    samples, batch_size = 23, 5
+    lengths = rng.integers(0, 4, samples)  # empty bags too
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    columns = {
+        "multi": data.RaggedColumn(rng.integers(0, 50, starts[-1]).astype(np.int64), starts),
+        "single": data.RaggedColumn.single(rng.integers(0, 50, samples)),
+    }
+    features = tuple(data.SparseFeature(name, "t") for name in columns)
+    dataset = data.CTRDataset(
+        "tiny", features, {}, columns, rng.random((samples, 2)).astype(np.float32),
+        rng.integers(0, 2, samples).astype(np.float32), np.arange(samples), np.arange(0),
+    )  # fmt: skip
+    order = np.random.default_rng(9).permutation(samples)
+    rank, ranks = share
+    chunks = [order[i : i + batch_size] for i in range(0, samples, batch_size)]
+    expected = [c[rank * c.size // ranks : (rank + 1) * c.size // ranks] for c in chunks]
+    expected = [rows for rows, c in zip(expected, chunks, strict=True) if c.size >= ranks]
+    batches = list(dataset.batches("train", batch_size, shuffle_seed=9, share=share))
+    assert len(batches) == len(expected) == dataset.num_batches("train", batch_size, ranks)
+    for batch, rows in zip(batches, expected, strict=True):
+        np.testing.assert_array_equal(batch.labels, dataset.labels[rows])
+        np.testing.assert_array_equal(batch.dense, dataset.dense[rows])
+        for name, column in columns.items():
+            values, offsets = batch.features[name]
+            assert values.dtype == offsets.dtype == np.int64 and offsets.size == rows.size
+            bounds = [*offsets.tolist(), values.size]
+            for i, row in enumerate(rows):
+                np.testing.assert_array_equal(
+                    values[bounds[i] : bounds[i + 1]], column.bag(int(row))
+                )
+
+
 def test_auc_matches_pairwise_counting() -> None:
     rng = np.random.default_rng(1)
     labels = rng.integers(0, 2, 300)

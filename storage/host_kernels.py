@@ -71,6 +71,9 @@ def _jit(fn: Callable) -> Callable:
 
 
 AHEAD = 8  # rows (or slots) a kernel prefetches ahead: random rows cost memory latency
+RING = 16  # k_lookup's ring of the slots in flight: a power of two > AHEAD
+# k_lookup's mode bits: what it writes besides the rows
+LOOKUP_SLOTS, LOOKUP_DIRTY, LOOKUP_MISSED = 1, 2, 4
 
 
 if numba is not None:
@@ -121,10 +124,11 @@ if numba is not None:
             _prefetch_for_write(matrix, start + k)
 
     @_jit
-    def _prefetch_row(matrix, row):
-        """Prefetch every cache line of row `row` of a row-major matrix."""
+    def _prefetch_row_part(matrix, row, columns):
+        """Prefetch the cache lines of the first `columns` columns of row `row` of a
+        row-major matrix."""
         start = row * matrix.strides[0]
-        for k in range(0, matrix.shape[1] * matrix.itemsize, 64):
+        for k in range(0, columns * matrix.itemsize, 64):
             _prefetch(matrix, start + k)
 
     @_jit
@@ -218,17 +222,28 @@ if numba is not None:
 
     @_jit
     def k_lookup(
-        table, values, scores, mask, keys, arena, out, dirty, slots, found_dirty, tick, lfu
-    ):
-        """The host tier's find in one pass: slots[i], out[i] = the row of keys[i] (left as
-        it was for a miss), found_dirty[i] its dirty flag, and the eviction touch of each
-        hit (LRU: score = tick; LFU: +1 per occurrence). Returns the hit count."""
+        table, values, scores, mask, keys, arena, out, dirty, slots, found_dirty, missed,
+        mode, tick, lfu,
+    ):  # fmt: skip
+        """The host tier's find in one pass: out[i] = the first out.shape[1] columns of the
+        row of keys[i] (left as it was for a miss) and the eviction touch of each hit (LRU:
+        score = tick; LFU: +1 per occurrence). `mode` bits say what else it writes:
+        LOOKUP_SLOTS slots[i] (-1 for a miss), LOOKUP_DIRTY found_dirty[i] (a hit's dirty
+        flag), LOOKUP_MISSED the indices of the misses in missed[:count], keys < 0
+        (padding) zeroing their rows and counting as neither. Returns (hits, misses
+        listed)."""
         # A software pipeline over the dependent random loads of each key: its slot (on
         # the host the slot's key, value and score share a cache line, see HashTable),
-        # prefetched 2 * AHEAD keys before use; then its row and dirty flag, AHEAD before.
+        # prefetched 2 * AHEAD keys before use; then its row, AHEAD before. The slots of
+        # the keys in flight wait in a ring, so no [n] slot array is needed.
         n = keys.shape[0]
+        width = out.shape[1]
+        want_slots = mode & LOOKUP_SLOTS
+        want_dirty = mode & LOOKUP_DIRTY
+        want_missed = mode & LOOKUP_MISSED
+        ring = np.empty(RING, dtype=np.int64)
         hits = 0
-        width = arena.shape[1]
+        listed = 0
         for i in range(-2 * AHEAD, n):
             ahead = i + 2 * AHEAD
             if ahead < n:
@@ -238,15 +253,25 @@ if numba is not None:
             ahead = i + AHEAD
             if 0 <= ahead < n:
                 slot = _probe(table, mask, keys[ahead])
-                slots[ahead] = slot
+                ring[ahead & (RING - 1)] = slot
                 if slot >= 0:
                     r = values[slot]
-                    _prefetch_row(arena, r)
-                    _prefetch(dirty, _at(dirty, r))
+                    _prefetch_row_part(arena, r, width)
+                    if want_dirty:
+                        _prefetch(dirty, _at(dirty, r))
             if i < 0:
                 continue
-            slot = slots[i]
+            slot = ring[i & (RING - 1)]
+            if want_slots:
+                slots[i] = slot
             if slot < 0:
+                if want_missed:
+                    if keys[i] < 0:
+                        for c in range(width):
+                            out[i, c] = 0.0
+                    else:
+                        missed[listed] = i
+                        listed += 1
                 continue
             hits += 1
             if lfu:
@@ -254,10 +279,11 @@ if numba is not None:
             else:
                 scores[slot] = tick
             r = values[slot]
-            found_dirty[i] = dirty[r]
+            if want_dirty:
+                found_dirty[i] = dirty[r]
             for c in range(width):
                 out[i, c] = arena[r, c]
-        return hits
+        return hits, listed
 
     @_jit
     def k_touch(scores, slots, tick, lfu):

@@ -107,6 +107,23 @@ class Tier(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    def find_into(self, keys: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """A lookup's find: out[i] = the first out.shape[1] columns of the row of keys[i]
+        for each key held here, zeros where keys[i] < 0 (padding), left as it was for the
+        others; returns their indices (keys >= 0 not held here). Hits and misses count as
+        in find. This one runs find and copies; a tier may write the rows straight in."""
+        valid = keys >= 0
+        everything = bool(valid.all())
+        live = None if everything else np.flatnonzero(valid)
+        hit, rows, _ = self.find(keys if live is None else keys[live])
+        if live is not None:
+            out[~valid] = 0
+            hit = live[hit]
+        out[hit] = rows[:, : out.shape[1]]
+        missed = valid.copy() if live is not None else np.ones(keys.size, dtype=bool)
+        missed[hit] = False
+        return np.flatnonzero(missed)
+
     @property
     def trains_in_place(self) -> bool:
         """Whether train_resident runs the optimizer on rows where they lie (a capability:
@@ -250,6 +267,16 @@ class CacheTier(Tier):
         else:
             found = rows if everything else rows[hit]
         return to_host(hit), to_host(found), to_host(self.dirty[ids])
+
+    def find_into(self, keys: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Tier.find_into; compiled on the host, in one pass that writes the rows' first
+        out.shape[1] columns straight into out (no row array, no dirty flags read)."""
+        if not self.compiled:
+            return super().find_into(keys, out)
+        missed, hits = self.index.lookup_into(keys, self.arena, out)
+        self.hits += hits
+        self.misses += missed.size
+        return missed
 
     def insert(
         self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray, below: HandDown

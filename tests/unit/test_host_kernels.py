@@ -52,6 +52,13 @@ def test_lookup_matches_the_array_code(eviction: str) -> None:
         got, want = compiled.find(probe), reference.find(probe)
         for a, b in zip(got, want, strict=True):
             np.testing.assert_array_equal(a, b)
+        # a lookup's find into the caller's out: dim columns, padding zeroed, misses listed
+        probe = np.concatenate([probe, [-1, -(2**63)]])
+        outs = [np.full((probe.size, 8), np.nan, np.float32) for _ in range(2)]
+        got, want = compiled.find_into(probe, outs[0]), reference.find_into(probe, outs[1])
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(outs[0], outs[1])
+        assert np.isnan(outs[0][got]).all() and not np.isnan(np.delete(outs[0], got, 0)).any()
     assert (compiled.hits, compiled.misses) == (reference.hits, reference.misses)
     scores = [dict(zip(*t.index.export()[:1], t.index._scores[t.index.find(t.index.export()[0])],
                        strict=True)) for t in (compiled, reference)]  # fmt: skip

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -46,6 +47,7 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31, _S40 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(40)
 _TWO_POW_M24 = 2.0**-24
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 _cache_warned = False
 
@@ -56,8 +58,9 @@ def _jit(fn: Callable) -> Callable:
     gives inf or NaN as in numpy (the finiteness check refuses it) instead of a per-element
     zero test that keeps LLVM from vectorising the loops."""
     global _cache_warned
+    options = {"nogil": True, "error_model": "numpy"}
     try:
-        return numba.njit(nogil=True, cache=True, error_model="numpy")(fn)
+        return numba.njit(cache=True, **options)(fn)
     except RuntimeError as error:  # "cannot cache function ...: no locator available"
         if not _cache_warned:
             _cache_warned = True
@@ -67,11 +70,12 @@ def _jit(fn: Callable) -> Callable:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        return numba.njit(nogil=True, error_model="numpy")(fn)
+        return numba.njit(**options)(fn)
 
 
 AHEAD = 8  # rows (or slots) a kernel prefetches ahead: random rows cost memory latency
 RING = 16  # k_lookup's ring of the slots in flight: a power of two > AHEAD
+STREAM_BYTES = 4 << 20  # outputs this large are written by non-temporal stores (_streams)
 # k_lookup's mode bits: what it writes besides the rows
 LOOKUP_SLOTS, LOOKUP_DIRTY, LOOKUP_MISSED = 1, 2, 4
 
@@ -111,6 +115,118 @@ if numba is not None:
     _prefetch = _prefetcher(0)
     _prefetch_for_write = _prefetcher(1)
 
+    @_intrinsic
+    def _stream16(typingctx, target, source):  # noqa: ARG001 - numba's signature
+        """Copy 16 bytes from address `source` to address `target` (16-byte aligned) with
+        a non-temporal store: it goes to memory without reading the target line into the
+        cache first (a plain store reads it: a third of a large copy's memory traffic)
+        and without evicting what the caches hold. Ordered by _store_fence. Addresses,
+        not arrays: a compiled helper taking arrays counts their references atomically
+        at each call."""
+        if not (isinstance(target, _types.Integer) and isinstance(source, _types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            vector = _ir.VectorType(_ir.FloatType(), 4).as_pointer()
+            value = builder.load(builder.inttoptr(args[1], vector), align=4)
+            store = builder.store(value, builder.inttoptr(args[0], vector), align=16)
+            store.set_metadata("nontemporal", builder.module.add_metadata([_ir.IntType(32)(1)]))
+            return context.get_dummy_value()
+
+        return _types.void(target, source), codegen
+
+    @_intrinsic
+    def _prefetch_address(typingctx, address):  # noqa: ARG001 - numba's signature
+        """Prefetch the cache line at `address` for a read (as _prefetch)."""
+        if not isinstance(address, _types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            byte_ptr = _ir.IntType(8).as_pointer()
+            i32 = _ir.IntType(32)
+            kind = _ir.FunctionType(_ir.VoidType(), [byte_ptr, i32, i32, i32])
+            module = builder.module
+            name = "llvm.prefetch.p0i8"
+            function = module.globals.get(name) or _ir.Function(module, kind, name=name)
+            pointer = builder.inttoptr(args[0], byte_ptr)
+            builder.call(function, [pointer, i32(0), i32(3), i32(1)])
+            return context.get_dummy_value()
+
+        return _types.void(address), codegen
+
+    @_intrinsic
+    def _store_fence(typingctx):  # noqa: ARG001 - numba's signature
+        """A full fence: the non-temporal stores before it are visible to every thread
+        (they are weakly ordered) before anything after it."""
+
+        def codegen(context, builder, signature, args):
+            if _X86:  # LLVM's seq_cst fence is a locked add there, which need not order them
+                module = builder.module
+                name = "llvm.x86.sse.sfence"
+                kind = _ir.FunctionType(_ir.VoidType(), [])
+                builder.call(module.globals.get(name) or _ir.Function(module, kind, name=name), [])
+            else:
+                builder.fence("seq_cst")
+            return context.get_dummy_value()
+
+        return _types.void(), codegen
+
+    @_jit
+    def _streams(target, columns):
+        """Whether rows of `columns` float32 written into the 2-D float32 matrix `target`
+        go by non-temporal stores (_stream16): only for a large target (STREAM_BYTES: a
+        small one is read again from the cache soon), with rows of 16-byte multiples,
+        aligned to 16 bytes."""
+        return (
+            target.shape[0] * columns * 4 >= STREAM_BYTES
+            and columns * 4 % 16 == 0
+            and target.strides[1] == 4
+            and target.strides[0] % 16 == 0
+            and target.ctypes.data % 16 == 0
+        )
+
+    @_jit
+    def _stream_bytes(target, source, size):
+        """`size` bytes (a multiple of 16) from address `source` to address `target` by
+        non-temporal stores (the caller checked _streams and fences after its last one)."""
+        for b in range(0, size, 16):
+            _stream16(target + b, source + b)
+
+    @_jit
+    def _stream_row(target, source, size):
+        """_stream_bytes with loops of a constant trip count for the common row sizes,
+        which LLVM unrolls (a loop over a run-time count cost a lookup a tenth)."""
+        if size == 256:
+            _stream_bytes(target, source, 256)
+        elif size == 64:
+            _stream_bytes(target, source, 64)
+        elif size == 512:
+            _stream_bytes(target, source, 512)
+        elif size == 128:
+            _stream_bytes(target, source, 128)
+        else:
+            _stream_bytes(target, source, size)
+
+    @_jit
+    def _prefetch_bytes(address, size):
+        """Prefetch the cache lines of `size` bytes from `address`."""
+        for k in range(0, size, 64):
+            _prefetch_address(address + k)
+
+    @_jit
+    def _prefetch_span(address, size):
+        """_prefetch_bytes with constant trip counts for the common row sizes."""
+        if size == 256:
+            _prefetch_bytes(address, 256)
+        elif size == 64:
+            _prefetch_bytes(address, 64)
+        elif size == 512:
+            _prefetch_bytes(address, 512)
+        elif size == 128:
+            _prefetch_bytes(address, 128)
+        else:
+            _prefetch_bytes(address, size)
+
     @_jit
     def _at(array, index):
         """The byte offset of element `index` of a 1-D array (strided or not)."""
@@ -122,14 +238,6 @@ if numba is not None:
         start = row * matrix.strides[0]
         for k in range(0, matrix.shape[1] * matrix.itemsize, 64):
             _prefetch_for_write(matrix, start + k)
-
-    @_jit
-    def _prefetch_row_part(matrix, row, columns):
-        """Prefetch the cache lines of the first `columns` columns of row `row` of a
-        row-major matrix."""
-        start = row * matrix.strides[0]
-        for k in range(0, columns * matrix.itemsize, 64):
-            _prefetch(matrix, start + k)
 
     @_jit
     def _mix64(x):
@@ -235,13 +343,19 @@ if numba is not None:
         # A software pipeline over the dependent random loads of each key: its slot (on
         # the host the slot's key, value and score share a cache line, see HashTable),
         # prefetched 2 * AHEAD keys before use; then its row, AHEAD before. The slots of
-        # the keys in flight wait in a ring, so no [n] slot array is needed.
+        # the keys in flight wait in a ring, so no [n] slot array is needed. A large out
+        # is written by non-temporal stores (_streams); an LRU score is written only when
+        # it changes, so a line read is not also written back.
         n = keys.shape[0]
         width = out.shape[1]
         want_slots = mode & LOOKUP_SLOTS
         want_dirty = mode & LOOKUP_DIRTY
         want_missed = mode & LOOKUP_MISSED
         ring = np.empty(RING, dtype=np.int64)
+        stream = _streams(out, width)
+        size = width * 4  # bytes copied from a row
+        arena_at, arena_stride = np.int64(arena.ctypes.data), arena.strides[0]
+        out_at, out_stride = np.int64(out.ctypes.data), out.strides[0]
         hits = 0
         listed = 0
         for i in range(-2 * AHEAD, n):
@@ -256,7 +370,7 @@ if numba is not None:
                 ring[ahead & (RING - 1)] = slot
                 if slot >= 0:
                     r = values[slot]
-                    _prefetch_row_part(arena, r, width)
+                    _prefetch_span(arena_at + r * arena_stride, size)
                     if want_dirty:
                         _prefetch(dirty, _at(dirty, r))
             if i < 0:
@@ -276,13 +390,18 @@ if numba is not None:
             hits += 1
             if lfu:
                 scores[slot] += 1
-            else:
+            elif scores[slot] != tick:  # a write only when it changes: a clean line stays so
                 scores[slot] = tick
             r = values[slot]
             if want_dirty:
                 found_dirty[i] = dirty[r]
-            for c in range(width):
-                out[i, c] = arena[r, c]
+            if stream:
+                _stream_row(out_at + i * out_stride, arena_at + r * arena_stride, size)
+            else:
+                for c in range(width):
+                    out[i, c] = arena[r, c]
+        if stream:
+            _store_fence()
         return hits, listed
 
     @_jit

@@ -245,3 +245,35 @@ def test_no_writable_cache_compiles_in_memory_and_warns_once(monkeypatch) -> Non
         thrice = host_kernels._jit(namespace["thrice"])
     assert len(caught) == 1
     assert (twice(21), thrice(2)) == (42, 6)
+
+
+def test_large_lookups_stream_the_same_rows_as_the_array_code() -> None:
+    """An output of STREAM_BYTES or more is written by non-temporal stores where its rows
+    are 16-byte aligned, else by plain copies: the same rows either way, as the array
+    code's, for an aligned buffer, one 4 bytes off alignment and rows of 12 bytes."""
+    rng = np.random.default_rng(5)
+    for dim in (64, 3):
+        config = TableConfig("t", dim, optimizer=optim.SGD())
+        n = host_kernels.STREAM_BYTES // (4 * dim) + 7
+        keys = rng.choice(10**12, n, replace=False).astype(np.int64)
+        rows = rng.standard_normal((n, config.stored_width), dtype=np.float32)
+        compiled, reference = (
+            CacheTier(config, 1 << 28, kernels=kernels) for kernels in (None, False)
+        )
+        for tier in (compiled, reference):
+            tier.insert(keys, rows, np.zeros(n, bool), _no_spill)
+        probe = rng.permutation(np.concatenate([keys, [-1, 10**13]]))
+        want = np.zeros((probe.size, dim), np.float32)
+        reference.find_into(probe, want)
+        buffer = np.full(probe.size * dim + 1, np.nan, np.float32)
+        for offset in (0, 1):  # 16-byte aligned (numpy's allocation), then 4 bytes off
+            out = buffer[offset : offset + probe.size * dim].reshape(probe.size, dim)
+            streamed = dim == 64 and offset == 0 and buffer.ctypes.data % 16 == 0
+            assert host_kernels._streams(out, dim) is streamed
+            missed = compiled.find_into(probe, out)
+            assert probe[missed].tolist() == [10**13]
+            out[missed] = 0.0
+            np.testing.assert_array_equal(out, want)
+        slots, found, _, _ = compiled.index.lookup_rows(probe, compiled.arena, compiled.dirty)
+        hit = slots >= 0
+        np.testing.assert_array_equal(found[hit, :dim], want[hit])

@@ -76,8 +76,19 @@ def _jit(fn: Callable) -> Callable:
 AHEAD = 8  # rows (or slots) a kernel prefetches ahead: random rows cost memory latency
 RING = 16  # k_lookup's ring of the slots in flight: a power of two > AHEAD
 STREAM_BYTES = 4 << 20  # outputs this large are written by non-temporal stores (_streams)
+LINE = 64  # bytes of a cache line
+
+
+def aligned_empty(rows: int, columns: int) -> np.ndarray:
+    """np.empty((rows, columns), float32) whose data starts on a cache line (numpy's own
+    start 16 bytes into one), so that the kernels may stream rows into it (_streams)."""
+    raw = np.empty(rows * columns * 4 + LINE, dtype=np.uint8)
+    start = -raw.ctypes.data % LINE
+    return raw[start : start + rows * columns * 4].view(np.float32).reshape(rows, columns)
+
+
 # k_lookup's mode bits: what it writes besides the rows
-LOOKUP_SLOTS, LOOKUP_DIRTY, LOOKUP_MISSED = 1, 2, 4
+LOOKUP_SLOTS, LOOKUP_DIRTY, LOOKUP_MISSED, LOOKUP_ROW_IDS = 1, 2, 4, 8
 
 
 if numba is not None:
@@ -175,14 +186,15 @@ if numba is not None:
     def _streams(target, columns):
         """Whether rows of `columns` float32 written into the 2-D float32 matrix `target`
         go by non-temporal stores (_stream16): only for a large target (STREAM_BYTES: a
-        small one is read again from the cache soon), with rows of 16-byte multiples,
-        aligned to 16 bytes."""
+        small one is read again from the cache soon), whose rows are whole cache lines
+        (64-byte multiples, 64-byte aligned: a partly written line costs the memory a
+        read and a write, slower than a plain store; `aligned_empty` makes such arrays)."""
         return (
             target.shape[0] * columns * 4 >= STREAM_BYTES
-            and columns * 4 % 16 == 0
+            and columns * 4 % LINE == 0
             and target.strides[1] == 4
-            and target.strides[0] % 16 == 0
-            and target.ctypes.data % 16 == 0
+            and target.strides[0] % LINE == 0
+            and target.ctypes.data % LINE == 0
         )
 
     @_jit
@@ -336,8 +348,9 @@ if numba is not None:
         """The host tier's find in one pass: out[i] = the first out.shape[1] columns of the
         row of keys[i] (left as it was for a miss) and the eviction touch of each hit (LRU:
         score = tick; LFU: +1 per occurrence). `mode` bits say what else it writes:
-        LOOKUP_SLOTS slots[i] (-1 for a miss), LOOKUP_DIRTY found_dirty[i] (a hit's dirty
-        flag), LOOKUP_MISSED the indices of the misses in missed[:count], keys < 0
+        LOOKUP_SLOTS slots[i] (-1 for a miss), LOOKUP_ROW_IDS slots[i] = its row id
+        instead (-1 for a miss), LOOKUP_DIRTY found_dirty[i] (a hit's dirty flag),
+        LOOKUP_MISSED the indices of the misses in missed[:count], keys < 0
         (padding) zeroing their rows and counting as neither. Returns (hits, misses
         listed)."""
         # A software pipeline over the dependent random loads of each key: its slot (on
@@ -349,6 +362,7 @@ if numba is not None:
         n = keys.shape[0]
         width = out.shape[1]
         want_slots = mode & LOOKUP_SLOTS
+        want_ids = mode & LOOKUP_ROW_IDS
         want_dirty = mode & LOOKUP_DIRTY
         want_missed = mode & LOOKUP_MISSED
         ring = np.empty(RING, dtype=np.int64)
@@ -376,7 +390,7 @@ if numba is not None:
             if i < 0:
                 continue
             slot = ring[i & (RING - 1)]
-            if want_slots:
+            if want_slots or (want_ids and slot < 0):
                 slots[i] = slot
             if slot < 0:
                 if want_missed:
@@ -393,6 +407,8 @@ if numba is not None:
             elif scores[slot] != tick:  # a write only when it changes: a clean line stays so
                 scores[slot] = tick
             r = values[slot]
+            if want_ids:
+                slots[i] = r
             if want_dirty:
                 found_dirty[i] = dirty[r]
             if stream:
@@ -495,19 +511,25 @@ if numba is not None:
 
     @_jit
     def k_train(
-        kind, arena, ids, grads, p, size, refuse, backup, stamp, has_stamp, row_width, dirty
-    ):
+        kind, arena, ids, grads, p, size, refuse, backup, was_dirty, stamp, has_stamp,
+        row_width, dirty,
+    ):  # fmt: skip
         """One optimizer step in place on rows arena[ids] (unique) with grads [n, dim];
         size: weight and state slots. Row by row: the new values are computed, and with
         refuse, checked to be finite; the row's first backup.shape[1] floats are saved
-        in backup[i] and the new values written. A row with a non-finite value stops the
-        pass: the rows written so far are put back from backup and its index i returned,
-        nothing changed. Else (-1) every row gets the stamp (has_stamp: arena[r,
-        row_width:] = stamp, the step slots) and its dirty flag."""
+        in backup[i] (by non-temporal stores when large: it is read again only to undo)
+        and its dirty flag in was_dirty[i]; then the new values, the stamp (has_stamp:
+        arena[r, row_width:] = stamp, the step slots) and the dirty flag are written. A
+        row with a non-finite value stops the pass: the rows and flags written so far are
+        put back from backup and was_dirty and its index i returned, nothing changed.
+        Else -1."""
         n, dim = grads.shape
         width = size * dim
         saved = backup.shape[1]
         new = np.empty(width, dtype=np.float32)
+        stream = _streams(backup, saved)
+        arena_at, arena_stride = np.int64(arena.ctypes.data), arena.strides[0]
+        backup_at, backup_stride = np.int64(backup.ctypes.data), backup.strides[0]
         for i in range(n):
             if i + AHEAD < n:
                 _prefetch_row_for_write(arena, ids[i + AHEAD])
@@ -517,21 +539,26 @@ if numba is not None:
                 finite = True
                 for c in range(width):
                     finite &= np.isfinite(new[c])
-                if not finite:
+                if not finite:  # a thread reads its own non-temporal stores: no fence
                     for j in range(i):
                         for c in range(saved):
                             arena[ids[j], c] = backup[j, c]
+                        dirty[ids[j]] = was_dirty[j]
                     return i
-            for c in range(saved):
-                backup[i, c] = arena[r, c]
+            if stream:
+                _stream_row(backup_at + i * backup_stride, arena_at + r * arena_stride, saved * 4)
+            else:
+                for c in range(saved):
+                    backup[i, c] = arena[r, c]
+            was_dirty[i] = dirty[r]
             for c in range(width):
                 arena[r, c] = new[c]
-        for i in range(n):
-            r = ids[i]
             if has_stamp:
                 for c in range(stamp.shape[0]):
                     arena[r, row_width + c] = stamp[c]
             dirty[r] = True
+        if stream:
+            _store_fence()
         return -1
 
     @_jit
@@ -601,7 +628,7 @@ class NumbaLauncher:
             empty = np.empty((n, 0), np.float32)  # nothing to put back: no refusal
             dirty = np.empty(arena.shape[0], dtype=bool)  # scratch: fused_apply sets none
             k_train(kind, arena, ids, grads[:n, :dim], params, size, False, empty,
-                    np.empty(0, np.float32), False, width, dirty)  # fmt: skip
+                    np.empty(n, bool), np.empty(0, np.float32), False, width, dirty)  # fmt: skip
         else:
             raise ValueError(f"host kernels: field 'name' expected a kernel name, got {name!r}")
 

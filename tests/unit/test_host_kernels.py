@@ -46,7 +46,7 @@ def test_lookup_matches_the_array_code(eviction: str) -> None:
     config = TableConfig("t", 8, optimizer=optim.Adam(), eviction=eviction)
     keys = rng.choice(10**12, 300, replace=False).astype(np.int64)
     rows = rng.standard_normal((300, config.stored_width), dtype=np.float32)
-    compiled, reference = _tiers(config, keys, rows)
+    compiled, reference = _tiers(config, keys, rows)  # the reference: pushes alike
     for _ in range(3):
         probe = np.concatenate([rng.choice(keys, 200), rng.integers(-5, 10**12, 50)])
         got, want = compiled.find(probe), reference.find(probe)
@@ -249,7 +249,7 @@ def test_no_writable_cache_compiles_in_memory_and_warns_once(monkeypatch) -> Non
 
 def test_large_lookups_stream_the_same_rows_as_the_array_code() -> None:
     """An output of STREAM_BYTES or more is written by non-temporal stores where its rows
-    are 16-byte aligned, else by plain copies: the same rows either way, as the array
+    are whole cache lines, else by plain copies: the same rows either way, as the array
     code's, for an aligned buffer, one 4 bytes off alignment and rows of 12 bytes."""
     rng = np.random.default_rng(5)
     for dim in (64, 3):
@@ -265,10 +265,11 @@ def test_large_lookups_stream_the_same_rows_as_the_array_code() -> None:
         probe = rng.permutation(np.concatenate([keys, [-1, 10**13]]))
         want = np.zeros((probe.size, dim), np.float32)
         reference.find_into(probe, want)
-        buffer = np.full(probe.size * dim + 1, np.nan, np.float32)
-        for offset in (0, 1):  # 16-byte aligned (numpy's allocation), then 4 bytes off
+        buffer = host_kernels.aligned_empty(1, probe.size * dim + 1)[0]
+        buffer[:] = np.nan
+        for offset in (0, 1):  # on a cache line, then 4 bytes off
             out = buffer[offset : offset + probe.size * dim].reshape(probe.size, dim)
-            streamed = dim == 64 and offset == 0 and buffer.ctypes.data % 16 == 0
+            streamed = dim == 64 and offset == 0
             assert host_kernels._streams(out, dim) is streamed
             missed = compiled.find_into(probe, out)
             assert probe[missed].tolist() == [10**13]
@@ -295,3 +296,42 @@ def test_first_non_finite_matches_numpy() -> None:
                 want = np.argwhere(~np.isfinite(spoiled))[0]
                 assert first_non_finite(spoiled) == (int(want[0]), int(want[1]))
     assert host_kernels.first_non_finite_index(np.ones((2, 2), np.float32)) == -1
+
+
+def test_training_scratch_grows_is_kept_and_shrinks() -> None:
+    """train_resident saves into the tier's scratch: grown to a push's need (or twice the
+    last size), kept for the next, shrunk to twice the need after SCRATCH_SHRINK_CALLS
+    small pushes in a row, shown as scratch_bytes beside the budgeted bytes; a refused
+    push still changes nothing (test_train_in_place_matches_apply checks the values)."""
+    from tierps.storage.tiers import SCRATCH_SHRINK_CALLS
+
+    config = TableConfig("t", 8, optimizer=optim.Adam(lr=0.01))
+    rng = np.random.default_rng(7)
+    keys = np.arange(1, 401, dtype=np.int64)
+    rows = config.initial_rows(keys)
+    compiled, reference = _tiers(config, keys, rows)  # the reference: pushes alike
+    floats = config.row_width  # saved per trained row (no step slots)
+    budgeted = compiled.stats()["bytes"]
+
+    def push(batch: np.ndarray, step: int) -> None:
+        grads = rng.standard_normal((batch.size, 8), dtype=np.float32)
+        for tier in (compiled, reference):
+            tier.train_resident(batch, grads, step, None)
+
+    push(keys[:300], 1)
+    assert compiled.stats()["scratch_bytes"] == 300 * floats * 4
+    assert compiled.stats()["bytes"] == budgeted
+    push(keys[:310], 2)  # grows to twice the last size
+    assert compiled.stats()["scratch_bytes"] == 600 * floats * 4
+    for step in range(3, 3 + SCRATCH_SHRINK_CALLS):
+        push(keys[step : step + 10], step)
+    assert compiled.stats()["scratch_bytes"] == 20 * floats * 4
+    before = compiled.arena.copy(), compiled.dirty.copy()
+    grads = np.ones((100, 8), np.float32)
+    grads[60] = 1e30  # v = g * g overflows: refused, every row put back
+    _, undo, refused = compiled.train_resident(keys[:100], grads, 99, None)
+    assert refused is not None and undo is None
+    np.testing.assert_array_equal(compiled.arena, before[0])
+    np.testing.assert_array_equal(compiled.dirty, before[1])
+    compiled.close()
+    assert compiled.arena is None

@@ -45,7 +45,7 @@ from tierps.storage.admission import CounterFilter, make_filter
 from tierps.storage.config import TableConfig, WritePolicy
 from tierps.storage.errors import BackendError, InvalidArgumentError
 from tierps.storage.fallbacks import Fallback, Gathered, RowOrigin
-from tierps.storage.host_kernels import aligned_empty, all_distinct
+from tierps.storage.host_kernels import all_distinct
 from tierps.storage.tiers import DurableTier, Spill, Tier
 from tierps.storage.validation import as_keys, as_out, as_rows, check_step, first_non_finite
 
@@ -286,10 +286,8 @@ class EmbeddingTable:
         given = out is not None
         if given:
             out = as_out(f"{self.where}: lookup", out, keys.size, dim)
-        else:
-            out = aligned_empty(keys.size, dim)  # a large one is written by streaming
         with self._lock:
-            missed = self.tiers[0].find_into(keys, out)
+            out, missed = self.tiers[0].find_into(keys, out, dim)
             if missed.size == 0:
                 return out
             everything = missed.size == keys.size

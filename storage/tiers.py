@@ -108,11 +108,17 @@ class Tier(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-    def find_into(self, keys: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """A lookup's find: out[i] = the first out.shape[1] columns of the row of keys[i]
-        for each key held here, zeros where keys[i] < 0 (padding), left as it was for the
-        others; returns their indices (keys >= 0 not held here). Hits and misses count as
-        in find. This one runs find and copies; a tier may write the rows straight in."""
+    def find_into(
+        self, keys: np.ndarray, out: np.ndarray | None, width: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A lookup's find: (out, missed). out[i] = the first `width` columns of the row of
+        keys[i] for each key held here, zeros where keys[i] < 0 (padding), left as it was
+        for the others, whose indices are `missed` (keys >= 0 not held here). out: a
+        float32 [n, width] array to write into, or None for a new one (a tier may then
+        give its own array). Hits and misses count as in find. This one runs find and
+        copies; a tier may write the rows straight in."""
+        if out is None:
+            out = np.empty((keys.size, width), dtype=np.float32)
         valid = keys >= 0
         everything = bool(valid.all())
         live = None if everything else np.flatnonzero(valid)
@@ -120,10 +126,10 @@ class Tier(ABC):
         if live is not None:
             out[~valid] = 0
             hit = live[hit]
-        out[hit] = rows[:, : out.shape[1]]
+        out[hit] = rows[:, :width]
         missed = valid.copy() if live is not None else np.ones(keys.size, dtype=bool)
         missed[hit] = False
-        return np.flatnonzero(missed)
+        return out, np.flatnonzero(missed)
 
     @property
     def trains_in_place(self) -> bool:
@@ -271,15 +277,20 @@ class CacheTier(Tier):
             found = rows if everything else rows[hit]
         return to_host(hit), to_host(found), to_host(self.dirty[ids])
 
-    def find_into(self, keys: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def find_into(
+        self, keys: np.ndarray, out: np.ndarray | None, width: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Tier.find_into; compiled on the host, in one pass that writes the rows' first
-        out.shape[1] columns straight into out (no row array, no dirty flags read)."""
+        `width` columns straight into out (no row array, no dirty flags read; a new out
+        starts on a cache line, so that a large one is streamed)."""
         if not self.compiled:
-            return super().find_into(keys, out)
+            return super().find_into(keys, out, width)
+        if out is None:
+            out = host_kernels.aligned_empty(keys.size, width)
         missed, hits = self.index.lookup_into(keys, self.arena, out)
         self.hits += hits
         self.misses += missed.size
-        return missed
+        return out, missed
 
     def insert(
         self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray, below: HandDown

@@ -55,7 +55,8 @@ def test_lookup_matches_the_array_code(eviction: str) -> None:
         # a lookup's find into the caller's out: dim columns, padding zeroed, misses listed
         probe = np.concatenate([probe, [-1, -(2**63)]])
         outs = [np.full((probe.size, 8), np.nan, np.float32) for _ in range(2)]
-        got, want = compiled.find_into(probe, outs[0]), reference.find_into(probe, outs[1])
+        got = compiled.find_into(probe, outs[0], 8)[1]
+        want = reference.find_into(probe, outs[1], 8)[1]
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(outs[0], outs[1])
         assert np.isnan(outs[0][got]).all() and not np.isnan(np.delete(outs[0], got, 0)).any()
@@ -264,14 +265,15 @@ def test_large_lookups_stream_the_same_rows_as_the_array_code() -> None:
             tier.insert(keys, rows, np.zeros(n, bool), _no_spill)
         probe = rng.permutation(np.concatenate([keys, [-1, 10**13]]))
         want = np.zeros((probe.size, dim), np.float32)
-        reference.find_into(probe, want)
+        reference.find_into(probe, want, dim)
         buffer = host_kernels.aligned_empty(1, probe.size * dim + 1)[0]
         buffer[:] = np.nan
         for offset in (0, 1):  # on a cache line, then 4 bytes off
             out = buffer[offset : offset + probe.size * dim].reshape(probe.size, dim)
             streamed = dim == 64 and offset == 0
             assert host_kernels._streams(out, dim) is streamed
-            missed = compiled.find_into(probe, out)
+            written, missed = compiled.find_into(probe, out, dim)
+            assert written is out
             assert probe[missed].tolist() == [10**13]
             out[missed] = 0.0
             np.testing.assert_array_equal(out, want)

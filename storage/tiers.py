@@ -9,6 +9,9 @@ tiers move rows as opaque float32 slots and never look inside.
 
 - find(keys) -> (hit, rows, dirty): indices into keys of the hits, their rows, and whether
   each is newer than RocksDB. A miss is not an error; a backend failure is.
+- find_into(keys, out, width) -> (out, missed): a lookup's find, the rows' first `width`
+  columns written into out (or a new array), padding keys (< 0) zeroed; the compiled host
+  tier writes its hits straight in. Tier gives it over find to every tier.
 - insert(keys, rows, dirty, below): store (or overwrite) rows. What the tier cannot keep -
   rows it must evict to make room and rows that do not fit - it hands to `below` (which
   places them in the tiers below) *before* it changes anything: a row is let go of only once

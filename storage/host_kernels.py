@@ -549,6 +549,7 @@ if numba is not None:
         width = size * dim
         saved = backup.shape[1]
         new = np.empty(width, dtype=np.float32)
+        new_bits = new.view(np.uint32)  # the finiteness test: an integer OR, vectorised
         stream = _streams(backup, saved)
         arena_at, arena_stride = np.int64(arena.ctypes.data), arena.strides[0]
         backup_at, backup_stride = np.int64(backup.ctypes.data), backup.strides[0]
@@ -558,10 +559,10 @@ if numba is not None:
             r = ids[i]
             _update_row(kind, arena, r, grads, i, dim, p, new)
             if refuse:
-                finite = True
+                carry = np.uint32(0)  # bit 31 set by a value whose exponent bits are all set
                 for c in range(width):
-                    finite &= np.isfinite(new[c])
-                if not finite:  # a thread reads its own non-temporal stores: no fence
+                    carry |= (new_bits[c] & _EXPONENT) + _EXPONENT_LOW_BIT
+                if carry & _CARRY:  # inf or NaN; a thread reads its own streamed stores
                     for j in range(i):
                         for c in range(saved):
                             arena[ids[j], c] = backup[j, c]

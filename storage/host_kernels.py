@@ -100,6 +100,16 @@ if numba is not None:
     from numba.core import types as _types
     from numba.extending import intrinsic as _intrinsic
 
+    def _emit_prefetch(builder: Any, pointer: Any, write: int) -> None:
+        """A call of llvm.prefetch on an i8* `pointer`: for a read (write=0) or a write
+        (1), locality 3 (keep in all caches), the data cache (1)."""
+        i32 = _ir.IntType(32)
+        kind = _ir.FunctionType(_ir.VoidType(), [_ir.IntType(8).as_pointer(), i32, i32, i32])
+        module = builder.module
+        name = "llvm.prefetch.p0i8"
+        function = module.globals.get(name) or _ir.Function(module, kind, name=name)
+        builder.call(function, [pointer, i32(write), i32(3), i32(1)])
+
     def _prefetcher(write: int) -> Callable:
         """An intrinsic prefetching the cache line `offset` bytes from the start of an
         array's data (llvm.prefetch: a hint, so an address past it is harmless), for a
@@ -112,14 +122,9 @@ if numba is not None:
             def codegen(context, builder, signature, args):
                 data = context.make_array(signature.args[0])(context, builder, args[0]).data
                 byte_ptr = _ir.IntType(8).as_pointer()
-                i32 = _ir.IntType(32)
-                kind = _ir.FunctionType(_ir.VoidType(), [byte_ptr, i32, i32, i32])
-                module = builder.module
-                name = "llvm.prefetch.p0i8"
-                function = module.globals.get(name) or _ir.Function(module, kind, name=name)
-                address = builder.gep(builder.bitcast(data, byte_ptr), [args[1]])
-                # read or write, locality 3 (keep in all caches), data cache (1)
-                builder.call(function, [address, i32(write), i32(3), i32(1)])
+                _emit_prefetch(
+                    builder, builder.gep(builder.bitcast(data, byte_ptr), [args[1]]), write
+                )
                 return context.get_dummy_value()
 
             return _types.void(array, offset), codegen
@@ -157,14 +162,7 @@ if numba is not None:
             return None
 
         def codegen(context, builder, signature, args):
-            byte_ptr = _ir.IntType(8).as_pointer()
-            i32 = _ir.IntType(32)
-            kind = _ir.FunctionType(_ir.VoidType(), [byte_ptr, i32, i32, i32])
-            module = builder.module
-            name = "llvm.prefetch.p0i8"
-            function = module.globals.get(name) or _ir.Function(module, kind, name=name)
-            pointer = builder.inttoptr(args[0], byte_ptr)
-            builder.call(function, [pointer, i32(0), i32(3), i32(1)])
+            _emit_prefetch(builder, builder.inttoptr(args[0], _ir.IntType(8).as_pointer()), 0)
             return context.get_dummy_value()
 
         return _types.void(address), codegen

@@ -224,12 +224,16 @@ class RowCodec:
             raw = np.concatenate(parts, axis=1) if n else np.empty((0, self.value_bytes), np.uint8)
         return raw.view(np.dtype((np.void, self.value_bytes))).ravel().tolist()
 
-    def decode(self, blob: bytes | bytearray | memoryview, n: int) -> np.ndarray:
+    def decode(self, blob: bytes | bytearray | memoryview | np.ndarray, n: int) -> np.ndarray:
         """Rows float32 [n, width] of n RocksDB values joined into one buffer (its length
-        checked by the caller: n * value_bytes). A writable array."""
+        checked by the caller: n * value_bytes). A writable array: a view of a writable
+        bytearray or numpy array given (float32 values need no conversion), else new."""
         if self.exact:
             rows = np.frombuffer(blob, dtype="<f4").reshape(n, self.width)
-            return rows.astype(np.float32, copy=not isinstance(blob, bytearray))
+            owned = isinstance(blob, bytearray) or (
+                isinstance(blob, np.ndarray) and blob.flags.writeable
+            )
+            return rows.astype(np.float32, copy=not owned)
         raw = np.frombuffer(blob, dtype=np.uint8).reshape(n, self.value_bytes)
         out = np.empty((n, self.width), dtype=np.float32)
         dim, row_width = self.dim, self.row_width

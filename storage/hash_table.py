@@ -39,6 +39,8 @@ from tierps.storage.hashing import hash_keys
 EMPTY = np.iinfo(np.int64).min  # a slot never used since the last rehash
 TOMBSTONE = EMPTY + 1  # a slot whose key was erased: probing continues past it
 _MIN_SLOTS = 16
+_NO_SLOTS = np.empty(0, dtype=np.int64)  # k_lookup's outputs a call does not ask for
+_NO_FLAGS = np.empty(0, dtype=bool)
 
 
 @dataclass
@@ -414,14 +416,56 @@ class HashTable:
         rows = np.empty((n, arena.shape[1]), dtype=np.float32)
         slots = np.empty(n, dtype=np.int64)
         found_dirty = np.empty(n, dtype=bool)
+        mode = host_kernels.LOOKUP_SLOTS | host_kernels.LOOKUP_DIRTY
+        hits, _ = self._lookup(keys, arena, rows, dirty, slots, found_dirty, _NO_SLOTS, mode)
+        return slots, rows, found_dirty, hits
+
+    def lookup_into(
+        self, keys: np.ndarray, arena: np.ndarray, out: np.ndarray
+    ) -> tuple[np.ndarray, int]:
+        """A lookup's read of the rows held here (numpy, host kernels only), in one compiled
+        pass: out[i] = the first out.shape[1] columns of the row of keys[i] for each hit
+        (with its eviction touch, as `touch`), zeros where keys[i] < 0 (padding), left as
+        it was for a miss. Returns (the indices of the misses: keys >= 0 not held here, hits)."""
+        missed = np.empty(keys.shape[0], dtype=np.int64)
+        hits, listed = self._lookup(
+            keys, arena, out, _NO_FLAGS, _NO_SLOTS, _NO_FLAGS, missed, host_kernels.LOOKUP_MISSED
+        )
+        return missed[:listed], hits
+
+    def resident_ids(self, keys: np.ndarray) -> tuple[np.ndarray, int]:
+        """(the row id of each key, -1 where absent; hits), with the eviction touch of
+        every hit, in one compiled pass (numpy, host kernels only): find, touch and
+        values[slots] as one walk over the index instead of three."""
+        keys = _kernels._int64(np, keys)
+        ids = np.empty(keys.shape[0], dtype=np.int64)
+        nothing = np.empty((keys.shape[0], 0), dtype=np.float32)
+        hits, _ = self._lookup(
+            keys, nothing, nothing, _NO_FLAGS, ids, _NO_FLAGS, _NO_SLOTS,
+            host_kernels.LOOKUP_ROW_IDS,
+        )  # fmt: skip
+        return ids, hits
+
+    def _lookup(
+        self,
+        keys: np.ndarray,
+        arena: np.ndarray,
+        out: np.ndarray,
+        dirty: np.ndarray,
+        slots: np.ndarray,
+        found_dirty: np.ndarray,
+        missed: np.ndarray,
+        mode: int,
+    ) -> tuple[int, int]:
+        """host_kernels.k_lookup over this table, its LRU clock moved one tick (a call)."""
         lfu = self.eviction is not Eviction.LRU
         if not lfu:
             self._tick += 1
-        hits = host_kernels.k_lookup(
-            self._keys, self.values, self._scores, self._mask, keys, arena, rows, dirty,
-            slots, found_dirty, self._tick, lfu,
+        hits, listed = host_kernels.k_lookup(
+            self._keys, self.values, self._scores, self._mask, keys, arena, out, dirty,
+            slots, found_dirty, missed, mode, self._tick, lfu,
         )  # fmt: skip
-        return slots, rows, found_dirty, int(hits)
+        return int(hits), int(listed)
 
     def remove_slots(self, slots: Any) -> None:
         """Erase the keys in these (unique, live) slots."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -46,6 +47,10 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31, _S40 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(40)
 _TWO_POW_M24 = 2.0**-24
+_EXPONENT = np.uint32(0x7F800000)  # a float32's exponent bits: all set for inf and NaN
+_EXPONENT_LOW_BIT = np.uint32(0x00800000)  # added to them, carries into bit 31 only then
+_CARRY = np.uint32(0x80000000)
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 _cache_warned = False
 
@@ -56,8 +61,9 @@ def _jit(fn: Callable) -> Callable:
     gives inf or NaN as in numpy (the finiteness check refuses it) instead of a per-element
     zero test that keeps LLVM from vectorising the loops."""
     global _cache_warned
+    options = {"nogil": True, "error_model": "numpy"}
     try:
-        return numba.njit(nogil=True, cache=True, error_model="numpy")(fn)
+        return numba.njit(cache=True, **options)(fn)
     except RuntimeError as error:  # "cannot cache function ...: no locator available"
         if not _cache_warned:
             _cache_warned = True
@@ -67,16 +73,42 @@ def _jit(fn: Callable) -> Callable:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        return numba.njit(nogil=True, error_model="numpy")(fn)
+        return numba.njit(**options)(fn)
 
 
 AHEAD = 8  # rows (or slots) a kernel prefetches ahead: random rows cost memory latency
+TRAIN_AHEAD = 4  # rows k_train prefetches ahead (12 cache lines each for Adam at dim 64)
+RING = 16  # k_lookup's ring of the slots in flight: a power of two > AHEAD
+STREAM_BYTES = 4 << 20  # outputs this large are written by non-temporal stores (_streams)
+LINE = 64  # bytes of a cache line
+
+
+def aligned_empty(rows: int, columns: int) -> np.ndarray:
+    """np.empty((rows, columns), float32) whose data starts on a cache line (numpy's own
+    start 16 bytes into one), so that the kernels may stream rows into it (_streams)."""
+    raw = np.empty(rows * columns * 4 + LINE, dtype=np.uint8)
+    start = -raw.ctypes.data % LINE
+    return raw[start : start + rows * columns * 4].view(np.float32).reshape(rows, columns)
+
+
+# k_lookup's mode bits: what it writes besides the rows
+LOOKUP_SLOTS, LOOKUP_DIRTY, LOOKUP_MISSED, LOOKUP_ROW_IDS = 1, 2, 4, 8
 
 
 if numba is not None:
     from llvmlite import ir as _ir
     from numba.core import types as _types
     from numba.extending import intrinsic as _intrinsic
+
+    def _emit_prefetch(builder: Any, pointer: Any, write: int) -> None:
+        """A call of llvm.prefetch on an i8* `pointer`: for a read (write=0) or a write
+        (1), locality 3 (keep in all caches), the data cache (1)."""
+        i32 = _ir.IntType(32)
+        kind = _ir.FunctionType(_ir.VoidType(), [_ir.IntType(8).as_pointer(), i32, i32, i32])
+        module = builder.module
+        name = "llvm.prefetch.p0i8"
+        function = module.globals.get(name) or _ir.Function(module, kind, name=name)
+        builder.call(function, [pointer, i32(write), i32(3), i32(1)])
 
     def _prefetcher(write: int) -> Callable:
         """An intrinsic prefetching the cache line `offset` bytes from the start of an
@@ -90,14 +122,9 @@ if numba is not None:
             def codegen(context, builder, signature, args):
                 data = context.make_array(signature.args[0])(context, builder, args[0]).data
                 byte_ptr = _ir.IntType(8).as_pointer()
-                i32 = _ir.IntType(32)
-                kind = _ir.FunctionType(_ir.VoidType(), [byte_ptr, i32, i32, i32])
-                module = builder.module
-                name = "llvm.prefetch.p0i8"
-                function = module.globals.get(name) or _ir.Function(module, kind, name=name)
-                address = builder.gep(builder.bitcast(data, byte_ptr), [args[1]])
-                # read or write, locality 3 (keep in all caches), data cache (1)
-                builder.call(function, [address, i32(write), i32(3), i32(1)])
+                _emit_prefetch(
+                    builder, builder.gep(builder.bitcast(data, byte_ptr), [args[1]]), write
+                )
                 return context.get_dummy_value()
 
             return _types.void(array, offset), codegen
@@ -107,6 +134,112 @@ if numba is not None:
 
     _prefetch = _prefetcher(0)
     _prefetch_for_write = _prefetcher(1)
+
+    @_intrinsic
+    def _stream16(typingctx, target, source):  # noqa: ARG001 - numba's signature
+        """Copy 16 bytes from address `source` to address `target` (16-byte aligned) with
+        a non-temporal store: it goes to memory without reading the target line into the
+        cache first (a plain store reads it: a third of a large copy's memory traffic)
+        and without evicting what the caches hold. Ordered by _store_fence. Addresses,
+        not arrays: a compiled helper taking arrays counts their references atomically
+        at each call."""
+        if not (isinstance(target, _types.Integer) and isinstance(source, _types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            vector = _ir.VectorType(_ir.FloatType(), 4).as_pointer()
+            value = builder.load(builder.inttoptr(args[1], vector), align=4)
+            store = builder.store(value, builder.inttoptr(args[0], vector), align=16)
+            store.set_metadata("nontemporal", builder.module.add_metadata([_ir.IntType(32)(1)]))
+            return context.get_dummy_value()
+
+        return _types.void(target, source), codegen
+
+    @_intrinsic
+    def _prefetch_address(typingctx, address):  # noqa: ARG001 - numba's signature
+        """Prefetch the cache line at `address` for a read (as _prefetch)."""
+        if not isinstance(address, _types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            _emit_prefetch(builder, builder.inttoptr(args[0], _ir.IntType(8).as_pointer()), 0)
+            return context.get_dummy_value()
+
+        return _types.void(address), codegen
+
+    @_intrinsic
+    def _store_fence(typingctx):  # noqa: ARG001 - numba's signature
+        """A full fence: the non-temporal stores before it are visible to every thread
+        (they are weakly ordered) before anything after it."""
+
+        def codegen(context, builder, signature, args):
+            if _X86:  # LLVM's seq_cst fence is a locked add there, which need not order them
+                module = builder.module
+                name = "llvm.x86.sse.sfence"
+                kind = _ir.FunctionType(_ir.VoidType(), [])
+                builder.call(module.globals.get(name) or _ir.Function(module, kind, name=name), [])
+            else:
+                builder.fence("seq_cst")
+            return context.get_dummy_value()
+
+        return _types.void(), codegen
+
+    @_jit
+    def _streams(target, columns):
+        """Whether rows of `columns` float32 written into the 2-D float32 matrix `target`
+        go by non-temporal stores (_stream16): only for a large target (STREAM_BYTES: a
+        small one is read again from the cache soon), whose rows are whole cache lines
+        (64-byte multiples, 64-byte aligned: a partly written line costs the memory a
+        read and a write, slower than a plain store; `aligned_empty` makes such arrays)."""
+        return (
+            target.shape[0] * columns * 4 >= STREAM_BYTES
+            and columns * 4 % LINE == 0
+            and target.strides[1] == 4
+            and target.strides[0] % LINE == 0
+            and target.ctypes.data % LINE == 0
+        )
+
+    @_jit
+    def _stream_bytes(target, source, size):
+        """`size` bytes (a multiple of 16) from address `source` to address `target` by
+        non-temporal stores (the caller checked _streams and fences after its last one)."""
+        for b in range(0, size, 16):
+            _stream16(target + b, source + b)
+
+    @_jit
+    def _stream_row(target, source, size):
+        """_stream_bytes with loops of a constant trip count for the common row sizes,
+        which LLVM unrolls (a loop over a run-time count cost a lookup a tenth)."""
+        if size == 256:
+            _stream_bytes(target, source, 256)
+        elif size == 64:
+            _stream_bytes(target, source, 64)
+        elif size == 512:
+            _stream_bytes(target, source, 512)
+        elif size == 128:
+            _stream_bytes(target, source, 128)
+        else:
+            _stream_bytes(target, source, size)
+
+    @_jit
+    def _prefetch_bytes(address, size):
+        """Prefetch the cache lines of `size` bytes from `address`."""
+        for k in range(0, size, 64):
+            _prefetch_address(address + k)
+
+    @_jit
+    def _prefetch_span(address, size):
+        """_prefetch_bytes with constant trip counts for the common row sizes."""
+        if size == 256:
+            _prefetch_bytes(address, 256)
+        elif size == 64:
+            _prefetch_bytes(address, 64)
+        elif size == 512:
+            _prefetch_bytes(address, 512)
+        elif size == 128:
+            _prefetch_bytes(address, 128)
+        else:
+            _prefetch_bytes(address, size)
 
     @_jit
     def _at(array, index):
@@ -119,13 +252,6 @@ if numba is not None:
         start = row * matrix.strides[0]
         for k in range(0, matrix.shape[1] * matrix.itemsize, 64):
             _prefetch_for_write(matrix, start + k)
-
-    @_jit
-    def _prefetch_row(matrix, row):
-        """Prefetch every cache line of row `row` of a row-major matrix."""
-        start = row * matrix.strides[0]
-        for k in range(0, matrix.shape[1] * matrix.itemsize, 64):
-            _prefetch(matrix, start + k)
 
     @_jit
     def _mix64(x):
@@ -218,17 +344,36 @@ if numba is not None:
 
     @_jit
     def k_lookup(
-        table, values, scores, mask, keys, arena, out, dirty, slots, found_dirty, tick, lfu
-    ):
-        """The host tier's find in one pass: slots[i], out[i] = the row of keys[i] (left as
-        it was for a miss), found_dirty[i] its dirty flag, and the eviction touch of each
-        hit (LRU: score = tick; LFU: +1 per occurrence). Returns the hit count."""
+        table, values, scores, mask, keys, arena, out, dirty, slots, found_dirty, missed,
+        mode, tick, lfu,
+    ):  # fmt: skip
+        """The host tier's find in one pass: out[i] = the first out.shape[1] columns of the
+        row of keys[i] (left as it was for a miss) and the eviction touch of each hit (LRU:
+        score = tick; LFU: +1 per occurrence). `mode` bits say what else it writes:
+        LOOKUP_SLOTS slots[i] (-1 for a miss), LOOKUP_ROW_IDS slots[i] = its row id
+        instead (-1 for a miss), LOOKUP_DIRTY found_dirty[i] (a hit's dirty flag),
+        LOOKUP_MISSED the indices of the misses in missed[:count], keys < 0
+        (padding) zeroing their rows and counting as neither. Returns (hits, misses
+        listed)."""
         # A software pipeline over the dependent random loads of each key: its slot (on
         # the host the slot's key, value and score share a cache line, see HashTable),
-        # prefetched 2 * AHEAD keys before use; then its row and dirty flag, AHEAD before.
+        # prefetched 2 * AHEAD keys before use; then its row, AHEAD before. The slots of
+        # the keys in flight wait in a ring, so no [n] slot array is needed. A large out
+        # is written by non-temporal stores (_streams); an LRU score is written only when
+        # it changes, so a line read is not also written back.
         n = keys.shape[0]
+        width = out.shape[1]
+        want_slots = mode & LOOKUP_SLOTS
+        want_ids = mode & LOOKUP_ROW_IDS
+        want_dirty = mode & LOOKUP_DIRTY
+        want_missed = mode & LOOKUP_MISSED
+        ring = np.empty(RING, dtype=np.int64)
+        stream = _streams(out, width)
+        size = width * 4  # bytes copied from a row
+        arena_at, arena_stride = np.int64(arena.ctypes.data), arena.strides[0]
+        out_at, out_stride = np.int64(out.ctypes.data), out.strides[0]
         hits = 0
-        width = arena.shape[1]
+        listed = 0
         for i in range(-2 * AHEAD, n):
             ahead = i + 2 * AHEAD
             if ahead < n:
@@ -238,26 +383,44 @@ if numba is not None:
             ahead = i + AHEAD
             if 0 <= ahead < n:
                 slot = _probe(table, mask, keys[ahead])
-                slots[ahead] = slot
+                ring[ahead & (RING - 1)] = slot
                 if slot >= 0:
                     r = values[slot]
-                    _prefetch_row(arena, r)
-                    _prefetch(dirty, _at(dirty, r))
+                    _prefetch_span(arena_at + r * arena_stride, size)
+                    if want_dirty:
+                        _prefetch(dirty, _at(dirty, r))
             if i < 0:
                 continue
-            slot = slots[i]
+            slot = ring[i & (RING - 1)]
+            if want_slots or (want_ids and slot < 0):
+                slots[i] = slot
             if slot < 0:
+                if want_missed:
+                    if keys[i] < 0:
+                        for c in range(width):
+                            out[i, c] = 0.0
+                    else:
+                        missed[listed] = i
+                        listed += 1
                 continue
             hits += 1
             if lfu:
                 scores[slot] += 1
-            else:
+            elif scores[slot] != tick:  # a write only when it changes: a clean line stays so
                 scores[slot] = tick
             r = values[slot]
-            found_dirty[i] = dirty[r]
-            for c in range(width):
-                out[i, c] = arena[r, c]
-        return hits
+            if want_ids:
+                slots[i] = r
+            if want_dirty:
+                found_dirty[i] = dirty[r]
+            if stream:
+                _stream_row(out_at + i * out_stride, arena_at + r * arena_stride, size)
+            else:
+                for c in range(width):
+                    out[i, c] = arena[r, c]
+        if stream:
+            _store_fence()
+        return hits, listed
 
     @_jit
     def k_touch(scores, slots, tick, lfu):
@@ -266,6 +429,24 @@ if numba is not None:
                 scores[slots[i]] += 1
             else:
                 scores[slots[i]] = tick
+
+    @_jit
+    def k_first_non_finite(bits):
+        """The index of the first inf or NaN among float32 values given as their uint32
+        bits (all exponent bits set), -1 if none: blocks are tested with an integer OR
+        (LLVM vectorises it; a float test would need fastmath) and only a block holding
+        one is searched. Reads each value once, with no [n] temporary."""
+        n = bits.shape[0]
+        for start in range(0, n, 256):
+            stop = min(start + 256, n)
+            found = np.uint32(0)
+            for k in range(start, stop):
+                found |= (bits[k] & _EXPONENT) + _EXPONENT_LOW_BIT
+            if found & _CARRY:
+                for k in range(start, stop):
+                    if bits[k] & _EXPONENT == _EXPONENT:
+                        return k
+        return -1
 
     @_jit
     def k_all_distinct(keys):
@@ -350,43 +531,55 @@ if numba is not None:
 
     @_jit
     def k_train(
-        kind, arena, ids, grads, p, size, refuse, backup, stamp, has_stamp, row_width, dirty
-    ):
+        kind, arena, ids, grads, p, size, refuse, backup, was_dirty, stamp, has_stamp,
+        row_width, dirty,
+    ):  # fmt: skip
         """One optimizer step in place on rows arena[ids] (unique) with grads [n, dim];
         size: weight and state slots. Row by row: the new values are computed, and with
         refuse, checked to be finite; the row's first backup.shape[1] floats are saved
-        in backup[i] and the new values written. A row with a non-finite value stops the
-        pass: the rows written so far are put back from backup and its index i returned,
-        nothing changed. Else (-1) every row gets the stamp (has_stamp: arena[r,
-        row_width:] = stamp, the step slots) and its dirty flag."""
+        in backup[i] (by non-temporal stores when large: it is read again only to undo)
+        and its dirty flag in was_dirty[i]; then the new values, the stamp (has_stamp:
+        arena[r, row_width:] = stamp, the step slots) and the dirty flag are written. A
+        row with a non-finite value stops the pass: the rows and flags written so far are
+        put back from backup and was_dirty and its index i returned, nothing changed.
+        Else -1."""
         n, dim = grads.shape
         width = size * dim
         saved = backup.shape[1]
         new = np.empty(width, dtype=np.float32)
+        new_bits = new.view(np.uint32)  # the finiteness test: an integer OR, vectorised
+        stream = _streams(backup, saved)
+        arena_at, arena_stride = np.int64(arena.ctypes.data), arena.strides[0]
+        backup_at, backup_stride = np.int64(backup.ctypes.data), backup.strides[0]
         for i in range(n):
-            if i + AHEAD < n:
-                _prefetch_row_for_write(arena, ids[i + AHEAD])
+            if i + TRAIN_AHEAD < n:
+                _prefetch_row_for_write(arena, ids[i + TRAIN_AHEAD])
             r = ids[i]
             _update_row(kind, arena, r, grads, i, dim, p, new)
             if refuse:
-                finite = True
+                carry = np.uint32(0)  # bit 31 set by a value whose exponent bits are all set
                 for c in range(width):
-                    finite &= np.isfinite(new[c])
-                if not finite:
+                    carry |= (new_bits[c] & _EXPONENT) + _EXPONENT_LOW_BIT
+                if carry & _CARRY:  # inf or NaN; a thread reads its own streamed stores
                     for j in range(i):
                         for c in range(saved):
                             arena[ids[j], c] = backup[j, c]
+                        dirty[ids[j]] = was_dirty[j]
                     return i
-            for c in range(saved):
-                backup[i, c] = arena[r, c]
+            if stream:
+                _stream_row(backup_at + i * backup_stride, arena_at + r * arena_stride, saved * 4)
+            else:
+                for c in range(saved):
+                    backup[i, c] = arena[r, c]
+            was_dirty[i] = dirty[r]
             for c in range(width):
                 arena[r, c] = new[c]
-        for i in range(n):
-            r = ids[i]
             if has_stamp:
                 for c in range(stamp.shape[0]):
                     arena[r, row_width + c] = stamp[c]
             dirty[r] = True
+        if stream:
+            _store_fence()
         return -1
 
     @_jit
@@ -456,7 +649,7 @@ class NumbaLauncher:
             empty = np.empty((n, 0), np.float32)  # nothing to put back: no refusal
             dirty = np.empty(arena.shape[0], dtype=bool)  # scratch: fused_apply sets none
             k_train(kind, arena, ids, grads[:n, :dim], params, size, False, empty,
-                    np.empty(0, np.float32), False, width, dirty)  # fmt: skip
+                    np.empty(n, bool), np.empty(0, np.float32), False, width, dirty)  # fmt: skip
         else:
             raise ValueError(f"host kernels: field 'name' expected a kernel name, got {name!r}")
 
@@ -540,6 +733,15 @@ def warm_up() -> float:
     seconds = time.perf_counter() - started
     log.info("tierps host kernels ready in %.2f s", seconds)
     return seconds
+
+
+def first_non_finite_index(values: np.ndarray) -> int | None:
+    """The flat index of the first inf or NaN of a C-contiguous float32 array (-1 if
+    none) at compiled speed, with no [n] temporary; None without the host kernels or for
+    another array (the caller then runs numpy's isfinite)."""
+    if host_launcher() is None or values.dtype != np.float32 or not values.flags.c_contiguous:
+        return None
+    return int(k_first_non_finite(values.reshape(-1).view(np.uint32)))
 
 
 def all_distinct(keys: np.ndarray) -> bool | None:

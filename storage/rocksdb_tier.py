@@ -173,6 +173,28 @@ class RocksDBTier(DurableTier):
         self.misses += keys.size - hit.size
         return hit, rows, np.zeros(hit.size, dtype=bool)
 
+    def find_into(
+        self, keys: np.ndarray, out: np.ndarray | None, width: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Tier.find_into: when every key is stored and no out is given, the decoded rows
+        themselves (no copy where width is the whole row); else one copy into out."""
+        if keys.size and int(keys.min()) < 0:  # padding: the generic path skips it
+            return super().find_into(keys, out, width)
+        hit, rows = self._get(keys)
+        self.hits += hit.size
+        self.misses += keys.size - hit.size
+        if hit.size == keys.size:
+            if out is None:
+                return np.ascontiguousarray(rows[:, :width]), hit[:0]
+            out[...] = rows[:, :width]
+            return out, hit[:0]
+        if out is None:
+            out = np.empty((keys.size, width), dtype=np.float32)
+        out[hit] = rows[:, :width]
+        missed = np.ones(keys.size, dtype=bool)
+        missed[hit] = False
+        return out, np.flatnonzero(missed)
+
     def _get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(indices of the keys stored, their rows). Keys outside the stored key range
         (may_hold) are not asked for: RocksDB would only answer None for them."""
@@ -190,11 +212,18 @@ class RocksDBTier(DurableTier):
             values = self._family().get(encode_keys(keys))
         except Exception as error:  # rocksdict raises plain Exception for I/O errors
             raise self._fail("read rows", error) from error
-        found = np.fromiter(map(is_not, values, repeat(None)), dtype=bool, count=keys.size)
-        hit = np.flatnonzero(found)
-        # one copy: joined into a bytearray, whose numpy view is writable as it is
-        blob = bytearray().join(values if hit.size == keys.size else filter(None, values))
-        self._check_size(len(blob), hit.size)
+        if all(values):  # all stored (values are never empty): no mask to build
+            hit = np.arange(keys.size)
+        else:
+            found = np.fromiter(map(is_not, values, repeat(None)), dtype=bool, count=keys.size)
+            hit = np.flatnonzero(found)
+        # one copy, into a writable array of one void item per value (numpy's fromiter:
+        # 3x a bytearray join); it pads or cuts a value of another length, so the
+        # lengths are summed first
+        present = values if hit.size == keys.size else list(filter(None, values))
+        self._check_size(sum(map(len, present)), hit.size)
+        value = np.dtype((np.void, self.codec.value_bytes))
+        blob = np.fromiter(present, dtype=value, count=hit.size)
         return hit, self.codec.decode(blob, hit.size)
 
     def _check_size(self, size: int, rows: int) -> None:

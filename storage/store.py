@@ -570,8 +570,10 @@ class EmbeddingStore:
     def tables(self) -> list[TableConfig]:
         return [table.config for table in self._tables.values()]
 
-    def lookup(self, name: str, keys: Any, *, create: bool = True) -> np.ndarray:
-        return self.table(name).lookup(keys, create=create)
+    def lookup(self, name: str, keys: Any, *, create: bool = True, out: Any = None) -> np.ndarray:
+        """EmbeddingTable.lookup of table `name` (out: a writable C-contiguous float32
+        array [len(keys), dim] the rows are written into, and returned)."""
+        return self.table(name).lookup(keys, create=create, out=out)
 
     def apply_gradients(self, name: str, keys: Any, grads: Any, step: int) -> None:
         self.table(name).apply_gradients(keys, grads, step)

@@ -47,7 +47,7 @@ from tierps.storage.errors import BackendError, InvalidArgumentError
 from tierps.storage.fallbacks import Fallback, Gathered, RowOrigin
 from tierps.storage.host_kernels import all_distinct
 from tierps.storage.tiers import DurableTier, Spill, Tier
-from tierps.storage.validation import as_keys, as_rows, check_step, first_non_finite
+from tierps.storage.validation import as_keys, as_out, as_rows, check_step, first_non_finite
 
 log = logging.getLogger(__name__)
 
@@ -161,19 +161,19 @@ class EmbeddingTable:
 
     # -- the cascade ---------------------------------------------------------------------
 
-    def _gather(self, keys: np.ndarray, *, sight: bool = False) -> Gathered:
+    def _gather(self, keys: np.ndarray, *, sight: bool = False, first: int = 0) -> Gathered:
         """Rows of keys [n] (duplicates allowed) and where each came from (Gathered): the
-        stored tiers top down, then the fallbacks (storage/fallbacks.py) for the keys that
-        no tier holds, each answering some and passing the rest on; the last, the
-        Initializer, answers all. `sight`: the call is a sighting of its final misses (a
-        training lookup or a push)."""
+        stored tiers top down from tier `first` (those above have been asked), then the
+        fallbacks (storage/fallbacks.py) for the keys that no tier holds, each answering
+        some and passing the rest on; the last, the Initializer, answers all. `sight`: the
+        call is a sighting of its final misses (a training lookup or a push)."""
         n = keys.size
         rows = np.empty((n, self.config.stored_width), dtype=np.float32)
         origin = np.zeros(n, dtype=np.int8)  # _TIER
         level = np.full(n, -1, dtype=np.int8)
         dirty = np.ones(n, dtype=bool)  # a row made now is newer than RocksDB's (none)
         pending = np.arange(n)
-        for here, tier in enumerate(self.tiers):
+        for here, tier in enumerate(self.tiers[first:], start=first):
             if pending.size == 0:
                 return Gathered(rows, origin, level, dirty)
             hit, found, found_dirty = tier.find(keys[pending])
@@ -254,11 +254,16 @@ class EmbeddingTable:
                 f"keys < 0 are padding), got key {int(keys[index])} at index {index}"
             )
 
-    def lookup(self, keys: Any, *, create: bool = True) -> np.ndarray:
+    def lookup(self, keys: Any, *, create: bool = True, out: Any = None) -> np.ndarray:
         """Weights float32 [n, dim] of keys (int64 [n], any integer array-like; duplicates
         allowed), in their order. Keys < 0 are padding and give zeros. create=True
         (training) stores rows for new keys; create=False (evaluation, serving) returns
         their initial values and stores nothing.
+
+        out: where to write them, a writable C-contiguous float32 array [n, dim] (a view of
+        a caller's reply buffer, say), returned; else a new array. The compiled host tier
+        writes its hits straight into it; rows from below are copied in. A refused call
+        (InvalidArgumentError) leaves it as it was; a failed one may leave it half written.
 
         Example (dim 4)::
 
@@ -278,15 +283,18 @@ class EmbeddingTable:
         keys = as_keys(f"{self.where}: lookup", keys)
         self.check_key_range(keys, "lookup")
         dim = self.config.dim
-        valid = np.flatnonzero(keys >= 0)
-        all_valid = valid.size == keys.size
-        live = keys if all_valid else keys[valid]
+        given = out is not None
+        if given:
+            out = as_out(f"{self.where}: lookup", out, keys.size, dim)
         with self._lock:
-            rows = self._lookup_rows(live, create)
-        if all_valid:
-            return np.ascontiguousarray(rows[:, :dim])
-        out = np.zeros((keys.size, dim), dtype=np.float32)
-        out[valid] = rows[:, :dim]
+            out, missed = self.tiers[0].find_into(keys, out, dim)
+            if missed.size == 0:
+                return out
+            everything = missed.size == keys.size
+            rows = self._lookup_rows(keys if everything else keys[missed], create, first=1)
+        if everything and not given and rows.shape[1] == dim:  # e.g. a first touch: no copy
+            return rows
+        out[missed] = rows[:, :dim]
         return out
 
     def peek(self, keys: Any) -> Gathered:
@@ -302,14 +310,15 @@ class EmbeddingTable:
             finally:
                 self.initialized = initialized
 
-    def _lookup_rows(self, keys: np.ndarray, create: bool) -> np.ndarray:
-        """lookup's rows [n, stored_width], under the table lock. Rows found below the top
-        move up; in training, rows initialised now are stored, all or nothing: if storing
-        fails, the call's sightings roll back and it raises. An evaluation lookup
+    def _lookup_rows(self, keys: np.ndarray, create: bool, *, first: int = 0) -> np.ndarray:
+        """lookup's rows [n, stored_width] of keys >= 0, under the table lock, from tier
+        `first` down (the tiers above have been asked). Rows found below the top move up;
+        in training, rows initialised now are stored, all or nothing: if storing fails,
+        the call's sightings roll back and it raises. An evaluation lookup
         (create=False) that cannot move its rows up (a full disk under the evictions)
         still answers: it stores nothing, and nothing was let go of."""
         with self._sightings(create):
-            rows, origin, level, dirty = self._gather(keys, sight=create)
+            rows, origin, level, dirty = self._gather(keys, sight=create, first=first)
             made = origin == _INITIALIZER
             promote = (level > 0) | made if create else level > 0
             created = 0

@@ -9,6 +9,9 @@ tiers move rows as opaque float32 slots and never look inside.
 
 - find(keys) -> (hit, rows, dirty): indices into keys of the hits, their rows, and whether
   each is newer than RocksDB. A miss is not an error; a backend failure is.
+- find_into(keys, out, width) -> (out, missed): a lookup's find, the rows' first `width`
+  columns written into out (or a new array), padding keys (< 0) zeroed; the compiled host
+  tier writes its hits straight in. Tier gives it over find to every tier.
 - insert(keys, rows, dirty, below): store (or overwrite) rows. What the tier cannot keep -
   rows it must evict to make room and rows that do not fit - it hands to `below` (which
   places them in the tiers below) *before* it changes anything: a row is let go of only once
@@ -53,6 +56,7 @@ from tierps.storage.xp import to_host
 _INITIAL_ROWS = 1024
 _DIRTY_FLAG_BYTES = 1
 _FREE_LIST_BYTES = 8
+SCRATCH_SHRINK_CALLS = 64  # see CacheTier._scratch_rows
 
 
 @dataclass
@@ -106,6 +110,29 @@ class Tier(ABC):
     def stats(self) -> dict[str, int]: ...
     @abstractmethod
     def close(self) -> None: ...
+
+    def find_into(
+        self, keys: np.ndarray, out: np.ndarray | None, width: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A lookup's find: (out, missed). out[i] = the first `width` columns of the row of
+        keys[i] for each key held here, zeros where keys[i] < 0 (padding), left as it was
+        for the others, whose indices are `missed` (keys >= 0 not held here). out: a
+        float32 [n, width] array to write into, or None for a new one (a tier may then
+        give its own array). Hits and misses count as in find. This one runs find and
+        copies; a tier may write the rows straight in."""
+        if out is None:
+            out = np.empty((keys.size, width), dtype=np.float32)
+        valid = keys >= 0
+        everything = bool(valid.all())
+        live = None if everything else np.flatnonzero(valid)
+        hit, rows, _ = self.find(keys if live is None else keys[live])
+        if live is not None:
+            out[~valid] = 0
+            hit = live[hit]
+        out[hit] = rows[:, :width]
+        missed = valid.copy() if live is not None else np.ones(keys.size, dtype=bool)
+        missed[hit] = False
+        return out, np.flatnonzero(missed)
 
     @property
     def trains_in_place(self) -> bool:
@@ -191,6 +218,8 @@ class CacheTier(Tier):
         self.dirty = xp.zeros(start, dtype=bool)
         self._free = xp.empty(0, dtype=xp.int64)  # row ids released by eviction
         self._high = 0  # row ids >= _high were never used
+        self._scratch = np.empty(0, dtype=np.float32)  # see _scratch_rows (cache-line aligned)
+        self._scratch_small_calls = 0
         self.hits = 0
         self.misses = 0
 
@@ -250,6 +279,21 @@ class CacheTier(Tier):
         else:
             found = rows if everything else rows[hit]
         return to_host(hit), to_host(found), to_host(self.dirty[ids])
+
+    def find_into(
+        self, keys: np.ndarray, out: np.ndarray | None, width: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Tier.find_into; compiled on the host, in one pass that writes the rows' first
+        `width` columns straight into out (no row array, no dirty flags read; a new out
+        starts on a cache line, so that a large one is streamed)."""
+        if not self.compiled:
+            return super().find_into(keys, out, width)
+        if out is None:
+            out = host_kernels.aligned_empty(keys.size, width)
+        missed, hits = self.index.lookup_into(keys, self.arena, out)
+        self.hits += hits
+        self.misses += missed.size
+        return out, missed
 
     def insert(
         self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray, below: HandDown
@@ -401,6 +445,15 @@ class CacheTier(Tier):
         """For train_resident: (positions in keys of the keys resident here, whether that is
         every key, their row ids), each hit counted and its eviction score touched; None
         when no key is resident."""
+        if self.compiled:  # one pass over the index: find, touch, row ids
+            ids, hits = self.index.resident_ids(keys)
+            if hits == 0:
+                return None
+            self.hits += hits
+            if hits == keys.size:
+                return np.arange(keys.size), True, ids
+            hit = np.flatnonzero(ids >= 0)
+            return hit, False, ids[hit]
         slots = self.index.find(self.xp.asarray(keys))
         hit = self.xp.flatnonzero(slots >= 0)
         if hit.size == 0:
@@ -435,8 +488,10 @@ class CacheTier(Tier):
         size = host_kernels.optimizer_slots(kind)
         stamp_bits = step_bits(stamp) if stamp is not None else np.empty(0, np.float32)
         touched = width if stamp is None else self.width  # the step slots too
-        backup = np.empty((ids.size, touched), dtype=np.float32)
-        was_dirty = self.dirty[ids] if not everything else None
+        # the saved values go to this tier's scratch (kept: fresh pages every push would
+        # be zeroed by the kernel first); the undo that reads it runs within this push
+        backup = self._scratch_rows(ids.size, touched)
+        was_dirty = np.empty(ids.size, dtype=bool)
         bad = host_kernels.k_train(
             kind,
             self.arena,
@@ -446,6 +501,7 @@ class CacheTier(Tier):
             size,
             True,
             backup,
+            was_dirty,
             stamp_bits,
             stamp is not None,
             width,
@@ -462,6 +518,7 @@ class CacheTier(Tier):
                 size,
                 False,
                 backup,
+                np.empty(ids.size, dtype=bool),
                 stamp_bits,
                 False,
                 width,
@@ -476,6 +533,28 @@ class CacheTier(Tier):
             self.dirty[ids] = was_dirty
 
         return hit, undo, None
+
+    def _scratch_rows(self, rows: int, width: int) -> np.ndarray:
+        """A float32 [rows, width] view of this tier's scratch (train_resident's saved
+        values; its contents are the caller's until its push ends). Grown geometrically
+        and kept, up to the arena's size; shrunk to twice the need after SCRATCH_SHRINK_CALLS
+        calls in a row that use under a quarter of it; dropped by close. Working memory
+        of a push beside the cache's budget, as a numpy update's temporaries are: shown
+        as stats()["scratch_bytes"]."""
+        need = rows * width
+        have = self._scratch.size
+        if need > have:
+            limit = self.max_rows * self.width
+            self._scratch = host_kernels.aligned_empty(max(need, min(2 * have, limit)), 1)[:, 0]
+            self._scratch_small_calls = 0
+        elif 4 * need < have:
+            self._scratch_small_calls += 1
+            if self._scratch_small_calls >= SCRATCH_SHRINK_CALLS:
+                self._scratch = host_kernels.aligned_empty(2 * need, 1)[:, 0]
+                self._scratch_small_calls = 0
+        else:
+            self._scratch_small_calls = 0
+        return self._scratch[:need].reshape(rows, width)
 
     def _fused_apply(self, ids: Any, grads: Any, step: int) -> bool:
         """The optimizer as one CuPy RawKernel over the rows `ids`, where there is one for
@@ -531,6 +610,8 @@ class CacheTier(Tier):
             "capacity_rows": self.max_rows,
             "bytes": int(self.arena.nbytes + self.dirty.nbytes + self._free.nbytes)
             + self.index.nbytes,
+            # working memory of pushes, beside the budget: at most the arena's size again
+            "scratch_bytes": int(self._scratch.nbytes),
             "dirty_rows": int(self.xp.count_nonzero(self.dirty[: self._high])),
             "hits": self.hits,
             "misses": self.misses,
@@ -538,7 +619,7 @@ class CacheTier(Tier):
 
     def close(self) -> None:
         """Drop the arrays: a GPU tier's memory returns to cupy's pool now, not at exit."""
-        self.arena = self.dirty = self._free = None  # type: ignore[assignment]
+        self.arena = self.dirty = self._free = self._scratch = None  # type: ignore[assignment]
         self.index = None  # type: ignore[assignment]
 
 

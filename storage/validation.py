@@ -118,9 +118,33 @@ def as_rows(where: str, field: str, rows: Any, n: int, dim: int) -> np.ndarray:
     return np.ascontiguousarray(rows)
 
 
+def as_out(where: str, out: Any, n: int, dim: int) -> np.ndarray:
+    """A caller's output for the rows of n keys: a writable C-contiguous float32 [n, dim]
+    numpy array (a view of a bytearray is one), returned as it is, or InvalidArgumentError
+    saying what was expected and what came."""
+    expected = f"a writable C-contiguous float32 numpy array of shape ({n}, {dim})"
+    if not isinstance(out, np.ndarray):
+        got = type(out).__name__
+    elif out.dtype != np.float32:
+        got = f"dtype {out.dtype}"
+    elif out.shape != (n, dim):
+        got = f"shape {out.shape}"
+    elif not out.flags.c_contiguous:
+        got = "a non-contiguous array"
+    elif not out.flags.writeable:
+        got = "a read-only array"
+    else:
+        return out
+    raise InvalidArgumentError(f"{where}: field 'out' expected {expected}, got {got}")
+
+
 def first_non_finite(values: np.ndarray) -> tuple[int, int] | None:
     """(row, column) of the first inf or NaN in a 2-D array, None if every value is finite:
     what every finiteness refusal names."""
+    from tierps.storage.host_kernels import first_non_finite_index  # imports numba
+
+    if values.ndim == 2 and (flat := first_non_finite_index(values)) is not None:
+        return None if flat < 0 else divmod(flat, values.shape[1])
     finite = np.isfinite(values)
     if finite.all():
         return None

@@ -46,12 +46,20 @@ def test_lookup_matches_the_array_code(eviction: str) -> None:
     config = TableConfig("t", 8, optimizer=optim.Adam(), eviction=eviction)
     keys = rng.choice(10**12, 300, replace=False).astype(np.int64)
     rows = rng.standard_normal((300, config.stored_width), dtype=np.float32)
-    compiled, reference = _tiers(config, keys, rows)
+    compiled, reference = _tiers(config, keys, rows)  # the reference: pushes alike
     for _ in range(3):
         probe = np.concatenate([rng.choice(keys, 200), rng.integers(-5, 10**12, 50)])
         got, want = compiled.find(probe), reference.find(probe)
         for a, b in zip(got, want, strict=True):
             np.testing.assert_array_equal(a, b)
+        # a lookup's find into the caller's out: dim columns, padding zeroed, misses listed
+        probe = np.concatenate([probe, [-1, -(2**63)]])
+        outs = [np.full((probe.size, 8), np.nan, np.float32) for _ in range(2)]
+        got = compiled.find_into(probe, outs[0], 8)[1]
+        want = reference.find_into(probe, outs[1], 8)[1]
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(outs[0], outs[1])
+        assert np.isnan(outs[0][got]).all() and not np.isnan(np.delete(outs[0], got, 0)).any()
     assert (compiled.hits, compiled.misses) == (reference.hits, reference.misses)
     scores = [dict(zip(*t.index.export()[:1], t.index._scores[t.index.find(t.index.export()[0])],
                        strict=True)) for t in (compiled, reference)]  # fmt: skip
@@ -238,3 +246,94 @@ def test_no_writable_cache_compiles_in_memory_and_warns_once(monkeypatch) -> Non
         thrice = host_kernels._jit(namespace["thrice"])
     assert len(caught) == 1
     assert (twice(21), thrice(2)) == (42, 6)
+
+
+def test_large_lookups_stream_the_same_rows_as_the_array_code() -> None:
+    """An output of STREAM_BYTES or more is written by non-temporal stores where its rows
+    are whole cache lines, else by plain copies: the same rows either way, as the array
+    code's, for an aligned buffer, one 4 bytes off alignment and rows of 12 bytes."""
+    rng = np.random.default_rng(5)
+    for dim in (64, 3):
+        config = TableConfig("t", dim, optimizer=optim.SGD())
+        n = host_kernels.STREAM_BYTES // (4 * dim) + 7
+        keys = rng.choice(10**12, n, replace=False).astype(np.int64)
+        rows = rng.standard_normal((n, config.stored_width), dtype=np.float32)
+        compiled, reference = (
+            CacheTier(config, 1 << 28, kernels=kernels) for kernels in (None, False)
+        )
+        for tier in (compiled, reference):
+            tier.insert(keys, rows, np.zeros(n, bool), _no_spill)
+        probe = rng.permutation(np.concatenate([keys, [-1, 10**13]]))
+        want = np.zeros((probe.size, dim), np.float32)
+        reference.find_into(probe, want, dim)
+        buffer = host_kernels.aligned_empty(1, probe.size * dim + 1)[0]
+        buffer[:] = np.nan
+        for offset in (0, 1):  # on a cache line, then 4 bytes off
+            out = buffer[offset : offset + probe.size * dim].reshape(probe.size, dim)
+            streamed = dim == 64 and offset == 0
+            assert host_kernels._streams(out, dim) is streamed
+            written, missed = compiled.find_into(probe, out, dim)
+            assert written is out
+            assert probe[missed].tolist() == [10**13]
+            out[missed] = 0.0
+            np.testing.assert_array_equal(out, want)
+        slots, found, _, _ = compiled.index.lookup_rows(probe, compiled.arena, compiled.dirty)
+        hit = slots >= 0
+        np.testing.assert_array_equal(found[hit, :dim], want[hit])
+
+
+def test_first_non_finite_matches_numpy() -> None:
+    """validation.first_non_finite at compiled speed: the first inf or NaN in row-major
+    order, as numpy's isfinite and argwhere find it, for any shape and placement."""
+    from tierps.storage.validation import first_non_finite
+
+    rng = np.random.default_rng(6)
+    for shape in [(0, 4), (1, 1), (3, 5), (100, 64), (999, 7)]:
+        values = rng.uniform(-3e38, 3e38, shape).astype(np.float32)  # x - x stays 0
+        assert first_non_finite(values) is None
+        for bad in (np.inf, -np.inf, np.nan) if values.size else ():
+            for _ in range(10):
+                spoiled = values.copy()
+                spoiled.flat[rng.integers(values.size, size=2)] = bad
+                want = np.argwhere(~np.isfinite(spoiled))[0]
+                assert first_non_finite(spoiled) == (int(want[0]), int(want[1]))
+    assert host_kernels.first_non_finite_index(np.ones((2, 2), np.float32)) == -1
+
+
+def test_training_scratch_grows_is_kept_and_shrinks() -> None:
+    """train_resident saves into the tier's scratch: grown to a push's need (or twice the
+    last size), kept for the next, shrunk to twice the need after SCRATCH_SHRINK_CALLS
+    small pushes in a row, shown as scratch_bytes beside the budgeted bytes; a refused
+    push still changes nothing (test_train_in_place_matches_apply checks the values)."""
+    from tierps.storage.tiers import SCRATCH_SHRINK_CALLS
+
+    config = TableConfig("t", 8, optimizer=optim.Adam(lr=0.01))
+    rng = np.random.default_rng(7)
+    keys = np.arange(1, 401, dtype=np.int64)
+    rows = config.initial_rows(keys)
+    compiled = _tiers(config, keys, rows)[0]
+    floats = config.row_width  # saved per trained row (no step slots)
+    budgeted = compiled.stats()["bytes"]
+
+    def push(batch: np.ndarray, step: int) -> None:
+        grads = rng.standard_normal((batch.size, 8), dtype=np.float32)
+        hit, _, refused = compiled.train_resident(batch, grads, step, None)
+        assert hit.size == batch.size and refused is None
+
+    push(keys[:300], 1)
+    assert compiled.stats()["scratch_bytes"] == 300 * floats * 4
+    assert compiled.stats()["bytes"] == budgeted
+    push(keys[:310], 2)  # grows to twice the last size
+    assert compiled.stats()["scratch_bytes"] == 600 * floats * 4
+    for step in range(3, 3 + SCRATCH_SHRINK_CALLS):
+        push(keys[step : step + 10], step)
+    assert compiled.stats()["scratch_bytes"] == 20 * floats * 4
+    before = compiled.arena.copy(), compiled.dirty.copy()
+    grads = np.ones((100, 8), np.float32)
+    grads[60] = 1e30  # v = g * g overflows: refused, every row put back
+    _, undo, refused = compiled.train_resident(keys[:100], grads, 99, None)
+    assert refused is not None and undo is None
+    np.testing.assert_array_equal(compiled.arena, before[0])
+    np.testing.assert_array_equal(compiled.dirty, before[1])
+    compiled.close()
+    assert compiled.arena is None

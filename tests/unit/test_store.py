@@ -60,3 +60,21 @@ def test_a_table_keeps_its_cold_dtype_across_a_reopen(tmp_path) -> None:
         table = store.table("t")
         assert table.config == config and table.durable.codec == config.codec
         np.testing.assert_array_equal(table.lookup(keys, create=False), 1.0)
+
+
+@pytest.mark.parametrize("stored_bytes", [3, 4 * 4 + 4])
+def test_a_stored_value_of_another_length_is_data_loss(tmp_path, stored_bytes: int) -> None:
+    """A RocksDB value shorter or longer than a row (corrupt) is refused as data loss
+    naming the table, never padded or cut into a row."""
+    from tierps.storage import DataLossError
+    from tierps.storage.rocksdb_tier import encode_keys
+
+    config = TableConfig("items", 4, optimizer=optim.SGD(), host_cache_bytes=0)
+    with EmbeddingStore(tmp_path / "db") as store:
+        table = store.create_table(config)
+        table.assign(np.array([1, 2]), np.ones((2, 4), np.float32))
+        table.durable._cf.put(encode_keys(np.array([2]))[0], b"\x00" * stored_bytes)
+        with pytest.raises(DataLossError, match="'items'.*expected 2 rows of 16 bytes"):
+            table.lookup(np.array([1, 2]))
+        with pytest.raises(DataLossError, match="'items'.*expected 1 rows of 16 bytes"):
+            table.lookup(np.array([5, 2]))

@@ -8,6 +8,7 @@ import pytest
 
 from tests.conftest import export_dict
 from tierps.storage import EmbeddingStore, TableConfig, optim
+from tierps.storage.errors import InvalidArgumentError
 from tierps.storage.fallbacks import RowOrigin
 from tierps.storage.tiers import CacheTier, DirectTier, Tier
 
@@ -117,3 +118,76 @@ def test_every_tier_declares_the_interface_and_its_capability(store: EmbeddingSt
     probe = np.array([1, 3, 2], dtype=np.int64)
     for tier in table.tiers:  # the host tier and RocksDB
         np.testing.assert_array_equal(tier.contains(probe), [True, False, True])
+
+
+def _reply_buffer(n: int, dim: int) -> tuple[bytearray, np.ndarray]:
+    """A caller's reply buffer and the float32 [n, dim] view of it a lookup writes into."""
+    buffer = bytearray(b"\xff" * (n * dim * 4))  # NaN bits: a row left unwritten shows
+    return buffer, np.frombuffer(buffer, dtype=np.float32).reshape(n, dim)
+
+
+@pytest.mark.parametrize("setup", ["host", "rocksdb_only", "direct"])
+def test_lookup_out_writes_the_plain_lookups_rows_into_the_callers_buffer(
+    tmp_path, setup: str
+) -> None:
+    """lookup(out=) on one store gives, in the caller's buffer, the rows a plain lookup
+    gives on a twin store: host hits, rows only RocksDB holds, new rows, padding, repeats;
+    and both leave the same rows stored."""
+    dim = 8
+    config = TableConfig(
+        "t",
+        dim,
+        optimizer=optim.Adam(),  # stored rows are 3 * dim wide: only dim columns come out
+        host_cache_bytes={"host": 1 << 20, "rocksdb_only": 0, "direct": 1 << 20}[setup],
+        use_hashtable=setup != "direct",
+        capacity=1000 if setup == "direct" else 0,
+    )
+    stored = np.arange(0, 400, 2, dtype=np.int64)
+    values = np.random.default_rng(0).standard_normal((stored.size, dim), dtype=np.float32)
+    paths = [tmp_path / "plain", tmp_path / "out"]
+    for path in paths:
+        with EmbeddingStore(path) as twin:
+            twin.create_table(config).assign(stored, values)
+    keys = np.array([4, 5, -1, 4, 398, 999, 6, 1, -3, 100, 5], dtype=np.int64)
+    with EmbeddingStore(paths[0]) as plain, EmbeddingStore(paths[1]) as given:
+        for twin in (plain, given):  # reopened: RocksDB holds every row; the host tier 4, 6
+            twin.lookup("t", np.array([4, 6]))
+        want = plain.lookup("t", keys)
+        buffer, out = _reply_buffer(keys.size, dim)
+        got = given.lookup("t", keys, out=out)
+        assert got is out
+        np.testing.assert_array_equal(np.frombuffer(buffer, np.float32).reshape(-1, dim), want)
+        # independent of the cascade: assigned rows, initial rows for new keys, padding zeros
+        np.testing.assert_array_equal(want[[0, 3]], values[[2, 2]])
+        np.testing.assert_array_equal(want[4], values[199])
+        np.testing.assert_array_equal(want[[1, 10]], config.initial_rows(np.array([5, 5]))[:, :dim])
+        np.testing.assert_array_equal(want[[2, 8]], 0.0)
+        # a hit in the host tier (written by the compiled pass there), and with create=False
+        for create in (True, False):
+            _, out = _reply_buffer(3, dim)
+            given.lookup("t", np.array([6, 777, 6]), create=create, out=out)
+            np.testing.assert_array_equal(
+                out, plain.lookup("t", np.array([6, 777, 6]), create=create)
+            )
+        assert sorted(export_dict(given.table("t"))) == sorted(export_dict(plain.table("t")))
+
+
+def test_lookup_out_is_refused_unless_a_writable_contiguous_float32_array_of_the_shape(
+    store: EmbeddingStore,
+) -> None:
+    table = store.create_table(TableConfig("items", DIM))
+    keys = np.array([1, 2, 3], dtype=np.int64)
+    wrong = {
+        "shape (3, 5)": np.zeros((3, 5), np.float32),
+        "dtype float64": np.zeros((3, DIM), np.float64),
+        "a non-contiguous array": np.zeros((3, 2 * DIM), np.float32)[:, ::2],
+        "a read-only array": np.frombuffer(bytes(3 * DIM * 4), np.float32).reshape(3, DIM),
+        "list": [[0.0] * DIM] * 3,
+    }
+    for got, out in wrong.items():
+        with pytest.raises(InvalidArgumentError) as refused:
+            table.lookup(keys, out=out)
+        message = str(refused.value)
+        assert "'items'" in message and "field 'out'" in message, message
+        assert f"shape (3, {DIM})" in message and f"got {got}" in message, message
+    assert table.stats()["created"] == 0 and export_dict(table) == {}  # refused: nothing stored

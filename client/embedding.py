@@ -65,8 +65,8 @@ DEFAULT_MAX_CALL_BYTES = 256 << 20  # bulk bytes of one call (request or reply) 
 # A lookup whose reply from one shard is at least LOOKUP_PIECE_BYTES goes as up to
 # LOOKUP_PIECES calls at once (of LOOKUP_PIECE_BYTES or more each): the shard's storage work
 # on one overlaps the transfer of another. Measured (docs/perf/profile-lookup.md): 16 MiB
-# in 2 pieces 1.3x faster than in one; 4 MiB in pieces no faster.
-LOOKUP_PIECE_BYTES = 8 << 20
+# in 4 pieces 1.1-1.5x faster than in 2, and 2 faster than 1; 4 MiB in pieces slower.
+LOOKUP_PIECE_BYTES = 4 << 20
 LOOKUP_PIECES = 4
 # One table's part of a call to a shard: (table, dim, keys, their positions in the table's
 # distinct keys).

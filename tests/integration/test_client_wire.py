@@ -247,6 +247,29 @@ def test_distinct_keys_and_lookups_in_pieces_agree_with_numpy(
     np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
 
 
+def test_rows_written_into_the_reply_equal_numpy_at_any_alignment(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """The shard's storage lookup writes the rows straight into the reply's bytes
+    (wire.lookup_reply): its rows start 4-byte aligned below 2 MiB and unaligned from 2 MiB
+    (a 5-byte header). New rows, then host hits, then after a push, equal numpy's."""
+    client = make_client([shard_server()])
+    dim = 16
+    config = sgd_table("t", dim)
+    client.create_table(config)
+    keys = np.random.default_rng(5).choice(1 << 40, 40_000, replace=False).astype(np.int64)
+    for few in (keys[:1000], keys):  # 64 KB of rows (header 4 bytes); 2.5 MB (header 5)
+        data, (view,) = wire.lookup_reply([(few.size, dim)])
+        start = view.ctypes.data - np.frombuffer(data, np.uint8).ctypes.data
+        assert start == (4 if few.size == 1000 else 5)  # the rows' offset in the reply
+        for _ in range(2):  # created, then found in the host tier
+            np.testing.assert_array_equal(client.lookup("t", few), initial(config, few))
+    grads = quarter_grads(np.random.default_rng(6), (keys.size, dim))
+    client.push_gradients("t", keys, grads)
+    expected = initial(config, keys) - np.float32(LR) * grads
+    np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
+
+
 def test_a_shard_refusing_one_message_as_too_large_gets_the_stream(
     shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
 ) -> None:

@@ -181,8 +181,9 @@ def sweep(
                     "each way, no protobuf (tests/bench/echo_server.py)",
         "lookup": "EmbeddingClient.lookup: a writable array in the keys' order; lookup_view: "
                   "copy=False (a read-only view of the reply where one reply holds every row "
-                  "in order). A shard's reply of 8 MiB or more goes as 2-4 calls at once "
-                  "(client.embedding.LOOKUP_PIECE_BYTES); the echo sends one message",
+                  "in order). A shard's reply of 8 MiB or more goes as 2-4 calls of 4 MiB or "
+                  "more at once (client.embedding.LOOKUP_PIECE_BYTES); the echo sends one "
+                  "message",
         "rows": [],
     }  # fmt: skip
     if shutil.which("redis-server"):

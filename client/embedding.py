@@ -330,13 +330,15 @@ class EmbeddingClient(ClusterAdmin):
         # The one-message calls, their bytes encoded and decoded here (tierps.proto.wire):
         # no serializers, so gRPC hands over the bytes as they are.
         service = f"/{pb.DESCRIPTOR.services_by_name['EmbeddingService'].full_name}"
-        self._lookup_one = [c.unary_unary(f"{service}/LookupUnary") for c in self._channels]
+        # On the plain channels: their calls pass their metadata themselves (self._metadata).
+        plain = self._plain_channels
+        self._lookup_one = [c.unary_unary(f"{service}/LookupUnary") for c in plain]
         self._push_one = [
             c.unary_unary(
                 f"{service}/PushGradientsUnary",
                 response_deserializer=pb.PushGradientsResponse.FromString,
             )
-            for c in self._channels
+            for c in plain
         ]
         # Bulk bytes a call to shard i may carry as one message each way: lowered for a
         # shard that refused a call as too large for one (its message limit is lower).
@@ -668,7 +670,9 @@ class EmbeddingClient(ClusterAdmin):
             )
             try:
                 reply = self._lookup_one[shard](
-                    request, timeout=self.timeout_s, metadata=wire.declared(len(request))
+                    request,
+                    timeout=self.timeout_s,
+                    metadata=self._metadata(shard, *wire.declared(len(request))),
                 )
                 return wire.lookup_reply_values(reply)
             except grpc.RpcError as error:
@@ -743,7 +747,9 @@ class EmbeddingClient(ClusterAdmin):
                 )
                 try:
                     return self._push_one[shard](
-                        request, timeout=self.timeout_s, metadata=wire.declared(len(request))
+                        request,
+                        timeout=self.timeout_s,
+                        metadata=self._metadata(shard, *wire.declared(len(request))),
                     )
                 except grpc.RpcError as error:
                     # refused before it was read: nothing applied, the stream may carry it

@@ -44,6 +44,7 @@ from tierps.client.pooling import (
     unpool,
 )
 from tierps.client.security import ChannelSecurity
+from tierps.client.wire_kernels import group_by_shard
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
@@ -852,13 +853,12 @@ class EmbeddingClient(ClusterAdmin):
                 if keys.size:
                     per_shard[owner].append((name, dim, keys, np.arange(keys.size)))
                 continue
-            shard_of = key_shards(config, keys, self.num_shards).astype(np.uint16)  # N <= 2**16
-            order = np.argsort(shard_of, kind="stable")  # a radix sort for 16-bit ints
-            bounds = np.searchsorted(shard_of[order], np.arange(self.num_shards + 1))
+            shard_of = key_shards(config, keys, self.num_shards)
+            grouped, order, bounds = group_by_shard(shard_of, keys, self.num_shards)
             for shard in range(self.num_shards):
-                at = order[bounds[shard] : bounds[shard + 1]]
-                if at.size:
-                    per_shard[shard].append((name, dim, keys[at], at))
+                span = slice(bounds[shard], bounds[shard + 1])
+                if order[span].size:
+                    per_shard[shard].append((name, dim, grouped[span], order[span]))
         for shard, batches in enumerate(per_shard):
             limit = self.max_call_bytes
             if pieces:

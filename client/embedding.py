@@ -739,12 +739,9 @@ class EmbeddingClient(ClusterAdmin):
             return np.ascontiguousarray(grads, "<f4")
 
         def call(shard: int, batches: list[Batch]) -> Any:
-            parts = [(name, dim, keys, grads_of(name, keys, at)) for name, dim, keys, at in batches]
-            bulk = sum(8 * k.size + g.nbytes for _, _, k, g in parts)
+            bulk = sum((8 + 4 * dim) * keys.size for _, dim, keys, _ in batches)
             if bulk <= self._one_message_bytes[shard]:
-                request = wire.encode_batches(
-                    [(name, dim, steps[name], (_wire_keys(k), g)) for name, dim, k, g in parts]
-                )
+                request = _push_request(batches, steps, pushes)
                 try:
                     return self._push_one[shard](
                         request,
@@ -755,6 +752,7 @@ class EmbeddingClient(ClusterAdmin):
                     # refused before it was read: nothing applied, the stream may carry it
                     if not self._refused_as_too_large(shard, error, bulk):
                         raise
+            parts = [(name, dim, keys, grads_of(name, keys, at)) for name, dim, keys, at in batches]
             requests = (
                 request
                 for name, dim, keys, grads in parts
@@ -916,6 +914,28 @@ class EmbeddingClient(ClusterAdmin):
             failures[0].succeeded = sorted({shard for shard, _ in calls} - failed)
             raise failures[0]
         return outcomes
+
+
+def _push_request(
+    batches: list[Batch],
+    steps: dict[str, int],
+    pushes: dict[str, tuple[np.ndarray, np.ndarray]],
+) -> bytes:
+    """A one-message push of these batches, serialized: each batch's keys and gradients
+    (its rows of pushes[table][1], at its positions) written straight into the message's
+    bytes (wire.encode_batches_in_place): one copy of the gradients, no gather and join."""
+    request, fields = wire.encode_batches_in_place(
+        [(name, dim, steps[name], (8 * keys.size, 4 * dim * keys.size))
+         for name, dim, keys, _ in batches]
+    )  # fmt: skip
+    for (name, dim, keys, at), (key_bytes, grad_bytes) in zip(batches, fields, strict=True):
+        key_bytes.view("<i8")[...] = keys
+        grads, out = pushes[name][1], grad_bytes.view("<f4").reshape(keys.size, dim)
+        if keys.size == grads.shape[0]:  # every key of the table in this call: in order
+            out[...] = grads
+        else:  # "clip": positions are valid; numpy buffers `out` only for mode="raise"
+            np.take(grads, at, axis=0, out=out, mode="clip")
+    return request
 
 
 def _reply_bytes(batches: list[Batch]) -> int:

@@ -145,20 +145,31 @@ def _scalar_field(field: int, value: int) -> bytes:
 Buffer = bytes | memoryview | np.ndarray  # a C-contiguous array goes as its raw bytes
 
 
-def _bytes_field(field: int, value: Buffer) -> list[Buffer]:
-    size = value.nbytes if isinstance(value, np.ndarray | memoryview) else len(value)
+Unfilled = int  # a bulk field given by its size in bytes, for the caller to fill in place
+
+
+def _size(piece: Buffer | Unfilled) -> int:
+    if isinstance(piece, int):
+        return piece
+    return piece.nbytes if isinstance(piece, np.ndarray | memoryview) else len(piece)
+
+
+def _bytes_field(field: int, value: Buffer | Unfilled) -> list[Buffer | Unfilled]:
+    size = _size(value)
     return [_length_field(field, size), value] if size else []
 
 
-def _nbytes(pieces: list[Buffer]) -> int:
-    return sum(p.nbytes if isinstance(p, np.ndarray | memoryview) else len(p) for p in pieces)
+def _nbytes(pieces: list[Buffer | Unfilled]) -> int:
+    return sum(_size(p) for p in pieces)
 
 
-def _request_pieces(table: str, dim: int, third: int, bulk: tuple[Buffer, ...]) -> list[Buffer]:
+def _request_pieces(
+    table: str, dim: int, third: int, bulk: tuple[Buffer | Unfilled, ...]
+) -> list[Buffer | Unfilled]:
     """The pieces of one LookupRequest (third = create, bulk = keys) or PushGradientsRequest
     (third = step, bulk = keys, grads): fields 1 table, 2 dim, 3 create/step, 4.. bulk."""
     name = table.encode()
-    pieces: list[Buffer] = [_length_field(1, len(name)), name] if name else []
+    pieces: list[Buffer | Unfilled] = [_length_field(1, len(name)), name] if name else []
     pieces += [_scalar_field(2, dim), _scalar_field(3, third)]
     for number, value in enumerate(bulk, start=4):
         pieces += _bytes_field(number, value)
@@ -169,11 +180,52 @@ def encode_batches(batches: list[tuple[str, int, int, tuple[Buffer, ...]]]) -> b
     """A LookupBatches or PushGradientsBatches message, serialized: its batches are
     (table, dim, create or step, (keys,) or (keys, grads)). Bulk buffers (C-contiguous,
     little-endian) are copied once, into the result."""
-    pieces: list[Buffer] = []
+    return b"".join(
+        memoryview(p).cast("B") if isinstance(p, np.ndarray) else p
+        for p in _batches_pieces(batches)
+    )
+
+
+def _batches_pieces(
+    batches: list[tuple[str, int, int, tuple[Buffer | Unfilled, ...]]],
+) -> list[Buffer | Unfilled]:
+    pieces: list[Buffer | Unfilled] = []
     for table, dim, third, bulk in batches:
         inner = _request_pieces(table, dim, third, bulk)
         pieces += [_length_field(1, _nbytes(inner)), *inner]
-    return b"".join(memoryview(p).cast("B") if isinstance(p, np.ndarray) else p for p in pieces)
+    return pieces
+
+
+def encode_batches_in_place(
+    batches: list[tuple[str, int, int, tuple[Unfilled, ...]]],
+) -> tuple[bytes, list[list[np.ndarray]]]:
+    """encode_batches with the bulk fields given by their sizes in bytes and left for the
+    caller to fill: (the message's bytes, per batch a writable uint8 view of each bulk
+    field of positive size). Once the caller has written the views (before it sends the
+    bytes; see lookup_reply for why writing into new bytes is safe), the bytes are
+    encode_batches' for those buffers, byte for byte. A push gathers its gradients
+    straight into them: one copy, no join."""
+    pieces = _batches_pieces(batches)
+    total = _nbytes(pieces)
+    if total < 2:  # no bulk to fill (and b"" is a shared object: never filled)
+        return b"".join(pieces), [[] for _ in batches]  # type: ignore[arg-type]
+    data = _new_bytes(None, total)
+    memory = np.asarray(_Unfilled(data))  # writable uint8 [total]; keeps `data` alive
+    views: list[np.ndarray] = []
+    at = 0
+    for piece in pieces:
+        size = _size(piece)
+        if isinstance(piece, int):
+            views.append(memory[at : at + size])
+        else:
+            memory[at : at + size] = np.frombuffer(piece, np.uint8)
+        at += size
+    fields, start = [], 0
+    for _, _, _, bulk in batches:
+        count = sum(1 for size in bulk if size)
+        fields.append(views[start : start + count])
+        start += count
+    return data, fields
 
 
 def encode_lookup_reply(rows: list[np.ndarray]) -> bytes:

@@ -85,13 +85,16 @@ def test_hand_encoded_requests_are_protobufs_bytes(lookups: list, pushes: list) 
     ).SerializeToString()
     assert ours == theirs
     ours = wire.encode_batches([(t, d, s, (k, g)) for t, d, s, k, g in pushes])
-    theirs = pb.PushGradientsBatches(
+    assert ours == _protobufs_push(pushes)
+
+
+def _protobufs_push(pushes: list) -> bytes:
+    return pb.PushGradientsBatches(
         batches=[
             pb.PushGradientsRequest(table=t, dim=d, step=s, keys=k, grads=g)
             for t, d, s, k, g in pushes
         ]
     ).SerializeToString()
-    assert ours == theirs
 
 
 @settings(max_examples=60, deadline=None)
@@ -107,13 +110,7 @@ def test_requests_built_in_place_are_protobufs_bytes(pushes: list) -> None:
         assert [view.size for view in views] == [len(blob) for blob in filled]
         for view, blob in zip(views, filled, strict=True):
             view[...] = np.frombuffer(blob, np.uint8)
-    theirs = pb.PushGradientsBatches(
-        batches=[
-            pb.PushGradientsRequest(table=t, dim=d, step=s, keys=k, grads=g)
-            for t, d, s, k, g in pushes
-        ]
-    ).SerializeToString()
-    assert data == theirs
+    assert data == _protobufs_push(pushes)
 
 
 @settings(max_examples=60, deadline=None)

@@ -44,6 +44,7 @@ from tierps.client.pooling import (
     unpool,
 )
 from tierps.client.security import ChannelSecurity
+from tierps.client.wire_kernels import all_distinct, group_by_shard
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
@@ -53,7 +54,6 @@ from tierps.storage.errors import (
     InvalidArgumentError,
     TableNotFoundError,
 )
-from tierps.storage.host_kernels import all_distinct
 from tierps.storage.validation import check_step
 
 if TYPE_CHECKING:  # torch is imported only by a call that pools on a torch device
@@ -65,8 +65,8 @@ DEFAULT_MAX_CALL_BYTES = 256 << 20  # bulk bytes of one call (request or reply) 
 # A lookup whose reply from one shard is at least LOOKUP_PIECE_BYTES goes as up to
 # LOOKUP_PIECES calls at once (of LOOKUP_PIECE_BYTES or more each): the shard's storage work
 # on one overlaps the transfer of another. Measured (docs/perf/profile-lookup.md): 16 MiB
-# in 2 pieces 1.3x faster than in one; 4 MiB in pieces no faster.
-LOOKUP_PIECE_BYTES = 8 << 20
+# in 4 pieces 1.1-1.5x faster than in 2, and 2 faster than 1; 4 MiB in pieces slower.
+LOOKUP_PIECE_BYTES = 4 << 20
 LOOKUP_PIECES = 4
 # One table's part of a call to a shard: (table, dim, keys, their positions in the table's
 # distinct keys).
@@ -330,13 +330,15 @@ class EmbeddingClient(ClusterAdmin):
         # The one-message calls, their bytes encoded and decoded here (tierps.proto.wire):
         # no serializers, so gRPC hands over the bytes as they are.
         service = f"/{pb.DESCRIPTOR.services_by_name['EmbeddingService'].full_name}"
-        self._lookup_one = [c.unary_unary(f"{service}/LookupUnary") for c in self._channels]
+        # On the plain channels: their calls pass their metadata themselves (self._metadata).
+        plain = self._plain_channels
+        self._lookup_one = [c.unary_unary(f"{service}/LookupUnary") for c in plain]
         self._push_one = [
             c.unary_unary(
                 f"{service}/PushGradientsUnary",
                 response_deserializer=pb.PushGradientsResponse.FromString,
             )
-            for c in self._channels
+            for c in plain
         ]
         # Bulk bytes a call to shard i may carry as one message each way: lowered for a
         # shard that refused a call as too large for one (its message limit is lower).
@@ -668,7 +670,9 @@ class EmbeddingClient(ClusterAdmin):
             )
             try:
                 reply = self._lookup_one[shard](
-                    request, timeout=self.timeout_s, metadata=wire.declared(len(request))
+                    request,
+                    timeout=self.timeout_s,
+                    metadata=self._metadata(shard, *wire.declared(len(request))),
                 )
                 return wire.lookup_reply_values(reply)
             except grpc.RpcError as error:
@@ -735,20 +739,20 @@ class EmbeddingClient(ClusterAdmin):
             return np.ascontiguousarray(grads, "<f4")
 
         def call(shard: int, batches: list[Batch]) -> Any:
-            parts = [(name, dim, keys, grads_of(name, keys, at)) for name, dim, keys, at in batches]
-            bulk = sum(8 * k.size + g.nbytes for _, _, k, g in parts)
+            bulk = sum((8 + 4 * dim) * keys.size for _, dim, keys, _ in batches)
             if bulk <= self._one_message_bytes[shard]:
-                request = wire.encode_batches(
-                    [(name, dim, steps[name], (_wire_keys(k), g)) for name, dim, k, g in parts]
-                )
+                request = _push_request(batches, steps, pushes)
                 try:
                     return self._push_one[shard](
-                        request, timeout=self.timeout_s, metadata=wire.declared(len(request))
+                        request,
+                        timeout=self.timeout_s,
+                        metadata=self._metadata(shard, *wire.declared(len(request))),
                     )
                 except grpc.RpcError as error:
                     # refused before it was read: nothing applied, the stream may carry it
                     if not self._refused_as_too_large(shard, error, bulk):
                         raise
+            parts = [(name, dim, keys, grads_of(name, keys, at)) for name, dim, keys, at in batches]
             requests = (
                 request
                 for name, dim, keys, grads in parts
@@ -846,13 +850,12 @@ class EmbeddingClient(ClusterAdmin):
                 if keys.size:
                     per_shard[owner].append((name, dim, keys, np.arange(keys.size)))
                 continue
-            shard_of = key_shards(config, keys, self.num_shards).astype(np.uint16)  # N <= 2**16
-            order = np.argsort(shard_of, kind="stable")  # a radix sort for 16-bit ints
-            bounds = np.searchsorted(shard_of[order], np.arange(self.num_shards + 1))
+            shard_of = key_shards(config, keys, self.num_shards)
+            grouped, order, bounds = group_by_shard(shard_of, keys, self.num_shards)
             for shard in range(self.num_shards):
-                at = order[bounds[shard] : bounds[shard + 1]]
-                if at.size:
-                    per_shard[shard].append((name, dim, keys[at], at))
+                span = slice(bounds[shard], bounds[shard + 1])
+                if order[span].size:
+                    per_shard[shard].append((name, dim, grouped[span], order[span]))
         for shard, batches in enumerate(per_shard):
             limit = self.max_call_bytes
             if pieces:
@@ -913,6 +916,28 @@ class EmbeddingClient(ClusterAdmin):
         return outcomes
 
 
+def _push_request(
+    batches: list[Batch],
+    steps: dict[str, int],
+    pushes: dict[str, tuple[np.ndarray, np.ndarray]],
+) -> bytes:
+    """A one-message push of these batches, serialized: each batch's keys and gradients
+    (its rows of pushes[table][1], at its positions) written straight into the message's
+    bytes (wire.encode_batches_in_place): one copy of the gradients, no gather and join."""
+    request, fields = wire.encode_batches_in_place(
+        [(name, dim, steps[name], (8 * keys.size, 4 * dim * keys.size))
+         for name, dim, keys, _ in batches]
+    )  # fmt: skip
+    for (name, dim, keys, at), (key_bytes, grad_bytes) in zip(batches, fields, strict=True):
+        key_bytes.view("<i8")[...] = keys
+        grads, out = pushes[name][1], grad_bytes.view("<f4").reshape(keys.size, dim)
+        if keys.size == grads.shape[0]:  # every key of the table in this call: in order
+            out[...] = grads
+        else:  # "clip": positions are valid; numpy buffers `out` only for mode="raise"
+            np.take(grads, at, axis=0, out=out, mode="clip")
+    return request
+
+
 def _reply_bytes(batches: list[Batch]) -> int:
     return sum(4 * dim * keys.size for _, dim, keys, _ in batches)
 
@@ -954,12 +979,12 @@ def _as_bags(where: str, value: FeatureBatch, include_last_offset: bool) -> Bags
 
 def _distinct_live(keys: np.ndarray) -> bool:
     """Whether keys (int64, 1-D) are distinct and none is padding (< 0): then a call sends
-    them as given, with no dedup and no reordering. A compiled hash set decides (a sort
-    without the host kernels)."""
-    if keys.size == 0 or keys.min() < 0:
+    them as given, with no dedup and no reordering (client.wire_kernels.all_distinct
+    decides)."""
+    if keys.size == 0:
         return False
-    distinct = all_distinct(keys)
-    return distinct if distinct is not None else np.unique(keys).size == keys.size
+    low = int(keys.min())
+    return low >= 0 and all_distinct(keys, low, int(keys.max()))
 
 
 def _wire_keys(keys: np.ndarray) -> np.ndarray:

@@ -5,11 +5,13 @@ one-message data calls' bytes, encoded and decoded here by hand.
 Why by hand: protobuf's Python parser copies a bytes field into its arena and again into a
 Python bytes object on each read, and its serializer copies the field in and out again; at
 16 MiB a copy costs ~2 ms. The hand-written codec below reads bulk fields as memoryviews of
-the received bytes (no copy) and writes a reply with one join. Its output is byte for byte
+the received bytes (no copy), and a lookup's reply is one bytes object the storage lookup
+writes the rows into (lookup_reply). Its output is byte for byte
 what protobuf's SerializeToString writes (tests/integration/test_client_wire.py checks)."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -143,20 +145,31 @@ def _scalar_field(field: int, value: int) -> bytes:
 Buffer = bytes | memoryview | np.ndarray  # a C-contiguous array goes as its raw bytes
 
 
-def _bytes_field(field: int, value: Buffer) -> list[Buffer]:
-    size = value.nbytes if isinstance(value, np.ndarray | memoryview) else len(value)
+Unfilled = int  # a bulk field given by its size in bytes, for the caller to fill in place
+
+
+def _size(piece: Buffer | Unfilled) -> int:
+    if isinstance(piece, int):
+        return piece
+    return piece.nbytes if isinstance(piece, np.ndarray | memoryview) else len(piece)
+
+
+def _bytes_field(field: int, value: Buffer | Unfilled) -> list[Buffer | Unfilled]:
+    size = _size(value)
     return [_length_field(field, size), value] if size else []
 
 
-def _nbytes(pieces: list[Buffer]) -> int:
-    return sum(p.nbytes if isinstance(p, np.ndarray | memoryview) else len(p) for p in pieces)
+def _nbytes(pieces: list[Buffer | Unfilled]) -> int:
+    return sum(_size(p) for p in pieces)
 
 
-def _request_pieces(table: str, dim: int, third: int, bulk: tuple[Buffer, ...]) -> list[Buffer]:
+def _request_pieces(
+    table: str, dim: int, third: int, bulk: tuple[Buffer | Unfilled, ...]
+) -> list[Buffer | Unfilled]:
     """The pieces of one LookupRequest (third = create, bulk = keys) or PushGradientsRequest
     (third = step, bulk = keys, grads): fields 1 table, 2 dim, 3 create/step, 4.. bulk."""
     name = table.encode()
-    pieces: list[Buffer] = [_length_field(1, len(name)), name] if name else []
+    pieces: list[Buffer | Unfilled] = [_length_field(1, len(name)), name] if name else []
     pieces += [_scalar_field(2, dim), _scalar_field(3, third)]
     for number, value in enumerate(bulk, start=4):
         pieces += _bytes_field(number, value)
@@ -167,21 +180,120 @@ def encode_batches(batches: list[tuple[str, int, int, tuple[Buffer, ...]]]) -> b
     """A LookupBatches or PushGradientsBatches message, serialized: its batches are
     (table, dim, create or step, (keys,) or (keys, grads)). Bulk buffers (C-contiguous,
     little-endian) are copied once, into the result."""
-    pieces: list[Buffer] = []
+    return b"".join(
+        memoryview(p).cast("B") if isinstance(p, np.ndarray) else p
+        for p in _batches_pieces(batches)
+    )
+
+
+def _batches_pieces(
+    batches: list[tuple[str, int, int, tuple[Buffer | Unfilled, ...]]],
+) -> list[Buffer | Unfilled]:
+    pieces: list[Buffer | Unfilled] = []
     for table, dim, third, bulk in batches:
         inner = _request_pieces(table, dim, third, bulk)
         pieces += [_length_field(1, _nbytes(inner)), *inner]
-    return b"".join(memoryview(p).cast("B") if isinstance(p, np.ndarray) else p for p in pieces)
+    return pieces
+
+
+def encode_batches_in_place(
+    batches: list[tuple[str, int, int, tuple[Unfilled, ...]]],
+) -> tuple[bytes, list[list[np.ndarray]]]:
+    """encode_batches with the bulk fields given by their sizes in bytes and left for the
+    caller to fill: (the message's bytes, per batch a writable uint8 view of each bulk
+    field of positive size). Once the caller has written the views (before it sends the
+    bytes; see lookup_reply for why writing into new bytes is safe), the bytes are
+    encode_batches' for those buffers, byte for byte. A push gathers its gradients
+    straight into them: one copy, no join."""
+    pieces = _batches_pieces(batches)
+    total = _nbytes(pieces)
+    if total < 2:  # no bulk to fill (and b"" is a shared object: never filled)
+        return b"".join(pieces), [[] for _ in batches]  # type: ignore[arg-type]
+    data = _new_bytes(None, total)
+    memory = np.asarray(_Unfilled(data))  # writable uint8 [total]; keeps `data` alive
+    views: list[np.ndarray] = []
+    at = 0
+    for piece in pieces:
+        size = _size(piece)
+        if isinstance(piece, int):
+            views.append(memory[at : at + size])
+        else:
+            memory[at : at + size] = np.frombuffer(piece, np.uint8)
+        at += size
+    fields, start = [], 0
+    for _, _, _, bulk in batches:
+        count = sum(1 for size in bulk if size)
+        fields.append(views[start : start + count])
+        start += count
+    return data, fields
 
 
 def encode_lookup_reply(rows: list[np.ndarray]) -> bytes:
-    """A LookupResponse, serialized: values = the rows (C-contiguous float32 arrays, copied
-    once, into the result), num_rows = their count."""
-    rows = [np.ascontiguousarray(r, "<f4") for r in rows]  # no copy when they are
-    size = sum(r.nbytes for r in rows)
+    """A LookupResponse, serialized: values = the rows (float32 arrays, copied once, into
+    the result), num_rows = their count. The servicer skips even that copy: it has the
+    storage lookup write the rows into lookup_reply's views."""
+    data, views = lookup_reply([r.shape for r in rows])
+    for view, r in zip(views, rows, strict=True):
+        view[...] = r
+    return data
+
+
+def lookup_reply(shapes: list[tuple[int, int]]) -> tuple[bytes, list[np.ndarray]]:
+    """A serialized LookupResponse of rows of these shapes ([n, dim] each, one per batch),
+    built in place: (its bytes, a writable float32 view [n, dim] of each batch's part of
+    `values`). Its header and num_rows are written here; the rows are left for the caller
+    to write into the views (the storage lookup does, with out=) before it sends the bytes.
+    The result is what encode_lookup_reply writes for those rows, byte for byte.
+
+    A view of a reply of 2**21 bytes or more is not 4-byte aligned (values' tag and
+    length take 5 bytes there): numpy and the compiled host kernels read and write such
+    arrays correctly, as x86-64 and AArch64 allow unaligned float loads and stores."""
+    size = sum(4 * n * dim for n, dim in shapes)
     head = _length_field(1, size) if size else b""
-    tail = _scalar_field(2, sum(r.shape[0] for r in rows))
-    return b"".join([head, *(memoryview(r).cast("B") for r in rows if r.size), tail])
+    tail = _scalar_field(2, sum(n for n, _ in shapes))
+    total = len(head) + size + len(tail)
+    if total < 2:  # empty: no rows to write (and b"" is a shared object: never filled)
+        return head + tail, [np.empty((n, dim), np.float32) for n, dim in shapes]
+    data = _new_bytes(None, total)
+    memory = np.asarray(_Unfilled(data))  # writable uint8 [total]; keeps `data` alive
+    memory[: len(head)] = np.frombuffer(head, np.uint8)
+    memory[total - len(tail) :] = np.frombuffer(tail, np.uint8)
+    views, at = [], len(head)
+    for n, dim in shapes:
+        views.append(memory[at : at + 4 * n * dim].view("<f4").reshape(n, dim))
+        at += 4 * n * dim
+    return data, views
+
+
+# gRPC's Python server sends a reply only as a `bytes` object (it copies it into its own
+# buffer), and numpy cannot write into bytes. So a reply is built the way C code builds
+# bytes: PyBytes_FromStringAndSize(NULL, n) makes a new object of n bytes, left
+# uninitialized for its maker to fill, and PyBytes_AsString gives their address. Safe
+# because that object is this module's alone until the servicer returns it: no other
+# reference exists while it is written (n >= 2: the interpreter shares only its empty
+# and 1-byte objects), its hash is not computed yet (bytes cache it on first use), and
+# nothing writes to it once it is returned (the lookup that fills it has ended by then,
+# and a failed one's reply is dropped). The views keep the object alive while they exist.
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
+_bytes_address = ctypes.pythonapi.PyBytes_AsString
+_bytes_address.restype = ctypes.c_void_p
+_bytes_address.argtypes = (ctypes.py_object,)
+
+
+class _Unfilled:
+    """A new bytes object's memory as numpy sees it: writable, of its length, and holding
+    the object (numpy keeps this as the base of every view)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.__array_interface__ = {
+            "data": (_bytes_address(data), False),  # False: writable
+            "shape": (len(data),),
+            "typestr": "|u1",
+            "version": 3,
+        }
 
 
 class WireError(ValueError):

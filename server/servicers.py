@@ -152,9 +152,10 @@ def _one_message(request: Any) -> list[Any]:
 
 
 class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
-    def _lookup(
+    def _lookup_batches(
         self, messages: Iterable[pb.LookupRequest], max_reply_bytes: int
-    ) -> list[np.ndarray]:
+    ) -> list[LookupBatch]:
+        """A lookup's batches, refused if their reply would pass max_reply_bytes."""
         batches = []
         for first, bulk in table_batches(
             messages, ("table", "dim", "create"), ("keys",), self.max_batch_bytes
@@ -171,7 +172,7 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
                 + (f"({wire.TOO_LARGE_FOR_ONE_MESSAGE}: stream it, or split the batch)" if one
                    else "per call; split the batch")
             )  # fmt: skip
-        return self.shard.lookup(batches)
+        return batches
 
     def _push(self, messages: Iterable[pb.PushGradientsRequest]) -> pb.PushGradientsResponse:
         batches = []
@@ -185,7 +186,7 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
 
     @rpc
     def Lookup(self, requests: Iterator[pb.LookupRequest], context: Any) -> Iterator:
-        for rows in self._lookup(requests, self.max_batch_bytes):
+        for rows in self.shard.lookup(self._lookup_batches(requests, self.max_batch_bytes)):
             per_chunk = max(1, self.chunk_bytes // wire_row_bytes(rows.shape[1]))
             for start in range(0, rows.shape[0], per_chunk):
                 chunk = rows[start : start + per_chunk]
@@ -193,10 +194,14 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
 
     @rpc
     def LookupUnary(self, request: Any, context: Any) -> Any:
-        """The serialized LookupResponse (registered without a serializer): every row,
-        copied once, into the reply. The reply must fit the message limit."""
+        """The serialized LookupResponse (registered without a serializer), whose rows the
+        storage lookup writes straight into the reply's bytes (wire.lookup_reply). The
+        reply must fit the message limit."""
         limit = min(self.max_batch_bytes, self.max_reply_message)
-        return wire.encode_lookup_reply(self._lookup(_one_message(request), limit))
+        batches = self._lookup_batches(_one_message(request), limit)
+        reply, rows = wire.lookup_reply([(batch.keys.size, batch.dim) for batch in batches])
+        self.shard.lookup(batches, out=rows)
+        return reply
 
     @rpc
     def PushGradients(self, requests: Iterator[pb.PushGradientsRequest], context: Any) -> Any:

@@ -243,12 +243,12 @@ class Shard:
         return table
 
     def _checked(self, name: str, dim: int, keys: np.ndarray) -> EmbeddingTable:
-        """The table, after checking the caller's dim, that every key is this shard's, and
-        that every key is in range (a direct-index table): all of a call's batches are
-        checked so before any is served."""
+        """The table, after checking the caller's dim and that every key is this shard's:
+        all of a call's batches are checked so before any is served. Keys in range (a
+        direct-index table) are checked by the caller: the table's check_gradients and
+        check_values do for pushes and assigns, a lookup checks them itself."""
         table = self._table(name, dim)
         self.check_keys(table.config, keys)
-        table.check_key_range(np.asarray(keys, dtype=np.int64))
         return table
 
     def owner(self, config: TableConfig) -> int | None:
@@ -311,13 +311,20 @@ class Shard:
                 raise outcome
         return outcomes
 
-    def lookup(self, batches: list[LookupBatch]) -> list[np.ndarray]:
-        """Weights of each batch's keys; every batch is checked before any is looked up."""
+    def lookup(
+        self, batches: list[LookupBatch], out: Sequence[np.ndarray] | None = None
+    ) -> list[np.ndarray]:
+        """Weights of each batch's keys; every batch is checked before any is looked up.
+        out: an array [n, dim] per batch to write them into (EmbeddingTable.lookup's out),
+        such as views of the reply's bytes; else new arrays."""
+        outs = [None] * len(batches) if out is None else list(out)
         with self._gate.shared():
             targets = [self._checked(batch.table, batch.dim, batch.keys) for batch in batches]
+            for target, batch in zip(targets, batches, strict=True):
+                target.check_key_range(np.asarray(batch.keys, dtype=np.int64))
             rows = self._each_table(
-                lambda pair: pair[0].lookup(pair[1].keys, create=pair[1].create),
-                list(zip(targets, batches, strict=True)),
+                lambda item: item[0].lookup(item[1].keys, create=item[1].create, out=item[2]),
+                list(zip(targets, batches, outs, strict=True)),
             )
         self._count_keys(batches, 0)
         return rows

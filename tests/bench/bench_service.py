@@ -162,9 +162,15 @@ def redis_mget(redis_server: Redis, batches: tuple[int, ...], dim: int) -> dict[
     return seconds
 
 
-def sweep(quick: bool, root: Path) -> dict[str, Any]:
-    batches = (16384, 65536) if quick else BATCHES
-    dims = (PLOT_DIM,) if quick else DIMS
+def sweep(
+    quick: bool,
+    root: Path,
+    batches: tuple[int, ...] | None = None,
+    dims: tuple[int, ...] | None = None,
+    shard_counts: tuple[int, ...] = SHARDS,
+) -> dict[str, Any]:
+    batches = batches or ((16384, 65536) if quick else BATCHES)
+    dims = dims or ((PLOT_DIM,) if quick else DIMS)
     rng = np.random.default_rng(0)
     results: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
@@ -175,8 +181,9 @@ def sweep(quick: bool, root: Path) -> dict[str, Any]:
                     "each way, no protobuf (tests/bench/echo_server.py)",
         "lookup": "EmbeddingClient.lookup: a writable array in the keys' order; lookup_view: "
                   "copy=False (a read-only view of the reply where one reply holds every row "
-                  "in order). A shard's reply of 8 MiB or more goes as 2-4 calls at once "
-                  "(client.embedding.LOOKUP_PIECE_BYTES); the echo sends one message",
+                  "in order). A shard's reply of 8 MiB or more goes as 2-4 calls of 4 MiB or "
+                  "more at once (client.embedding.LOOKUP_PIECE_BYTES); the echo sends one "
+                  "message",
         "rows": [],
     }  # fmt: skip
     if shutil.which("redis-server"):
@@ -191,7 +198,7 @@ def sweep(quick: bool, root: Path) -> dict[str, Any]:
     else:
         results["redis"] = None
         print("redis-server is not installed (apt-get install redis-server): no Redis baseline")
-    for shards in SHARDS:
+    for shards in shard_counts:
         with LocalCluster(shards, root / f"data-{shards}") as cluster:
             echo = EchoServers(shards, root)
             client = EmbeddingClient(cluster.addresses, timeout_s=120.0)
@@ -470,6 +477,10 @@ def _print_profile(name: str, path: Path, top: int = 12) -> None:
             print(f"{n / total:6.1%}  {frame}")
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(","))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("docs/perf/service.json"))
@@ -478,6 +489,9 @@ def main() -> int:
     parser.add_argument("--concurrency", action="store_true", help="1 vs 2 concurrent clients")
     parser.add_argument("--replot", action="store_true", help="redraw --png from --out")
     parser.add_argument("--profile", action="store_true", help="py-spy one lookup's time")
+    parser.add_argument("--batches", type=_ints, help="keys per call, e.g. 65536,16384")
+    parser.add_argument("--dims", type=_ints, help="dims, e.g. 16,64")
+    parser.add_argument("--shards", type=_ints, default=SHARDS, help="shard counts, e.g. 1")
     args = parser.parse_args()
     if args.replot:
         plot(json.loads(args.out.read_text()), args.png)
@@ -485,14 +499,14 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="tierps-bench-"))
     try:
         if args.profile:
-            profile(root)
+            profile(root, batch=(args.batches or (65536,))[0], dim=(args.dims or (64,))[0])
             return 0
         if args.concurrency:
             out = args.out.with_name("service-concurrency.json")
             out.write_text(json.dumps(concurrency(root), indent=2))
             print(f"wrote {out}")
             return 0
-        results = sweep(args.quick, root)
+        results = sweep(args.quick, root, args.batches, args.dims, args.shards)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -85,13 +85,32 @@ def test_hand_encoded_requests_are_protobufs_bytes(lookups: list, pushes: list) 
     ).SerializeToString()
     assert ours == theirs
     ours = wire.encode_batches([(t, d, s, (k, g)) for t, d, s, k, g in pushes])
-    theirs = pb.PushGradientsBatches(
+    assert ours == _protobufs_push(pushes)
+
+
+def _protobufs_push(pushes: list) -> bytes:
+    return pb.PushGradientsBatches(
         batches=[
             pb.PushGradientsRequest(table=t, dim=d, step=s, keys=k, grads=g)
             for t, d, s, k, g in pushes
         ]
     ).SerializeToString()
-    assert ours == theirs
+
+
+@settings(max_examples=60, deadline=None)
+@given(push_batches)
+def test_requests_built_in_place_are_protobufs_bytes(pushes: list) -> None:
+    """encode_batches_in_place, its views filled with the bulk fields, gives protobuf's bytes
+    (the views of empty fields are left out, as protobuf leaves the fields out)."""
+    data, fields = wire.encode_batches_in_place(
+        [(t, d, s, (len(k), len(g))) for t, d, s, k, g in pushes]
+    )
+    for (*_, k, g), views in zip(pushes, fields, strict=True):
+        filled = [blob for blob in (k, g) if blob]
+        assert [view.size for view in views] == [len(blob) for blob in filled]
+        for view, blob in zip(views, filled, strict=True):
+            view[...] = np.frombuffer(blob, np.uint8)
+    assert data == _protobufs_push(pushes)
 
 
 @settings(max_examples=60, deadline=None)
@@ -243,6 +262,29 @@ def test_distinct_keys_and_lookups_in_pieces_agree_with_numpy(
     assert view.flags.writeable is (num_shards > 1)  # one shard: a view of its reply
     grads = quarter_grads(rng, (*keys.shape, dim))
     assert client.push_gradients("t", keys, grads) == keys.size
+    expected = initial(config, keys) - np.float32(LR) * grads
+    np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
+
+
+def test_rows_written_into_the_reply_equal_numpy_at_any_alignment(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """The shard's storage lookup writes the rows straight into the reply's bytes
+    (wire.lookup_reply): its rows start 4-byte aligned below 2 MiB and unaligned from 2 MiB
+    (a 5-byte header). New rows, then host hits, then after a push, equal numpy's."""
+    client = make_client([shard_server()])
+    dim = 16
+    config = sgd_table("t", dim)
+    client.create_table(config)
+    keys = np.random.default_rng(5).choice(1 << 40, 40_000, replace=False).astype(np.int64)
+    for few in (keys[:1000], keys):  # 64 KB of rows (header 4 bytes); 2.5 MB (header 5)
+        data, (view,) = wire.lookup_reply([(few.size, dim)])
+        start = view.ctypes.data - np.frombuffer(data, np.uint8).ctypes.data
+        assert start == (4 if few.size == 1000 else 5)  # the rows' offset in the reply
+        for _ in range(2):  # created, then found in the host tier
+            np.testing.assert_array_equal(client.lookup("t", few), initial(config, few))
+    grads = quarter_grads(np.random.default_rng(6), (keys.size, dim))
+    client.push_gradients("t", keys, grads)
     expected = initial(config, keys) - np.float32(LR) * grads
     np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
 

@@ -1,0 +1,68 @@
+"""The client's compiled routing pass (client/wire_kernels.py) against its numpy reference
+(a stable argsort) on the same keys, and both against the plain definition: each shard's
+keys in their order, with their positions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tierps.client import wire_kernels
+from tierps.storage import TableConfig, host_kernels
+from tierps.storage.config import key_shards
+
+
+@pytest.mark.parametrize(
+    ("size", "num_shards"), [(0, 2), (1, 2), (1000, 1), (5000, 2), (5000, 3), (777, 8)]
+)
+def test_group_by_shard_matches_the_reference_and_the_definition(
+    size: int, num_shards: int
+) -> None:
+    keys = np.random.default_rng(size + num_shards).choice(10**9, size, replace=False)
+    shard_of = key_shards(TableConfig("t", 4), keys, num_shards)
+    got = wire_kernels.group_by_shard(shard_of, keys, num_shards)
+    want = wire_kernels.group_by_shard_reference(shard_of, keys, num_shards)
+    for got_part, want_part in zip(got, want, strict=True):
+        assert got_part.dtype == np.int64
+        assert np.array_equal(got_part, want_part)
+    grouped, positions, bounds = got
+    assert bounds[0] == 0 and bounds[-1] == size
+    for shard in range(num_shards):
+        mine = np.flatnonzero(keys % num_shards == shard)  # the definition, in key order
+        assert np.array_equal(positions[bounds[shard] : bounds[shard + 1]], mine)
+        assert np.array_equal(grouped[bounds[shard] : bounds[shard + 1]], keys[mine])
+
+
+def test_group_by_shard_runs_compiled_where_the_host_kernels_do() -> None:
+    if host_kernels.host_launcher() is None:
+        pytest.skip(f"host kernels unavailable: {host_kernels.unavailable_reason()}")
+    assert hasattr(wire_kernels, "k_group_by_shard")
+    keys = np.array([5, 2, 7, 4], np.int64)
+    grouped = np.empty(4, np.int64)
+    positions = np.empty(4, np.int64)
+    bounds = np.empty(3, np.int64)
+    wire_kernels.k_group_by_shard(keys % 2, keys, grouped, positions, bounds)
+    assert grouped.tolist() == [2, 4, 5, 7]
+    assert positions.tolist() == [1, 3, 0, 2]
+    assert bounds.tolist() == [0, 2, 4]
+
+
+@pytest.mark.parametrize("spread", [1, 63, 64, 65, 10**6])  # span per key: bitmap or hash
+@pytest.mark.parametrize("size", [1, 2, 1000])
+def test_all_distinct_matches_a_sort(size: int, spread: int) -> None:
+    rng = np.random.default_rng(size * spread)
+    base = 2**62 - size * spread - 1 if spread == 63 else 5  # far from 0 as well
+    keys = base + rng.choice(size * spread, size, replace=False).astype(np.int64)
+    keys[0], keys[-1] = base, base + size * spread - 1  # both ends of the span
+    if size == 1:
+        keys = keys[:1]
+    cases = [keys]
+    if size > 1:
+        repeated = keys.copy()
+        repeated[rng.integers(size)] = repeated[rng.integers(size)]  # may hit itself
+        cases += [repeated, np.concatenate([keys, keys[-1:]]), np.concatenate([keys[:1], keys])]
+    for case in cases:
+        want = bool(np.unique(case).size == case.size)
+        assert wire_kernels.all_distinct_reference(case) is want
+        got = wire_kernels.all_distinct(case, int(case.min()), int(case.max()))
+        assert got is want, (size, spread, case)

@@ -21,9 +21,9 @@ from tierps.storage import host_kernels
 from tierps.storage.host_kernels import host_launcher
 
 if host_kernels.numba is not None:
-    _jit = host_kernels._jit  # one owner of how the host kernels compile and cache
+    jit_kernel = host_kernels.jit_kernel  # one owner of how the host kernels compile and cache
 
-    @_jit
+    @jit_kernel
     def k_group_by_shard(shard_of, keys, grouped, positions, bounds):
         """A stable counting sort of keys by their shard: grouped[bounds[s]:bounds[s+1]]
         are shard s's keys in their order, positions their places in `keys`."""
@@ -40,7 +40,7 @@ if host_kernels.numba is not None:
             positions[fill[s]] = i
             fill[s] += 1
 
-    @_jit
+    @jit_kernel
     def k_distinct_in_span(keys, low, words):
         """Whether no key repeats, all keys in [low, low + 64 * words): one bit per key of
         the span (a bitmap no larger than the hash set's keys where the span is at most 64

@@ -55,7 +55,7 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _cache_warned = False
 
 
-def _jit(fn: Callable) -> Callable:
+def jit_kernel(fn: Callable) -> Callable:
     """njit(nogil=True, cache=True), or without the disk cache where numba finds no
     writable place for it (warned once). error_model="numpy": a float division by zero
     gives inf or NaN as in numpy (the finiteness check refuses it) instead of a per-element
@@ -184,7 +184,7 @@ if numba is not None:
 
         return _types.void(), codegen
 
-    @_jit
+    @jit_kernel
     def _streams(target, columns):
         """Whether rows of `columns` float32 written into the 2-D float32 matrix `target`
         go by non-temporal stores (_stream16): only for a large target (STREAM_BYTES: a
@@ -199,14 +199,14 @@ if numba is not None:
             and target.ctypes.data % LINE == 0
         )
 
-    @_jit
+    @jit_kernel
     def _stream_bytes(target, source, size):
         """`size` bytes (a multiple of 16) from address `source` to address `target` by
         non-temporal stores (the caller checked _streams and fences after its last one)."""
         for b in range(0, size, 16):
             _stream16(target + b, source + b)
 
-    @_jit
+    @jit_kernel
     def _stream_row(target, source, size):
         """_stream_bytes with loops of a constant trip count for the common row sizes,
         which LLVM unrolls (a loop over a run-time count cost a lookup a tenth)."""
@@ -221,13 +221,13 @@ if numba is not None:
         else:
             _stream_bytes(target, source, size)
 
-    @_jit
+    @jit_kernel
     def _prefetch_bytes(address, size):
         """Prefetch the cache lines of `size` bytes from `address`."""
         for k in range(0, size, 64):
             _prefetch_address(address + k)
 
-    @_jit
+    @jit_kernel
     def _prefetch_span(address, size):
         """_prefetch_bytes with constant trip counts for the common row sizes."""
         if size == 256:
@@ -241,19 +241,19 @@ if numba is not None:
         else:
             _prefetch_bytes(address, size)
 
-    @_jit
+    @jit_kernel
     def _at(array, index):
         """The byte offset of element `index` of a 1-D array (strided or not)."""
         return index * array.strides[0]
 
-    @_jit
+    @jit_kernel
     def _prefetch_row_for_write(matrix, row):
         """Prefetch every cache line of row `row` of a row-major matrix, to write it."""
         start = row * matrix.strides[0]
         for k in range(0, matrix.shape[1] * matrix.itemsize, 64):
             _prefetch_for_write(matrix, start + k)
 
-    @_jit
+    @jit_kernel
     def _mix64(x):
         x = x ^ (x >> _S30)
         x = x * _M1
@@ -261,11 +261,11 @@ if numba is not None:
         x = x * _M2
         return x ^ (x >> _S31)
 
-    @_jit
+    @jit_kernel
     def _home(key, mask):
         return np.int64(_mix64(np.uint64(key) + _GOLDEN) & np.uint64(mask))
 
-    @_jit
+    @jit_kernel
     def _probe(table, mask, key):
         if key <= _TOMBSTONE:
             return -1
@@ -279,7 +279,7 @@ if numba is not None:
             pos = (pos + 1) & mask
         return -1
 
-    @_jit
+    @jit_kernel
     def _claim_one(table, mask, key):
         """(slot, code) as tierps_claim_one: code 2 took an EMPTY slot, 1 a tombstone, 0
         found the key (placed earlier in the batch) or no free slot (slot -1)."""
@@ -294,14 +294,14 @@ if numba is not None:
             pos = (pos + 1) & mask
         return -1, 0
 
-    @_jit
+    @jit_kernel
     def k_find(table, mask, keys, n, slots):
         for i in range(n):
             if i + AHEAD < n:
                 _prefetch(table, _at(table, _home(keys[i + AHEAD], mask)))
             slots[i] = _probe(table, mask, keys[i])
 
-    @_jit
+    @jit_kernel
     def k_claim(table, mask, keys, todo, n, slots, inserted, codes, scores, has_scores, score):
         for i in range(n):
             j = todo[i]
@@ -313,7 +313,7 @@ if numba is not None:
                     scores[slot] = score
             codes[i] = code
 
-    @_jit
+    @jit_kernel
     def k_upsert(table, mask, keys, n, slots, inserted, codes, scores, has_scores, score):
         for i in range(n):
             key = keys[i]
@@ -328,7 +328,7 @@ if numba is not None:
                     scores[slot] = score
             codes[i] = code
 
-    @_jit
+    @jit_kernel
     def k_find_rows(table, values, mask, keys, n, arena, out, width, zero_misses, slots, has_slots):
         for i in range(n):
             slot = _probe(table, mask, keys[i])
@@ -342,7 +342,7 @@ if numba is not None:
                 for c in range(width):
                     out[i, c] = 0.0
 
-    @_jit
+    @jit_kernel
     def k_lookup(
         table, values, scores, mask, keys, arena, out, dirty, slots, found_dirty, missed,
         mode, tick, lfu,
@@ -422,7 +422,7 @@ if numba is not None:
             _store_fence()
         return hits, listed
 
-    @_jit
+    @jit_kernel
     def k_touch(scores, slots, tick, lfu):
         for i in range(slots.shape[0]):
             if lfu:
@@ -430,7 +430,7 @@ if numba is not None:
             else:
                 scores[slots[i]] = tick
 
-    @_jit
+    @jit_kernel
     def k_first_non_finite(bits):
         """The index of the first inf or NaN among float32 values given as their uint32
         bits (all exponent bits set), -1 if none: blocks are tested with an integer OR
@@ -448,7 +448,7 @@ if numba is not None:
                         return k
         return -1
 
-    @_jit
+    @jit_kernel
     def k_all_distinct(keys):
         """Whether no int64 key repeats: an open-addressing set at load <= 0.5."""
         n = keys.shape[0]
@@ -473,13 +473,13 @@ if numba is not None:
     # kind: 0 SGD, 1 momentum, 2 Nesterov, 3 Adagrad, 4 Adam, 5 FTRL (p: see kernels.py
     # optimizer_args: the same float32 hyper-parameters in the same order).
 
-    @_jit
+    @jit_kernel
     def _pow(x, p, use_sqrt):
         if use_sqrt:
             return np.sqrt(x)
         return x**p
 
-    @_jit
+    @jit_kernel
     def _update_row(kind, arena, r, g, i, dim, p, new):
         """The new [weights | state] of row r (gradient row i) into new[:size*dim]."""
         if kind == 0:
@@ -529,7 +529,7 @@ if numba is not None:
                 new[c] = (sign * l1 - zc) / quadratic if abs(zc) > l1 else zero
                 new[dim + c] = n_new
 
-    @_jit
+    @jit_kernel
     def k_train(
         kind, arena, ids, grads, p, size, refuse, backup, was_dirty, stamp, has_stamp,
         row_width, dirty,
@@ -582,7 +582,7 @@ if numba is not None:
             _store_fence()
         return -1
 
-    @_jit
+    @jit_kernel
     def k_uniform_rows(keys, stream, span, low, below_high, out, fills, dim):
         """init.Uniform's weights into out[:, :dim] (bit for bit the numpy code:
         counter_bits, top 24 bits, low + span * u in float64, rounded to float32, capped

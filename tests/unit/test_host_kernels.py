@@ -242,8 +242,8 @@ def test_no_writable_cache_compiles_in_memory_and_warns_once(monkeypatch) -> Non
     exec(compile("def twice(x):\n    return 2 * x\n", "<no file>", "exec"), namespace)  # noqa: S102
     exec(compile("def thrice(x):\n    return 3 * x\n", "<no file>", "exec"), namespace)  # noqa: S102
     with pytest.warns(RuntimeWarning, match="no writable numba cache") as caught:
-        twice = host_kernels._jit(namespace["twice"])
-        thrice = host_kernels._jit(namespace["thrice"])
+        twice = host_kernels.jit_kernel(namespace["twice"])
+        thrice = host_kernels.jit_kernel(namespace["thrice"])
     assert len(caught) == 1
     assert (twice(21), thrice(2)) == (42, 6)
 

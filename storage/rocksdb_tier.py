@@ -173,28 +173,6 @@ class RocksDBTier(DurableTier):
         self.misses += keys.size - hit.size
         return hit, rows, np.zeros(hit.size, dtype=bool)
 
-    def find_into(
-        self, keys: np.ndarray, out: np.ndarray | None, width: int
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Tier.find_into: when every key is stored and no out is given, the decoded rows
-        themselves (no copy where width is the whole row); else one copy into out."""
-        if keys.size and int(keys.min()) < 0:  # padding: the generic path skips it
-            return super().find_into(keys, out, width)
-        hit, rows = self._get(keys)
-        self.hits += hit.size
-        self.misses += keys.size - hit.size
-        if hit.size == keys.size:
-            if out is None:
-                return np.ascontiguousarray(rows[:, :width]), hit[:0]
-            out[...] = rows[:, :width]
-            return out, hit[:0]
-        if out is None:
-            out = np.empty((keys.size, width), dtype=np.float32)
-        out[hit] = rows[:, :width]
-        missed = np.ones(keys.size, dtype=bool)
-        missed[hit] = False
-        return out, np.flatnonzero(missed)
-
     def _get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(indices of the keys stored, their rows). Keys outside the stored key range
         (may_hold) are not asked for: RocksDB would only answer None for them."""

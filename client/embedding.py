@@ -44,7 +44,7 @@ from tierps.client.pooling import (
     unpool,
 )
 from tierps.client.security import ChannelSecurity
-from tierps.client.wire_kernels import all_distinct, group_by_shard
+from tierps.client.wire_kernels import group_by_shard
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
@@ -54,6 +54,7 @@ from tierps.storage.errors import (
     InvalidArgumentError,
     TableNotFoundError,
 )
+from tierps.storage.host_kernels import all_distinct
 from tierps.storage.validation import check_step
 
 if TYPE_CHECKING:  # torch is imported only by a call that pools on a torch device
@@ -979,12 +980,12 @@ def _as_bags(where: str, value: FeatureBatch, include_last_offset: bool) -> Bags
 
 def _distinct_live(keys: np.ndarray) -> bool:
     """Whether keys (int64, 1-D) are distinct and none is padding (< 0): then a call sends
-    them as given, with no dedup and no reordering (client.wire_kernels.all_distinct
-    decides)."""
-    if keys.size == 0:
+    them as given, with no dedup and no reordering. The compiled check decides (a bitmap
+    or a hash set, host_kernels.all_distinct; a sort without the host kernels)."""
+    if keys.size == 0 or keys.min() < 0:
         return False
-    low = int(keys.min())
-    return low >= 0 and all_distinct(keys, low, int(keys.max()))
+    distinct = all_distinct(keys)
+    return distinct if distinct is not None else np.unique(keys).size == keys.size
 
 
 def _wire_keys(keys: np.ndarray) -> np.ndarray:

@@ -1,9 +1,9 @@
-"""Compiled passes of the client's data calls: grouping a call's keys by shard in one pass,
-and deciding whether its keys are distinct.
+"""Compiled passes of the client's data calls: grouping a call's keys by shard in one pass
+(whether they are distinct: storage.host_kernels.all_distinct, shared with the shards).
 
-The numpy references (the `*_reference` functions) run where the host kernels are off (numba
+The numpy reference (`group_by_shard_reference`) runs where the host kernels are off (numba
 missing, TIERPS_HOST_KERNELS=0), and tests/unit/test_wire_kernels.py compares the kernel
-against them. The kernels are `njit(nogil=True, cache=True)`, compiled and cached as the host
+against it. The kernel is `njit(nogil=True, cache=True)`, compiled and cached as the host
 tier's kernels are (tierps.storage.host_kernels).
 
 Measured and left to numpy (65,536 keys, 2 shards, 2-core machine): placing a shard's reply
@@ -40,21 +40,6 @@ if host_kernels.numba is not None:
             positions[fill[s]] = i
             fill[s] += 1
 
-    @jit_kernel
-    def k_distinct_in_span(keys, low, words):
-        """Whether no key repeats, all keys in [low, low + 64 * words): one bit per key of
-        the span (a bitmap no larger than the hash set's keys where the span is at most 64
-        keys per key, and no hashing or probing)."""
-        seen = np.zeros(words, np.uint64)
-        for i in range(keys.shape[0]):
-            at = np.uint64(keys[i] - low)
-            word = at >> np.uint64(6)
-            bit = np.uint64(1) << (at & np.uint64(63))
-            if seen[word] & bit:
-                return False
-            seen[word] |= bit
-        return True
-
 
 def group_by_shard(
     shard_of: np.ndarray, keys: np.ndarray, num_shards: int
@@ -79,24 +64,3 @@ def group_by_shard_reference(
     positions = np.argsort(shard_of, kind="stable")
     bounds = np.searchsorted(shard_of[positions], np.arange(num_shards + 1))
     return keys[positions], positions, bounds.astype(np.int64)
-
-
-SPAN_BITS_PER_KEY = 64  # a bitmap up to this many bits a key (8 bytes, as the hash set's keys)
-
-
-def all_distinct(keys: np.ndarray, low: int, high: int) -> bool:
-    """Whether no key of `keys` (int64 1-D, every one in [low, high]) repeats: a bitmap over
-    the span where it is at most SPAN_BITS_PER_KEY bits a key (7-9x faster than the hash
-    set at 16k-256k keys, measured), else the host kernels' hash set."""
-    if host_launcher() is None:
-        return all_distinct_reference(keys)
-    keys = np.ascontiguousarray(keys, np.int64)
-    span = high - low + 1
-    if span <= SPAN_BITS_PER_KEY * keys.size:
-        return bool(k_distinct_in_span(keys, np.int64(low), (span + 63) // 64))
-    return bool(host_kernels.all_distinct(keys))
-
-
-def all_distinct_reference(keys: np.ndarray) -> bool:
-    """all_distinct in numpy: a sort."""
-    return bool(np.unique(keys).size == keys.size)

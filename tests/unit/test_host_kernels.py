@@ -66,6 +66,25 @@ def test_lookup_matches_the_array_code(eviction: str) -> None:
     assert scores[0] == scores[1]
 
 
+@pytest.mark.parametrize("spread", [1, 63, 64, 65, 10**6])  # span per key: bitmap or hash
+@pytest.mark.parametrize("size", [1, 2, 1000])
+def test_all_distinct_bitmap_and_hash_set_match_a_sort(size: int, spread: int) -> None:
+    rng = np.random.default_rng(size * spread)
+    base = 2**62 - size * spread - 1 if spread == 63 else 5  # far from 0 as well
+    keys = base + rng.choice(size * spread, size, replace=False).astype(np.int64)
+    keys[0], keys[-1] = base, base + size * spread - 1  # both ends of the span
+    if size == 1:
+        keys = keys[:1]
+    cases = [keys]
+    if size > 1:
+        repeated = keys.copy()
+        repeated[rng.integers(size)] = repeated[rng.integers(size)]  # may hit itself
+        cases += [repeated, np.concatenate([keys, keys[-1:]]), np.concatenate([keys[:1], keys])]
+    for case in cases:
+        want = bool(np.unique(case).size == case.size)
+        assert host_kernels.all_distinct(case) is want, (size, spread, case)
+
+
 def test_all_distinct_matches_unique() -> None:
     rng = np.random.default_rng(1)
     for n in (0, 1, 7, 1000):

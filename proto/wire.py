@@ -202,24 +202,10 @@ def encode_batches_in_place(
     """encode_batches with the bulk fields given by their sizes in bytes and left for the
     caller to fill: (the message's bytes, per batch a writable uint8 view of each bulk
     field of positive size). Once the caller has written the views (before it sends the
-    bytes; see lookup_reply for why writing into new bytes is safe), the bytes are
+    bytes; see _new_bytes for why writing into new bytes is safe), the bytes are
     encode_batches' for those buffers, byte for byte. A push gathers its gradients
     straight into them: one copy, no join."""
-    pieces = _batches_pieces(batches)
-    total = _nbytes(pieces)
-    if total < 2:  # no bulk to fill (and b"" is a shared object: never filled)
-        return b"".join(pieces), [[] for _ in batches]  # type: ignore[arg-type]
-    data = _new_bytes(None, total)
-    memory = np.asarray(_Unfilled(data))  # writable uint8 [total]; keeps `data` alive
-    views: list[np.ndarray] = []
-    at = 0
-    for piece in pieces:
-        size = _size(piece)
-        if isinstance(piece, int):
-            views.append(memory[at : at + size])
-        else:
-            memory[at : at + size] = np.frombuffer(piece, np.uint8)
-        at += size
+    data, views = _in_place(_batches_pieces(batches))
     fields, start = [], 0
     for _, _, _, bulk in batches:
         count = sum(1 for size in bulk if size)
@@ -228,14 +214,25 @@ def encode_batches_in_place(
     return data, fields
 
 
-def encode_lookup_reply(rows: list[np.ndarray]) -> bytes:
-    """A LookupResponse, serialized: values = the rows (float32 arrays, copied once, into
-    the result), num_rows = their count. The servicer skips even that copy: it has the
-    storage lookup write the rows into lookup_reply's views."""
-    data, views = lookup_reply([r.shape for r in rows])
-    for view, r in zip(views, rows, strict=True):
-        view[...] = r
-    return data
+def _in_place(pieces: list[Buffer | Unfilled]) -> tuple[bytes, list[np.ndarray]]:
+    """The bytes of these pieces joined, with each Unfilled piece left for the caller to
+    fill: (the bytes, a writable uint8 view of each Unfilled piece, in order)."""
+    total = _nbytes(pieces)
+    if total < 2:  # nothing to fill (and b"" is a shared object: never filled)
+        return b"".join(p for p in pieces if not isinstance(p, int)), [
+            np.empty(0, np.uint8) for p in pieces if isinstance(p, int)
+        ]
+    data = _new_bytes(None, total)
+    memory = np.asarray(_Unfilled(data))  # writable uint8 [total]; keeps `data` alive
+    views, at = [], 0
+    for piece in pieces:
+        size = _size(piece)
+        if isinstance(piece, int):
+            views.append(memory[at : at + size])
+        else:
+            memory[at : at + size] = np.frombuffer(piece, np.uint8)
+        at += size
+    return data, views
 
 
 def lookup_reply(shapes: list[tuple[int, int]]) -> tuple[bytes, list[np.ndarray]]:
@@ -243,37 +240,33 @@ def lookup_reply(shapes: list[tuple[int, int]]) -> tuple[bytes, list[np.ndarray]
     built in place: (its bytes, a writable float32 view [n, dim] of each batch's part of
     `values`). Its header and num_rows are written here; the rows are left for the caller
     to write into the views (the storage lookup does, with out=) before it sends the bytes.
-    The result is what encode_lookup_reply writes for those rows, byte for byte.
+    Once written, the bytes are protobuf's LookupResponse(values=the rows joined,
+    num_rows=their count), byte for byte.
 
     A view of a reply of 2**21 bytes or more is not 4-byte aligned (values' tag and
     length take 5 bytes there): numpy and the compiled host kernels read and write such
     arrays correctly, as x86-64 and AArch64 allow unaligned float loads and stores."""
     size = sum(4 * n * dim for n, dim in shapes)
-    head = _length_field(1, size) if size else b""
     tail = _scalar_field(2, sum(n for n, _ in shapes))
-    total = len(head) + size + len(tail)
-    if total < 2:  # empty: no rows to write (and b"" is a shared object: never filled)
-        return head + tail, [np.empty((n, dim), np.float32) for n, dim in shapes]
-    data = _new_bytes(None, total)
-    memory = np.asarray(_Unfilled(data))  # writable uint8 [total]; keeps `data` alive
-    memory[: len(head)] = np.frombuffer(head, np.uint8)
-    memory[total - len(tail) :] = np.frombuffer(tail, np.uint8)
-    views, at = [], len(head)
+    data, values = _in_place([*_bytes_field(1, size), tail])
+    memory = values[0] if values else np.empty(0, np.uint8)
+    views, at = [], 0
     for n, dim in shapes:
         views.append(memory[at : at + 4 * n * dim].view("<f4").reshape(n, dim))
         at += 4 * n * dim
     return data, views
 
 
-# gRPC's Python server sends a reply only as a `bytes` object (it copies it into its own
-# buffer), and numpy cannot write into bytes. So a reply is built the way C code builds
+# gRPC's Python API takes a message only as a `bytes` object (it copies it into its own
+# buffer), and numpy cannot write into bytes. So a message is built the way C code builds
 # bytes: PyBytes_FromStringAndSize(NULL, n) makes a new object of n bytes, left
 # uninitialized for its maker to fill, and PyBytes_AsString gives their address. Safe
-# because that object is this module's alone until the servicer returns it: no other
-# reference exists while it is written (n >= 2: the interpreter shares only its empty
-# and 1-byte objects), its hash is not computed yet (bytes cache it on first use), and
-# nothing writes to it once it is returned (the lookup that fills it has ended by then,
-# and a failed one's reply is dropped). The views keep the object alive while they exist.
+# because that object is this module's alone until it is handed to gRPC (a reply the
+# servicer returns, a request the client sends): no other reference exists while it is
+# written (n >= 2: the interpreter shares only its empty and 1-byte objects), its hash is
+# not computed yet (bytes cache it on first use), and nothing writes to it once it is
+# handed over (the lookup or gather that fills it has ended by then, and a failed one's
+# message is dropped). The views keep the object alive while they exist.
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
 _new_bytes.restype = ctypes.py_object
 _new_bytes.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)

@@ -139,7 +139,9 @@ def test_a_hand_encoded_reply_is_protobufs_bytes(shapes: list[tuple[int, int]]) 
     rows = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
     values = b"".join(r.tobytes() for r in rows)
     expected = pb.LookupResponse(values=values, num_rows=sum(r.shape[0] for r in rows))
-    encoded = wire.encode_lookup_reply(rows)
+    encoded, views = wire.lookup_reply([r.shape for r in rows])
+    for view, r in zip(views, rows, strict=True):
+        view[...] = r
     assert encoded == expected.SerializeToString()
     assert bytes(wire.lookup_reply_values(encoded)) == values
 

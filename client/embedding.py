@@ -245,6 +245,15 @@ class DevicePooledLookup(PooledLookup):
         return pushes
 
 
+class PushNotApplied(Exception):
+    """Raised by EmbeddingClient._push_then_lookup when its push failed (on some shard):
+    `error` is the push's error, as a push alone would raise it."""
+
+    def __init__(self, error: ShardError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 @dataclass
 class _PreparedHost:
     """A host lookup_pooled_features up to its RPCs (EmbeddingClient._prepare_pooled):
@@ -256,9 +265,16 @@ class _PreparedHost:
     pooling: dict[str, _TablePooling]
     shapes: dict[str, tuple[int, ...]]  # each feature's bag shape (its output's, less dim)
 
-    def fetch(self, create: bool) -> PooledLookup:
+    def fetch(
+        self, create: bool, after: tuple[dict[str, Any], int | None] | None = None
+    ) -> PooledLookup:
+        """The lookup, pooled. after: (pushes, step) of a push (_key_gradients') to apply
+        first, with the lookup seeing it (EmbeddingClient._push_then_lookup)."""
         tables = {name: (keys.dim, keys.unique) for name, keys in self.tables.items()}
-        rows = self.client._lookup_unique(tables, create)
+        if after is None:
+            rows = self.client._lookup_unique(tables, create)
+        else:
+            rows = self.client._push_then_lookup(*after, tables, create)
         outputs = {}
         for table, pooling in self.pooling.items():
             dim = self.tables[table].dim
@@ -341,6 +357,10 @@ class EmbeddingClient(ClusterAdmin):
             )
             for c in plain
         ]
+        self._push_then_lookup_one = [c.unary_unary(f"{service}/PushThenLookup") for c in plain]
+        # Whether shard i takes PushThenLookup: False once it answered UNIMPLEMENTED (an
+        # older shard), and its pushes and lookups go as separate calls from then on.
+        self._fuses = [True] * len(self.addresses)
         # Bulk bytes a call to shard i may carry as one message each way: lowered for a
         # shard that refused a call as too large for one (its message limit is lower).
         self._one_message_bytes = [one_message_bytes] * len(self.addresses)
@@ -641,24 +661,34 @@ class EmbeddingClient(ClusterAdmin):
         else:
             out = dict(out)
 
-        def call(shard: int, batches: list[Batch]) -> None:
-            values = self._lookup_call(shard, batches, create)
-            if len(values) != _reply_bytes(batches):
-                raise self._reply_size_error(shard, batches, str(len(values)))
-            offset = 0
-            for name, dim, keys, at in batches:  # placed here, while other shards answer
-                rows = np.frombuffer(values, "<f4", keys.size * dim, offset)
-                rows = rows.reshape(keys.size, dim)
-                if name in out and at[-1] - at[0] == at.size - 1:  # ascending: a span
-                    out[name][at[0] : at[-1] + 1] = rows
-                elif name in out:
-                    out[name][at] = rows
-                else:  # every row of the table, in the order of its keys
-                    out[name] = rows
-                offset += 4 * dim * keys.size
-
-        self._fan_out(calls, call)
+        self._fan_out(calls, lambda shard, batches: self._lookup_into(shard, batches, create, out))
         return out
+
+    def _lookup_into(
+        self, shard: int, batches: list[Batch], create: bool, out: dict[str, np.ndarray]
+    ) -> None:
+        """One lookup call of _lookup_unique's to a shard, its rows placed in `out`."""
+        self._place_rows(shard, batches, self._lookup_call(shard, batches, create), out)
+
+    def _place_rows(
+        self, shard: int, batches: list[Batch], values: Any, out: dict[str, np.ndarray]
+    ) -> None:
+        """A lookup reply's rows (bytes-like values), placed by batch: into out[table] at the
+        batch's positions, or, for a table not in `out`, as a view of the reply (every row
+        of the table, in the order of its keys)."""
+        if len(values) != _reply_bytes(batches):
+            raise self._reply_size_error(shard, batches, str(len(values)))
+        offset = 0
+        for name, dim, keys, at in batches:  # placed here, while other shards answer
+            rows = np.frombuffer(values, "<f4", keys.size * dim, offset)
+            rows = rows.reshape(keys.size, dim)
+            if name in out and at[-1] - at[0] == at.size - 1:  # ascending: a span
+                out[name][at[0] : at[-1] + 1] = rows
+            elif name in out:
+                out[name][at] = rows
+            else:  # every row of the table, in the order of its keys
+                out[name] = rows
+            offset += 4 * dim * keys.size
 
     def _lookup_call(self, shard: int, batches: list[Batch], create: bool) -> Any:
         """The rows of one call's batches, as bytes-like values: in one message each way
@@ -729,66 +759,192 @@ class EmbeddingClient(ClusterAdmin):
         no keys is not pushed and takes no step."""
         pushes = {t: (keys, grads) for t, (keys, grads) in pushes.items() if keys.size}
         steps = self._reserve_steps(list(pushes), step)
-        calls = self._route(
+        calls = self._route_push(pushes)
+        try:
+            replies = self._fan_out(calls, lambda i, b: self._push_call(i, b, steps, pushes))
+        except ShardError as error:
+            raise self._push_failure(error, steps, step) from None
+        self._push_done(steps, step)
+        return sum(reply.num_keys for reply in replies)
+
+    def _route_push(
+        self, pushes: dict[str, tuple[np.ndarray, np.ndarray]]
+    ) -> list[tuple[int, list[Batch]]]:
+        return self._route(
             {t: (grads.shape[1], keys) for t, (keys, grads) in pushes.items()},
             lambda dim: 8 + 4 * dim,
         )
+
+    def _push_call(
+        self,
+        shard: int,
+        batches: list[Batch],
+        steps: dict[str, int],
+        pushes: dict[str, tuple[np.ndarray, np.ndarray]],
+    ) -> Any:
+        """One push call of _push_unique's to a shard: its PushGradientsResponse."""
+        bulk = sum((8 + 4 * dim) * keys.size for _, dim, keys, _ in batches)
+        if bulk <= self._one_message_bytes[shard]:
+            request = _push_request(batches, steps, pushes)
+            try:
+                return self._push_one[shard](
+                    request,
+                    timeout=self.timeout_s,
+                    metadata=self._metadata(shard, *wire.declared(len(request))),
+                )
+            except grpc.RpcError as error:
+                # refused before it was read: nothing applied, the stream may carry it
+                if not self._refused_as_too_large(shard, error, bulk):
+                    raise
 
         def grads_of(name: str, keys: np.ndarray, at: np.ndarray) -> np.ndarray:
             grads = pushes[name][1]  # every key of the table in this call: no gather
             grads = grads if keys.size == grads.shape[0] else grads[at]
             return np.ascontiguousarray(grads, "<f4")
 
-        def call(shard: int, batches: list[Batch]) -> Any:
-            bulk = sum((8 + 4 * dim) * keys.size for _, dim, keys, _ in batches)
-            if bulk <= self._one_message_bytes[shard]:
-                request = _push_request(batches, steps, pushes)
-                try:
-                    return self._push_one[shard](
-                        request,
-                        timeout=self.timeout_s,
-                        metadata=self._metadata(shard, *wire.declared(len(request))),
-                    )
-                except grpc.RpcError as error:
-                    # refused before it was read: nothing applied, the stream may carry it
-                    if not self._refused_as_too_large(shard, error, bulk):
-                        raise
-            parts = [(name, dim, keys, grads_of(name, keys, at)) for name, dim, keys, at in batches]
-            requests = (
-                request
-                for name, dim, keys, grads in parts
-                for request in wire.push_requests(
-                    name, dim, steps[name], _wire_keys(keys).tobytes(), grads.tobytes(),
-                    self.chunk_bytes,
-                )
-            )  # fmt: skip
-            size = sum(
-                wire.stream_bytes(name, dim, steps[name], k.size, 4 * dim, self.chunk_bytes)
-                for name, dim, k, _ in parts
+        parts = [(name, dim, keys, grads_of(name, keys, at)) for name, dim, keys, at in batches]
+        requests = (
+            request
+            for name, dim, keys, grads in parts
+            for request in wire.push_requests(
+                name, dim, steps[name], _wire_keys(keys).tobytes(), grads.tobytes(),
+                self.chunk_bytes,
             )
-            return self._data[shard].PushGradients(
-                requests, timeout=self.timeout_s, metadata=wire.declared(size)
-            )
+        )  # fmt: skip
+        size = sum(
+            wire.stream_bytes(name, dim, steps[name], k.size, 4 * dim, self.chunk_bytes)
+            for name, dim, k, _ in parts
+        )
+        return self._data[shard].PushGradients(
+            requests, timeout=self.timeout_s, metadata=wire.declared(size)
+        )
 
-        try:
-            updated = sum(reply.num_keys for reply in self._fan_out(calls, call))
-        except ShardError as error:
-            if not error.succeeded:
-                if step is None:
-                    self._release_steps(steps)
-                raise
-            partial = ShardError(  # part of the push is in: its step stays taken; say where
-                error.shard_id, error.address, error.code,
-                f"{error.details} (this push was applied on shards {error.succeeded}; the "
-                f"failed shards' part of it was not)",
-            )  # fmt: skip
-            partial.succeeded = error.succeeded
-            raise partial from None
+    def _push_failure(
+        self, error: ShardError, steps: dict[str, int], step: int | None
+    ) -> ShardError:
+        """The error a failed push raises: where it was applied on no shard, its steps are
+        given back (unless the caller chose the step); where on some, it says which."""
+        if not error.succeeded:
+            if step is None:
+                self._release_steps(steps)
+            return error
+        partial = ShardError(  # part of the push is in: its step stays taken; say where
+            error.shard_id, error.address, error.code,
+            f"{error.details} (this push was applied on shards {error.succeeded}; the "
+            f"failed shards' part of it was not)",
+        )  # fmt: skip
+        partial.succeeded = error.succeeded
+        return partial
+
+    def _push_done(self, steps: dict[str, int], step: int | None) -> None:
         if step is not None:  # later pushes without a step count on from the one given
             with self._lock:
                 for table, given in steps.items():
                     self._steps[table] = max(self._steps.get(table, 0), given)
-        return updated
+
+    def _push_then_lookup(
+        self,
+        pushes: dict[str, tuple[np.ndarray, np.ndarray]],
+        step: int | None,
+        tables: dict[str, tuple[int, np.ndarray]],
+        create: bool,
+    ) -> dict[str, np.ndarray]:
+        """_push_unique(pushes, step), then _lookup_unique(tables, create) seeing it, in one
+        PushThenLookup call per shard where a shard's parts of both fit in one message
+        each; else (or for a shard that does not know the call) that shard's push calls,
+        then its lookup calls. A push that failed on any shard raises PushNotApplied with
+        the error _push_unique would raise; a lookup that failed after the push was applied
+        everywhere raises its ShardError."""
+        pushes = {t: (keys, grads) for t, (keys, grads) in pushes.items() if keys.size}
+        if not pushes:
+            return self._lookup_unique(tables, create)
+        steps = self._reserve_steps(list(pushes), step)
+        push_calls = self._route_push(pushes)
+        lookup_calls = self._route(tables, lambda dim: max(8, 4 * dim), pieces=True)
+        out = {name: np.empty((keys.size, dim), np.float32) for name, (dim, keys) in tables.items()}
+        work: dict[int, tuple[list[list[Batch]], list[list[Batch]]]] = {}
+        for shard, batches in push_calls:
+            work.setdefault(shard, ([], []))[0].append(batches)
+        for shard, batches in lookup_calls:
+            work.setdefault(shard, ([], []))[1].append(batches)
+        pushed: set[int] = set()  # shards whose part of the push is applied
+        push_failed: dict[int, ShardError] = {}
+
+        def run(shard: int, parts: tuple[list[list[Batch]], list[list[Batch]]]) -> None:
+            push_parts, lookup_parts = parts
+            try:
+                fused = (
+                    len(push_parts) == 1 and len(lookup_parts) == 1
+                    and self._fused_call(shard, push_parts[0], lookup_parts[0], steps, pushes,
+                                         create, out)
+                )  # fmt: skip
+                if not fused:
+                    for batches in push_parts:
+                        self._push_call(shard, batches, steps, pushes)
+            except grpc.RpcError as error:
+                if any(key == wire.PUSHED_HEADER for key, _ in error.trailing_metadata() or ()):
+                    pushed.add(shard)  # the push is in; its lookup failed
+                else:
+                    push_failed[shard] = ShardError(
+                        shard, self.addresses[shard], error.code(), error.details() or ""
+                    )
+                raise
+            pushed.add(shard)
+            if not fused:
+                for batches in lookup_parts:
+                    self._lookup_into(shard, batches, create, out)
+
+        try:
+            self._fan_out(list(work.items()), run)  # type: ignore[arg-type]
+        except ShardError:
+            if push_failed:
+                first = push_failed[min(push_failed)]
+                first.succeeded = sorted(pushed & {shard for shard, _ in push_calls})
+                raise PushNotApplied(self._push_failure(first, steps, step)) from None
+            self._push_done(steps, step)
+            raise
+        self._push_done(steps, step)
+        return out
+
+    def _fused_call(
+        self,
+        shard: int,
+        push: list[Batch],
+        lookup: list[Batch],
+        steps: dict[str, int],
+        pushes: dict[str, tuple[np.ndarray, np.ndarray]],
+        create: bool,
+        out: dict[str, np.ndarray],
+    ) -> bool:
+        """One PushThenLookup to a shard, its rows placed in `out`; False (nothing done)
+        where it does not fit in one message each way, or the shard refused it as too
+        large or does not know it."""
+        push_bytes = sum((8 + 4 * dim) * keys.size for _, dim, keys, _ in push)
+        key_bytes = sum(8 * keys.size for _, _, keys, _ in lookup)
+        bulk = max(push_bytes + key_bytes, _reply_bytes(lookup))
+        if not self._fuses[shard] or bulk > self._one_message_bytes[shard]:
+            return False
+        request, fields = wire.encode_push_then_lookup_in_place(
+            [(name, dim, steps[name], (8 * keys.size, 4 * dim * keys.size))
+             for name, dim, keys, _ in push],
+            [(name, dim, create, (_wire_keys(keys),)) for name, dim, keys, _ in lookup],
+        )  # fmt: skip
+        _fill_push(push, fields, pushes)
+        try:
+            reply = self._push_then_lookup_one[shard](
+                request,
+                timeout=self.timeout_s,
+                metadata=self._metadata(shard, *wire.declared(len(request))),
+            )
+        except grpc.RpcError as error:
+            if error.code() is grpc.StatusCode.UNIMPLEMENTED:  # an older shard
+                self._fuses[shard] = False
+                return False
+            if self._refused_as_too_large(shard, error, bulk):  # before it was read
+                return False
+            raise
+        self._place_rows(shard, lookup, wire.push_then_lookup_reply(reply)[0], out)
+        return True
 
     def table_step(self, name: str) -> int:
         """The table's step clock on the cluster: the largest step pushed to it on any shard
@@ -929,6 +1085,17 @@ def _push_request(
         [(name, dim, steps[name], (8 * keys.size, 4 * dim * keys.size))
          for name, dim, keys, _ in batches]
     )  # fmt: skip
+    _fill_push(batches, fields, pushes)
+    return request
+
+
+def _fill_push(
+    batches: list[Batch],
+    fields: list[list[np.ndarray]],
+    pushes: dict[str, tuple[np.ndarray, np.ndarray]],
+) -> None:
+    """Write each push batch's keys and gradients into its fields' views (of a request's
+    bytes, from wire's in-place encoders)."""
     for (name, dim, keys, at), (key_bytes, grad_bytes) in zip(batches, fields, strict=True):
         key_bytes.view("<i8")[...] = keys
         grads, out = pushes[name][1], grad_bytes.view("<f4").reshape(keys.size, dim)
@@ -936,7 +1103,6 @@ def _push_request(
             out[...] = grads
         else:  # "clip": positions are valid; numpy buffers `out` only for mode="raise"
             np.take(grads, at, axis=0, out=out, mode="clip")
-    return request
 
 
 def _reply_bytes(batches: list[Batch]) -> int:

@@ -66,6 +66,8 @@ from tierps.client.embedding import (
     Feature,
     FeatureBatch,
     PooledLookup,
+    PushNotApplied,
+    _PreparedHost,
     _PreparedPooling,
 )
 from tierps.client.pooling import Combiner
@@ -73,6 +75,9 @@ from tierps.client.pooling import Combiner
 if TYPE_CHECKING:
     from tierps.client.distributed import TrainerGroup
 
+import os  # noqa: E402  (A/B prototype knob)
+
+FUSE = os.environ.get("TIERPS_FUSE", "1") == "1"
 MAX_PREFETCHED = 4  # prefetched batches kept for their forward; older ones are dropped
 STALENESS = (0, 1)  # the schedules a module offers (see the module docstring)
 
@@ -277,6 +282,11 @@ class EmbeddingBagCollection(nn.Module):
         self._failure_lock = threading.Lock()
         # the TrainerGroup (tierps.client.distributed) that steps and pushes with other ranks
         self._group: TrainerGroup | None = None
+        # Staleness 1 under pipeline(): backward's push of a host batch waits here for the
+        # prefetch pipeline() makes next, and goes with its lookup as one call per shard
+        # (EmbeddingClient._push_then_lookup); any other call of the module sends it first.
+        self._hold_pushes = False  # set by pipeline() while a prefetch follows the step
+        self._held: tuple[dict[str, Any], int | None] | None = None  # (pushes, step)
 
     # -- the background thread ---------------------------------------------------------------
 
@@ -295,6 +305,26 @@ class EmbeddingBagCollection(nn.Module):
         else:
             entry.future = self._submit(_fetch_on, entry.prepared, entry.create, entry.stream)
 
+    def _send_held(self) -> None:
+        """Hand a held push to the background thread, alone."""
+        if self._held is not None:
+            (pushes, step), self._held = self._held, None
+            send = functools.partial(_push_keys, self.client, pushes)
+            self._last_push = self._submit(self._push_in_background, send, step, None)
+
+    def _push_then_fetch(
+        self, held: tuple[dict[str, Any], int | None], entry: _Prefetch
+    ) -> PooledLookup:
+        """A held push, then entry's lookup, as one call per shard (in the background
+        thread). A failed push is kept for the module's next call, as a push alone, and
+        fails the lookup too."""
+        assert isinstance(entry.prepared, _PreparedHost)
+        try:
+            return entry.prepared.fetch(entry.create, held)
+        except PushNotApplied as failed:
+            self._keep_failure(failed.error)
+            raise failed.error from None
+
     def _raise_failure(self) -> None:
         """Raise a background push's failure, once; prefetched lookups are dropped with it
         (they were made around a push that did not happen)."""
@@ -305,6 +335,7 @@ class EmbeddingBagCollection(nn.Module):
             raise failure
 
     def _wait_for_pushes(self) -> None:
+        self._send_held()
         if self._last_push is not None:
             wait_for([self._last_push])
 
@@ -343,6 +374,7 @@ class EmbeddingBagCollection(nn.Module):
         """flush(), then stop the background thread (prefetched lookups are dropped). The
         module stays usable: a later prefetch or background push starts a new thread."""
         self._release_tables()
+        self._send_held()
         worker, finalizer = self._worker, self._finalizer
         self._worker = self._finalizer = None
         self._prefetched.clear()
@@ -374,9 +406,12 @@ class EmbeddingBagCollection(nn.Module):
         (staleness 1): a host lookup's per-key gradients computed here (new arrays), a
         device lookup's gradients copied (autograd may reuse its buffers) and all of its
         push done there. Then the lookups deferred to it start."""
+        self._send_held()
         group = self._group
         step = None if group is None else group.step  # a group's pushes carry the job's step
-        if group is not None and group.mode == "sync":
+        if group is None and self.staleness == 1 and self._hold_pushes and pooled.device is None:
+            self._held = (pooled._key_gradients(_gradients(pooled, grads)), step)
+        elif group is not None and group.mode == "sync":
             group._push_together(self, pooled._key_gradients(_gradients(pooled, grads)))
         elif self.staleness == 0:
             pooled.push_gradients(_gradients(pooled, grads), step)
@@ -403,14 +438,18 @@ class EmbeddingBagCollection(nn.Module):
             with _on_stream(stream):
                 send(step)
         except BaseException as error:  # noqa: BLE001 - kept for the caller's next call
-            error.add_note(
-                "tierps: this push ran in the background (staleness 1) after its backward "
-                "had returned; its gradients were not applied (or, per ShardError.succeeded, "
-                "only on some shards)"
-            )
-            with self._failure_lock:
-                if self._failure is None:  # the first failure is the one to see
-                    self._failure = error
+            self._keep_failure(error)
+
+    def _keep_failure(self, error: BaseException) -> None:
+        """Keep a background push's failure for the module's next call."""
+        error.add_note(
+            "tierps: this push ran in the background (staleness 1) after its backward "
+            "had returned; its gradients were not applied (or, per ShardError.succeeded, "
+            "only on some shards)"
+        )
+        with self._failure_lock:
+            if self._failure is None:  # the first failure is the one to see
+                self._failure = error
 
     # -- lookups -----------------------------------------------------------------------------
 
@@ -435,17 +474,30 @@ class EmbeddingBagCollection(nn.Module):
         self._prefetch((batch,), batch)
 
     def _prefetch(self, key: tuple[Any, ...], batch: Mapping[str, FeatureBatch]) -> None:
-        self._raise_failure()
-        create = self._trains()  # grad mode is per thread: read it here
-        if create:
-            self._claim_tables()
+        held, self._held = self._held, None
         try:
-            prepared: _PreparedPooling | Exception = self._prepare(batch)
-        except Exception as error:  # a bad batch: raised by its forward, as before
-            prepared = error
+            self._raise_failure()
+            create = self._trains()  # grad mode is per thread: read it here
+            if create:
+                self._claim_tables()
+            try:
+                prepared: _PreparedPooling | Exception = self._prepare(batch)
+            except Exception as error:  # a bad batch: raised by its forward, as before
+                prepared = error
+        except BaseException:
+            self._held = held
+            self._send_held()
+            raise
         entry = _Prefetch(key, prepared, create, None, _current_stream())
-        if not (create and self.staleness == 0):
-            self._submit_lookup(entry)
+        if held is not None and isinstance(prepared, _PreparedHost) and FUSE:
+            entry.pushes = self._pushes  # the held push is counted: the lookup sees it
+            entry.future = self._submit(self._push_then_fetch, held, entry)
+            self._last_push = entry.future
+        else:
+            self._held = held
+            self._send_held()
+            if not (create and self.staleness == 0):
+                self._submit_lookup(entry)
         self._prefetched = [*self._prefetched[-(MAX_PREFETCHED - 1) :], entry]
 
     def pipeline(
@@ -480,6 +532,7 @@ class EmbeddingBagCollection(nn.Module):
     def _forward(
         self, key: tuple[Any, ...], batch: Mapping[str, FeatureBatch]
     ) -> dict[str, torch.Tensor]:
+        self._send_held()
         self._raise_failure()
         trains = self._trains()
         pooled = self._take_prefetched(key, trains)
@@ -502,6 +555,8 @@ class EmbeddingBagCollection(nn.Module):
             if entry.create == trains and _same(entry.key, key):
                 del self._prefetched[: index + 1]
                 if entry.future is not None and self._pushes - entry.pushes <= self.staleness:
+                    wait_for([entry.future])
+                    self._raise_failure()  # a push it went with failed: raised once
                     pooled = entry.future.result()  # a failed prefetch raises here
                 break
         self._prefetched = [entry for entry in self._prefetched if entry.create == trains]
@@ -629,9 +684,13 @@ def pipeline(
             for module, inputs in modules:
                 given = inputs(upcoming)
                 module.prefetch(*given) if isinstance(given, tuple) else module.prefetch(given)
+                _collection(module)._hold_pushes = True  # the next prefetch takes the push
             yield item
+            for module, _ in modules:
+                _collection(module)._hold_pushes = False
     finally:  # also for a loop left early; its failure is raised by the module's next call
         for module, _ in modules:
+            _collection(module)._hold_pushes = False
             _collection(module)._wait_for_pushes()
     for module, _ in modules:
         module.flush()
@@ -656,6 +715,10 @@ def _gradients(pooled: PooledLookup, grads: dict[str, torch.Tensor]) -> dict[str
     if pooled.device is None:
         return {name: grad.detach().cpu().numpy() for name, grad in grads.items()}
     return {name: grad.detach() for name, grad in grads.items()}
+
+
+def _push_keys(client: EmbeddingClient, pushes: dict[str, Any], step: int | None) -> int:
+    return client._push_unique(pushes, step)
 
 
 def _fetch_on(prepared: _PreparedPooling, create: bool, stream: Any) -> PooledLookup:

@@ -16,6 +16,24 @@ SAVE_PHASE_UNSPECIFIED: SavePhase
 SAVE_PHASE_WRITE_PART: SavePhase
 SAVE_PHASE_COMMIT: SavePhase
 
+class PushThenLookupRequest(_message.Message):
+    __slots__ = ("push", "lookup")
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    push: PushGradientsBatches
+    lookup: LookupBatches
+    def __init__(self, push: _Optional[_Union[PushGradientsBatches, _Mapping]] = ..., lookup: _Optional[_Union[LookupBatches, _Mapping]] = ...) -> None: ...
+
+class PushThenLookupResponse(_message.Message):
+    __slots__ = ("values", "num_rows", "num_keys")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KEYS_FIELD_NUMBER: _ClassVar[int]
+    values: bytes
+    num_rows: int
+    num_keys: int
+    def __init__(self, values: _Optional[bytes] = ..., num_rows: _Optional[int] = ..., num_keys: _Optional[int] = ...) -> None: ...
+
 class LookupBatches(_message.Message):
     __slots__ = ("batches",)
     BATCHES_FIELD_NUMBER: _ClassVar[int]

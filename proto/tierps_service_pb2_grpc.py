@@ -63,6 +63,11 @@ class EmbeddingServiceStub:
                 request_serializer=tierps_dot_proto_dot_tierps__service__pb2.PushGradientsBatches.SerializeToString,
                 response_deserializer=tierps_dot_proto_dot_tierps__service__pb2.PushGradientsResponse.FromString,
                 _registered_method=True)
+        self.PushThenLookup = channel.unary_unary(
+                '/tierps.v1.EmbeddingService/PushThenLookup',
+                request_serializer=tierps_dot_proto_dot_tierps__service__pb2.PushThenLookupRequest.SerializeToString,
+                response_deserializer=tierps_dot_proto_dot_tierps__service__pb2.PushThenLookupResponse.FromString,
+                _registered_method=True)
 
 
 class EmbeddingServiceServicer:
@@ -118,6 +123,19 @@ class EmbeddingServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushThenLookup(self, request, context):
+        """A push, then a lookup that sees it, in one message each way: a pipelined trainer's
+        push of step t and its lookup of a later batch (one call per shard instead of two). The
+        push is checked and applied as PushGradientsUnary, and then the lookup is served as
+        LookupUnary. A refused or failed push fails the call and the lookup is not served:
+        nothing changed. A lookup that fails after its push was applied fails the call with
+        trailing metadata `tierps-pushed: <num_keys>`, which says the push is in. Needs the
+        rights of both calls.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbeddingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +163,11 @@ def add_EmbeddingServiceServicer_to_server(servicer, server):
                     servicer.PushGradientsUnary,
                     request_deserializer=tierps_dot_proto_dot_tierps__service__pb2.PushGradientsBatches.FromString,
                     response_serializer=tierps_dot_proto_dot_tierps__service__pb2.PushGradientsResponse.SerializeToString,
+            ),
+            'PushThenLookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushThenLookup,
+                    request_deserializer=tierps_dot_proto_dot_tierps__service__pb2.PushThenLookupRequest.FromString,
+                    response_serializer=tierps_dot_proto_dot_tierps__service__pb2.PushThenLookupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -286,6 +309,33 @@ class EmbeddingService:
             '/tierps.v1.EmbeddingService/PushGradientsUnary',
             tierps_dot_proto_dot_tierps__service__pb2.PushGradientsBatches.SerializeToString,
             tierps_dot_proto_dot_tierps__service__pb2.PushGradientsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushThenLookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierps.v1.EmbeddingService/PushThenLookup',
+            tierps_dot_proto_dot_tierps__service__pb2.PushThenLookupRequest.SerializeToString,
+            tierps_dot_proto_dot_tierps__service__pb2.PushThenLookupResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -34,6 +34,9 @@ TOO_LARGE_FOR_ONE_MESSAGE = "too large for one message"
 # before it sends any, so a shard can refuse a call too large for it before reading a message
 # (server/limits.py).
 REQUEST_BYTES_HEADER = "tierps-request-bytes"
+# gRPC trailing metadata of a failed PushThenLookup whose push was applied before its lookup
+# failed: the push's num_keys (without it, the failed call changed nothing).
+PUSHED_HEADER = "tierps-pushed"
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -206,12 +209,36 @@ def encode_batches_in_place(
     encode_batches' for those buffers, byte for byte. A push gathers its gradients
     straight into them: one copy, no join."""
     data, views = _in_place(_batches_pieces(batches))
+    return data, _per_batch(batches, views)
+
+
+def encode_push_then_lookup_in_place(
+    push: list[tuple[str, int, int, tuple[Unfilled, ...]]],
+    lookup: list[tuple[str, int, int, tuple[Buffer, ...]]],
+) -> tuple[bytes, list[list[np.ndarray]]]:
+    """A PushThenLookupRequest (field 1: the push's PushGradientsBatches, field 2: the
+    lookup's LookupBatches), its push's bulk fields left for the caller to fill, as
+    encode_batches_in_place leaves them: (the message's bytes, per push batch a writable
+    uint8 view of each bulk field of positive size). The lookup's keys are copied in here.
+    Both fields are written even when empty, as protobuf writes a submessage that is set."""
+    push_pieces, lookup_pieces = _batches_pieces(push), _batches_pieces(lookup)
+    data, views = _in_place(
+        [_length_field(1, _nbytes(push_pieces)), *push_pieces,
+         _length_field(2, _nbytes(lookup_pieces)), *lookup_pieces]
+    )  # fmt: skip
+    return data, _per_batch(push, views)
+
+
+def _per_batch(
+    batches: list[tuple[str, int, int, tuple[Buffer | Unfilled, ...]]], views: list[np.ndarray]
+) -> list[list[np.ndarray]]:
+    """The views of _in_place's unfilled pieces, grouped by the batch they belong to."""
     fields, start = [], 0
     for _, _, _, bulk in batches:
-        count = sum(1 for size in bulk if size)
+        count = sum(1 for piece in bulk if isinstance(piece, int) and piece)
         fields.append(views[start : start + count])
         start += count
-    return data, fields
+    return fields
 
 
 def _in_place(pieces: list[Buffer | Unfilled]) -> tuple[bytes, list[np.ndarray]]:
@@ -235,19 +262,22 @@ def _in_place(pieces: list[Buffer | Unfilled]) -> tuple[bytes, list[np.ndarray]]
     return data, views
 
 
-def lookup_reply(shapes: list[tuple[int, int]]) -> tuple[bytes, list[np.ndarray]]:
+def lookup_reply(
+    shapes: list[tuple[int, int]], num_keys: int = 0
+) -> tuple[bytes, list[np.ndarray]]:
     """A serialized LookupResponse of rows of these shapes ([n, dim] each, one per batch),
     built in place: (its bytes, a writable float32 view [n, dim] of each batch's part of
     `values`). Its header and num_rows are written here; the rows are left for the caller
     to write into the views (the storage lookup does, with out=) before it sends the bytes.
     Once written, the bytes are protobuf's LookupResponse(values=the rows joined,
-    num_rows=their count), byte for byte.
+    num_rows=their count), byte for byte; with num_keys, a PushThenLookupResponse's (its
+    num_keys field 3 after LookupResponse's two).
 
     A view of a reply of 2**21 bytes or more is not 4-byte aligned (values' tag and
     length take 5 bytes there): numpy and the compiled host kernels read and write such
     arrays correctly, as x86-64 and AArch64 allow unaligned float loads and stores."""
     size = sum(4 * n * dim for n, dim in shapes)
-    tail = _scalar_field(2, sum(n for n, _ in shapes))
+    tail = _scalar_field(2, sum(n for n, _ in shapes)) + _scalar_field(3, num_keys)
     data, values = _in_place([*_bytes_field(1, size), tail])
     memory = values[0] if values else np.empty(0, np.uint8)
     views, at = [], 0
@@ -399,11 +429,58 @@ def decode_push_batches(data: bytes) -> WireBatches:
     return WireBatches(data, _PUSH_FIELDS)
 
 
+class WirePushThenLookup:
+    """A PushThenLookupRequest decoded by hand: `push` and `lookup` are the WireBatches of
+    its two fields (a field given more than once is merged, as protobuf merges a repeated
+    submessage: its batches joined). Bytes that are not the message are raised when either
+    one's batches are read."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        parts: dict[int, list[memoryview]] = {1: [], 2: []}
+        error: WireError | None = None
+        try:
+            view = memoryview(data)
+            for number, wire_type, value in _fields(view, 0, len(view)):
+                if number in parts and wire_type == _LENGTH:
+                    parts[number].append(value)
+        except WireError as failed:
+            error = WireError(f"a one-message call's bytes do not decode: {failed}")
+        self.push = _joined_batches(parts[1], _PUSH_FIELDS, error)
+        self.lookup = _joined_batches(parts[2], _LOOKUP_FIELDS, error)
+
+
+def _joined_batches(
+    views: list[memoryview],
+    fields: dict[tuple[int, int], Callable[..., None]],
+    error: WireError | None,
+) -> WireBatches:
+    joined = WireBatches(b"", fields)
+    batches = [WireBatches(view, fields) for view in views]
+    failed = error or next((b._batches for b in batches if isinstance(b._batches, WireError)), None)
+    joined._batches = failed or [batch for part in batches for batch in part.batches]
+    return joined
+
+
+def decode_push_then_lookup(data: bytes) -> WirePushThenLookup:
+    """A PushThenLookupRequest's push and lookup batches (a gRPC request deserializer)."""
+    return WirePushThenLookup(data)
+
+
 def lookup_reply_values(data: bytes) -> memoryview:
     """The values of a serialized LookupResponse: a view of `data`, not a copy."""
+    return push_then_lookup_reply(data)[0]
+
+
+def push_then_lookup_reply(data: bytes) -> tuple[memoryview, int]:
+    """(values, num_keys) of a serialized PushThenLookupResponse (or LookupResponse, whose
+    num_keys reads 0): values a view of `data`, not a copy."""
     view = memoryview(data)
-    values = view[:0]
+    values, num_keys = view[:0], 0
     for number, wire_type, value in _fields(view, 0, len(view)):
+        # a repeated singular field: the last one counts, as in protobuf
         if (number, wire_type) == (1, _LENGTH):
-            values = value  # a repeated singular field: the last one counts, as in protobuf
-    return values
+            values = value
+        elif (number, wire_type) == (3, _VARINT):
+            num_keys = value
+    return values, num_keys

@@ -45,6 +45,7 @@ LOOKUPS = frozenset({_DATA + "Lookup", _DATA + "LookupUnary"})
 ROLE_METHODS: dict[str, frozenset[str]] = {
     "trainer": frozenset(
         {*LOOKUPS, _DATA + "PushGradients", _DATA + "PushGradientsUnary", _DATA + "Assign"}
+        | {_DATA + "PushThenLookup"}  # a push and a lookup: a trainer's rights, not a reader's
         | {_ADMIN + m for m in ("ListTables", "DescribeTable", "Stats")}
     ),
     "reader": frozenset({*LOOKUPS, _ADMIN + "ListTables"}),

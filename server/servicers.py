@@ -174,7 +174,7 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
             )  # fmt: skip
         return batches
 
-    def _push(self, messages: Iterable[pb.PushGradientsRequest]) -> pb.PushGradientsResponse:
+    def _push_batches(self, messages: Iterable[pb.PushGradientsRequest]) -> list[PushBatch]:
         batches = []
         for first, bulk in table_batches(
             messages, ("table", "dim", "step"), ("keys", "grads"), self.max_batch_bytes
@@ -182,7 +182,12 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
             keys = decode_keys(bulk["keys"], first.table)
             grads = decode_rows(bulk["grads"], "grads", first.table, keys.size, first.dim)
             batches.append(PushBatch(first.table, first.dim, keys, grads, first.step))
-        return pb.PushGradientsResponse(num_keys=self.shard.push_gradients(batches))
+        return batches
+
+    def _push(self, messages: Iterable[pb.PushGradientsRequest]) -> pb.PushGradientsResponse:
+        return pb.PushGradientsResponse(
+            num_keys=self.shard.push_gradients(self._push_batches(messages))
+        )
 
     @rpc
     def Lookup(self, requests: Iterator[pb.LookupRequest], context: Any) -> Iterator:
@@ -212,6 +217,33 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
         return self._push(_one_message(request))
 
     @rpc
+    def PushThenLookup(self, request: Any, context: Any) -> Any:
+        """The serialized PushThenLookupResponse (registered without a serializer): the push
+        applied as PushGradientsUnary's, then the lookup served as LookupUnary's, its rows
+        written straight into the reply's bytes. A failure after the push was applied says
+        so in trailing metadata (wire.PUSHED_HEADER: the push's num_keys)."""
+        pushes = self._push_batches(_one_message(request.push))
+        limit = min(self.max_batch_bytes, self.max_reply_message)
+        lookups = self._lookup_batches(_one_message(request.lookup), limit)
+        shapes = [(batch.keys.size, batch.dim) for batch in lookups]
+        built: list[bytes] = []
+        pushed: list[int] = []
+
+        def reply_rows(num_keys: int) -> list[np.ndarray]:
+            pushed.append(num_keys)
+            reply, rows = wire.lookup_reply(shapes, num_keys)
+            built.append(reply)
+            return rows
+
+        try:
+            self.shard.push_then_lookup(pushes, lookups, reply_rows)
+        except Exception:
+            if pushed:
+                context.set_trailing_metadata(((wire.PUSHED_HEADER, str(pushed[0])),))
+            raise
+        return built[0]
+
+    @rpc
     def Assign(self, requests: Iterator[pb.AssignRequest], context: Any) -> Any:
         batches = []
         for first, bulk in table_batches(
@@ -226,7 +258,8 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
 def add_embedding_service(servicer: EmbeddingServicer, server: grpc.Server) -> None:
     """Register the data service on a gRPC server, as the generated
     add_EmbeddingServiceServicer_to_server does, but with the one-message calls decoded by
-    hand and LookupUnary's reply sent as the bytes the servicer built."""
+    hand and the replies of LookupUnary and PushThenLookup sent as the bytes the servicer
+    built."""
     messages = {
         "Lookup": grpc.stream_stream_rpc_method_handler(
             servicer.Lookup,
@@ -250,6 +283,9 @@ def add_embedding_service(servicer: EmbeddingServicer, server: grpc.Server) -> N
             servicer.PushGradientsUnary,
             request_deserializer=wire.decode_push_batches,
             response_serializer=pb.PushGradientsResponse.SerializeToString,
+        ),
+        "PushThenLookup": grpc.unary_unary_rpc_method_handler(
+            servicer.PushThenLookup, request_deserializer=wire.decode_push_then_lookup
         ),
     }
     service = pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name

@@ -317,32 +317,72 @@ class Shard:
         """Weights of each batch's keys; every batch is checked before any is looked up.
         out: an array [n, dim] per batch to write them into (EmbeddingTable.lookup's out),
         such as views of the reply's bytes; else new arrays."""
-        outs = [None] * len(batches) if out is None else list(out)
         with self._gate.shared():
-            targets = [self._checked(batch.table, batch.dim, batch.keys) for batch in batches]
-            for target, batch in zip(targets, batches, strict=True):
-                target.check_key_range(np.asarray(batch.keys, dtype=np.int64))
-            rows = self._each_table(
-                lambda item: item[0].lookup(item[1].keys, create=item[1].create, out=item[2]),
-                list(zip(targets, batches, outs, strict=True)),
-            )
+            targets = self._checked_lookup(batches)
+            rows = self._serve_lookup(targets, batches, out)
         self._count_keys(batches, 0)
         return rows
+
+    def _checked_lookup(self, batches: list[LookupBatch]) -> list[EmbeddingTable]:
+        """Each lookup batch's table, every batch checked (dim, shard, key range)."""
+        targets = [self._checked(batch.table, batch.dim, batch.keys) for batch in batches]
+        for target, batch in zip(targets, batches, strict=True):
+            target.check_key_range(np.asarray(batch.keys, dtype=np.int64))
+        return targets
+
+    def _serve_lookup(
+        self,
+        targets: list[EmbeddingTable],
+        batches: list[LookupBatch],
+        out: Sequence[np.ndarray] | None,
+    ) -> list[np.ndarray]:
+        outs = [None] * len(batches) if out is None else list(out)
+        return self._each_table(
+            lambda item: item[0].lookup(item[1].keys, create=item[1].create, out=item[2]),
+            list(zip(targets, batches, outs, strict=True)),
+        )
 
     def push_gradients(self, batches: list[PushBatch]) -> int:
         """Apply each table's gradients; every batch (its gradients and step included) is
         checked before any is applied. Returns the distinct keys updated, over all batches."""
         with self._gate.shared():
-            checked = []
-            for batch in batches:
-                target = self._checked(batch.table, batch.dim, batch.keys)
-                arguments = target.check_gradients(batch.keys, batch.grads, batch.step)
-                checked.append((target, *arguments))
-            updated = sum(
-                self._each_table(lambda item: item[0].apply_checked_gradients(*item[1:]), checked)
-            )
+            updated = self._apply_push(self._checked_push(batches))
         self._count_keys(batches, 1)
         return updated
+
+    def _checked_push(self, batches: list[PushBatch]) -> list[tuple[Any, ...]]:
+        """Each push batch's table and its checked arguments, every batch checked (its
+        gradients and step included)."""
+        checked = []
+        for batch in batches:
+            target = self._checked(batch.table, batch.dim, batch.keys)
+            checked.append((target, *target.check_gradients(batch.keys, batch.grads, batch.step)))
+        return checked
+
+    def _apply_push(self, checked: list[tuple[Any, ...]]) -> int:
+        return sum(
+            self._each_table(lambda item: item[0].apply_checked_gradients(*item[1:]), checked)
+        )
+
+    def push_then_lookup(
+        self,
+        pushes: list[PushBatch],
+        lookups: list[LookupBatch],
+        out: Callable[[int], Sequence[np.ndarray] | None] = lambda _: None,
+    ) -> tuple[int, list[np.ndarray]]:
+        """A push, then a lookup that sees it: every batch of both is checked before the
+        push is applied (a refused call changes nothing); then the lookup is served, into
+        out(the push's distinct keys updated) when that gives arrays. Returns (the push's
+        distinct keys updated, the rows). A failure after the push was applied (the lookup's
+        storage) is raised as it is: the push stays applied."""
+        with self._gate.shared():
+            checked = self._checked_push(pushes)
+            targets = self._checked_lookup(lookups)
+            updated = self._apply_push(checked)
+            self._count_keys(pushes, 1)
+            rows = self._serve_lookup(targets, lookups, out(updated))
+        self._count_keys(lookups, 0)
+        return updated, rows
 
     def _count_keys(self, batches: Sequence[LookupBatch | PushBatch], kind: int) -> None:
         """Count the batches' keys per table (kind 0: looked up, 1: pushed), once a call

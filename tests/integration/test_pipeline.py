@@ -110,15 +110,20 @@ def tierps_schedule(
     the final rows, and the lookup calls the shards answered."""
     module = tierps_torch.EmbeddingBagCollection(client, FEATURES, staleness=staleness)
     batches = [{name: KEYS[rows[name]] for name in rows} for rows, _ in steps]
-    lookups = sum(rpc_count(server, "Lookup") for server in servers)
+    lookups = sum(lookups_served(server) for server in servers)
     outputs = []
     with module:
         for batch, (_, targets) in zip(module.pipeline(batches), steps, strict=True):
             out = module(batch)
             outputs.append({name: value.detach().numpy().copy() for name, value in out.items()})
             loss_of(out, targets).backward()  # staleness 1: the push runs in the background
-    lookups = sum(rpc_count(server, "Lookup") for server in servers) - lookups
+    lookups = sum(lookups_served(server) for server in servers) - lookups
     return outputs, client.lookup("t", KEYS, create=False), lookups
+
+
+def lookups_served(server: ShardServer) -> int:
+    """Lookups the shard answered: alone, or after a push in one PushThenLookup call."""
+    return rpc_count(server, "Lookup") + rpc_count(server, "PushThenLookup")
 
 
 def assert_schedules_agree(

@@ -150,6 +150,17 @@ def _data(channel: grpc.Channel, md: Any, method: str) -> Any:
     return push(wire.encode_batches(batches), metadata=md, timeout=5)
 
 
+def _push_then_lookup(channel: grpc.Channel, md: Any) -> Any:
+    keys = np.arange(3, dtype="<i8")
+    push = [("t", DIM, 1, (3 * 8, 3 * 4 * DIM))]  # zero gradients: filled as zeros below
+    request, fields = wire.encode_push_then_lookup_in_place(push, [("t", DIM, 0, (keys,))])
+    for view in fields[0]:
+        view[...] = 0
+    fields[0][0].view("<i8")[...] = keys
+    call = channel.unary_unary("/tierps.v1.EmbeddingService/PushThenLookup")
+    return call(request, metadata=md, timeout=5)
+
+
 def _reflection(channel: grpc.Channel, md: Any) -> Any:
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
     request = reflection_pb2.ServerReflectionRequest(list_services="")
@@ -165,6 +176,7 @@ CALLS: dict[str, tuple[Callable[[grpc.Channel, Any], Any], set[str]]] = {
     "PushGradients": (lambda c, md: _data(c, md, "PushGradients"), {"trainer"}),
     "PushGradientsUnary": (lambda c, md: _data(c, md, "PushGradientsUnary"), {"trainer"}),
     "Assign": (lambda c, md: _data(c, md, "Assign"), {"trainer"}),
+    "PushThenLookup": (_push_then_lookup, {"trainer"}),  # a push's rights and a lookup's
     "ListTables": (_admin("ListTables", pb.ListTablesRequest()), {"trainer", "reader"}),
     "DescribeTable": (_admin("DescribeTable", pb.DescribeTableRequest(table="t")), {"trainer"}),
     "Stats": (_admin("Stats", pb.StatsRequest()), {"trainer"}),

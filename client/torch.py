@@ -20,7 +20,12 @@ at once. `staleness` says what that lookup may miss:
 - 1: the lookup of step t + 1 starts before step t's push is applied, so it misses that one
   update of the keys both batches share (it sees every earlier push); backward hands its
   push to the background thread and returns at once. Pushes run in order; a failed one is
-  raised by the module's next call (forward, prefetch, flush, close), once.
+  raised by the module's next call (forward, prefetch, flush, close), once. Under
+  pipeline(), the push of a batch on the host waits in the module for the prefetch that
+  pipeline() makes next, and the two go as one call per shard (PushThenLookup: the shard
+  applies the push, then serves the lookup), so a step costs one RPC per shard, not two;
+  the order is the same, and so is every row. Any other call of the module sends a waiting
+  push first, alone.
 
 The work is split where the GIL is: for a batch on the host, the trainer's thread prepares
 each prefetched lookup (checks, dedup, pooling layout) and computes each push's per-key
@@ -75,9 +80,6 @@ from tierps.client.pooling import Combiner
 if TYPE_CHECKING:
     from tierps.client.distributed import TrainerGroup
 
-import os  # noqa: E402  (A/B prototype knob)
-
-FUSE = os.environ.get("TIERPS_FUSE", "1") == "1"
 MAX_PREFETCHED = 4  # prefetched batches kept for their forward; older ones are dropped
 STALENESS = (0, 1)  # the schedules a module offers (see the module docstring)
 
@@ -489,7 +491,7 @@ class EmbeddingBagCollection(nn.Module):
             self._send_held()
             raise
         entry = _Prefetch(key, prepared, create, None, _current_stream())
-        if held is not None and isinstance(prepared, _PreparedHost) and FUSE:
+        if held is not None and isinstance(prepared, _PreparedHost):
             entry.pushes = self._pushes  # the held push is counted: the lookup sees it
             entry.future = self._submit(self._push_then_fetch, held, entry)
             self._last_push = entry.future

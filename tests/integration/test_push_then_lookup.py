@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
+from tests.fault_fs import fill, small_tmpfs
 from tests.integration.test_client import assert_same_state, state
 from tests.integration.test_client_wire import (
     blobs,
@@ -26,7 +28,7 @@ from tests.integration.test_client_wire import (
     quarter_grads,
     sgd_table,
 )
-from tierps.client import EmbeddingClient, Feature, ShardError, TableConfig, optim
+from tierps.client import EmbeddingClient, Feature, ShardError, TableConfig, init, optim
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import wire
 from tierps.server.daemon import ShardServer
@@ -410,3 +412,43 @@ def test_a_shard_that_does_not_know_the_call_gets_separate_calls(
     assert calls(server, "PushThenLookup") == 0
     assert calls(server, "PushGradientsUnary") == 4  # each step's push, once
     np.testing.assert_array_equal(separate, fused)
+
+
+def test_a_lookup_failing_after_its_push_keeps_the_push_and_says_so(
+    tmp_path: Path, shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """A real full disk (a small tmpfs): the fused call's push of resident rows is applied,
+    then its lookup of many new keys needs RocksDB to take the host tier's evictions, and
+    fails. The shard says the push is in (trailing metadata): the client raises the
+    lookup's error, not PushNotApplied, and the push stays applied, once (SGD lr 1 from
+    zeros, gradients -1: a row's weight counts the pushes applied to it)."""
+    dim = 64
+    resident = np.arange(50, dtype=np.int64)
+    minus_one = -np.ones((resident.size, dim), np.float32)
+    new = np.arange(1_000, 21_000, dtype=np.int64)  # 5 MB of rows: one call
+    with small_tmpfs(tmp_path / "fs", megabytes=30) as fs:
+        server = shard_server(data_dir=fs / "shard", flush_interval_s=3600.0)
+        try:
+            client = make_client([server])
+            client.create_table(
+                TableConfig(
+                    "t",
+                    dim,
+                    initializer=init.Zeros(),
+                    optimizer=optim.SGD(lr=1.0),
+                    host_cache_bytes=64 << 10,
+                )  # fmt: skip
+            )
+            client.push_gradients("t", resident, minus_one)
+            filler = fill(fs, leave_bytes=64 << 10)
+            with pytest.raises(ShardError, match="No space left") as raised:
+                client._push_then_lookup(
+                    {"t": (resident, minus_one)}, None, {"t": (dim, new)}, True
+                )
+            assert calls(server, "PushThenLookup", raised.value.code.name) == 1
+            filler.unlink()
+            rows = client.lookup("t", resident, create=False)
+            np.testing.assert_array_equal(rows, np.full_like(rows, 2.0))  # 2 pushes, once each
+        finally:
+            (fs / "filler").unlink(missing_ok=True)
+            server.stop()  # while its disk is mounted

@@ -3,7 +3,8 @@ shards on port 0. Its bytes are protobuf's (encoded and decoded by hand in
 tierps.proto.wire); a shard applies the push and then serves the lookup, or, refusing
 either, changes nothing; a staleness-1 pipeline sends each step's push with the next
 prefetch's lookup and trains bit for bit as with separate calls; calls too large for one
-message, or to a shard that does not know the call, go as separate calls."""
+message, or to a shard that does not know the call, go as separate calls; a lookup that
+fails after its push (a real full disk) leaves the push applied, and the client knows."""
 
 from __future__ import annotations
 

@@ -446,6 +446,44 @@ class HashTable:
         )  # fmt: skip
         return ids, hits
 
+    def train_rows(
+        self,
+        keys: np.ndarray,
+        arena: np.ndarray,
+        dirty: np.ndarray,
+        grads: np.ndarray,
+        optimizer: tuple[int, np.ndarray],
+        backup: np.ndarray,
+        stamp: np.ndarray | None,
+        row_width: int,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Train the rows of the (unique) keys held here in place, in one compiled pass
+        over the index and the rows (numpy, host kernels only; host_kernels.k_train_keys):
+        each hit touched as `touch` (the LRU clock moved one tick, a call), its row updated
+        by `optimizer` ((kind, hyper-parameters): host_kernels.optimizer_kind) with grads[i]
+        - its values checked finite before they are written, its first backup.shape[1]
+        floats saved in backup (at least as many rows as hits), `stamp` written after
+        row_width, its dirty flag set. Returns (positions in keys of the hits, their row
+        ids, their saved dirty flags, bad): bad -1, or the index in keys of the first key
+        whose update went non-finite; then no row or flag has changed (the touches stay)."""
+        keys = _kernels._int64(np, keys)
+        lfu = self.eviction is not Eviction.LRU
+        if not lfu:
+            self._tick += 1
+        n = keys.shape[0]
+        positions = np.empty(n, dtype=np.int64)
+        rows = np.empty(n, dtype=np.int64)
+        was_dirty = np.empty(backup.shape[0], dtype=bool)
+        kind, hyper = optimizer
+        has_stamp = stamp is not None
+        hits, bad = host_kernels.k_train_keys(
+            self._keys, self.values, self._scores, self._mask, keys, self._tick, lfu, kind,
+            arena, grads, hyper, host_kernels.optimizer_slots(kind), backup, was_dirty,
+            positions, rows, stamp if has_stamp else np.empty(0, np.float32), has_stamp,
+            row_width, dirty,
+        )  # fmt: skip
+        return positions[:hits], rows[:hits], was_dirty[:hits], int(bad)
+
     def _lookup(
         self,
         keys: np.ndarray,

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tierps.storage import EmbeddingStore, TableConfig, host_kernels, init, optim
+from tierps.storage.codec import step_bits
 from tierps.storage.errors import InvalidArgumentError
 from tierps.storage.tiers import CacheTier, Spill
 
@@ -172,6 +173,110 @@ def test_train_in_place_matches_apply(optimizer: optim.Optimizer) -> None:
     assert got[2].all() and want[2].all()
     rest = np.setdiff1d(keys, push)
     np.testing.assert_array_equal(compiled.find(rest)[1], stored[np.isin(keys, rest)])
+
+
+def _two_step_train(tier: CacheTier, keys: np.ndarray, grads: np.ndarray, step: int) -> tuple:
+    """The resident push as two compiled passes (the path k_train_keys fuses): the index
+    walk with its touch (HashTable.resident_ids), then k_train over the hits' row ids,
+    stamped with `step`. Returns (hit, the refused rows or None, what undoes it)."""
+    ids, hits = tier.index.resident_ids(keys)
+    tier.hits += hits
+    hit = np.flatnonzero(ids >= 0)
+    ids = ids[hit]
+    kind, hyper = host_kernels.optimizer_kind(tier.config.optimizer, step)
+    width, slots = tier.config.row_width, host_kernels.optimizer_slots(kind)
+    stamp = step_bits(step)
+    backup, was_dirty = np.empty((ids.size, tier.width), np.float32), np.empty(ids.size, bool)
+    args = (kind, tier.arena, ids, np.ascontiguousarray(grads[hit]), hyper, slots, True, backup)
+    if host_kernels.k_train(*args, was_dirty, stamp, True, width, tier.dirty) < 0:
+        return hit, None, (ids, backup, was_dirty)
+    trained = np.take(tier.arena, ids, axis=0)
+    host_kernels.k_train(
+        kind, trained, np.arange(ids.size), np.ascontiguousarray(grads[hit]), hyper, slots,
+        False, backup, was_dirty, stamp, False, width, np.empty(ids.size, bool),
+    )  # fmt: skip
+    return hit, trained[:, :width], None
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "eviction"),
+    [(optim.Adam(lr=0.01), "lru"), (optim.Adam(lr=0.01), "lfu"), (optim.SGD(lr=0.1), "lru")],
+    ids=["adam-lru", "adam-lfu", "sgd-lru"],
+)
+def test_fused_train_is_the_two_step_walk_bit_for_bit(
+    optimizer: optim.Optimizer, eviction: str
+) -> None:
+    """train_resident's one pass (probe, touch, train) against the index walk followed by
+    k_train, on pushes mixing resident and unknown keys: the same hits, rows, stamps,
+    dirty flags, eviction scores and hit counts, bit for bit; a push refused mid-batch
+    (Adam's v from a 1e20 gradient overflows) changes no row or flag in either, touches
+    alike, and names the same trained rows; a partial push's undo puts rows back. The
+    numpy reference tier agrees on hits, flags and scores, and its rows lie within the
+    derived float64 bound of the update."""
+    from tests.unit.test_kernels import _float64_step, assert_within
+
+    rng = np.random.default_rng(11)
+    dim = 8
+    config = TableConfig("t", dim, optimizer=optimizer, eviction=eviction, steps_to_live=10)
+    keys = rng.choice(10**12, 400, replace=False).astype(np.int64)
+    rows = config.initial_rows(keys)
+    rows[:, :dim] = rng.standard_normal((400, dim), dtype=np.float32)
+    stored = np.concatenate([rows, np.zeros((400, 2), np.float32)], axis=1)
+    fused, reference = _tiers(config, keys, stored)
+    two_step = _tiers(config, keys, stored)[0]
+    unknown = rng.choice(10**12, 60).astype(np.int64) + 10**12  # never stored
+    push = rng.permutation(np.concatenate([rng.choice(keys, 250, replace=False), unknown]))
+    width = config.row_width
+
+    def state(tier: CacheTier) -> tuple:
+        return (
+            tier.arena[: tier.rows].view(np.uint32).copy(), tier.dirty.copy(),
+            tier.index._scores.copy(), tier.index._tick, tier.hits, tier.misses,
+        )  # fmt: skip
+
+    spoiled = np.flatnonzero(np.isin(push, keys))[120]  # a resident key mid-batch
+    for step, bad in ((1, None), (2, spoiled), (3, None)):
+        grads = rng.standard_normal((push.size, dim), dtype=np.float32)
+        if bad is not None and isinstance(optimizer, optim.Adam):
+            grads[bad, 3] = 1e20
+        before = state(fused)
+        rows_before = reference.find(push)[1]  # the hits' rows; each tier counts alike
+        fused.find(push), two_step.find(push)
+        hit, undo, refused = fused.train_resident(push, grads, step, step)
+        want_hit, want_refused, _ = _two_step_train(two_step, push, grads, step)
+        r_hit, r_undo, r_refused = reference.train_resident(push, grads, step, step)
+        np.testing.assert_array_equal(hit, want_hit)
+        np.testing.assert_array_equal(hit, r_hit)
+        for got, want in zip(state(fused), state(two_step), strict=True):
+            np.testing.assert_array_equal(got, want)
+        scores = [t.index._scores[t.index.find(keys)] for t in (fused, reference)]
+        np.testing.assert_array_equal(*scores)  # each key's (their slots differ)
+        np.testing.assert_array_equal(fused.dirty, reference.dirty)
+        assert fused.hits == reference.hits
+        if bad is not None and isinstance(optimizer, optim.Adam):
+            assert undo is None and r_undo is None and r_refused is not None
+            np.testing.assert_array_equal(refused.view(np.uint32), want_refused.view(np.uint32))
+            assert np.flatnonzero(~np.isfinite(refused).all(axis=1)).tolist() == [
+                int(np.searchsorted(hit, bad))
+            ]
+            for got, was in zip(state(fused)[:2], before[:2], strict=True):
+                np.testing.assert_array_equal(got, was)  # no row, stamp or flag changed
+            continue
+        assert refused is None and want_refused is None and r_refused is None
+        expected = _float64_step(optimizer, rows_before[:, :width], grads[hit], step)
+        found = fused.find(push[hit])[1], reference.find(push[hit])[1]
+        two_step.find(push[hit])
+        assert_within("fused", found[0][:, :width], expected)
+        assert_within("numpy", found[1][:, :width], expected)
+        np.testing.assert_array_equal(found[0][:, width:], found[1][:, width:])  # stamps
+    assert undo is not None  # unknown keys: the cascade stores them next, or undoes this
+    trained = state(fused)
+    undo()
+    undone = state(fused)
+    assert not np.array_equal(trained[0], undone[0])
+    r_undo()
+    np.testing.assert_array_equal(undone[0], reference.arena[: reference.rows].view(np.uint32))
+    np.testing.assert_array_equal(undone[1], reference.dirty)
 
 
 def test_refused_train_changes_nothing_and_undo_puts_rows_back() -> None:

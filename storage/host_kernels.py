@@ -55,18 +55,13 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _cache_warned = False
 
 
-def jit_kernel(fn: Callable | None = None, *, inline: bool = False) -> Callable:
+def jit_kernel(fn: Callable) -> Callable:
     """njit(nogil=True, cache=True), or without the disk cache where numba finds no
     writable place for it (warned once). error_model="numpy": a float division by zero
     gives inf or NaN as in numpy (the finiteness check refuses it) instead of a per-element
-    zero test that keeps LLVM from vectorising the loops. inline=True (as
-    `@jit_kernel(inline=True)`): a helper numba inlines into each kernel calling it, for
-    one called per row (a call passing arrays costs their reference counts and keeps
-    LLVM from optimising across it)."""
+    zero test that keeps LLVM from vectorising the loops."""
     global _cache_warned
-    if fn is None:
-        return lambda function: jit_kernel(function, inline=inline)
-    options = {"nogil": True, "error_model": "numpy", "inline": "always" if inline else "never"}
+    options = {"nogil": True, "error_model": "numpy"}
     try:
         return numba.njit(cache=True, **options)(fn)
     except RuntimeError as error:  # "cannot cache function ...: no locator available"

@@ -477,13 +477,13 @@ class CacheTier(Tier):
         kind: int,
         hyper: np.ndarray,
     ) -> tuple[np.ndarray, Callable[[], None] | None, np.ndarray | None]:
-        """train_resident on the host in one compiled pass over the index and the rows
-        (HashTable.train_rows): each key probed, each hit touched and its row trained, its
-        new values checked finite before they are written, and only the values the update
-        touches (row_width floats per row, the step slots) saved, so a non-finite one puts
-        the rows written before it back. When every key is here nothing can fail after the
-        pass (the cascade has no other keys to store), so no undo is returned; else the
-        saved values and dirty flags make the undo."""
+        """train_resident on the host by compiled passes (HashTable.train_rows: narrow rows
+        trained in the index walk, wide ones after it): each key probed, each hit touched
+        and its row trained, its new values checked finite before they are written, and
+        only the values the update touches (row_width floats per row, the step slots)
+        saved, so a non-finite one puts the rows written before it back. When every key
+        is here nothing can fail after the pass (the cascade has no other keys to store),
+        so no undo is returned; else the saved values and dirty flags make the undo."""
         grads = np.ascontiguousarray(grads, np.float32)
         width = self.config.row_width
         stamp_bits = step_bits(stamp) if stamp is not None else None

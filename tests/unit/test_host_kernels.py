@@ -17,6 +17,7 @@ import pytest
 from tierps.storage import EmbeddingStore, TableConfig, host_kernels, init, optim
 from tierps.storage.codec import step_bits
 from tierps.storage.errors import InvalidArgumentError
+from tierps.storage.hash_table import FUSED_ROW_BYTES
 from tierps.storage.tiers import CacheTier, Spill
 
 pytestmark = pytest.mark.skipif(
@@ -199,15 +200,21 @@ def _two_step_train(tier: CacheTier, keys: np.ndarray, grads: np.ndarray, step: 
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "eviction"),
-    [(optim.Adam(lr=0.01), "lru"), (optim.Adam(lr=0.01), "lfu"), (optim.SGD(lr=0.1), "lru")],
-    ids=["adam-lru", "adam-lfu", "sgd-lru"],
+    ("optimizer", "eviction", "dim"),
+    [
+        (optim.Adam(lr=0.01), "lru", 8),
+        (optim.Adam(lr=0.01), "lfu", 8),
+        (optim.SGD(lr=0.1), "lru", 8),
+        (optim.Adam(lr=0.01), "lru", 16),  # rows wider than FUSED_ROW_BYTES: two passes
+    ],
+    ids=["adam-lru", "adam-lfu", "sgd-lru", "adam-wide"],
 )
 def test_fused_train_is_the_two_step_walk_bit_for_bit(
-    optimizer: optim.Optimizer, eviction: str
+    optimizer: optim.Optimizer, eviction: str, dim: int
 ) -> None:
     """train_resident's one pass (probe, touch, train) against the index walk followed by
-    k_train, on pushes mixing resident and unknown keys: the same hits, rows, stamps,
+    k_train (what it runs for wide rows), on pushes mixing resident and unknown keys: the
+    same hits, rows, stamps,
     dirty flags, eviction scores and hit counts, bit for bit; a push refused mid-batch
     (Adam's v from a 1e20 gradient overflows) changes no row or flag in either, touches
     alike, and names the same trained rows; a partial push's undo puts rows back. The
@@ -216,8 +223,8 @@ def test_fused_train_is_the_two_step_walk_bit_for_bit(
     from tests.unit.test_kernels import _float64_step, assert_within
 
     rng = np.random.default_rng(11)
-    dim = 8
     config = TableConfig("t", dim, optimizer=optimizer, eviction=eviction, steps_to_live=10)
+    assert (config.stored_bytes <= FUSED_ROW_BYTES) is (dim == 8)
     keys = rng.choice(10**12, 400, replace=False).astype(np.int64)
     rows = config.initial_rows(keys)
     rows[:, :dim] = rng.standard_normal((400, dim), dtype=np.float32)

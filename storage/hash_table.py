@@ -41,7 +41,6 @@ TOMBSTONE = EMPTY + 1  # a slot whose key was erased: probing continues past it
 _MIN_SLOTS = 16
 _NO_SLOTS = np.empty(0, dtype=np.int64)  # k_lookup's outputs a call does not ask for
 _NO_FLAGS = np.empty(0, dtype=bool)
-FUSED_ROW_BYTES = 128  # train_rows trains rows up to this wide in its index walk
 
 
 @dataclass
@@ -446,66 +445,6 @@ class HashTable:
             host_kernels.LOOKUP_ROW_IDS,
         )  # fmt: skip
         return ids, hits
-
-    def train_rows(
-        self,
-        keys: np.ndarray,
-        arena: np.ndarray,
-        dirty: np.ndarray,
-        grads: np.ndarray,
-        optimizer: tuple[int, np.ndarray],
-        backup: np.ndarray,
-        stamp: np.ndarray | None,
-        row_width: int,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """Train the rows of the (unique) keys held here in place (numpy, host kernels
-        only): each hit touched as `touch` (the LRU clock moved one tick, a call), its row
-        updated by `optimizer` ((kind, hyper-parameters): host_kernels.optimizer_kind) with
-        grads[i] - its values checked finite before they are written, its first
-        backup.shape[1] floats saved in backup (at least as many rows as hits), `stamp`
-        written after row_width, its dirty flag set. Returns (positions in keys of the
-        hits, their row ids, their saved dirty flags, bad): bad -1, or the index in keys of
-        the first key whose update went non-finite; then no row or flag has changed (the
-        touches stay).
-
-        Rows of up to FUSED_ROW_BYTES are trained in the index walk itself (one pass,
-        host_kernels.k_train_keys: a row's one or two line fills overlap the next slots'),
-        wider ones after it (resident_ids, then k_train over the row ids: their dozen line
-        fills a row held up the walk's probes when interleaved, measured 15-17% slower at
-        384-768 bytes, 11% faster at 64). The same rows, scores and flags either way."""
-        keys = _kernels._int64(np, keys)
-        kind, hyper = optimizer
-        slots = host_kernels.optimizer_slots(kind)
-        has_stamp = stamp is not None
-        stamp = stamp if has_stamp else np.empty(0, np.float32)
-        n = keys.shape[0]
-        if arena.shape[1] * arena.itemsize > FUSED_ROW_BYTES:
-            ids, hits = self.resident_ids(keys)
-            if hits > backup.shape[0]:
-                raise ValueError(
-                    f"HashTable.train_rows: field 'keys' expected unique keys ({hits} hits, "
-                    f"{backup.shape[0]} rows held)"
-                )
-            positions = np.arange(n) if hits == n else np.flatnonzero(ids >= 0)
-            rows = ids if hits == n else ids[positions]
-            was_dirty = np.empty(hits, dtype=bool)
-            bad = host_kernels.k_train(
-                kind, arena, rows, grads if hits == n else grads[positions], hyper, slots, True,
-                backup[:hits], was_dirty, stamp, has_stamp, row_width, dirty,
-            )  # fmt: skip
-            return positions, rows, was_dirty, -1 if bad < 0 else int(positions[bad])
-        lfu = self.eviction is not Eviction.LRU
-        if not lfu:
-            self._tick += 1
-        positions = np.empty(n, dtype=np.int64)
-        rows = np.empty(n, dtype=np.int64)
-        was_dirty = np.empty(backup.shape[0], dtype=bool)
-        hits, bad = host_kernels.k_train_keys(
-            self._keys, self.values, self._scores, self._mask, keys, self._tick, lfu, kind,
-            arena, grads, hyper, slots, backup, was_dirty, positions, rows, stamp, has_stamp,
-            row_width, dirty,
-        )  # fmt: skip
-        return positions[:hits], rows[:hits], was_dirty[:hits], int(bad)
 
     def _lookup(
         self,

@@ -77,11 +77,14 @@ def jit_kernel(fn: Callable) -> Callable:
 
 
 AHEAD = 8  # rows (or slots) a kernel prefetches ahead: random rows cost memory latency
-TRAIN_AHEAD = 8  # rows the training passes prefetch ahead (12 cache lines each for Adam at dim 64)
+TRAIN_AHEAD = 8  # rows k_train prefetches ahead (12 cache lines each for Adam at dim 64)
 RING = 16  # k_lookup's ring of the slots in flight: a power of two > AHEAD
-TRAIN_RING = 32  # k_train_keys's: a power of two > TRAIN_AHEAD
 STREAM_BYTES = 4 << 20  # outputs this large are written by non-temporal stores (_streams)
 LINE = 64  # bytes of a cache line
+# k_train saves rows of this many bytes or more by non-temporal stores (where _streams):
+# measured on 65,536 random rows, faster at 768 bytes, alike at 256-384, 1.2-1.7x slower
+# at 64-192 (a line or a few a row, between random reads)
+TRAIN_STREAM_BYTES = 512
 
 
 def aligned_empty(rows: int, columns: int) -> np.ndarray:
@@ -546,100 +549,48 @@ if numba is not None:
                 new[dim + c] = n_new
 
     @jit_kernel
-    def _put_back(arena, rows, backup, was_dirty, dirty, count):
-        """Undo a training pass's first `count` rows: row rows[j] gets its saved values
-        backup[j] and its dirty flag was_dirty[j] back (a thread reads its own streamed
-        stores)."""
-        for j in range(count):
-            r = rows[j]
-            for c in range(backup.shape[1]):
-                arena[r, c] = backup[j, c]
-            dirty[r] = was_dirty[j]
-
-    @jit_kernel
-    def _train_pass(
-        table, values, scores, mask, keys, probe, tick, lfu, kind, arena, grads, p, size,
-        refuse, backup, was_dirty, positions, rows, stamp, has_stamp, row_width, dirty,
+    def k_train(
+        kind, arena, ids, grads, p, size, refuse, backup, was_dirty, stamp, has_stamp,
+        row_width, dirty,
     ):  # fmt: skip
-        """k_train and k_train_keys (see them): one optimizer step in place on the rows
-        of keys [n] (probe: keys looked up in the index, each hit touched; else row ids),
-        row by row. The j-th row trained (key i): its index i in positions[j] and row id
-        in rows[j] (probe only), its new values computed from grads[i] and with refuse
-        checked finite, its first backup.shape[1] floats saved in backup[j] (by
-        non-temporal stores when large: read again only to undo) and its dirty flag in
-        was_dirty[j]; then the new values, the stamp (has_stamp: arena[r, row_width:] =
-        stamp, the step slots) and the dirty flag written. A non-finite value stops the
-        training: the rows written before are put back, and a probing pass goes on
-        touching and listing the hits. Returns (hits, bad): bad -1, or the index i of
-        the key whose row went non-finite."""
-        # k_lookup's pipeline when probing: a key's slot is prefetched 2 * AHEAD keys
-        # before use, then probed TRAIN_AHEAD keys before, with its row prefetched for
-        # write; the slots of the keys in flight wait in a ring.
-        n = keys.shape[0]
-        dim = grads.shape[1]
+        """One optimizer step in place on rows arena[ids] (unique) with grads [n, dim];
+        size: weight and state slots. Row by row: the new values are computed, and with
+        refuse, checked to be finite; the row's first backup.shape[1] floats are saved
+        in backup[i] (by non-temporal stores when wide: it is read again only to undo)
+        and its dirty flag in was_dirty[i]; then the new values, the stamp (has_stamp:
+        arena[r, row_width:] = stamp, the step slots) and the dirty flag are written. A
+        row with a non-finite value stops the pass: the rows and flags written so far are
+        put back from backup and was_dirty and its index i returned, nothing changed.
+        Else -1."""
+        n, dim = grads.shape
         width = size * dim
         saved = backup.shape[1]
         new = np.empty(width, dtype=np.float32)
         new_bits = new.view(np.uint32)  # the finiteness test: an integer OR, vectorised
-        stream = _streams(backup, saved)
+        stream = saved * 4 >= TRAIN_STREAM_BYTES and _streams(backup, saved)
         arena_at, arena_stride = np.int64(arena.ctypes.data), arena.strides[0]
         backup_at, backup_stride = np.int64(backup.ctypes.data), backup.strides[0]
-        ring = np.empty(TRAIN_RING, dtype=np.int64)
-        hits = 0
-        bad = -1
-        trained = 0  # rows trained before a refusal
-        for i in range(-(TRAIN_AHEAD + AHEAD) if probe else 0, n):
-            if probe:
-                ahead = i + TRAIN_AHEAD + AHEAD
-                if ahead < n:
-                    home = _home(keys[ahead], mask)
-                    _prefetch(table, _at(table, home))
-                    _prefetch_for_write(scores, _at(scores, home))  # its line if not the key's
-                ahead = i + TRAIN_AHEAD
-                if 0 <= ahead < n:
-                    slot = _probe(table, mask, keys[ahead])
-                    ring[ahead & (TRAIN_RING - 1)] = slot
-                    if slot >= 0 and bad < 0:
-                        _prefetch_row_for_write(arena, values[slot])
-                if i < 0:
-                    continue
-                slot = ring[i & (TRAIN_RING - 1)]
-                if slot < 0:
-                    continue
-                if lfu:
-                    scores[slot] += 1
-                elif scores[slot] != tick:  # a write only when it changes: a line stays clean
-                    scores[slot] = tick
-                r = values[slot]
-                if hits == backup.shape[0]:  # more hits than rows held: keys not unique
-                    _put_back(arena, rows, backup, was_dirty, dirty, hits if bad < 0 else trained)
-                    raise ValueError("k_train_keys: field 'keys' expected unique keys")
-                positions[hits] = i
-                rows[hits] = r
-            else:
-                if i + TRAIN_AHEAD < n:
-                    _prefetch_row_for_write(arena, keys[i + TRAIN_AHEAD])
-                r = keys[i]
-            hits += 1
-            if bad >= 0:
-                continue
-            j = hits - 1
+        for i in range(n):
+            if i + TRAIN_AHEAD < n:
+                _prefetch_row_for_write(arena, ids[i + TRAIN_AHEAD])
+            r = ids[i]
             _update_row(kind, arena, r, grads, i, dim, p, new)
             if refuse:
                 carry = np.uint32(0)  # bit 31 set by a value whose exponent bits are all set
                 for c in range(width):
                     carry |= (new_bits[c] & _EXPONENT) + _EXPONENT_LOW_BIT
-                if carry & _CARRY:  # inf or NaN
-                    bad, trained = i, j
-                    if not probe:
-                        break
-                    continue
+                if carry & _CARRY:  # inf or NaN; a thread reads its own streamed stores
+                    for j in range(i):
+                        for c in range(saved):
+                            arena[ids[j], c] = backup[j, c]
+                        dirty[ids[j]] = was_dirty[j]
+                    return i
             if stream:
-                _stream_row(backup_at + j * backup_stride, arena_at + r * arena_stride, saved * 4)
+                _stream_row(backup_at + i * backup_stride, arena_at + r * arena_stride, saved * 4)
             else:
                 for c in range(saved):
-                    backup[j, c] = arena[r, c]
-            was_dirty[j] = dirty[r]
+                    backup[i, c] = arena[r, c]
+            was_dirty[i] = dirty[r]
             for c in range(width):
                 arena[r, c] = new[c]
             if has_stamp:
@@ -648,48 +599,7 @@ if numba is not None:
             dirty[r] = True
         if stream:
             _store_fence()
-        if bad >= 0:
-            _put_back(arena, rows if probe else keys, backup, was_dirty, dirty, trained)
-        return hits, bad
-
-    @jit_kernel
-    def k_train(
-        kind, arena, ids, grads, p, size, refuse, backup, was_dirty, stamp, has_stamp,
-        row_width, dirty,
-    ):  # fmt: skip
-        """One optimizer step in place on rows arena[ids] (unique) with grads [n, dim];
-        size: weight and state slots (_train_pass without the index). Row by row: the
-        new values are computed, and with refuse, checked to be finite; the row's first
-        backup.shape[1] floats are saved in backup[i] and its dirty flag in was_dirty[i];
-        then the new values, the stamp and the dirty flag are written. A row with a
-        non-finite value stops the pass: the rows and flags written so far are put back
-        and its index i returned, nothing changed. Else -1."""
-        nothing = np.empty(0, dtype=np.int64)
-        _, bad = _train_pass(
-            nothing, nothing, nothing, 0, ids, False, 0, False, kind, arena, grads, p, size,
-            refuse, backup, was_dirty, nothing, nothing, stamp, has_stamp, row_width, dirty,
-        )  # fmt: skip
-        return bad
-
-    @jit_kernel
-    def k_train_keys(
-        table, values, scores, mask, keys, tick, lfu, kind, arena, grads, p, size, backup,
-        was_dirty, positions, rows, stamp, has_stamp, row_width, dirty,
-    ):  # fmt: skip
-        """k_lookup's index walk and k_train's update in one pass over the (unique) keys
-        (_train_pass probing): each key is probed, each hit touched for eviction as
-        k_lookup touches it (LRU: score = tick; LFU: +1) and its row trained in place with
-        its gradient row as k_train trains it, refusing non-finite values. The j-th hit's
-        index in keys goes to positions[j], its row id to rows[j], its saved values to
-        backup[j] and its dirty flag to was_dirty[j] (the caller's undo). Returns (hits,
-        bad): bad -1, or the index in keys of the first key whose new values were not
-        finite; then the rows trained before it are put back, nothing changed, and the
-        keys after it are still probed, touched and listed (every hit touched and
-        counted, as when the walk ran before the update)."""
-        return _train_pass(
-            table, values, scores, mask, keys, True, tick, lfu, kind, arena, grads, p, size,
-            True, backup, was_dirty, positions, rows, stamp, has_stamp, row_width, dirty,
-        )  # fmt: skip
+        return -1
 
     @jit_kernel
     def k_uniform_rows(keys, stream, span, low, below_high, out, fills, dim):

@@ -477,42 +477,53 @@ class CacheTier(Tier):
         kind: int,
         hyper: np.ndarray,
     ) -> tuple[np.ndarray, Callable[[], None] | None, np.ndarray | None]:
-        """train_resident on the host by compiled passes (HashTable.train_rows: narrow rows
-        trained in the index walk, wide ones after it): each key probed, each hit touched
-        and its row trained, its new values checked finite before they are written, and
-        only the values the update touches (row_width floats per row, the step slots)
-        saved, so a non-finite one puts the rows written before it back. When every key
-        is here nothing can fail after the pass (the cascade has no other keys to store),
-        so no undo is returned; else the saved values and dirty flags make the undo."""
-        grads = np.ascontiguousarray(grads, np.float32)
+        """train_resident on the host in one compiled pass over the rows (host_kernels.
+        k_train): each row's new values are checked finite before they are written, and
+        only the values the update touches (row_width floats per row, the step slots) are
+        saved, so a non-finite one puts the rows written before it back. When every key is
+        here nothing can fail after the pass (the cascade has no other keys to store), so
+        no undo is returned; else the saved values and dirty flags make the undo."""
+        resident = self._touch_resident(keys)
+        if resident is None:
+            return np.empty(0, dtype=np.int64), None, None
+        hit, everything, ids = resident
+        resident_grads = np.ascontiguousarray(grads if everything else grads[hit], np.float32)
         width = self.config.row_width
-        stamp_bits = step_bits(stamp) if stamp is not None else None
+        size = host_kernels.optimizer_slots(kind)
+        stamp_bits = step_bits(stamp) if stamp is not None else np.empty(0, np.float32)
         touched = width if stamp is None else self.width  # the step slots too
         # the saved values go to this tier's scratch (kept: fresh pages every push would
-        # be zeroed by the kernel first), a row for each key that may be held here; the
-        # undo that reads it runs within this push
-        most = min(keys.size, self.index.size)
-        backup = self._scratch_rows(most, touched) if most else np.empty((0, touched), np.float32)
-        hit, ids, was_dirty, bad = self.index.train_rows(
-            keys, self.arena, self.dirty, grads, (kind, hyper), backup, stamp_bits, width
+        # be zeroed by the kernel first); the undo that reads it runs within this push
+        backup = self._scratch_rows(ids.size, touched)
+        was_dirty = np.empty(ids.size, dtype=bool)
+        bad = host_kernels.k_train(
+            kind,
+            self.arena,
+            ids,
+            resident_grads,
+            hyper,
+            size,
+            True,
+            backup,
+            was_dirty,
+            stamp_bits,
+            stamp is not None,
+            width,
+            self.dirty,
         )
-        self.hits += hit.size
-        if hit.size == 0:
-            return hit, None, None
-        everything = hit.size == keys.size
         if bad >= 0:  # put back already; the trained rows, same arithmetic, for the refusal
             trained = np.take(self.arena, ids, axis=0)
             host_kernels.k_train(
                 kind,
                 trained,
                 np.arange(ids.size),
-                grads if everything else grads[hit],
+                resident_grads,
                 hyper,
-                host_kernels.optimizer_slots(kind),
+                size,
                 False,
-                backup[: ids.size],
+                backup,
                 np.empty(ids.size, dtype=bool),
-                np.empty(0, np.float32),
+                stamp_bits,
                 False,
                 width,
                 np.empty(ids.size, dtype=bool),
@@ -520,10 +531,9 @@ class CacheTier(Tier):
             return hit, None, trained[:, :width]
         if everything:
             return hit, None, None
-        saved = backup[: ids.size]
 
         def undo() -> None:
-            self.arena[ids, :touched] = saved
+            self.arena[ids, :touched] = backup
             self.dirty[ids] = was_dirty
 
         return hit, undo, None

@@ -15,9 +15,7 @@ import numpy as np
 import pytest
 
 from tierps.storage import EmbeddingStore, TableConfig, host_kernels, init, optim
-from tierps.storage.codec import step_bits
 from tierps.storage.errors import InvalidArgumentError
-from tierps.storage.hash_table import FUSED_ROW_BYTES
 from tierps.storage.tiers import CacheTier, Spill
 
 pytestmark = pytest.mark.skipif(
@@ -176,116 +174,6 @@ def test_train_in_place_matches_apply(optimizer: optim.Optimizer) -> None:
     np.testing.assert_array_equal(compiled.find(rest)[1], stored[np.isin(keys, rest)])
 
 
-def _two_step_train(tier: CacheTier, keys: np.ndarray, grads: np.ndarray, step: int) -> tuple:
-    """The resident push as two compiled passes (the path k_train_keys fuses): the index
-    walk with its touch (HashTable.resident_ids), then k_train over the hits' row ids,
-    stamped with `step`. Returns (hit, the refused rows or None, what undoes it)."""
-    ids, hits = tier.index.resident_ids(keys)
-    tier.hits += hits
-    hit = np.flatnonzero(ids >= 0)
-    ids = ids[hit]
-    kind, hyper = host_kernels.optimizer_kind(tier.config.optimizer, step)
-    width, slots = tier.config.row_width, host_kernels.optimizer_slots(kind)
-    stamp = step_bits(step)
-    backup, was_dirty = np.empty((ids.size, tier.width), np.float32), np.empty(ids.size, bool)
-    args = (kind, tier.arena, ids, np.ascontiguousarray(grads[hit]), hyper, slots, True, backup)
-    if host_kernels.k_train(*args, was_dirty, stamp, True, width, tier.dirty) < 0:
-        return hit, None, (ids, backup, was_dirty)
-    trained = np.take(tier.arena, ids, axis=0)
-    host_kernels.k_train(
-        kind, trained, np.arange(ids.size), np.ascontiguousarray(grads[hit]), hyper, slots,
-        False, backup, was_dirty, stamp, False, width, np.empty(ids.size, bool),
-    )  # fmt: skip
-    return hit, trained[:, :width], None
-
-
-@pytest.mark.parametrize(
-    ("optimizer", "eviction", "dim"),
-    [
-        (optim.Adam(lr=0.01), "lru", 8),
-        (optim.Adam(lr=0.01), "lfu", 8),
-        (optim.SGD(lr=0.1), "lru", 8),
-        (optim.Adam(lr=0.01), "lru", 16),  # rows wider than FUSED_ROW_BYTES: two passes
-    ],
-    ids=["adam-lru", "adam-lfu", "sgd-lru", "adam-wide"],
-)
-def test_fused_train_is_the_two_step_walk_bit_for_bit(
-    optimizer: optim.Optimizer, eviction: str, dim: int
-) -> None:
-    """train_resident's one pass (probe, touch, train) against the index walk followed by
-    k_train (what it runs for wide rows), on pushes mixing resident and unknown keys: the
-    same hits, rows, stamps,
-    dirty flags, eviction scores and hit counts, bit for bit; a push refused mid-batch
-    (Adam's v from a 1e20 gradient overflows) changes no row or flag in either, touches
-    alike, and names the same trained rows; a partial push's undo puts rows back. The
-    numpy reference tier agrees on hits, flags and scores, and its rows lie within the
-    derived float64 bound of the update."""
-    from tests.unit.test_kernels import _float64_step, assert_within
-
-    rng = np.random.default_rng(11)
-    config = TableConfig("t", dim, optimizer=optimizer, eviction=eviction, steps_to_live=10)
-    assert (config.stored_bytes <= FUSED_ROW_BYTES) is (dim == 8)
-    keys = rng.choice(10**12, 400, replace=False).astype(np.int64)
-    rows = config.initial_rows(keys)
-    rows[:, :dim] = rng.standard_normal((400, dim), dtype=np.float32)
-    stored = np.concatenate([rows, np.zeros((400, 2), np.float32)], axis=1)
-    fused, reference = _tiers(config, keys, stored)
-    two_step = _tiers(config, keys, stored)[0]
-    unknown = rng.choice(10**12, 60).astype(np.int64) + 10**12  # never stored
-    push = rng.permutation(np.concatenate([rng.choice(keys, 250, replace=False), unknown]))
-    width = config.row_width
-
-    def state(tier: CacheTier) -> tuple:
-        return (
-            tier.arena[: tier.rows].view(np.uint32).copy(), tier.dirty.copy(),
-            tier.index._scores.copy(), tier.index._tick, tier.hits, tier.misses,
-        )  # fmt: skip
-
-    spoiled = np.flatnonzero(np.isin(push, keys))[120]  # a resident key mid-batch
-    for step, bad in ((1, None), (2, spoiled), (3, None)):
-        grads = rng.standard_normal((push.size, dim), dtype=np.float32)
-        if bad is not None and isinstance(optimizer, optim.Adam):
-            grads[bad, 3] = 1e20
-        before = state(fused)
-        rows_before = reference.find(push)[1]  # the hits' rows; each tier counts alike
-        fused.find(push), two_step.find(push)
-        hit, undo, refused = fused.train_resident(push, grads, step, step)
-        want_hit, want_refused, _ = _two_step_train(two_step, push, grads, step)
-        r_hit, r_undo, r_refused = reference.train_resident(push, grads, step, step)
-        np.testing.assert_array_equal(hit, want_hit)
-        np.testing.assert_array_equal(hit, r_hit)
-        for got, want in zip(state(fused), state(two_step), strict=True):
-            np.testing.assert_array_equal(got, want)
-        scores = [t.index._scores[t.index.find(keys)] for t in (fused, reference)]
-        np.testing.assert_array_equal(*scores)  # each key's (their slots differ)
-        np.testing.assert_array_equal(fused.dirty, reference.dirty)
-        assert fused.hits == reference.hits
-        if bad is not None and isinstance(optimizer, optim.Adam):
-            assert undo is None and r_undo is None and r_refused is not None
-            np.testing.assert_array_equal(refused.view(np.uint32), want_refused.view(np.uint32))
-            assert np.flatnonzero(~np.isfinite(refused).all(axis=1)).tolist() == [
-                int(np.searchsorted(hit, bad))
-            ]
-            for got, was in zip(state(fused)[:2], before[:2], strict=True):
-                np.testing.assert_array_equal(got, was)  # no row, stamp or flag changed
-            continue
-        assert refused is None and want_refused is None and r_refused is None
-        expected = _float64_step(optimizer, rows_before[:, :width], grads[hit], step)
-        found = fused.find(push[hit])[1], reference.find(push[hit])[1]
-        two_step.find(push[hit])
-        assert_within("fused", found[0][:, :width], expected)
-        assert_within("numpy", found[1][:, :width], expected)
-        np.testing.assert_array_equal(found[0][:, width:], found[1][:, width:])  # stamps
-    assert undo is not None  # unknown keys: the cascade stores them next, or undoes this
-    trained = state(fused)
-    undo()
-    undone = state(fused)
-    assert not np.array_equal(trained[0], undone[0])
-    r_undo()
-    np.testing.assert_array_equal(undone[0], reference.arena[: reference.rows].view(np.uint32))
-    np.testing.assert_array_equal(undone[1], reference.dirty)
-
-
 def test_refused_train_changes_nothing_and_undo_puts_rows_back() -> None:
     """A push whose update goes non-finite in a late row leaves every row as it was (the
     rows before it are put back); a partial push's undo restores rows, stamps and flags."""
@@ -313,6 +201,65 @@ def test_refused_train_changes_nothing_and_undo_puts_rows_back() -> None:
     again = compiled.find(keys)
     np.testing.assert_array_equal(again[1].view(np.uint32), snapshot[1].view(np.uint32))
     np.testing.assert_array_equal(again[2], snapshot[2])
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "dim"),
+    [(optim.Adam(lr=0.01), 64), (optim.SGD(lr=1.0), 16)],
+    ids=["adam-768B-streamed", "sgd-64B-plain"],
+)
+def test_a_large_push_saves_its_rows_streamed_or_not(optimizer: optim.Optimizer, dim: int) -> None:
+    """A push whose saved values reach STREAM_BYTES: rows of TRAIN_STREAM_BYTES or more are
+    saved by non-temporal stores, narrower ones by plain stores. Either way a push refused
+    mid-batch (Adam: v from a 1e20 gradient overflows; SGD: -3e38 - 3e38) leaves every row
+    and flag as it was, bit for bit; an accepted one lands within the float64 bound of the
+    update, as the numpy reference does; a partial push's undo puts every row back."""
+    from tests.unit.test_kernels import _float64_step, assert_within
+
+    rng = np.random.default_rng(12)
+    config = TableConfig("t", dim, optimizer=optimizer)
+    assert (config.stored_bytes >= host_kernels.TRAIN_STREAM_BYTES) is (dim == 64)
+    n = host_kernels.STREAM_BYTES // config.stored_bytes + 7
+    keys = rng.choice(10**12, n, replace=False).astype(np.int64)
+    rows = config.initial_rows(keys)
+    rows[:, :dim] = rng.standard_normal((n, dim), dtype=np.float32)
+    push = rng.permutation(keys)
+    bad = 2 * n // 3
+    rows[keys == push[bad], :dim] = -3e38  # finite; SGD's step below takes it past float32
+    compiled, reference = (
+        CacheTier(config, 1 << 27, kernels=k, trains_in_place=True) for k in (None, False)
+    )
+    for tier in (compiled, reference):
+        tier.insert(keys, rows, np.arange(n) % 3 == 0, _no_spill)
+    grads = rng.standard_normal((n, dim), dtype=np.float32)
+    spoiled = grads.copy()
+    spoiled[bad] = 1e20 if isinstance(optimizer, optim.Adam) else 3e38
+
+    def state() -> tuple[np.ndarray, np.ndarray]:
+        return compiled.arena[:n].view(np.uint32).copy(), compiled.dirty[:n].copy()
+
+    before = state()
+    _, undo, refused = compiled.train_resident(push, spoiled, 1, None)
+    assert undo is None and refused is not None
+    assert np.flatnonzero(~np.isfinite(refused).all(axis=1)).tolist() == [bad]
+    for got, want in zip(state(), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+    width = config.row_width
+    expected = _float64_step(optimizer, reference.find(push)[1][:, :width], grads, 1)
+    for tier in (compiled, reference):
+        hit, _, refused = tier.train_resident(push, grads, 1, None)
+        assert hit.size == n and refused is None
+        assert_within(f"{tier.compiled}", tier.find(push)[1][:, :width], expected)
+    trained = state()
+    partial = np.concatenate([push, [10**13]])  # one key not here: an undo is returned
+    hit, undo, refused = compiled.train_resident(
+        partial, np.ones((n + 1, dim), np.float32), 2, None
+    )
+    assert hit.size == n and undo is not None and refused is None
+    assert not np.array_equal(state()[0], trained[0])
+    undo()
+    for got, want in zip(state(), trained, strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_a_table_push_refused_in_place_names_the_key(tmp_path: Path) -> None:

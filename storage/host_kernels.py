@@ -77,7 +77,7 @@ def jit_kernel(fn: Callable) -> Callable:
 
 
 AHEAD = 8  # rows (or slots) a kernel prefetches ahead: random rows cost memory latency
-TRAIN_AHEAD = 8  # rows k_train prefetches ahead (12 cache lines each for Adam at dim 64)
+TRAIN_AHEAD = 4  # rows k_train prefetches ahead (12 cache lines each for Adam at dim 64)
 RING = 16  # k_lookup's ring of the slots in flight: a power of two > AHEAD
 STREAM_BYTES = 4 << 20  # outputs this large are written by non-temporal stores (_streams)
 LINE = 64  # bytes of a cache line

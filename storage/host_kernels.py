@@ -81,6 +81,10 @@ TRAIN_AHEAD = 4  # rows k_train prefetches ahead (12 cache lines each for Adam a
 RING = 16  # k_lookup's ring of the slots in flight: a power of two > AHEAD
 STREAM_BYTES = 4 << 20  # outputs this large are written by non-temporal stores (_streams)
 LINE = 64  # bytes of a cache line
+# k_train saves rows of this many bytes or more by non-temporal stores (where _streams):
+# measured on 65,536 random rows, faster at 768 bytes, alike at 256-384, 1.2-1.7x slower
+# at 64-192 (a line or a few a row, between random reads)
+TRAIN_STREAM_BYTES = 512
 
 
 def aligned_empty(rows: int, columns: int) -> np.ndarray:
@@ -552,7 +556,7 @@ if numba is not None:
         """One optimizer step in place on rows arena[ids] (unique) with grads [n, dim];
         size: weight and state slots. Row by row: the new values are computed, and with
         refuse, checked to be finite; the row's first backup.shape[1] floats are saved
-        in backup[i] (by non-temporal stores when large: it is read again only to undo)
+        in backup[i] (by non-temporal stores when wide: it is read again only to undo)
         and its dirty flag in was_dirty[i]; then the new values, the stamp (has_stamp:
         arena[r, row_width:] = stamp, the step slots) and the dirty flag are written. A
         row with a non-finite value stops the pass: the rows and flags written so far are
@@ -563,7 +567,7 @@ if numba is not None:
         saved = backup.shape[1]
         new = np.empty(width, dtype=np.float32)
         new_bits = new.view(np.uint32)  # the finiteness test: an integer OR, vectorised
-        stream = _streams(backup, saved)
+        stream = saved * 4 >= TRAIN_STREAM_BYTES and _streams(backup, saved)
         arena_at, arena_stride = np.int64(arena.ctypes.data), arena.strides[0]
         backup_at, backup_stride = np.int64(backup.ctypes.data), backup.strides[0]
         for i in range(n):

@@ -134,13 +134,13 @@ def bench_rocksdb_cold(root: Path, n: int, dim: int = 64) -> dict:
     }
 
 
-def bench_apply_adam(root: Path, rows: int, batch: int, dim: int = 64) -> dict:
-    """apply_gradients (Adam) of `batch` unique resident keys vs a plain numpy Adam update of
-    the same rows of the same arena with precomputed row ids."""
+def bench_apply(root: Path, optimizer: optim.Optimizer, rows: int, batch: int, dim: int) -> dict:
+    """apply_gradients of `batch` unique resident keys vs the same update in plain numpy on
+    the same rows of the same arena, with precomputed row ids (Adam or SGD)."""
     rng = np.random.default_rng(2)
-    adam = optim.Adam()
-    config = TableConfig("adam", dim, optimizer=adam, host_cache_bytes=rows * 1000 + (64 << 20))
-    with EmbeddingStore(root / "adam") as store:
+    name = optimizer.kind
+    config = TableConfig(name, dim, optimizer=optimizer, host_cache_bytes=rows * 1000 + (64 << 20))
+    with EmbeddingStore(root / name) as store:
         table = store.create_table(config)
         keys = np.arange(rows, dtype=np.int64)
         table.assign(keys, rng.standard_normal((rows, dim), dtype=np.float32))
@@ -154,16 +154,20 @@ def bench_apply_adam(root: Path, rows: int, batch: int, dim: int = 64) -> dict:
             step[0] += 1
             table.apply_gradients(batch_keys, grads, step[0])
 
-        def baseline() -> None:
+        def adam() -> None:
             block = host.arena[ids]
             w, m, v = block[:, :dim], block[:, dim : 2 * dim], block[:, 2 * dim :]
-            m += (1 - adam.beta1) * (grads - m)
-            v += (1 - adam.beta2) * (grads * grads - v)
-            w -= adam.lr * 0.5 * (m / (np.sqrt(v) + adam.eps))
+            m += (1 - optimizer.beta1) * (grads - m)
+            v += (1 - optimizer.beta2) * (grads * grads - v)
+            w -= optimizer.lr * 0.5 * (m / (np.sqrt(v) + optimizer.eps))
             host.arena[ids] = block
 
-        result = interleaved(ours, baseline)
-    result.update(rows=rows, batch=batch, dim=dim, baseline="numpy Adam on arena[ids]")
+        def sgd() -> None:
+            host.arena[ids] -= np.float32(optimizer.lr) * grads
+
+        result = interleaved(ours, adam if isinstance(optimizer, optim.Adam) else sgd)
+    baseline = f"numpy {type(optimizer).__name__} on arena[ids]"
+    result.update(rows=rows, batch=batch, dim=dim, baseline=baseline)
     result["ours_keys_per_s"] = batch / result["ours_s"]
     return result
 
@@ -302,7 +306,12 @@ def main() -> int:
             "host_insert": bench_host_insert(1_000_000 // scale),
             "first_touch": bench_first_touch(root, 1_000_000 // scale),
             "rocksdb_cold_lookup": bench_rocksdb_cold(root, 200_000 // scale),
-            "apply_gradients_adam": bench_apply_adam(root, 1_000_000 // scale, 65536 // scale),
+            "apply_gradients_adam": bench_apply(
+                root, optim.Adam(), 1_000_000 // scale, 65536 // scale, 64
+            ),
+            "apply_gradients_sgd": bench_apply(
+                root, optim.SGD(), 1_000_000 // scale, 65536 // scale, 16
+            ),
             "zipf_trace": bench_zipf(root, 256 // scale, 300 // scale),
         }
     finally:
@@ -347,6 +356,12 @@ def main() -> int:
         f"| apply_gradients Adam, {a['batch']:,} of {a['rows']:,} rows | "
         f"{a['ours_s'] * 1e3:.0f} ms "
         f"| numpy Adam {a['baseline_s'] * 1e3:.0f} ms | {a['ratio']:.2f}x (>= 4x) |"
+    )
+    g = results["apply_gradients_sgd"]
+    print(
+        f"| apply_gradients SGD, {g['batch']:,} of {g['rows']:,} rows, dim {g['dim']} | "
+        f"{g['ours_s'] * 1e3:.1f} ms | numpy SGD {g['baseline_s'] * 1e3:.1f} ms | "
+        f"{g['ratio']:.2f}x |"
     )
     print(
         f"| Zipf(1.05), key space 4x a {z['host_mb']} MiB host budget | "

@@ -203,6 +203,65 @@ def test_refused_train_changes_nothing_and_undo_puts_rows_back() -> None:
     np.testing.assert_array_equal(again[2], snapshot[2])
 
 
+@pytest.mark.parametrize(
+    ("optimizer", "dim"),
+    [(optim.Adam(lr=0.01), 64), (optim.SGD(lr=1.0), 16)],
+    ids=["adam-768B-streamed", "sgd-64B-plain"],
+)
+def test_a_large_push_saves_its_rows_streamed_or_not(optimizer: optim.Optimizer, dim: int) -> None:
+    """A push whose saved values reach STREAM_BYTES: rows of TRAIN_STREAM_BYTES or more are
+    saved by non-temporal stores, narrower ones by plain stores. Either way a push refused
+    mid-batch (Adam: v from a 1e20 gradient overflows; SGD: -3e38 - 3e38) leaves every row
+    and flag as it was, bit for bit; an accepted one lands within the float64 bound of the
+    update, as the numpy reference does; a partial push's undo puts every row back."""
+    from tests.unit.test_kernels import _float64_step, assert_within
+
+    rng = np.random.default_rng(12)
+    config = TableConfig("t", dim, optimizer=optimizer)
+    assert (config.stored_bytes >= host_kernels.TRAIN_STREAM_BYTES) is (dim == 64)
+    n = host_kernels.STREAM_BYTES // config.stored_bytes + 7
+    keys = rng.choice(10**12, n, replace=False).astype(np.int64)
+    rows = config.initial_rows(keys)
+    rows[:, :dim] = rng.standard_normal((n, dim), dtype=np.float32)
+    push = rng.permutation(keys)
+    bad = 2 * n // 3
+    rows[keys == push[bad], :dim] = -3e38  # finite; SGD's step below takes it past float32
+    compiled, reference = (
+        CacheTier(config, 1 << 27, kernels=k, trains_in_place=True) for k in (None, False)
+    )
+    for tier in (compiled, reference):
+        tier.insert(keys, rows, np.arange(n) % 3 == 0, _no_spill)
+    grads = rng.standard_normal((n, dim), dtype=np.float32)
+    spoiled = grads.copy()
+    spoiled[bad] = 1e20 if isinstance(optimizer, optim.Adam) else 3e38
+
+    def state() -> tuple[np.ndarray, np.ndarray]:
+        return compiled.arena[:n].view(np.uint32).copy(), compiled.dirty[:n].copy()
+
+    before = state()
+    _, undo, refused = compiled.train_resident(push, spoiled, 1, None)
+    assert undo is None and refused is not None
+    assert np.flatnonzero(~np.isfinite(refused).all(axis=1)).tolist() == [bad]
+    for got, want in zip(state(), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+    width = config.row_width
+    expected = _float64_step(optimizer, reference.find(push)[1][:, :width], grads, 1)
+    for tier in (compiled, reference):
+        hit, _, refused = tier.train_resident(push, grads, 1, None)
+        assert hit.size == n and refused is None
+        assert_within(f"{tier.compiled}", tier.find(push)[1][:, :width], expected)
+    trained = state()
+    partial = np.concatenate([push, [10**13]])  # one key not here: an undo is returned
+    hit, undo, refused = compiled.train_resident(
+        partial, np.ones((n + 1, dim), np.float32), 2, None
+    )
+    assert hit.size == n and undo is not None and refused is None
+    assert not np.array_equal(state()[0], trained[0])
+    undo()
+    for got, want in zip(state(), trained, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_a_table_push_refused_in_place_names_the_key(tmp_path: Path) -> None:
     """Through EmbeddingTable: the host tier trains in place, and a refusal names the key."""
     with EmbeddingStore(tmp_path / "s") as store:

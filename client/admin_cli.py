@@ -325,10 +325,11 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
             if options:
                 print(f"  options: {options}")
             _print_rows(
-                ["shard", "tier", "rows", "bytes", "hits", "misses", "hit rate"],
+                ["shard", "tier", "rows", "bytes", "scratch", "hits", "misses", "hit rate"],
                 [
-                    [s["shard_id"], t["name"], f"{t['rows']:,}", _mb(t["bytes"]), f"{t['hits']:,}",
-                     f"{t['misses']:,}", f"{t['hit_rate']:.1%}"]
+                    [s["shard_id"], t["name"], f"{t['rows']:,}", _mb(t["bytes"]),
+                     _mb(t["scratch_bytes"]), f"{t['hits']:,}", f"{t['misses']:,}",
+                     f"{t['hit_rate']:.1%}"]
                     for s in shards for t in s["tiers"]
                 ],
             )  # fmt: skip

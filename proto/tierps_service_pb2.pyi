@@ -214,20 +214,22 @@ class DescribeTableRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "rows", "bytes", "hits", "misses", "hit_rate")
+    __slots__ = ("name", "rows", "bytes", "hits", "misses", "hit_rate", "scratch_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    SCRATCH_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     rows: int
     bytes: int
     hits: int
     misses: int
     hit_rate: float
-    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., hit_rate: _Optional[float] = ...) -> None: ...
+    scratch_bytes: int
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., hit_rate: _Optional[float] = ..., scratch_bytes: _Optional[int] = ...) -> None: ...
 
 class TableDescription(_message.Message):
     __slots__ = ("config", "shard_id", "num_shards", "tiers", "initialized", "created", "lifecycle", "current_step", "keys_looked_up", "keys_pushed")

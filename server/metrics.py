@@ -17,8 +17,9 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 
 class _TableCollector(Collector):
-    """Rows, bytes, hits and misses per table and tier, keys looked up and pushed per table,
-    the last flush's time and the process's memory, read from the shard when scraped."""
+    """Rows, bytes, scratch, hits and misses per table and tier, keys looked up and pushed
+    per table, the last flush's time and the process's memory, read from the shard when
+    scraped."""
 
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
@@ -31,6 +32,12 @@ class _TableCollector(Collector):
         size = GaugeMetricFamily(
             "tierps_table_bytes",
             "Bytes held (rows, state, index), per table and tier",
+            labels=labels,
+        )
+        scratch = GaugeMetricFamily(
+            "tierps_table_scratch_bytes",
+            "Working memory beside the bytes held: the host tier's push scratch (the values a "
+            "push saves to undo a refusal), per table and tier",
             labels=labels,
         )
         hits = CounterMetricFamily(
@@ -67,6 +74,7 @@ class _TableCollector(Collector):
                 values = [shard, name, tier["name"]]
                 rows.add_metric(values, tier["rows"])
                 size.add_metric(values, tier["bytes"])
+                scratch.add_metric(values, tier["scratch_bytes"])
                 hits.add_metric(values, tier["hits"])
                 misses.add_metric(values, tier["misses"])
             looked_up.add_metric([shard, name], table["keys_looked_up"])
@@ -74,7 +82,7 @@ class _TableCollector(Collector):
         if "last_flush_unix_s" in stats:
             last_flush.add_metric([shard], stats["last_flush_unix_s"])
             rss.add_metric([shard], stats["rss_bytes"])
-        yield from (rows, size, hits, misses, looked_up, pushed, last_flush, rss)
+        yield from (rows, size, scratch, hits, misses, looked_up, pushed, last_flush, rss)
 
 
 class ShardMetrics:

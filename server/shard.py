@@ -439,6 +439,7 @@ class Shard:
                     "hits": figures["hits"],
                     "misses": figures["misses"],
                     "hit_rate": _hit_rate(figures["hits"], figures["misses"]),
+                    "scratch_bytes": figures.get("scratch_bytes", 0),  # the host tier's
                 }
                 for tier, figures in stats["tiers"].items()
             ],

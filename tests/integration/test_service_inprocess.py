@@ -27,7 +27,7 @@ from tierps.proto import wire
 from tierps.proto.convert import table_config_to_dict, table_config_to_proto
 from tierps.server.config import ServerConfig
 from tierps.server.daemon import ShardServer
-from tierps.storage import TableConfig, init, optim
+from tierps.storage import TableConfig, host_kernels, init, optim
 
 DIM = 8
 T = 20.0  # seconds: deadline of every call, so a hang fails instead of blocking the run
@@ -1631,6 +1631,16 @@ def test_metrics_report_table_rows_and_rpc_counts(
     assert all(lb["shard"] == "1" for lb, _ in samples(text, "tierps_table_rows"))
     hits = {(lb["table"], lb["tier"]): v for lb, v in samples(text, "tierps_table_hits_total")}
     assert hits[("items", "host")] == 300  # lookups 2 and 3, and the push
+    # the push's kept scratch (its saved rows), as DescribeTable reports it; the compiled
+    # host tier saves at least the 100 rows' weights there
+    scratch = {
+        (lb["table"], lb["tier"]): v for lb, v in samples(text, "tierps_table_scratch_bytes")
+    }
+    described = {tier.name: tier.scratch_bytes for tier in describe(stubs, "items").tiers}
+    assert scratch[("items", "host")] == described["host"]
+    assert scratch[("items", "rocksdb")] == described["rocksdb"] == 0
+    if host_kernels.unavailable_reason() is None:
+        assert described["host"] >= 100 * DIM * 4
     counts = rpc_counts(text)
     assert counts[("Lookup", "OK")] == 4
     assert counts[("Lookup", "NOT_FOUND")] == 1

@@ -852,15 +852,22 @@ class EmbeddingClient(ClusterAdmin):
         """_push_unique(pushes, step), then _lookup_unique(tables, create) seeing it, in one
         PushThenLookup call per shard where a shard's parts of both fit in one message
         each; else (or for a shard that does not know the call) that shard's push calls,
-        then its lookup calls. A push that failed on any shard raises PushNotApplied with
-        the error _push_unique would raise; a lookup that failed after the push was applied
-        everywhere raises its ShardError."""
+        then its lookup calls. A push not applied on every shard of its calls (refused, or
+        a failure before they ran: table_step, routing, learning a shard's life) raises
+        PushNotApplied with the error _push_unique would raise; a lookup that failed after
+        the push was applied everywhere raises its ShardError."""
         pushes = {t: (keys, grads) for t, (keys, grads) in pushes.items() if keys.size}
         if not pushes:
             return self._lookup_unique(tables, create)
-        steps = self._reserve_steps(list(pushes), step)
-        push_calls = self._route_push(pushes)
-        lookup_calls = self._route(tables, lambda dim: max(8, 4 * dim), pieces=True)
+        try:
+            steps = self._reserve_steps(list(pushes), step)
+        except ShardError as error:  # table_step failed: no step taken, nothing sent
+            raise PushNotApplied(error) from None
+        try:
+            push_calls = self._route_push(pushes)
+            lookup_calls = self._route(tables, lambda dim: max(8, 4 * dim), pieces=True)
+        except ShardError as error:  # nothing sent: the steps are given back
+            raise PushNotApplied(self._push_failure(error, steps, step)) from None
         out = {name: np.empty((keys.size, dim), np.float32) for name, (dim, keys) in tables.items()}
         work: dict[int, tuple[list[list[Batch]], list[list[Batch]]]] = {}
         for shard, batches in push_calls:
@@ -896,13 +903,16 @@ class EmbeddingClient(ClusterAdmin):
 
         try:
             self._fan_out(list(work.items()), run)  # type: ignore[arg-type]
-        except ShardError:
-            if push_failed:
-                first = push_failed[min(push_failed)]
-                first.succeeded = sorted(pushed & {shard for shard, _ in push_calls})
-                raise PushNotApplied(self._push_failure(first, steps, step)) from None
-            self._push_done(steps, step)
-            raise
+        except ShardError as error:
+            # the push is applied only where every shard of its calls says so; anything
+            # else (a push refused, or a failure before any call ran) is no silent loss
+            push_shards = {shard for shard, _ in push_calls}
+            if push_shards <= pushed:  # a lookup failed after the push went in
+                self._push_done(steps, step)
+                raise
+            failure = push_failed[min(push_failed)] if push_failed else error
+            failure.succeeded = sorted(pushed & push_shards)
+            raise PushNotApplied(self._push_failure(failure, steps, step)) from None
         self._push_done(steps, step)
         return out
 

@@ -30,6 +30,7 @@ from tests.integration.test_client_wire import (
     sgd_table,
 )
 from tierps.client import EmbeddingClient, Feature, ShardError, TableConfig, init, optim
+from tierps.client.embedding import PushNotApplied
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import wire
 from tierps.server.daemon import ShardServer
@@ -453,3 +454,64 @@ def test_a_lookup_failing_after_its_push_keeps_the_push_and_says_so(
         finally:
             (fs / "filler").unlink(missing_ok=True)
             server.stop()  # while its disk is mounted
+
+
+# -- failures around the fused call --------------------------------------------------------
+
+
+class Refused(grpc.RpcError):
+    """A call's failure as gRPC raises it (code, details, trailing metadata), injected by
+    wrapping one of the client's real stubs."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple = ()) -> None:
+        super().__init__(details)
+        self._code, self._details, self._trailing = code, details, trailing
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple:
+        return self._trailing
+
+
+def _fail_once(holder: Any, attribute: str, error: grpc.RpcError) -> list[int]:
+    """Make holder.attribute (a real stub's method) raise `error` on its first call; the
+    returned list counts the calls."""
+    real, made = getattr(holder, attribute), []
+
+    def wrapped(*args: Any, **options: Any) -> Any:
+        made.append(1)
+        if len(made) == 1:
+            raise error
+        return real(*args, **options)
+
+    setattr(holder, attribute, wrapped)
+    return made
+
+
+@pytest.mark.parametrize("failing", ["DescribeTable", "Stats"])
+def test_a_push_failing_before_its_calls_ran_is_push_not_applied(
+    two_shards: list[ShardServer], make_client: Callable[..., EmbeddingClient], failing: str
+) -> None:
+    """The first push of a fresh client learns the table's step (DescribeTable) and each
+    shard's life (Stats) before any call: either failing raises PushNotApplied (the push is
+    lost loudly, never silently), changes no row, and gives its step back."""
+    make_client(two_shards).create_table(sgd_table("t", DIM, LR))
+    client = make_client(two_shards)
+    keys = np.arange(6, dtype=np.int64)
+    before = client.lookup("t", keys, create=True) if failing == "DescribeTable" else None
+    made = _fail_once(client._stubs[0], failing, Refused(grpc.StatusCode.UNAVAILABLE, "down"))
+    grads = quarter_grads(np.random.default_rng(2), (keys.size, DIM))
+    with pytest.raises(PushNotApplied) as raised:
+        client._push_then_lookup({"t": (keys, grads)}, None, {"t": (DIM, keys)}, True)
+    assert made and raised.value.error.code is grpc.StatusCode.UNAVAILABLE
+    assert raised.value.error.succeeded == []
+    rows = client.lookup("t", keys, create=False)
+    np.testing.assert_array_equal(
+        rows, before if before is not None else initial(sgd_table("t", DIM, LR), keys)
+    )
+    client.push_gradients("t", keys, grads)  # the step given back: this push is step 1
+    assert client.table_step("t") == 1

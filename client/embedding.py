@@ -361,6 +361,10 @@ class EmbeddingClient(ClusterAdmin):
         # Whether shard i takes PushThenLookup: False once it answered UNIMPLEMENTED (an
         # older shard), and its pushes and lookups go as separate calls from then on.
         self._fuses = [True] * len(self.addresses)
+        # Request bulk bytes a PushThenLookup to shard i may carry (its push and its lookup's
+        # keys): max_call_bytes, lowered for a shard that refused one as over its per-call
+        # limit (a lower max_batch_bytes); its pushes and lookups then go separately.
+        self._fused_call_bytes = [max_call_bytes] * len(self.addresses)
         # Bulk bytes a call to shard i may carry as one message each way: lowered for a
         # shard that refused a call as too large for one (its message limit is lower).
         self._one_message_bytes = [one_message_bytes] * len(self.addresses)
@@ -932,7 +936,11 @@ class EmbeddingClient(ClusterAdmin):
         push_bytes = sum((8 + 4 * dim) * keys.size for _, dim, keys, _ in push)
         key_bytes = sum(8 * keys.size for _, _, keys, _ in lookup)
         bulk = max(push_bytes + key_bytes, _reply_bytes(lookup))
-        if not self._fuses[shard] or bulk > self._one_message_bytes[shard]:
+        if (
+            not self._fuses[shard]
+            or bulk > self._one_message_bytes[shard]
+            or push_bytes + key_bytes > self._fused_call_bytes[shard]
+        ):
             return False
         request, fields = wire.encode_push_then_lookup_in_place(
             [(name, dim, steps[name], (8 * keys.size, 4 * dim * keys.size))
@@ -952,9 +960,23 @@ class EmbeddingClient(ClusterAdmin):
                 return False
             if self._refused_as_too_large(shard, error, bulk):  # before it was read
                 return False
+            if self._refused_per_call(shard, error, push_bytes + key_bytes):  # likewise
+                return False
             raise
         self._place_rows(shard, lookup, wire.push_then_lookup_reply(reply)[0], out)
         return True
+
+    def _refused_per_call(self, shard: int, error: grpc.RpcError, bulk: int) -> bool:
+        """Whether the shard refused a PushThenLookup of `bulk` request bytes as over its
+        per-call limit (CallLimits, before any handler ran: nothing applied); then this
+        shard's fused calls stay below `bulk`."""
+        refused = error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and (
+            "bytes per call" in (error.details() or "")
+        )
+        if refused:
+            with self._lock:
+                self._fused_call_bytes[shard] = min(self._fused_call_bytes[shard], bulk - 1)
+        return refused
 
     def table_step(self, name: str) -> int:
         """The table's step clock on the cluster: the largest step pushed to it on any shard

@@ -515,3 +515,30 @@ def test_a_push_failing_before_its_calls_ran_is_push_not_applied(
     )
     client.push_gradients("t", keys, grads)  # the step given back: this push is step 1
     assert client.table_step("t") == 1
+
+
+@pytest.mark.parametrize("client_limit", [1 << 20, None])
+def test_a_push_and_lookup_over_the_shards_per_call_limit_together_go_separately(
+    shard_server: ServerFactory,
+    make_client: Callable[..., EmbeddingClient],
+    client_limit: int | None,
+) -> None:
+    """A shard of max_batch_bytes 1 MiB; a push (960 KB) and a lookup (320 KB of keys) that
+    each fit it but not together: the client (max_call_bytes as the shard's, or left at
+    its default, when the shard's refusal of the fused call says so) pushes, then looks
+    up, with separate calls; the rows are numpy's SGD step on the initial ones."""
+    server = shard_server(max_batch_bytes=1 << 20)
+    options = {} if client_limit is None else {"max_call_bytes": client_limit}
+    client = make_client([server], **options)
+    config = sgd_table("t", DIM, LR)
+    client.create_table(config)
+    pushed = looked_up = np.arange(40_000, dtype=np.int64)
+    grads = quarter_grads(np.random.default_rng(3), (pushed.size, DIM))
+    expected = initial(config, looked_up)
+    expected[: pushed.size] -= np.float32(LR) * grads
+    for _ in range(2):  # the second time, the client knows the shard's limit
+        rows = client._push_then_lookup({"t": (pushed, grads)}, None, {"t": (DIM, looked_up)}, True)
+        np.testing.assert_array_equal(rows["t"], expected)
+        expected[: pushed.size] -= np.float32(LR) * grads
+    assert calls(server, "PushThenLookup") == 0
+    assert calls(server, "PushGradientsUnary") == 2

@@ -883,13 +883,13 @@ class EmbeddingClient(ClusterAdmin):
 
         def run(shard: int, parts: tuple[list[list[Batch]], list[list[Batch]]]) -> None:
             push_parts, lookup_parts = parts
+            values = None  # the fused call's rows, once it returned
             try:
-                fused = (
-                    len(push_parts) == 1 and len(lookup_parts) == 1
-                    and self._fused_call(shard, push_parts[0], lookup_parts[0], steps, pushes,
-                                         create, out)
-                )  # fmt: skip
-                if not fused:
+                if len(push_parts) == 1 and len(lookup_parts) == 1:
+                    values = self._fused_call(
+                        shard, push_parts[0], lookup_parts[0], steps, pushes, create
+                    )
+                if values is None:
                     for batches in push_parts:
                         self._push_call(shard, batches, steps, pushes)
             except grpc.RpcError as error:
@@ -900,8 +900,10 @@ class EmbeddingClient(ClusterAdmin):
                         shard, self.addresses[shard], error.code(), error.details() or ""
                     )
                 raise
-            pushed.add(shard)
-            if not fused:
+            pushed.add(shard)  # before its rows are placed, which may fail
+            if values is not None:
+                self._place_rows(shard, lookup_parts[0], values, out)
+            else:
                 for batches in lookup_parts:
                     self._lookup_into(shard, batches, create, out)
 
@@ -928,11 +930,10 @@ class EmbeddingClient(ClusterAdmin):
         steps: dict[str, int],
         pushes: dict[str, tuple[np.ndarray, np.ndarray]],
         create: bool,
-        out: dict[str, np.ndarray],
-    ) -> bool:
-        """One PushThenLookup to a shard, its rows placed in `out`; False (nothing done)
-        where it does not fit in one message each way, or the shard refused it as too
-        large or does not know it."""
+    ) -> Any:
+        """One PushThenLookup to a shard: its reply's rows (bytes-like values, for
+        _place_rows); None (nothing done) where it does not fit in one message each way,
+        or the shard refused it as too large or does not know it."""
         push_bytes = sum((8 + 4 * dim) * keys.size for _, dim, keys, _ in push)
         key_bytes = sum(8 * keys.size for _, _, keys, _ in lookup)
         bulk = max(push_bytes + key_bytes, _reply_bytes(lookup))
@@ -941,7 +942,7 @@ class EmbeddingClient(ClusterAdmin):
             or bulk > self._one_message_bytes[shard]
             or push_bytes + key_bytes > self._fused_call_bytes[shard]
         ):
-            return False
+            return None
         request, fields = wire.encode_push_then_lookup_in_place(
             [(name, dim, steps[name], (8 * keys.size, 4 * dim * keys.size))
              for name, dim, keys, _ in push],
@@ -957,14 +958,13 @@ class EmbeddingClient(ClusterAdmin):
         except grpc.RpcError as error:
             if error.code() is grpc.StatusCode.UNIMPLEMENTED:  # an older shard
                 self._fuses[shard] = False
-                return False
+                return None
             if self._refused_as_too_large(shard, error, bulk):  # before it was read
-                return False
+                return None
             if self._refused_per_call(shard, error, push_bytes + key_bytes):  # likewise
-                return False
+                return None
             raise
-        self._place_rows(shard, lookup, wire.push_then_lookup_reply(reply)[0], out)
-        return True
+        return wire.push_then_lookup_reply(reply)[0]
 
     def _refused_per_call(self, shard: int, error: grpc.RpcError, bulk: int) -> bool:
         """Whether the shard refused a PushThenLookup of `bulk` request bytes as over its

@@ -542,3 +542,33 @@ def test_a_push_and_lookup_over_the_shards_per_call_limit_together_go_separately
         expected[: pushed.size] -= np.float32(LR) * grads
     assert calls(server, "PushThenLookup") == 0
     assert calls(server, "PushGradientsUnary") == 2
+
+
+def test_a_fused_reply_of_the_wrong_size_keeps_the_push_applied(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """The shard applied the push and served the lookup, but its reply (cut short here, on
+    its way to the client) has a row too few: the client raises the reply's ShardError, not
+    PushNotApplied, and keeps the push's step (the push is in, once)."""
+    server = shard_server()
+    client = make_client([server])
+    config = sgd_table("t", DIM, LR)
+    client.create_table(config)
+    keys = np.arange(6, dtype=np.int64)
+    grads = quarter_grads(np.random.default_rng(4), (keys.size, DIM))
+    real = client._push_then_lookup_one[0]
+
+    def one_row_short(request: bytes, **options: Any) -> bytes:
+        values, num_keys = wire.push_then_lookup_reply(real(request, **options))
+        rows = np.frombuffer(values, "<f4").reshape(-1, DIM)[:-1]
+        encoded, (view,) = wire.lookup_reply([rows.shape], num_keys)
+        view[...] = rows
+        return encoded
+
+    client._push_then_lookup_one[0] = one_row_short
+    with pytest.raises(ShardError, match="expected 96 bytes, got 80"):
+        client._push_then_lookup({"t": (keys, grads)}, None, {"t": (DIM, keys)}, True)
+    expected = initial(config, keys) - np.float32(LR) * grads
+    np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
+    client.push_gradients("t", keys, grads)  # step 2: the fused push kept step 1
+    assert client.table_step("t") == 2

@@ -893,7 +893,7 @@ class EmbeddingClient(ClusterAdmin):
                     for batches in push_parts:
                         self._push_call(shard, batches, steps, pushes)
             except grpc.RpcError as error:
-                if any(key == wire.PUSHED_HEADER for key, _ in error.trailing_metadata() or ()):
+                if _push_applied(error):
                     pushed.add(shard)  # the push is in; its lookup failed
                 else:
                     push_failed[shard] = ShardError(
@@ -956,6 +956,8 @@ class EmbeddingClient(ClusterAdmin):
                 metadata=self._metadata(shard, *wire.declared(len(request))),
             )
         except grpc.RpcError as error:
+            if _push_applied(error):  # whatever else it says: the push must not go again
+                raise
             if error.code() is grpc.StatusCode.UNIMPLEMENTED:  # an older shard
                 self._fuses[shard] = False
                 return None
@@ -1135,6 +1137,12 @@ def _fill_push(
             out[...] = grads
         else:  # "clip": positions are valid; numpy buffers `out` only for mode="raise"
             np.take(grads, at, axis=0, out=out, mode="clip")
+
+
+def _push_applied(error: grpc.RpcError) -> bool:
+    """Whether a failed PushThenLookup's shard says its push was applied (trailing
+    metadata wire.PUSHED_HEADER): then only its lookup failed."""
+    return any(key == wire.PUSHED_HEADER for key, _ in error.trailing_metadata() or ())
 
 
 def _reply_bytes(batches: list[Batch]) -> int:

@@ -572,3 +572,34 @@ def test_a_fused_reply_of_the_wrong_size_keeps_the_push_applied(
     np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
     client.push_gradients("t", keys, grads)  # step 2: the fused push kept step 1
     assert client.table_step("t") == 2
+
+
+def test_a_fused_call_whose_push_is_in_is_never_sent_again(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """A fused call failing with an error the client would otherwise answer with separate
+    calls (too large for one message), after the shard applied its push and said so in
+    trailing metadata: the client raises it as the lookup's failure and does not push
+    again (the rows took one SGD step, and no PushGradients call came)."""
+    server = shard_server()
+    client = make_client([server])
+    config = sgd_table("t", DIM, LR)
+    client.create_table(config)
+    keys = np.arange(6, dtype=np.int64)
+    grads = quarter_grads(np.random.default_rng(5), (keys.size, DIM))
+    real = client._push_then_lookup_one[0]
+
+    def pushed_then_too_large(request: bytes, **options: Any) -> bytes:
+        _, num_keys = wire.push_then_lookup_reply(real(request, **options))
+        raise Refused(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"reply {wire.TOO_LARGE_FOR_ONE_MESSAGE}",
+            ((wire.PUSHED_HEADER, str(num_keys)),),
+        )
+
+    client._push_then_lookup_one[0] = pushed_then_too_large
+    with pytest.raises(ShardError, match="too large for one message"):
+        client._push_then_lookup({"t": (keys, grads)}, None, {"t": (DIM, keys)}, True)
+    expected = initial(config, keys) - np.float32(LR) * grads
+    np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
+    assert calls(server, "PushGradientsUnary") + calls(server, "PushGradients") == 0

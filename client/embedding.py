@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -854,44 +854,53 @@ class EmbeddingClient(ClusterAdmin):
         create: bool,
     ) -> dict[str, np.ndarray]:
         """_push_unique(pushes, step), then _lookup_unique(tables, create) seeing it, in one
-        PushThenLookup call per shard where a shard's parts of both fit in one message
-        each; else (or for a shard that does not know the call) that shard's push calls,
-        then its lookup calls. A push not applied on every shard of its calls (refused, or
-        a failure before they ran: table_step, routing, learning a shard's life) raises
-        PushNotApplied with the error _push_unique would raise; a lookup that failed after
-        the push was applied everywhere raises its ShardError."""
+        PushThenLookup call per shard where every shard's parts of both are one call each
+        and fit in one message each way (or a shard has a part of one of them only, sent
+        alone); else those two, as separate calls for all shards (a lookup cut into pieces
+        then sends them at once). A shard that refuses the fused call as too large, or does
+        not know it, gets its push call, then its lookup call. A push not applied on every
+        shard of its calls (refused, or a failure before they ran: table_step, routing,
+        learning a shard's life) raises PushNotApplied with the error _push_unique would
+        raise; a lookup that failed after the push was applied everywhere raises its
+        ShardError."""
         pushes = {t: (keys, grads) for t, (keys, grads) in pushes.items() if keys.size}
         if not pushes:
+            return self._lookup_unique(tables, create)
+        try:
+            push_calls = self._route_push(pushes)
+            lookup_calls = self._route(tables, lambda dim: max(8, 4 * dim), pieces=True)
+        except ShardError as error:  # nothing sent, no step taken
+            raise PushNotApplied(error) from None
+        parts: dict[int, tuple[list[list[Batch]], list[list[Batch]]]] = {}
+        for shard, batches in push_calls:
+            parts.setdefault(shard, ([], []))[0].append(batches)
+        for shard, batches in lookup_calls:
+            parts.setdefault(shard, ([], []))[1].append(batches)
+        if not all(self._fuses_parts(shard, *both) for shard, both in parts.items()):
+            try:
+                self._push_unique(pushes, step)
+            except ShardError as error:
+                raise PushNotApplied(error) from None
             return self._lookup_unique(tables, create)
         try:
             steps = self._reserve_steps(list(pushes), step)
         except ShardError as error:  # table_step failed: no step taken, nothing sent
             raise PushNotApplied(error) from None
-        try:
-            push_calls = self._route_push(pushes)
-            lookup_calls = self._route(tables, lambda dim: max(8, 4 * dim), pieces=True)
-        except ShardError as error:  # nothing sent: the steps are given back
-            raise PushNotApplied(self._push_failure(error, steps, step)) from None
         out = {name: np.empty((keys.size, dim), np.float32) for name, (dim, keys) in tables.items()}
-        work: dict[int, tuple[list[list[Batch]], list[list[Batch]]]] = {}
-        for shard, batches in push_calls:
-            work.setdefault(shard, ([], []))[0].append(batches)
-        for shard, batches in lookup_calls:
-            work.setdefault(shard, ([], []))[1].append(batches)
+        # each shard's push call and lookup call (None: it has no part of that one)
+        work = {shard: (push[0] if push else None, lookup[0] if lookup else None)
+                for shard, (push, lookup) in parts.items()}  # fmt: skip
         pushed: set[int] = set()  # shards whose part of the push is applied
         push_failed: dict[int, ShardError] = {}
 
-        def run(shard: int, parts: tuple[list[list[Batch]], list[list[Batch]]]) -> None:
-            push_parts, lookup_parts = parts
+        def run(shard: int, both: tuple[list[Batch] | None, list[Batch] | None]) -> None:
+            push, lookup = both
             values = None  # the fused call's rows, once it returned
             try:
-                if len(push_parts) == 1 and len(lookup_parts) == 1:
-                    values = self._fused_call(
-                        shard, push_parts[0], lookup_parts[0], steps, pushes, create
-                    )
-                if values is None:
-                    for batches in push_parts:
-                        self._push_call(shard, batches, steps, pushes)
+                if push is not None and lookup is not None:
+                    values = self._fused_call(shard, push, lookup, steps, pushes, create)
+                if values is None and push is not None:
+                    self._push_call(shard, push, steps, pushes)
             except grpc.RpcError as error:
                 if _push_applied(error):
                     pushed.add(shard)  # the push is in; its lookup failed
@@ -901,11 +910,10 @@ class EmbeddingClient(ClusterAdmin):
                     )
                 raise
             pushed.add(shard)  # before its rows are placed, which may fail
-            if values is not None:
-                self._place_rows(shard, lookup_parts[0], values, out)
-            else:
-                for batches in lookup_parts:
-                    self._lookup_into(shard, batches, create, out)
+            if values is not None and lookup is not None:
+                self._place_rows(shard, lookup, values, out)
+            elif lookup is not None:
+                self._lookup_into(shard, lookup, create, out)
 
         try:
             self._fan_out(list(work.items()), run)  # type: ignore[arg-type]
@@ -934,15 +942,9 @@ class EmbeddingClient(ClusterAdmin):
         """One PushThenLookup to a shard: its reply's rows (bytes-like values, for
         _place_rows); None (nothing done) where it does not fit in one message each way,
         or the shard refused it as too large or does not know it."""
-        push_bytes = sum((8 + 4 * dim) * keys.size for _, dim, keys, _ in push)
-        key_bytes = sum(8 * keys.size for _, _, keys, _ in lookup)
-        bulk = max(push_bytes + key_bytes, _reply_bytes(lookup))
-        if (
-            not self._fuses[shard]
-            or bulk > self._one_message_bytes[shard]
-            or push_bytes + key_bytes > self._fused_call_bytes[shard]
-        ):
+        if not self._fits_fused(shard, push, lookup):
             return None
+        request_bytes, bulk = _fused_bytes(push, lookup)
         request, fields = wire.encode_push_then_lookup_in_place(
             [(name, dim, steps[name], (8 * keys.size, 4 * dim * keys.size))
              for name, dim, keys, _ in push],
@@ -963,10 +965,27 @@ class EmbeddingClient(ClusterAdmin):
                 return None
             if self._refused_as_too_large(shard, error, bulk):  # before it was read
                 return None
-            if self._refused_per_call(shard, error, push_bytes + key_bytes):  # likewise
+            if self._refused_per_call(shard, error, request_bytes):  # likewise
                 return None
             raise
         return wire.push_then_lookup_reply(reply)[0]
+
+    def _fuses_parts(self, shard: int, push: list[list[Batch]], lookup: list[list[Batch]]) -> bool:
+        """Whether a shard's push calls and lookup calls go as at most one fused call:
+        one of each that fits it (_fits_fused), or calls of one kind only, one at most."""
+        if len(push) > 1 or len(lookup) > 1:
+            return False
+        return not (push and lookup) or self._fits_fused(shard, push[0], lookup[0])
+
+    def _fits_fused(self, shard: int, push: list[Batch], lookup: list[Batch]) -> bool:
+        """Whether the shard takes this push and lookup as one PushThenLookup: it knows
+        the call, both ways fit in one message, and the request in one call."""
+        request_bytes, bulk = _fused_bytes(push, lookup)
+        return (
+            self._fuses[shard]
+            and bulk <= self._one_message_bytes[shard]
+            and request_bytes <= self._fused_call_bytes[shard]
+        )
 
     def _refused_per_call(self, shard: int, error: grpc.RpcError, bulk: int) -> bool:
         """Whether the shard refused a PushThenLookup of `bulk` request bytes as over its
@@ -1087,15 +1106,21 @@ class EmbeddingClient(ClusterAdmin):
             self._calls.submit(self._on, shard, lambda i, _, b=batches: call(i, b))
             for shard, batches in others
         ]
+        last: Any
+        try:  # while the others run (not after: then it would wait for them)
+            last = self._on(last_shard, lambda i, _: call(i, last_batches))
+        except ShardError as error:
+            last = error
+        except BaseException:
+            wait(futures)  # no call outlives the one that raised
+            raise
         outcomes: list[Any] = []
-        for run in [*(future.result for future in futures), None]:
+        for future in futures:
             try:
-                if run is None:
-                    outcomes.append(self._on(last_shard, lambda i, _: call(i, last_batches)))
-                else:
-                    outcomes.append(run())
+                outcomes.append(future.result())
             except ShardError as error:
                 outcomes.append(error)
+        outcomes.append(last)
         failures = [outcome for outcome in outcomes if isinstance(outcome, ShardError)]
         if failures:
             # a shard counts only if every one of its calls went through (a part of more
@@ -1137,6 +1162,14 @@ def _fill_push(
             out[...] = grads
         else:  # "clip": positions are valid; numpy buffers `out` only for mode="raise"
             np.take(grads, at, axis=0, out=out, mode="clip")
+
+
+def _fused_bytes(push: list[Batch], lookup: list[Batch]) -> tuple[int, int]:
+    """A PushThenLookup's request bulk (the push's keys and gradients, the lookup's keys),
+    and its larger way's bulk (that or the reply's rows)."""
+    request = sum((8 + 4 * dim) * keys.size for _, dim, keys, _ in push)
+    request += sum(8 * keys.size for _, _, keys, _ in lookup)
+    return request, max(request, _reply_bytes(lookup))
 
 
 def _push_applied(error: grpc.RpcError) -> bool:

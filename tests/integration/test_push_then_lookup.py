@@ -8,6 +8,7 @@ fails after its push (a real full disk) leaves the push applied, and the client 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -603,3 +604,40 @@ def test_a_fused_call_whose_push_is_in_is_never_sent_again(
     expected = initial(config, keys) - np.float32(LR) * grads
     np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
     assert calls(server, "PushGradientsUnary") + calls(server, "PushGradients") == 0
+
+
+def test_a_lookup_cut_into_pieces_sends_them_at_once_after_the_push(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """A lookup of 8 MiB of rows goes as two pieces (LOOKUP_PIECE_BYTES): with a push
+    before it, the client pushes, then sends the pieces at once, as a lookup alone does
+    (each piece's call waits here, up to 10 s, for the other to be in flight too); the
+    rows are numpy's SGD step on the initial ones."""
+    dim = 256
+    server = shard_server()
+    client = make_client([server])
+    config = sgd_table("t", dim, LR)
+    client.create_table(config)
+    keys = np.arange(8 << 10, dtype=np.int64)  # 8 MiB of rows
+    grads = quarter_grads(np.random.default_rng(6), (8, dim))
+    real, in_flight, most = client._lookup_one[0], [0], [0]
+    both = threading.Condition()
+
+    def wait_for_the_other(request: bytes, **options: Any) -> Any:
+        with both:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+            both.notify_all()
+            both.wait_for(lambda: most[0] >= 2, timeout=10.0)
+        try:
+            return real(request, **options)
+        finally:
+            with both:
+                in_flight[0] -= 1
+
+    client._lookup_one[0] = wait_for_the_other
+    rows = client._push_then_lookup({"t": (keys[:8], grads)}, None, {"t": (dim, keys)}, True)
+    expected = initial(config, keys)
+    expected[:8] -= np.float32(LR) * grads
+    np.testing.assert_array_equal(rows["t"], expected)
+    assert calls(server, "LookupUnary") == 2 and most[0] == 2

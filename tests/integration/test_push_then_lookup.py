@@ -478,10 +478,10 @@ class Refused(grpc.RpcError):
         return self._trailing
 
 
-def _fail_once(holder: Any, attribute: str, error: grpc.RpcError) -> list[int]:
-    """Make holder.attribute (a real stub's method) raise `error` on its first call; the
-    returned list counts the calls."""
-    real, made = getattr(holder, attribute), []
+def _fail_once(holder: Any, at: str | int, error: grpc.RpcError) -> list[int]:
+    """Make holder's attribute or item `at` (a real stub's method) raise `error` on its
+    first call; the returned list counts the calls."""
+    real, made = holder[at] if isinstance(at, int) else getattr(holder, at), []
 
     def wrapped(*args: Any, **options: Any) -> Any:
         made.append(1)
@@ -489,7 +489,10 @@ def _fail_once(holder: Any, attribute: str, error: grpc.RpcError) -> list[int]:
             raise error
         return real(*args, **options)
 
-    setattr(holder, attribute, wrapped)
+    if isinstance(at, int):
+        holder[at] = wrapped
+    else:
+        setattr(holder, at, wrapped)
     return made
 
 
@@ -641,3 +644,28 @@ def test_a_lookup_cut_into_pieces_sends_them_at_once_after_the_push(
     expected[:8] -= np.float32(LR) * grads
     np.testing.assert_array_equal(rows["t"], expected)
     assert calls(server, "LookupUnary") == 2 and most[0] == 2
+
+
+def test_a_fused_push_refused_on_one_shard_names_the_other_as_succeeded(
+    two_shards: list[ShardServer], make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """Two shards; shard 1 refuses its fused call (injected UNAVAILABLE, before its shard
+    sees it), shard 0 applies its push: PushNotApplied, whose error says the push is in on
+    shard 0 (succeeded == [0]) and not on shard 1; the rows say the same; the step stays
+    taken (the next push is step 2)."""
+    client = make_client(two_shards)
+    config = sgd_table("t", DIM, LR)
+    client.create_table(config)
+    keys = np.arange(8, dtype=np.int64)  # even keys on shard 0, odd ones on shard 1
+    grads = quarter_grads(np.random.default_rng(7), (keys.size, DIM))
+    _fail_once(client._push_then_lookup_one, 1, Refused(grpc.StatusCode.UNAVAILABLE, "injected"))
+    with pytest.raises(PushNotApplied) as raised:
+        client._push_then_lookup({"t": (keys, grads)}, None, {"t": (DIM, keys)}, True)
+    error = raised.value.error
+    assert (error.shard_id, error.code, error.succeeded) == (1, grpc.StatusCode.UNAVAILABLE, [0])
+    assert "applied on shards [0]" in str(error)
+    expected = initial(config, keys)
+    expected[::2] -= np.float32(LR) * grads[::2]  # shard 0's part of the push only
+    np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
+    client.push_gradients("t", keys, grads)
+    assert client.table_step("t") == 2

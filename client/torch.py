@@ -133,9 +133,17 @@ class _Prefetch:
     future: Future[PooledLookup] | None = None
 
 
-def _stop(worker: ThreadPoolExecutor) -> None:
+def _stop(worker: ThreadPoolExecutor, held: list[Any], client: EmbeddingClient) -> None:
     """The finalizer of a module dropped unclosed (it holds no reference to the module):
-    the queued pushes still run, then the thread ends."""
+    its held push (held[0], see EmbeddingBagCollection._held) is sent after the queued
+    ones, which still run, then the thread ends. At interpreter exit, when no thread
+    takes work any more, the held push is sent here."""
+    if held[0] is not None:
+        (pushes, step), held[0] = held[0], None
+        try:
+            worker.submit(client._push_unique, pushes, step)
+        except RuntimeError:  # the thread pools were shut at interpreter exit
+            client._push_unique(pushes, step)
     worker.shutdown(wait=False)
 
 
@@ -288,15 +296,31 @@ class EmbeddingBagCollection(nn.Module):
         # prefetch pipeline() makes next, and goes with its lookup as one call per shard
         # (EmbeddingClient._push_then_lookup); any other call of the module sends it first.
         self._hold_pushes = False  # set by pipeline() while a prefetch follows the step
-        self._held: tuple[dict[str, Any], int | None] | None = None  # (pushes, step)
+        # (pushes, step) of the held push, or None: in a list the finalizer shares (_stop),
+        # so that a module dropped unclosed still sends it
+        self._held_slot: list[tuple[dict[str, Any], int | None] | None] = [None]
+
+    @property
+    def _held(self) -> tuple[dict[str, Any], int | None] | None:
+        return self._held_slot[0]
+
+    @_held.setter
+    def _held(self, held: tuple[dict[str, Any], int | None] | None) -> None:
+        self._held_slot[0] = held
 
     # -- the background thread ---------------------------------------------------------------
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        return self._started_worker().submit(fn, *args)
+
+    def _started_worker(self) -> ThreadPoolExecutor:
+        """The background thread's pool, started (with its finalizer) if it is not."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="tierps-pipeline")
-            self._finalizer = weakref.finalize(self, _stop, self._worker)
-        return self._worker.submit(fn, *args)
+            self._finalizer = weakref.finalize(
+                self, _stop, self._worker, self._held_slot, self.client
+            )
+        return self._worker
 
     def _submit_lookup(self, entry: _Prefetch) -> None:
         """Start entry's lookup in the background, after every push made so far."""
@@ -413,6 +437,7 @@ class EmbeddingBagCollection(nn.Module):
         step = None if group is None else group.step  # a group's pushes carry the job's step
         if group is None and self.staleness == 1 and self._hold_pushes and pooled.device is None:
             self._held = (pooled._key_gradients(_gradients(pooled, grads)), step)
+            self._started_worker()  # its finalizer sends the held push if the module is dropped
         elif group is not None and group.mode == "sync":
             group._push_together(self, pooled._key_gradients(_gradients(pooled, grads)))
         elif self.staleness == 0:

@@ -8,7 +8,9 @@ fails after its push (a real full disk) leaves the push applied, and the client 
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -669,3 +671,32 @@ def test_a_fused_push_refused_on_one_shard_names_the_other_as_succeeded(
     np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
     client.push_gradients("t", keys, grads)
     assert client.table_step("t") == 2
+
+
+def test_a_held_push_of_a_module_dropped_unclosed_is_sent(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """A pipeline suspended after a step's backward (its push held for the next prefetch),
+    then dropped with its module, unclosed, the two collected in one cycle: the held push
+    is still applied (acknowledged means kept): each key's row took one SGD step of the
+    gradient of a sum, its count in the step's bags."""
+    server = shard_server()
+    client = make_client([server])
+    config = sgd_table("t", DIM, LR)
+    client.create_table(config)
+    batches = [{"a": np.arange(8).reshape(4, 2) % 5 + step} for step in range(3)]
+    module = tierps_torch.EmbeddingBagCollection(client, [Feature("a", "t")], staleness=1)
+    steps = module.pipeline(batches)
+    module(next(steps))["a"].sum().backward()  # held for the next prefetch
+    assert module._held is not None
+    module.steps = steps  # module and generator in one cycle
+    del module, steps
+    gc.collect()
+    deadline = time.monotonic() + 10.0
+    while any(t.name.startswith("tierps-pipeline") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the pipeline's thread did not end"
+        time.sleep(0.01)
+    keys = np.arange(5, dtype=np.int64)
+    counts = np.bincount(batches[0]["a"].ravel(), minlength=keys.size).astype(np.float32)
+    expected = initial(config, keys) - np.float32(LR) * counts[:, None]
+    np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import numpy as np
@@ -72,6 +72,8 @@ LOOKUP_PIECES = 4
 # One table's part of a call to a shard: (table, dim, keys, their positions in the table's
 # distinct keys).
 Batch = tuple[str, int, np.ndarray, np.ndarray]
+# What _fan_out hands each call: its batches, or what the caller pairs with a shard.
+Work = TypeVar("Work")
 
 
 @dataclass(frozen=True)
@@ -482,7 +484,7 @@ class EmbeddingClient(ClusterAdmin):
         values = float_array(where, "values", values, shape, "[*keys.shape, dim]").reshape(-1, dim)
         last = flat.size - 1 - np.unique(flat[::-1], return_index=True)[1]
         last = last[flat[last] >= 0]
-        calls = self._route({table: (dim, flat[last])}, lambda dim: 8 + 4 * dim)
+        calls = self._route({table: (dim, flat[last])}, _key_and_row_bytes)
 
         def call(shard: int, batches: list[Batch]) -> Any:
             requests = (
@@ -776,7 +778,7 @@ class EmbeddingClient(ClusterAdmin):
     ) -> list[tuple[int, list[Batch]]]:
         return self._route(
             {t: (grads.shape[1], keys) for t, (keys, grads) in pushes.items()},
-            lambda dim: 8 + 4 * dim,
+            _key_and_row_bytes,
         )
 
     def _push_call(
@@ -787,7 +789,7 @@ class EmbeddingClient(ClusterAdmin):
         pushes: dict[str, tuple[np.ndarray, np.ndarray]],
     ) -> Any:
         """One push call of _push_unique's to a shard: its PushGradientsResponse."""
-        bulk = sum((8 + 4 * dim) * keys.size for _, dim, keys, _ in batches)
+        bulk = sum(_key_and_row_bytes(dim) * keys.size for _, dim, keys, _ in batches)
         if bulk <= self._one_message_bytes[shard]:
             request = _push_request(batches, steps, pushes)
             try:
@@ -916,7 +918,7 @@ class EmbeddingClient(ClusterAdmin):
                 self._lookup_into(shard, lookup, create, out)
 
         try:
-            self._fan_out(list(work.items()), run)  # type: ignore[arg-type]
+            self._fan_out(list(work.items()), run)
         except ShardError as error:
             # the push is applied only where every shard of its calls says so; anything
             # else (a push refused, or a failure before any call ran) is no silent loss
@@ -1091,24 +1093,25 @@ class EmbeddingClient(ClusterAdmin):
         return calls
 
     def _fan_out(
-        self, calls: list[tuple[int, list[Batch]]], call: Callable[[int, list[Batch]], Any]
+        self, calls: list[tuple[int, Work]], call: Callable[[int, Work], Any]
     ) -> list[Any]:
-        """call(shard, batches) for every call, all at once: the last in this thread, the
-        others on the client's call threads (persistent: a gRPC future would start a
-        thread per call). Returns the results in call order once every call has ended; if
-        any failed, raises the first failure as a ShardError naming its shard, with
-        `succeeded` set to the shards whose calls went through."""
+        """call(shard, work) for every call (work: its batches, or what the caller pairs
+        with the shard), all at once: the last in this thread, the others on the client's
+        call threads (persistent: a gRPC future would start a thread per call). Returns
+        the results in call order once every call has ended; if any failed, raises the
+        first failure as a ShardError naming its shard, with `succeeded` set to the shards
+        whose calls went through."""
         if not calls:
             return []
         self._learn_lives([shard for shard, _ in calls])
-        *others, (last_shard, last_batches) = calls
+        *others, (last_shard, last_work) = calls
         futures = [
-            self._calls.submit(self._on, shard, lambda i, _, b=batches: call(i, b))
-            for shard, batches in others
+            self._calls.submit(self._on, shard, lambda i, _, w=work: call(i, w))
+            for shard, work in others
         ]
         last: Any
         try:  # while the others run (not after: then it would wait for them)
-            last = self._on(last_shard, lambda i, _: call(i, last_batches))
+            last = self._on(last_shard, lambda i, _: call(i, last_work))
         except ShardError as error:
             last = error
         except BaseException:
@@ -1167,7 +1170,7 @@ def _fill_push(
 def _fused_bytes(push: list[Batch], lookup: list[Batch]) -> tuple[int, int]:
     """A PushThenLookup's request bulk (the push's keys and gradients, the lookup's keys),
     and its larger way's bulk (that or the reply's rows)."""
-    request = sum((8 + 4 * dim) * keys.size for _, dim, keys, _ in push)
+    request = sum(_key_and_row_bytes(dim) * keys.size for _, dim, keys, _ in push)
     request += sum(8 * keys.size for _, _, keys, _ in lookup)
     return request, max(request, _reply_bytes(lookup))
 
@@ -1176,6 +1179,11 @@ def _push_applied(error: grpc.RpcError) -> bool:
     """Whether a failed PushThenLookup's shard says its push was applied (trailing
     metadata wire.PUSHED_HEADER): then only its lookup failed."""
     return any(key == wire.PUSHED_HEADER for key, _ in error.trailing_metadata() or ())
+
+
+def _key_and_row_bytes(dim: int) -> int:
+    """A key's bulk bytes in a push or an assign: the key (int64) and its row (float32)."""
+    return 8 + 4 * dim
 
 
 def _reply_bytes(batches: list[Batch]) -> int:

@@ -335,7 +335,7 @@ class EmbeddingBagCollection(nn.Module):
         """Hand a held push to the background thread, alone."""
         if self._held is not None:
             (pushes, step), self._held = self._held, None
-            send = functools.partial(_push_keys, self.client, pushes)
+            send = functools.partial(self.client._push_unique, pushes)
             self._last_push = self._submit(self._push_in_background, send, step, None)
 
     def _push_then_fetch(
@@ -742,10 +742,6 @@ def _gradients(pooled: PooledLookup, grads: dict[str, torch.Tensor]) -> dict[str
     if pooled.device is None:
         return {name: grad.detach().cpu().numpy() for name, grad in grads.items()}
     return {name: grad.detach() for name, grad in grads.items()}
-
-
-def _push_keys(client: EmbeddingClient, pushes: dict[str, Any], step: int | None) -> int:
-    return client._push_unique(pushes, step)
 
 
 def _fetch_on(prepared: _PreparedPooling, create: bool, stream: Any) -> PooledLookup:

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -136,15 +137,39 @@ class _Prefetch:
 def _stop(worker: ThreadPoolExecutor, held: list[Any], client: EmbeddingClient) -> None:
     """The finalizer of a module dropped unclosed (it holds no reference to the module):
     its held push (held[0], see EmbeddingBagCollection._held) is sent after the queued
-    ones, which still run, then the thread ends. At interpreter exit, when no thread
-    takes work any more, the held push is sent here."""
+    ones, which still run, then the thread ends. (At interpreter exit a live module's
+    held push was sent before: _send_held_at_exit.)"""
     if held[0] is not None:
         (pushes, step), held[0] = held[0], None
         try:
             worker.submit(client._push_unique, pushes, step)
-        except RuntimeError:  # the thread pools were shut at interpreter exit
-            client._push_unique(pushes, step)
+        except RuntimeError as error:  # the thread pools are shut: say so, never silent
+            sys.stderr.write(
+                f"tierps: a held push of tables {sorted(pushes)} was not applied: {error}\n"
+            )
     worker.shutdown(wait=False)
+
+
+# The modules that held a push (pipeline()), for _send_held_at_exit.
+_HOLDING: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _send_held_at_exit() -> None:
+    """At interpreter exit, before the thread pools shut (threading's exit hooks run the
+    last registered first; concurrent.futures registered its own before this module):
+    each live module's held push is sent and waited for (a pipeline left suspended);
+    a failure is written to stderr, as no call of the module will raise it."""
+    for module in list(_HOLDING):
+        if module._held is None:
+            continue
+        module._wait_for_pushes()
+        with module._failure_lock:
+            failure = module._failure
+        if failure is not None:
+            sys.stderr.write(f"tierps: a held push was not applied at exit: {failure}\n")
+
+
+threading._register_atexit(_send_held_at_exit)  # the hook concurrent.futures uses
 
 
 # Which live module pipelines each table, per client (see the module docstring).
@@ -438,6 +463,7 @@ class EmbeddingBagCollection(nn.Module):
         if group is None and self.staleness == 1 and self._hold_pushes and pooled.device is None:
             self._held = (pooled._key_gradients(_gradients(pooled, grads)), step)
             self._started_worker()  # its finalizer sends the held push if the module is dropped
+            _HOLDING.add(self)  # and _send_held_at_exit, if it lives at interpreter exit
         elif group is not None and group.mode == "sync":
             group._push_together(self, pooled._key_gradients(_gradients(pooled, grads)))
         elif self.staleness == 0:

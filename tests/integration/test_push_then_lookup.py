@@ -9,6 +9,8 @@ fails after its push (a real full disk) leaves the push applied, and the client 
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -698,5 +700,41 @@ def test_a_held_push_of_a_module_dropped_unclosed_is_sent(
         time.sleep(0.01)
     keys = np.arange(5, dtype=np.int64)
     counts = np.bincount(batches[0]["a"].ravel(), minlength=keys.size).astype(np.float32)
+    expected = initial(config, keys) - np.float32(LR) * counts[:, None]
+    np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
+
+
+AT_EXIT = """
+import sys
+import numpy as np
+from tierps.client import EmbeddingClient, Feature
+from tierps.client.torch import EmbeddingBagCollection
+
+client = EmbeddingClient([sys.argv[1]], timeout_s=20.0)
+module = EmbeddingBagCollection(client, [Feature("a", "t")], staleness=1)
+steps = module.pipeline([{"a": np.arange(8).reshape(4, 2) % 5 + step} for step in range(3)])
+module(next(steps))["a"].sum().backward()  # held for the next prefetch
+assert module._held is not None
+sys.exit(0)  # the pipeline suspended, the module unclosed
+"""
+
+
+def test_a_held_push_is_sent_at_interpreter_exit(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """A trainer process that exits with its pipeline suspended after a step's backward
+    (its push held, the module unclosed): the held push is applied before the process
+    ends (each key's row took one SGD step of its count in the step's bags)."""
+    server = shard_server()
+    client = make_client([server])
+    config = sgd_table("t", DIM, LR)
+    client.create_table(config)
+    done = subprocess.run(
+        [sys.executable, "-c", AT_EXIT, server.address], capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    keys = np.arange(5, dtype=np.int64)
+    counts = np.bincount((np.arange(8) % 5), minlength=keys.size).astype(np.float32)
     expected = initial(config, keys) - np.float32(LR) * counts[:, None]
     np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)

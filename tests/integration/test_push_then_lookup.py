@@ -552,18 +552,26 @@ def test_a_push_and_lookup_over_the_shards_per_call_limit_together_go_separately
     assert calls(server, "PushGradientsUnary") == 2
 
 
+def _sgd_shard(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient], seed: int
+) -> tuple[ShardServer, EmbeddingClient, TableConfig, np.ndarray, np.ndarray]:
+    """A shard, a client of it, its SGD table "t" of dim DIM (sgd_table), and a push to
+    it: six keys and their gradients."""
+    server = shard_server()
+    client = make_client([server])
+    config = sgd_table("t", DIM, LR)
+    client.create_table(config)
+    keys = np.arange(6, dtype=np.int64)
+    return server, client, config, keys, quarter_grads(np.random.default_rng(seed), (6, DIM))
+
+
 def test_a_fused_reply_of_the_wrong_size_keeps_the_push_applied(
     shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
 ) -> None:
     """The shard applied the push and served the lookup, but its reply (cut short here, on
     its way to the client) has a row too few: the client raises the reply's ShardError, not
     PushNotApplied, and keeps the push's step (the push is in, once)."""
-    server = shard_server()
-    client = make_client([server])
-    config = sgd_table("t", DIM, LR)
-    client.create_table(config)
-    keys = np.arange(6, dtype=np.int64)
-    grads = quarter_grads(np.random.default_rng(4), (keys.size, DIM))
+    _, client, config, keys, grads = _sgd_shard(shard_server, make_client, seed=4)
     real = client._push_then_lookup_one[0]
 
     def one_row_short(request: bytes, **options: Any) -> bytes:
@@ -589,12 +597,7 @@ def test_a_fused_call_whose_push_is_in_is_never_sent_again(
     calls (too large for one message), after the shard applied its push and said so in
     trailing metadata: the client raises it as the lookup's failure and does not push
     again (the rows took one SGD step, and no PushGradients call came)."""
-    server = shard_server()
-    client = make_client([server])
-    config = sgd_table("t", DIM, LR)
-    client.create_table(config)
-    keys = np.arange(6, dtype=np.int64)
-    grads = quarter_grads(np.random.default_rng(5), (keys.size, DIM))
+    server, client, config, keys, grads = _sgd_shard(shard_server, make_client, seed=5)
     real = client._push_then_lookup_one[0]
 
     def pushed_then_too_large(request: bytes, **options: Any) -> bytes:

@@ -897,7 +897,7 @@ class EmbeddingClient(ClusterAdmin):
 
         def run(shard: int, both: tuple[list[Batch] | None, list[Batch] | None]) -> None:
             push, lookup = both
-            values = None  # the fused call's rows, once it returned
+            values = None  # the fused call's reply, once it returned
             try:
                 if push is not None and lookup is not None:
                     values = self._fused_call(shard, push, lookup, steps, pushes, create)
@@ -911,9 +911,9 @@ class EmbeddingClient(ClusterAdmin):
                         shard, self.addresses[shard], error.code(), error.details() or ""
                     )
                 raise
-            pushed.add(shard)  # before its rows are placed, which may fail
+            pushed.add(shard)  # before its reply is read, which may fail
             if values is not None and lookup is not None:
-                self._place_rows(shard, lookup, values, out)
+                self._place_rows(shard, lookup, wire.push_then_lookup_reply(values)[0], out)
             elif lookup is not None:
                 self._lookup_into(shard, lookup, create, out)
 
@@ -941,9 +941,9 @@ class EmbeddingClient(ClusterAdmin):
         pushes: dict[str, tuple[np.ndarray, np.ndarray]],
         create: bool,
     ) -> Any:
-        """One PushThenLookup to a shard: its reply's rows (bytes-like values, for
-        _place_rows); None (nothing done) where it does not fit in one message each way,
-        or the shard refused it as too large or does not know it."""
+        """One PushThenLookup to a shard: its reply, undecoded (its push is applied); None
+        (nothing done) where it does not fit in one message each way, or the shard refused
+        it as too large or does not know it."""
         if not self._fits_fused(shard, push, lookup):
             return None
         request_bytes, bulk = _fused_bytes(push, lookup)
@@ -970,7 +970,7 @@ class EmbeddingClient(ClusterAdmin):
             if self._refused_per_call(shard, error, request_bytes):  # likewise
                 return None
             raise
-        return wire.push_then_lookup_reply(reply)[0]
+        return reply
 
     def _fuses_parts(self, shard: int, push: list[list[Batch]], lookup: list[list[Batch]]) -> bool:
         """Whether a shard's push calls and lookup calls go as at most one fused call:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -1109,21 +1109,15 @@ class EmbeddingClient(ClusterAdmin):
             self._calls.submit(self._on, shard, lambda i, _, w=work: call(i, w))
             for shard, work in others
         ]
-        last: Any
-        try:  # while the others run (not after: then it would wait for them)
-            last = self._on(last_shard, lambda i, _: call(i, last_work))
-        except ShardError as error:
-            last = error
-        except BaseException:
-            wait(futures)  # no call outlives the one that raised
-            raise
         outcomes: list[Any] = []
-        for future in futures:
+        for run in [*(future.result for future in futures), None]:
             try:
-                outcomes.append(future.result())
+                if run is None:
+                    outcomes.append(self._on(last_shard, lambda i, _: call(i, last_work)))
+                else:
+                    outcomes.append(run())
             except ShardError as error:
                 outcomes.append(error)
-        outcomes.append(last)
         failures = [outcome for outcome in outcomes if isinstance(outcome, ShardError)]
         if failures:
             # a shard counts only if every one of its calls went through (a part of more

@@ -619,16 +619,16 @@ def test_a_fused_call_whose_push_is_in_is_never_sent_again(
 def test_a_lookup_cut_into_pieces_sends_them_at_once_after_the_push(
     shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
 ) -> None:
-    """A lookup of 8 MiB of rows goes as two pieces (LOOKUP_PIECE_BYTES): with a push
-    before it, the client pushes, then sends the pieces at once, as a lookup alone does
-    (each piece's call waits here, up to 10 s, for the other to be in flight too); the
+    """A lookup of 12 MiB of rows goes as three pieces (LOOKUP_PIECE_BYTES): with a push
+    before it, the client pushes, then sends the pieces as a lookup alone does, two at
+    once (a piece's call waits here, up to 10 s, for another to be in flight too); the
     rows are numpy's SGD step on the initial ones."""
     dim = 256
     server = shard_server()
     client = make_client([server])
     config = sgd_table("t", dim, LR)
     client.create_table(config)
-    keys = np.arange(8 << 10, dtype=np.int64)  # 8 MiB of rows
+    keys = np.arange(12 << 10, dtype=np.int64)  # 12 MiB of rows
     grads = quarter_grads(np.random.default_rng(6), (8, dim))
     real, in_flight, most = client._lookup_one[0], [0], [0]
     both = threading.Condition()
@@ -650,7 +650,7 @@ def test_a_lookup_cut_into_pieces_sends_them_at_once_after_the_push(
     expected = initial(config, keys)
     expected[:8] -= np.float32(LR) * grads
     np.testing.assert_array_equal(rows["t"], expected)
-    assert calls(server, "LookupUnary") == 2 and most[0] == 2
+    assert calls(server, "LookupUnary") == 3 and most[0] == 2
 
 
 def test_a_fused_push_refused_on_one_shard_names_the_other_as_succeeded(

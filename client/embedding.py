@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import numpy as np
@@ -72,6 +72,8 @@ LOOKUP_PIECES = 4
 # One table's part of a call to a shard: (table, dim, keys, their positions in the table's
 # distinct keys).
 Batch = tuple[str, int, np.ndarray, np.ndarray]
+# What _fan_out hands each call: its batches, or what the caller pairs with a shard.
+Work = TypeVar("Work")
 
 
 @dataclass(frozen=True)
@@ -361,6 +363,10 @@ class EmbeddingClient(ClusterAdmin):
         # Whether shard i takes PushThenLookup: False once it answered UNIMPLEMENTED (an
         # older shard), and its pushes and lookups go as separate calls from then on.
         self._fuses = [True] * len(self.addresses)
+        # Request bulk bytes a PushThenLookup to shard i may carry (its push and its lookup's
+        # keys): max_call_bytes, lowered for a shard that refused one as over its per-call
+        # limit (a lower max_batch_bytes); its pushes and lookups then go separately.
+        self._fused_call_bytes = [max_call_bytes] * len(self.addresses)
         # Bulk bytes a call to shard i may carry as one message each way: lowered for a
         # shard that refused a call as too large for one (its message limit is lower).
         self._one_message_bytes = [one_message_bytes] * len(self.addresses)
@@ -478,7 +484,7 @@ class EmbeddingClient(ClusterAdmin):
         values = float_array(where, "values", values, shape, "[*keys.shape, dim]").reshape(-1, dim)
         last = flat.size - 1 - np.unique(flat[::-1], return_index=True)[1]
         last = last[flat[last] >= 0]
-        calls = self._route({table: (dim, flat[last])}, lambda dim: 8 + 4 * dim)
+        calls = self._route({table: (dim, flat[last])}, _key_and_row_bytes)
 
         def call(shard: int, batches: list[Batch]) -> Any:
             requests = (
@@ -772,7 +778,7 @@ class EmbeddingClient(ClusterAdmin):
     ) -> list[tuple[int, list[Batch]]]:
         return self._route(
             {t: (grads.shape[1], keys) for t, (keys, grads) in pushes.items()},
-            lambda dim: 8 + 4 * dim,
+            _key_and_row_bytes,
         )
 
     def _push_call(
@@ -783,7 +789,7 @@ class EmbeddingClient(ClusterAdmin):
         pushes: dict[str, tuple[np.ndarray, np.ndarray]],
     ) -> Any:
         """One push call of _push_unique's to a shard: its PushGradientsResponse."""
-        bulk = sum((8 + 4 * dim) * keys.size for _, dim, keys, _ in batches)
+        bulk = sum(_key_and_row_bytes(dim) * keys.size for _, dim, keys, _ in batches)
         if bulk <= self._one_message_bytes[shard]:
             request = _push_request(batches, steps, pushes)
             try:
@@ -850,59 +856,79 @@ class EmbeddingClient(ClusterAdmin):
         create: bool,
     ) -> dict[str, np.ndarray]:
         """_push_unique(pushes, step), then _lookup_unique(tables, create) seeing it, in one
-        PushThenLookup call per shard where a shard's parts of both fit in one message
-        each; else (or for a shard that does not know the call) that shard's push calls,
-        then its lookup calls. A push that failed on any shard raises PushNotApplied with
-        the error _push_unique would raise; a lookup that failed after the push was applied
-        everywhere raises its ShardError."""
+        PushThenLookup call per shard where every shard's parts of both are one call each
+        and fit in one message each way (or a shard has a part of one of them only, sent
+        alone); else those two, as separate calls for all shards (a lookup cut into pieces
+        then sends them at once). A shard that refuses the fused call as too large, or does
+        not know it, gets its push call, then its lookup call. A push not applied on every
+        shard of its calls (refused, or a failure before they ran: table_step, routing,
+        learning a shard's life) raises PushNotApplied with the error _push_unique would
+        raise; a lookup that failed after the push was applied everywhere raises its
+        ShardError."""
         pushes = {t: (keys, grads) for t, (keys, grads) in pushes.items() if keys.size}
         if not pushes:
             return self._lookup_unique(tables, create)
-        steps = self._reserve_steps(list(pushes), step)
-        push_calls = self._route_push(pushes)
-        lookup_calls = self._route(tables, lambda dim: max(8, 4 * dim), pieces=True)
-        out = {name: np.empty((keys.size, dim), np.float32) for name, (dim, keys) in tables.items()}
-        work: dict[int, tuple[list[list[Batch]], list[list[Batch]]]] = {}
+        try:
+            push_calls = self._route_push(pushes)
+            lookup_calls = self._route(tables, lambda dim: max(8, 4 * dim), pieces=True)
+        except ShardError as error:  # nothing sent, no step taken
+            raise PushNotApplied(error) from None
+        parts: dict[int, tuple[list[list[Batch]], list[list[Batch]]]] = {}
         for shard, batches in push_calls:
-            work.setdefault(shard, ([], []))[0].append(batches)
+            parts.setdefault(shard, ([], []))[0].append(batches)
         for shard, batches in lookup_calls:
-            work.setdefault(shard, ([], []))[1].append(batches)
+            parts.setdefault(shard, ([], []))[1].append(batches)
+        if not all(self._fuses_parts(shard, *both) for shard, both in parts.items()):
+            try:
+                self._push_unique(pushes, step)
+            except ShardError as error:
+                raise PushNotApplied(error) from None
+            return self._lookup_unique(tables, create)
+        try:
+            steps = self._reserve_steps(list(pushes), step)
+        except ShardError as error:  # table_step failed: no step taken, nothing sent
+            raise PushNotApplied(error) from None
+        out = {name: np.empty((keys.size, dim), np.float32) for name, (dim, keys) in tables.items()}
+        # each shard's push call and lookup call (None: it has no part of that one)
+        work = {shard: (push[0] if push else None, lookup[0] if lookup else None)
+                for shard, (push, lookup) in parts.items()}  # fmt: skip
         pushed: set[int] = set()  # shards whose part of the push is applied
         push_failed: dict[int, ShardError] = {}
 
-        def run(shard: int, parts: tuple[list[list[Batch]], list[list[Batch]]]) -> None:
-            push_parts, lookup_parts = parts
+        def run(shard: int, both: tuple[list[Batch] | None, list[Batch] | None]) -> None:
+            push, lookup = both
+            values = None  # the fused call's reply, once it returned
             try:
-                fused = (
-                    len(push_parts) == 1 and len(lookup_parts) == 1
-                    and self._fused_call(shard, push_parts[0], lookup_parts[0], steps, pushes,
-                                         create, out)
-                )  # fmt: skip
-                if not fused:
-                    for batches in push_parts:
-                        self._push_call(shard, batches, steps, pushes)
+                if push is not None and lookup is not None:
+                    values = self._fused_call(shard, push, lookup, steps, pushes, create)
+                if values is None and push is not None:
+                    self._push_call(shard, push, steps, pushes)
             except grpc.RpcError as error:
-                if any(key == wire.PUSHED_HEADER for key, _ in error.trailing_metadata() or ()):
+                if _push_applied(error):
                     pushed.add(shard)  # the push is in; its lookup failed
                 else:
                     push_failed[shard] = ShardError(
                         shard, self.addresses[shard], error.code(), error.details() or ""
                     )
                 raise
-            pushed.add(shard)
-            if not fused:
-                for batches in lookup_parts:
-                    self._lookup_into(shard, batches, create, out)
+            pushed.add(shard)  # before its reply is read, which may fail
+            if values is not None and lookup is not None:
+                self._place_rows(shard, lookup, wire.push_then_lookup_reply(values)[0], out)
+            elif lookup is not None:
+                self._lookup_into(shard, lookup, create, out)
 
         try:
-            self._fan_out(list(work.items()), run)  # type: ignore[arg-type]
-        except ShardError:
-            if push_failed:
-                first = push_failed[min(push_failed)]
-                first.succeeded = sorted(pushed & {shard for shard, _ in push_calls})
-                raise PushNotApplied(self._push_failure(first, steps, step)) from None
-            self._push_done(steps, step)
-            raise
+            self._fan_out(list(work.items()), run)
+        except ShardError as error:
+            # the push is applied only where every shard of its calls says so; anything
+            # else (a push refused, or a failure before any call ran) is no silent loss
+            push_shards = {shard for shard, _ in push_calls}
+            if push_shards <= pushed:  # a lookup failed after the push went in
+                self._push_done(steps, step)
+                raise
+            failure = push_failed[min(push_failed)] if push_failed else error
+            failure.succeeded = sorted(pushed & push_shards)
+            raise PushNotApplied(self._push_failure(failure, steps, step)) from None
         self._push_done(steps, step)
         return out
 
@@ -914,16 +940,13 @@ class EmbeddingClient(ClusterAdmin):
         steps: dict[str, int],
         pushes: dict[str, tuple[np.ndarray, np.ndarray]],
         create: bool,
-        out: dict[str, np.ndarray],
-    ) -> bool:
-        """One PushThenLookup to a shard, its rows placed in `out`; False (nothing done)
-        where it does not fit in one message each way, or the shard refused it as too
-        large or does not know it."""
-        push_bytes = sum((8 + 4 * dim) * keys.size for _, dim, keys, _ in push)
-        key_bytes = sum(8 * keys.size for _, _, keys, _ in lookup)
-        bulk = max(push_bytes + key_bytes, _reply_bytes(lookup))
-        if not self._fuses[shard] or bulk > self._one_message_bytes[shard]:
-            return False
+    ) -> Any:
+        """One PushThenLookup to a shard: its reply, undecoded (its push is applied); None
+        (nothing done) where it does not fit in one message each way, or the shard refused
+        it as too large or does not know it."""
+        if not self._fits_fused(shard, push, lookup):
+            return None
+        request_bytes, bulk = _fused_bytes(push, lookup)
         request, fields = wire.encode_push_then_lookup_in_place(
             [(name, dim, steps[name], (8 * keys.size, 4 * dim * keys.size))
              for name, dim, keys, _ in push],
@@ -937,14 +960,46 @@ class EmbeddingClient(ClusterAdmin):
                 metadata=self._metadata(shard, *wire.declared(len(request))),
             )
         except grpc.RpcError as error:
+            if _push_applied(error):  # whatever else it says: the push must not go again
+                raise
             if error.code() is grpc.StatusCode.UNIMPLEMENTED:  # an older shard
                 self._fuses[shard] = False
-                return False
+                return None
             if self._refused_as_too_large(shard, error, bulk):  # before it was read
-                return False
+                return None
+            if self._refused_per_call(shard, error, request_bytes):  # likewise
+                return None
             raise
-        self._place_rows(shard, lookup, wire.push_then_lookup_reply(reply)[0], out)
-        return True
+        return reply
+
+    def _fuses_parts(self, shard: int, push: list[list[Batch]], lookup: list[list[Batch]]) -> bool:
+        """Whether a shard's push calls and lookup calls go as at most one fused call:
+        one of each that fits it (_fits_fused), or calls of one kind only, one at most."""
+        if len(push) > 1 or len(lookup) > 1:
+            return False
+        return not (push and lookup) or self._fits_fused(shard, push[0], lookup[0])
+
+    def _fits_fused(self, shard: int, push: list[Batch], lookup: list[Batch]) -> bool:
+        """Whether the shard takes this push and lookup as one PushThenLookup: it knows
+        the call, both ways fit in one message, and the request in one call."""
+        request_bytes, bulk = _fused_bytes(push, lookup)
+        return (
+            self._fuses[shard]
+            and bulk <= self._one_message_bytes[shard]
+            and request_bytes <= self._fused_call_bytes[shard]
+        )
+
+    def _refused_per_call(self, shard: int, error: grpc.RpcError, bulk: int) -> bool:
+        """Whether the shard refused a PushThenLookup of `bulk` request bytes as over its
+        per-call limit (CallLimits, before any handler ran: nothing applied); then this
+        shard's fused calls stay below `bulk`."""
+        refused = error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and (
+            "bytes per call" in (error.details() or "")
+        )
+        if refused:
+            with self._lock:
+                self._fused_call_bytes[shard] = min(self._fused_call_bytes[shard], bulk - 1)
+        return refused
 
     def table_step(self, name: str) -> int:
         """The table's step clock on the cluster: the largest step pushed to it on any shard
@@ -1038,26 +1093,27 @@ class EmbeddingClient(ClusterAdmin):
         return calls
 
     def _fan_out(
-        self, calls: list[tuple[int, list[Batch]]], call: Callable[[int, list[Batch]], Any]
+        self, calls: list[tuple[int, Work]], call: Callable[[int, Work], Any]
     ) -> list[Any]:
-        """call(shard, batches) for every call, all at once: the last in this thread, the
-        others on the client's call threads (persistent: a gRPC future would start a
-        thread per call). Returns the results in call order once every call has ended; if
-        any failed, raises the first failure as a ShardError naming its shard, with
-        `succeeded` set to the shards whose calls went through."""
+        """call(shard, work) for every call (work: its batches, or what the caller pairs
+        with the shard), all at once: the last in this thread, the others on the client's
+        call threads (persistent: a gRPC future would start a thread per call). Returns
+        the results in call order once every call has ended; if any failed, raises the
+        first failure as a ShardError naming its shard, with `succeeded` set to the shards
+        whose calls went through."""
         if not calls:
             return []
         self._learn_lives([shard for shard, _ in calls])
-        *others, (last_shard, last_batches) = calls
+        *others, (last_shard, last_work) = calls
         futures = [
-            self._calls.submit(self._on, shard, lambda i, _, b=batches: call(i, b))
-            for shard, batches in others
+            self._calls.submit(self._on, shard, lambda i, _, w=work: call(i, w))
+            for shard, work in others
         ]
         outcomes: list[Any] = []
         for run in [*(future.result for future in futures), None]:
             try:
                 if run is None:
-                    outcomes.append(self._on(last_shard, lambda i, _: call(i, last_batches)))
+                    outcomes.append(self._on(last_shard, lambda i, _: call(i, last_work)))
                 else:
                     outcomes.append(run())
             except ShardError as error:
@@ -1103,6 +1159,25 @@ def _fill_push(
             out[...] = grads
         else:  # "clip": positions are valid; numpy buffers `out` only for mode="raise"
             np.take(grads, at, axis=0, out=out, mode="clip")
+
+
+def _fused_bytes(push: list[Batch], lookup: list[Batch]) -> tuple[int, int]:
+    """A PushThenLookup's request bulk (the push's keys and gradients, the lookup's keys),
+    and its larger way's bulk (that or the reply's rows)."""
+    request = sum(_key_and_row_bytes(dim) * keys.size for _, dim, keys, _ in push)
+    request += sum(8 * keys.size for _, _, keys, _ in lookup)
+    return request, max(request, _reply_bytes(lookup))
+
+
+def _push_applied(error: grpc.RpcError) -> bool:
+    """Whether a failed PushThenLookup's shard says its push was applied (trailing
+    metadata wire.PUSHED_HEADER): then only its lookup failed."""
+    return any(key == wire.PUSHED_HEADER for key, _ in error.trailing_metadata() or ())
+
+
+def _key_and_row_bytes(dim: int) -> int:
+    """A key's bulk bytes in a push or an assign: the key (int64) and its row (float32)."""
+    return 8 + 4 * dim
 
 
 def _reply_bytes(batches: list[Batch]) -> int:

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -133,10 +134,42 @@ class _Prefetch:
     future: Future[PooledLookup] | None = None
 
 
-def _stop(worker: ThreadPoolExecutor) -> None:
+def _stop(worker: ThreadPoolExecutor, held: list[Any], client: EmbeddingClient) -> None:
     """The finalizer of a module dropped unclosed (it holds no reference to the module):
-    the queued pushes still run, then the thread ends."""
+    its held push (held[0], see EmbeddingBagCollection._held) is sent after the queued
+    ones, which still run, then the thread ends. (At interpreter exit a live module's
+    held push was sent before: _send_held_at_exit.)"""
+    if held[0] is not None:
+        (pushes, step), held[0] = held[0], None
+        try:
+            worker.submit(client._push_unique, pushes, step)
+        except RuntimeError as error:  # the thread pools are shut: say so, never silent
+            sys.stderr.write(
+                f"tierps: a held push of tables {sorted(pushes)} was not applied: {error}\n"
+            )
     worker.shutdown(wait=False)
+
+
+# The modules that held a push (pipeline()), for _send_held_at_exit.
+_HOLDING: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _send_held_at_exit() -> None:
+    """At interpreter exit, before the thread pools shut (threading's exit hooks run the
+    last registered first; concurrent.futures registered its own before this module):
+    each live module's held push is sent and waited for (a pipeline left suspended);
+    a failure is written to stderr, as no call of the module will raise it."""
+    for module in list(_HOLDING):
+        if module._held is None:
+            continue
+        module._wait_for_pushes()
+        with module._failure_lock:
+            failure = module._failure
+        if failure is not None:
+            sys.stderr.write(f"tierps: a held push was not applied at exit: {failure}\n")
+
+
+threading._register_atexit(_send_held_at_exit)  # the hook concurrent.futures uses
 
 
 # Which live module pipelines each table, per client (see the module docstring).
@@ -288,15 +321,31 @@ class EmbeddingBagCollection(nn.Module):
         # prefetch pipeline() makes next, and goes with its lookup as one call per shard
         # (EmbeddingClient._push_then_lookup); any other call of the module sends it first.
         self._hold_pushes = False  # set by pipeline() while a prefetch follows the step
-        self._held: tuple[dict[str, Any], int | None] | None = None  # (pushes, step)
+        # (pushes, step) of the held push, or None: in a list the finalizer shares (_stop),
+        # so that a module dropped unclosed still sends it
+        self._held_slot: list[tuple[dict[str, Any], int | None] | None] = [None]
+
+    @property
+    def _held(self) -> tuple[dict[str, Any], int | None] | None:
+        return self._held_slot[0]
+
+    @_held.setter
+    def _held(self, held: tuple[dict[str, Any], int | None] | None) -> None:
+        self._held_slot[0] = held
 
     # -- the background thread ---------------------------------------------------------------
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        return self._started_worker().submit(fn, *args)
+
+    def _started_worker(self) -> ThreadPoolExecutor:
+        """The background thread's pool, started (with its finalizer) if it is not."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="tierps-pipeline")
-            self._finalizer = weakref.finalize(self, _stop, self._worker)
-        return self._worker.submit(fn, *args)
+            self._finalizer = weakref.finalize(
+                self, _stop, self._worker, self._held_slot, self.client
+            )
+        return self._worker
 
     def _submit_lookup(self, entry: _Prefetch) -> None:
         """Start entry's lookup in the background, after every push made so far."""
@@ -311,7 +360,7 @@ class EmbeddingBagCollection(nn.Module):
         """Hand a held push to the background thread, alone."""
         if self._held is not None:
             (pushes, step), self._held = self._held, None
-            send = functools.partial(_push_keys, self.client, pushes)
+            send = functools.partial(self.client._push_unique, pushes)
             self._last_push = self._submit(self._push_in_background, send, step, None)
 
     def _push_then_fetch(
@@ -413,6 +462,8 @@ class EmbeddingBagCollection(nn.Module):
         step = None if group is None else group.step  # a group's pushes carry the job's step
         if group is None and self.staleness == 1 and self._hold_pushes and pooled.device is None:
             self._held = (pooled._key_gradients(_gradients(pooled, grads)), step)
+            self._started_worker()  # its finalizer sends the held push if the module is dropped
+            _HOLDING.add(self)  # and _send_held_at_exit, if it lives at interpreter exit
         elif group is not None and group.mode == "sync":
             group._push_together(self, pooled._key_gradients(_gradients(pooled, grads)))
         elif self.staleness == 0:
@@ -717,10 +768,6 @@ def _gradients(pooled: PooledLookup, grads: dict[str, torch.Tensor]) -> dict[str
     if pooled.device is None:
         return {name: grad.detach().cpu().numpy() for name, grad in grads.items()}
     return {name: grad.detach() for name, grad in grads.items()}
-
-
-def _push_keys(client: EmbeddingClient, pushes: dict[str, Any], step: int | None) -> int:
-    return client._push_unique(pushes, step)
 
 
 def _fetch_on(prepared: _PreparedPooling, create: bool, stream: Any) -> PooledLookup:

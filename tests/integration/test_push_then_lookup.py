@@ -8,6 +8,11 @@ fails after its push (a real full disk) leaves the push applied, and the client 
 
 from __future__ import annotations
 
+import gc
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,6 +35,7 @@ from tests.integration.test_client_wire import (
     sgd_table,
 )
 from tierps.client import EmbeddingClient, Feature, ShardError, TableConfig, init, optim
+from tierps.client.embedding import PushNotApplied
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import wire
 from tierps.server.daemon import ShardServer
@@ -453,3 +459,285 @@ def test_a_lookup_failing_after_its_push_keeps_the_push_and_says_so(
         finally:
             (fs / "filler").unlink(missing_ok=True)
             server.stop()  # while its disk is mounted
+
+
+# -- failures around the fused call --------------------------------------------------------
+
+
+class Refused(grpc.RpcError):
+    """A call's failure as gRPC raises it (code, details, trailing metadata), injected by
+    wrapping one of the client's real stubs."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple = ()) -> None:
+        super().__init__(details)
+        self._code, self._details, self._trailing = code, details, trailing
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple:
+        return self._trailing
+
+
+def _fail_once(holder: Any, at: str | int, error: grpc.RpcError) -> list[int]:
+    """Make holder's attribute or item `at` (a real stub's method) raise `error` on its
+    first call; the returned list counts the calls."""
+    real, made = holder[at] if isinstance(at, int) else getattr(holder, at), []
+
+    def wrapped(*args: Any, **options: Any) -> Any:
+        made.append(1)
+        if len(made) == 1:
+            raise error
+        return real(*args, **options)
+
+    if isinstance(at, int):
+        holder[at] = wrapped
+    else:
+        setattr(holder, at, wrapped)
+    return made
+
+
+@pytest.mark.parametrize("failing", ["DescribeTable", "Stats"])
+def test_a_push_failing_before_its_calls_ran_is_push_not_applied(
+    two_shards: list[ShardServer], make_client: Callable[..., EmbeddingClient], failing: str
+) -> None:
+    """The first push of a fresh client learns the table's step (DescribeTable) and each
+    shard's life (Stats) before any call: either failing raises PushNotApplied (the push is
+    lost loudly, never silently), changes no row, and gives its step back."""
+    make_client(two_shards).create_table(sgd_table("t", DIM, LR))
+    client = make_client(two_shards)
+    keys = np.arange(6, dtype=np.int64)
+    before = client.lookup("t", keys, create=True) if failing == "DescribeTable" else None
+    made = _fail_once(client._stubs[0], failing, Refused(grpc.StatusCode.UNAVAILABLE, "down"))
+    grads = quarter_grads(np.random.default_rng(2), (keys.size, DIM))
+    with pytest.raises(PushNotApplied) as raised:
+        client._push_then_lookup({"t": (keys, grads)}, None, {"t": (DIM, keys)}, True)
+    assert made and raised.value.error.code is grpc.StatusCode.UNAVAILABLE
+    assert raised.value.error.succeeded == []
+    rows = client.lookup("t", keys, create=False)
+    np.testing.assert_array_equal(
+        rows, before if before is not None else initial(sgd_table("t", DIM, LR), keys)
+    )
+    client.push_gradients("t", keys, grads)  # the step given back: this push is step 1
+    assert client.table_step("t") == 1
+
+
+@pytest.mark.parametrize("client_limit", [1 << 20, None])
+def test_a_push_and_lookup_over_the_shards_per_call_limit_together_go_separately(
+    shard_server: ServerFactory,
+    make_client: Callable[..., EmbeddingClient],
+    client_limit: int | None,
+) -> None:
+    """A shard of max_batch_bytes 1 MiB; a push (960 KB) and a lookup (320 KB of keys) that
+    each fit it but not together: the client (max_call_bytes as the shard's, or left at
+    its default, when the shard's refusal of the fused call says so) pushes, then looks
+    up, with separate calls; the rows are numpy's SGD step on the initial ones."""
+    server = shard_server(max_batch_bytes=1 << 20)
+    options = {} if client_limit is None else {"max_call_bytes": client_limit}
+    client = make_client([server], **options)
+    config = sgd_table("t", DIM, LR)
+    client.create_table(config)
+    pushed = looked_up = np.arange(40_000, dtype=np.int64)
+    grads = quarter_grads(np.random.default_rng(3), (pushed.size, DIM))
+    expected = initial(config, looked_up)
+    expected[: pushed.size] -= np.float32(LR) * grads
+    for _ in range(2):  # the second time, the client knows the shard's limit
+        rows = client._push_then_lookup({"t": (pushed, grads)}, None, {"t": (DIM, looked_up)}, True)
+        np.testing.assert_array_equal(rows["t"], expected)
+        expected[: pushed.size] -= np.float32(LR) * grads
+    assert calls(server, "PushThenLookup") == 0
+    assert calls(server, "PushGradientsUnary") == 2
+
+
+def _sgd_shard(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient], seed: int
+) -> tuple[ShardServer, EmbeddingClient, TableConfig, np.ndarray, np.ndarray]:
+    """A shard, a client of it, its SGD table "t" of dim DIM (sgd_table), and a push to
+    it: six keys and their gradients."""
+    server = shard_server()
+    client = make_client([server])
+    config = sgd_table("t", DIM, LR)
+    client.create_table(config)
+    keys = np.arange(6, dtype=np.int64)
+    return server, client, config, keys, quarter_grads(np.random.default_rng(seed), (6, DIM))
+
+
+def test_a_fused_reply_of_the_wrong_size_keeps_the_push_applied(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """The shard applied the push and served the lookup, but its reply (cut short here, on
+    its way to the client) has a row too few: the client raises the reply's ShardError, not
+    PushNotApplied, and keeps the push's step (the push is in, once)."""
+    _, client, config, keys, grads = _sgd_shard(shard_server, make_client, seed=4)
+    real = client._push_then_lookup_one[0]
+
+    def one_row_short(request: bytes, **options: Any) -> bytes:
+        values, num_keys = wire.push_then_lookup_reply(real(request, **options))
+        rows = np.frombuffer(values, "<f4").reshape(-1, DIM)[:-1]
+        encoded, (view,) = wire.lookup_reply([rows.shape], num_keys)
+        view[...] = rows
+        return encoded
+
+    client._push_then_lookup_one[0] = one_row_short
+    with pytest.raises(ShardError, match="expected 96 bytes, got 80"):
+        client._push_then_lookup({"t": (keys, grads)}, None, {"t": (DIM, keys)}, True)
+    expected = initial(config, keys) - np.float32(LR) * grads
+    np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
+    client.push_gradients("t", keys, grads)  # step 2: the fused push kept step 1
+    assert client.table_step("t") == 2
+
+
+def test_a_fused_call_whose_push_is_in_is_never_sent_again(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """A fused call failing with an error the client would otherwise answer with separate
+    calls (too large for one message), after the shard applied its push and said so in
+    trailing metadata: the client raises it as the lookup's failure and does not push
+    again (the rows took one SGD step, and no PushGradients call came)."""
+    server, client, config, keys, grads = _sgd_shard(shard_server, make_client, seed=5)
+    real = client._push_then_lookup_one[0]
+
+    def pushed_then_too_large(request: bytes, **options: Any) -> bytes:
+        _, num_keys = wire.push_then_lookup_reply(real(request, **options))
+        raise Refused(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"reply {wire.TOO_LARGE_FOR_ONE_MESSAGE}",
+            ((wire.PUSHED_HEADER, str(num_keys)),),
+        )
+
+    client._push_then_lookup_one[0] = pushed_then_too_large
+    with pytest.raises(ShardError, match="too large for one message"):
+        client._push_then_lookup({"t": (keys, grads)}, None, {"t": (DIM, keys)}, True)
+    expected = initial(config, keys) - np.float32(LR) * grads
+    np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
+    assert calls(server, "PushGradientsUnary") + calls(server, "PushGradients") == 0
+
+
+def test_a_lookup_cut_into_pieces_sends_them_at_once_after_the_push(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """A lookup of 12 MiB of rows goes as three pieces (LOOKUP_PIECE_BYTES): with a push
+    before it, the client pushes, then sends the pieces as a lookup alone does, two at
+    once (a piece's call waits here, up to 10 s, for another to be in flight too); the
+    rows are numpy's SGD step on the initial ones."""
+    dim = 256
+    server = shard_server()
+    client = make_client([server])
+    config = sgd_table("t", dim, LR)
+    client.create_table(config)
+    keys = np.arange(12 << 10, dtype=np.int64)  # 12 MiB of rows
+    grads = quarter_grads(np.random.default_rng(6), (8, dim))
+    real, in_flight, most = client._lookup_one[0], [0], [0]
+    both = threading.Condition()
+
+    def wait_for_the_other(request: bytes, **options: Any) -> Any:
+        with both:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+            both.notify_all()
+            both.wait_for(lambda: most[0] >= 2, timeout=10.0)
+        try:
+            return real(request, **options)
+        finally:
+            with both:
+                in_flight[0] -= 1
+
+    client._lookup_one[0] = wait_for_the_other
+    rows = client._push_then_lookup({"t": (keys[:8], grads)}, None, {"t": (dim, keys)}, True)
+    expected = initial(config, keys)
+    expected[:8] -= np.float32(LR) * grads
+    np.testing.assert_array_equal(rows["t"], expected)
+    assert calls(server, "LookupUnary") == 3 and most[0] == 2
+
+
+def test_a_fused_push_refused_on_one_shard_names_the_other_as_succeeded(
+    two_shards: list[ShardServer], make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """Two shards; shard 1 refuses its fused call (injected UNAVAILABLE, before its shard
+    sees it), shard 0 applies its push: PushNotApplied, whose error says the push is in on
+    shard 0 (succeeded == [0]) and not on shard 1; the rows say the same; the step stays
+    taken (the next push is step 2)."""
+    client = make_client(two_shards)
+    config = sgd_table("t", DIM, LR)
+    client.create_table(config)
+    keys = np.arange(8, dtype=np.int64)  # even keys on shard 0, odd ones on shard 1
+    grads = quarter_grads(np.random.default_rng(7), (keys.size, DIM))
+    _fail_once(client._push_then_lookup_one, 1, Refused(grpc.StatusCode.UNAVAILABLE, "injected"))
+    with pytest.raises(PushNotApplied) as raised:
+        client._push_then_lookup({"t": (keys, grads)}, None, {"t": (DIM, keys)}, True)
+    error = raised.value.error
+    assert (error.shard_id, error.code, error.succeeded) == (1, grpc.StatusCode.UNAVAILABLE, [0])
+    assert "applied on shards [0]" in str(error)
+    expected = initial(config, keys)
+    expected[::2] -= np.float32(LR) * grads[::2]  # shard 0's part of the push only
+    np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
+    client.push_gradients("t", keys, grads)
+    assert client.table_step("t") == 2
+
+
+def test_a_held_push_of_a_module_dropped_unclosed_is_sent(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """A pipeline suspended after a step's backward (its push held for the next prefetch),
+    then dropped with its module, unclosed, the two collected in one cycle: the held push
+    is still applied (acknowledged means kept): each key's row took one SGD step of the
+    gradient of a sum, its count in the step's bags."""
+    server = shard_server()
+    client = make_client([server])
+    config = sgd_table("t", DIM, LR)
+    client.create_table(config)
+    batches = [{"a": np.arange(8).reshape(4, 2) % 5 + step} for step in range(3)]
+    module = tierps_torch.EmbeddingBagCollection(client, [Feature("a", "t")], staleness=1)
+    steps = module.pipeline(batches)
+    module(next(steps))["a"].sum().backward()  # held for the next prefetch
+    assert module._held is not None
+    module.steps = steps  # module and generator in one cycle
+    del module, steps
+    gc.collect()
+    deadline = time.monotonic() + 10.0
+    while any(t.name.startswith("tierps-pipeline") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the pipeline's thread did not end"
+        time.sleep(0.01)
+    keys = np.arange(5, dtype=np.int64)
+    counts = np.bincount(batches[0]["a"].ravel(), minlength=keys.size).astype(np.float32)
+    expected = initial(config, keys) - np.float32(LR) * counts[:, None]
+    np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
+
+
+AT_EXIT = """
+import sys
+import numpy as np
+from tierps.client import EmbeddingClient, Feature
+from tierps.client.torch import EmbeddingBagCollection
+
+client = EmbeddingClient([sys.argv[1]], timeout_s=20.0)
+module = EmbeddingBagCollection(client, [Feature("a", "t")], staleness=1)
+steps = module.pipeline([{"a": np.arange(8).reshape(4, 2) % 5 + step} for step in range(3)])
+module(next(steps))["a"].sum().backward()  # held for the next prefetch
+assert module._held is not None
+sys.exit(0)  # the pipeline suspended, the module unclosed
+"""
+
+
+def test_a_held_push_is_sent_at_interpreter_exit(
+    shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """A trainer process that exits with its pipeline suspended after a step's backward
+    (its push held, the module unclosed): the held push is applied before the process
+    ends (each key's row took one SGD step of its count in the step's bags)."""
+    server = shard_server()
+    client = make_client([server])
+    config = sgd_table("t", DIM, LR)
+    client.create_table(config)
+    done = subprocess.run(
+        [sys.executable, "-c", AT_EXIT, server.address], capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    keys = np.arange(5, dtype=np.int64)
+    counts = np.bincount((np.arange(8) % 5), minlength=keys.size).astype(np.float32)
+    expected = initial(config, keys) - np.float32(LR) * counts[:, None]
+    np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)

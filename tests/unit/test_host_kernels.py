@@ -203,23 +203,42 @@ def test_refused_train_changes_nothing_and_undo_puts_rows_back() -> None:
     np.testing.assert_array_equal(again[2], snapshot[2])
 
 
+def _dim_beside_the_stream_threshold(optimizer: optim.Optimizer, streamed: bool) -> int:
+    """The dim nearest k_train's threshold on the side asked: k_train saves the row_width
+    floats of a row (a push without a stamp) by non-temporal stores when they are
+    TRAIN_STREAM_BYTES or more. Dims of 16 floats: rows of whole cache lines, which
+    _streams takes; only the threshold then decides."""
+    dims = range(16, host_kernels.TRAIN_STREAM_BYTES, 16)
+    side = [
+        dim
+        for dim in dims
+        if (4 * TableConfig("t", dim, optimizer=optimizer).row_width
+            >= host_kernels.TRAIN_STREAM_BYTES) is streamed
+    ]  # fmt: skip
+    return side[0] if streamed else side[-1]
+
+
 @pytest.mark.parametrize(
-    ("optimizer", "dim"),
-    [(optim.Adam(lr=0.01), 64), (optim.SGD(lr=1.0), 16)],
-    ids=["adam-768B-streamed", "sgd-64B-plain"],
+    ("optimizer", "streamed"),
+    [(optim.Adam(lr=0.01), True), (optim.SGD(lr=1.0), False)],
+    ids=["adam-streamed", "sgd-plain"],
 )
-def test_a_large_push_saves_its_rows_streamed_or_not(optimizer: optim.Optimizer, dim: int) -> None:
+def test_a_large_push_saves_its_rows_streamed_or_not(
+    optimizer: optim.Optimizer, streamed: bool
+) -> None:
     """A push whose saved values reach STREAM_BYTES: rows of TRAIN_STREAM_BYTES or more are
-    saved by non-temporal stores, narrower ones by plain stores. Either way a push refused
-    mid-batch (Adam: v from a 1e20 gradient overflows; SGD: -3e38 - 3e38) leaves every row
-    and flag as it was, bit for bit; an accepted one lands within the float64 bound of the
-    update, as the numpy reference does; a partial push's undo puts every row back."""
+    saved by non-temporal stores, narrower ones (here just narrower) by plain stores, as
+    the kernel's own checks of its backup say. Either way a push refused mid-batch (Adam:
+    v from a 1e20 gradient overflows; SGD: -3e38 - 3e38) leaves every row and flag as it
+    was, bit for bit; an accepted one lands within the float64 bound of the update, as
+    the numpy reference does; a partial push's undo puts every row back."""
     from tests.unit.test_kernels import _float64_step, assert_within
 
     rng = np.random.default_rng(12)
+    dim = _dim_beside_the_stream_threshold(optimizer, streamed)
     config = TableConfig("t", dim, optimizer=optimizer)
-    assert (config.stored_bytes >= host_kernels.TRAIN_STREAM_BYTES) is (dim == 64)
-    n = host_kernels.STREAM_BYTES // config.stored_bytes + 7
+    touched = config.row_width  # the floats k_train saves a row (no stamp)
+    n = host_kernels.STREAM_BYTES // (4 * touched) + 7
     keys = rng.choice(10**12, n, replace=False).astype(np.int64)
     rows = config.initial_rows(keys)
     rows[:, :dim] = rng.standard_normal((n, dim), dtype=np.float32)
@@ -251,6 +270,10 @@ def test_a_large_push_saves_its_rows_streamed_or_not(optimizer: optim.Optimizer,
         assert hit.size == n and refused is None
         assert_within(f"{tier.compiled}", tier.find(push)[1][:, :width], expected)
     trained = state()
+    backup = compiled._scratch_rows(n, touched)  # where k_train saved the rows
+    stream = bool(host_kernels._streams(backup, touched))  # the kernel's own checks
+    assert (touched * 4 >= host_kernels.TRAIN_STREAM_BYTES and stream) is streamed
+    assert stream  # so that the plain case is plain by the threshold alone
     partial = np.concatenate([push, [10**13]])  # one key not here: an undo is returned
     hit, undo, refused = compiled.train_resident(
         partial, np.ones((n + 1, dim), np.float32), 2, None

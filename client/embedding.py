@@ -1109,15 +1109,26 @@ class EmbeddingClient(ClusterAdmin):
             self._calls.submit(self._on, shard, lambda i, _, w=work: call(i, w))
             for shard, work in others
         ]
-        outcomes: list[Any] = []
-        for run in [*(future.result for future in futures), None]:
+
+        def run_last() -> Any:
             try:
-                if run is None:
-                    outcomes.append(self._on(last_shard, lambda i, _: call(i, last_work)))
-                else:
-                    outcomes.append(run())
+                return self._on(last_shard, lambda i, _: call(i, last_work))
+            except ShardError as error:
+                return error
+
+        # The last call runs now, beside the others, unless its shard has calls of this
+        # fan-out in flight already (the pieces of one shard's part): those keep one shard
+        # at no more calls at once than the others make, which a shard's in-flight budget
+        # is sized for.
+        last_now = last_shard not in {shard for shard, _ in others}
+        last = run_last() if last_now else None
+        outcomes: list[Any] = []
+        for future in futures:
+            try:
+                outcomes.append(future.result())
             except ShardError as error:
                 outcomes.append(error)
+        outcomes.append(last if last_now else run_last())
         failures = [outcome for outcome in outcomes if isinstance(outcome, ShardError)]
         if failures:
             # a shard counts only if every one of its calls went through (a part of more

@@ -358,8 +358,14 @@ class EmbeddingBagCollection(nn.Module):
 
     def _send_held(self) -> None:
         """Hand a held push to the background thread, alone."""
-        if self._held is not None:
-            (pushes, step), self._held = self._held, None
+        held, self._held = self._held, None
+        self._send_alone(held)
+
+    def _send_alone(self, held: tuple[dict[str, Any], int | None] | None) -> None:
+        """Hand `held` ((pushes, step), taken from _held; None: nothing) to the background
+        thread as a push alone."""
+        if held is not None:
+            pushes, step = held
             send = functools.partial(self.client._push_unique, pushes)
             self._last_push = self._submit(self._push_in_background, send, step, None)
 
@@ -538,8 +544,7 @@ class EmbeddingBagCollection(nn.Module):
             except Exception as error:  # a bad batch: raised by its forward, as before
                 prepared = error
         except BaseException:
-            self._held = held
-            self._send_held()
+            self._send_alone(held)
             raise
         entry = _Prefetch(key, prepared, create, None, _current_stream())
         if held is not None and isinstance(prepared, _PreparedHost):
@@ -547,8 +552,7 @@ class EmbeddingBagCollection(nn.Module):
             entry.future = self._submit(self._push_then_fetch, held, entry)
             self._last_push = entry.future
         else:
-            self._held = held
-            self._send_held()
+            self._send_alone(held)
             if not (create and self.staleness == 0):
                 self._submit_lookup(entry)
         self._prefetched = [*self._prefetched[-(MAX_PREFETCHED - 1) :], entry]

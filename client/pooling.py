@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -73,33 +74,31 @@ def stacked_pooling_matrix(
     forward and one backward kernel call serve every feature of the table."""
     inverse = _joined([inverse for _, inverse, _ in parts])
     # Every bag's bounds in the joined entries: each feature's offsets shifted to where its
-    # entries start (its last offset is the next feature's first), then the end.
-    base, shifted = 0, []
-    for bags, part_inverse, _ in parts:
-        shifted.append(bags.offsets[:-1] + base)
+    # entries start (its last offset is the next feature's first), then the end; written
+    # into one array (a trainer's prefetch builds this every step, for a few features).
+    bag_starts = [0, *itertools.accumulate(bags.num_bags for bags, _, _ in parts)]
+    spans = list(zip(parts, bag_starts[:-1], bag_starts[1:], strict=True))
+    bounds = np.empty(bag_starts[-1] + 1, np.int64)
+    base = 0
+    for (bags, part_inverse, _), first, end in spans:
+        np.add(bags.offsets[:-1], base, out=bounds[first:end])
         base += part_inverse.size
-    shifted.append(np.array([base], np.int64))
-    bounds = np.concatenate(shifted)
+    bounds[-1] = base
     live = inverse >= 0
     if live.all():  # no padding (the usual batch): bags count their entries
-        counts, column = np.diff(bounds), inverse
-    else:  # each bag's live entries: the running count of live entries, differenced
+        indptr, column = bounds, inverse
+    else:  # each bag's live entries: the running count of live entries before its bound
         running = np.zeros(live.size + 1, np.int64)
         np.cumsum(live, out=running[1:])
-        counts, column = np.diff(running[bounds]), inverse[live]
-    if all(combiner is Combiner.SUM and bags.weights is None for bags, _, combiner in parts):
-        data = np.ones(column.size, np.float32)
-    else:
-        data_parts, bag, entry = [], 0, 0
-        for bags, part_inverse, combiner in parts:
-            part_counts = counts[bag : bag + bags.num_bags]
-            part_live = live[entry : entry + part_inverse.size]
-            data_parts.append(_coefficients(bags, part_live, part_counts, combiner))
-            bag += bags.num_bags
-            entry += part_inverse.size
-        data = _joined(data_parts)
-    indptr = np.zeros(counts.size + 1, dtype=np.int64)
-    np.cumsum(counts, out=indptr[1:])
+        indptr, column = running[bounds], inverse[live]
+    # Coefficients: 1 for an unweighted sum; the other features write theirs into their
+    # span of the live entries.
+    data = np.ones(column.size, np.float32)
+    for (bags, _, combiner), first, end in spans:
+        if combiner is not Combiner.SUM or bags.weights is not None:
+            entries = live[bounds[first] : bounds[end]]  # the feature's, padding too
+            counts = np.diff(indptr[first : end + 1])
+            data[indptr[first] : indptr[end]] = _coefficients(bags, entries, counts, combiner)
     index = np.int32 if max(num_unique, column.size) < np.iinfo(np.int32).max else np.int64
     return sp.csr_array(
         (data, column.astype(index, copy=False), indptr.astype(index)),
@@ -119,17 +118,18 @@ def _coefficients(
     weights = None if bags.weights is None else bags.weights[live]
     if combiner is Combiner.SUM:
         return np.ones(int(counts.sum()), np.float32) if weights is None else weights
-    bag_of = np.repeat(np.arange(bags.num_bags), counts)
     if weights is None:
         per_bag = counts.astype(np.float64)
     else:
         squares = weights.astype(np.float64) ** (2 if combiner is Combiner.SQRTN else 1)
+        bag_of = np.repeat(np.arange(bags.num_bags), counts)
         per_bag = np.bincount(bag_of, weights=squares, minlength=bags.num_bags)
     if combiner is Combiner.SQRTN:
         per_bag = np.sqrt(per_bag)
     with np.errstate(divide="ignore", invalid="ignore"):
         scale = np.where(per_bag != 0, 1.0 / per_bag, 0.0)
-    return (scale[bag_of] if weights is None else weights * scale[bag_of]).astype(np.float32)
+    per_entry = np.repeat(scale, counts)  # each live key's bag's scale
+    return (per_entry if weights is None else weights * per_entry).astype(np.float32)
 
 
 Kernel = Literal["auto", "scipy", "torch"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import importlib.resources
 import importlib.util
 import io
@@ -108,6 +109,11 @@ class RaggedColumn:
     def num_samples(self) -> int:
         return self.starts.size - 1
 
+    @functools.cached_property
+    def one_per_sample(self) -> bool:
+        """Whether every sample's bag is one key (starts is 0, 1, ..., N)."""
+        return self.values.size == self.num_samples and bool((np.diff(self.starts) == 1).all())
+
     def bag(self, sample: int) -> np.ndarray:
         return self.values[self.starts[sample] : self.starts[sample + 1]]
 
@@ -120,6 +126,8 @@ class RaggedColumn:
     def gather(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The bags of samples `rows` as a RaggedColumn's arrays: (values, bounds [B + 1]),
         bag i being values[bounds[i]:bounds[i + 1]]."""
+        if self.one_per_sample:  # most features: no bounds to look up
+            return self.values[rows], np.arange(rows.size + 1, dtype=np.int64)
         begin, end = self.starts[rows], self.starts[rows + 1]
         lengths = end - begin
         bounds = np.zeros(rows.size + 1, dtype=np.int64)

@@ -236,7 +236,7 @@ def train_epoch(
         labels.append(batch.labels)
         logits.append(output.detach().numpy())
         bar.update()
-        if bar.n % 20 == 0:
+        if not bar.disable and bar.n % 20 == 0:  # a disabled bar's n stays 0
             bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
     seconds = time.perf_counter() - started  # the pipeline flushed its pushes at the end
     bar.close()

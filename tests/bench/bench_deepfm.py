@@ -17,7 +17,10 @@ Cases: the issue's training shape (8 features, one table each of 200,000 ids, 4 
 drawn from Zipf(1.2), batch 2,048, dim 16) and the demo's (MovieLens-100k, batch 256, dim
 16; its collection shares one table, its per-feature trainers use a table per feature).
 torch runs one intra-op thread everywhere: on 2 cores the shards need the other.
-Targets (issue 13): collection >= 1.0x local, per feature >= 0.6x. Not part of the test run.
+Each row also gives the CPU milliseconds a step took in the trainer's main thread, its other
+threads and the shards (medians over the chunks): on 2 cores a step is as fast as their sum
+allows. Targets (issue 13): collection >= 1.0x local, per feature >= 0.6x. Not part of the
+test run.
 """
 
 from __future__ import annotations
@@ -132,7 +135,11 @@ class Trainer:
         self.dense = demo.dense_optimizer_for(model)
         self.sparse = model.embeddings.sparse_optimizer()
 
-    def chunk(self, dataset: data.CTRDataset, batch_size: int, steps: int, seed: int) -> float:
+    def chunk(
+        self, dataset: data.CTRDataset, batch_size: int, steps: int, seed: int
+    ) -> tuple[float, dict[str, float]]:
+        """samples/s, and the CPU milliseconds a step took (CPU_PARTS: where they went)."""
+        before = _cpu_seconds()
         _, _, seconds, samples = demo.train_epoch(
             self.model, dataset, self.dense, self.sparse, batch_size=batch_size,
             shuffle_seed=seed, max_batches=steps,
@@ -140,7 +147,31 @@ class Trainer:
         # trainers alternate over shared tables, and a table is pipelined by one module at
         # a time: stop this one's background work before the next trainer's chunk
         self.model.embeddings.close()
-        return samples / seconds
+        spent = _cpu_seconds()
+        taken = min(steps, dataset.num_batches("train", batch_size))
+        cpu = {part: 1000 * (spent[part] - before[part]) / taken for part in CPU_PARTS}
+        return samples / seconds, cpu
+
+
+# Where a step's CPU time goes: on 2 cores the trainer and the shards share them, so a step
+# is as fast as the sum allows, whichever thread is on the critical path.
+CPU_PARTS = ("trainer_main_thread", "trainer_other_threads", "shards")
+
+
+def _cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of this thread, this process's other threads, and the shards
+    (this process's child processes, read from /proc; 0 where there is no /proc)."""
+    main, process = time.thread_time(), time.process_time()
+    shards = 0.0
+    me, tick = os.getpid(), os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        if int(fields[1]) == me:  # ppid; then utime and stime, in clock ticks
+            shards += (int(fields[11]) + int(fields[12])) / tick
+    return {"trainer_main_thread": main, "trainer_other_threads": process - main, "shards": shards}
 
 
 def trainers(client: EmbeddingClient, case: Case) -> tuple[dict[str, Trainer], data.CTRDataset]:
@@ -167,12 +198,18 @@ def trainers(client: EmbeddingClient, case: Case) -> tuple[dict[str, Trainer], d
 def run_case(case: Case, client: EmbeddingClient, rounds: int) -> dict:
     made, dataset = trainers(client, case)
     figures: dict[str, list[float]] = {name: [] for name in made}
+    cpu: dict[str, list[dict[str, float]]] = {name: [] for name in made}
     for round_index in range(rounds + 1):  # round 0 warms up (and creates the hot rows)
         for name, trainer in made.items():
-            rate = trainer.chunk(dataset, case.batch_size, case.steps, seed=round_index)
+            rate, step_cpu = trainer.chunk(dataset, case.batch_size, case.steps, seed=round_index)
             if round_index:
                 figures[name].append(rate)
+                cpu[name].append(step_cpu)
     medians = {name: statistics.median(rates) for name, rates in figures.items()}
+    cpu_medians = {
+        name: {part: statistics.median(c[part] for c in chunks) for part in CPU_PARTS}
+        for name, chunks in cpu.items()
+    }
     local = medians["local"]
     return {
         "case": case.name,
@@ -182,6 +219,7 @@ def run_case(case: Case, client: EmbeddingClient, rounds: int) -> dict:
         "chunks": rounds,
         "samples_per_s": medians,
         "ratio_to_local": {name: rate / local for name, rate in medians.items()},
+        "cpu_ms_per_step": cpu_medians,  # medians over the chunks, per part (CPU_PARTS)
         "samples_per_s_each_chunk": figures,
     }
 
@@ -226,9 +264,14 @@ def _line(row: dict) -> str:
     others = " | ".join(
         f"{name} {rates[name]:,.0f} ({ratios[name]:.2f}x)" for name in rates if name != "local"
     )
+    cpu = " | ".join(
+        f"{name} " + "/".join(f"{parts[part]:.2f}" for part in CPU_PARTS)
+        for name, parts in row["cpu_ms_per_step"].items()
+    )
     return (
         f"{row['case']} batch {row['batch_size']}: local EmbeddingBag+SparseAdam "
-        f"{rates['local']:,.0f} samples/s | {others}"
+        f"{rates['local']:,.0f} samples/s | {others}\n  CPU ms a step "
+        f"({' / '.join(CPU_PARTS)}): {cpu}"
     )
 
 

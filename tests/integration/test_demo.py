@@ -302,13 +302,16 @@ def test_synthetic_set_is_criteo_shaped() -> None:
     np.testing.assert_array_equal(again.labels, dataset.labels)
 
 
-def test_ragged_take_matches_a_loop() -> None:
+@pytest.mark.parametrize("most_keys", [3, 1], ids=["ragged", "one-per-sample"])
+def test_ragged_take_matches_a_loop(most_keys: int) -> None:
     rng = np.random.default_rng(0)
-    lengths = rng.integers(0, 4, 50)
+    lengths = rng.integers(0 if most_keys > 1 else 1, most_keys + 1, 50)
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     column = data.RaggedColumn(rng.integers(0, 100, starts[-1]).astype(np.int64), starts)
+    assert column.one_per_sample == (most_keys == 1)  # its gather's shortcut, or not
     rows = rng.integers(0, 50, 30)
     values, offsets = column.take(rows)
+    assert values.dtype == offsets.dtype == np.int64
     bounds = [*offsets.tolist(), values.size]
     for i, row in enumerate(rows):
         np.testing.assert_array_equal(values[bounds[i] : bounds[i + 1]], column.bag(int(row)))

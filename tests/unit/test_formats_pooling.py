@@ -479,3 +479,90 @@ def test_a_stacked_matrix_is_the_features_matrices_one_above_the_other() -> None
         for (bags, combiner), inv in zip(parts, inverses, strict=True)
     ]
     np.testing.assert_array_equal(stacked.toarray(), np.vstack(alone))
+
+
+# -- the stacked matrix, bit for bit the code before it was reworked -----------------------------
+
+
+def previous_stacked_pooling_matrix(
+    parts: list[tuple[Bags, np.ndarray, Combiner]], num_unique: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(data, indices, indptr) as stacked_pooling_matrix built them before a trainer's
+    prefetch made it cheaper (commit b1b610e): frozen here as the reference that the
+    demo's training stays bit for bit the same."""
+    inverse = np.concatenate([inverse for _, inverse, _ in parts])
+    base, shifted = 0, []
+    for bags, part_inverse, _ in parts:
+        shifted.append(bags.offsets[:-1] + base)
+        base += part_inverse.size
+    shifted.append(np.array([base], np.int64))
+    bounds = np.concatenate(shifted)
+    live = inverse >= 0
+    running = np.zeros(live.size + 1, np.int64)
+    np.cumsum(live, out=running[1:])
+    counts, column = np.diff(running[bounds]), inverse[live]
+    data_parts, bag, entry = [], 0, 0
+    for bags, part_inverse, combiner in parts:
+        part_counts = counts[bag : bag + bags.num_bags]
+        part_live = live[entry : entry + part_inverse.size]
+        weights = None if bags.weights is None else bags.weights[part_live]
+        if combiner is Combiner.SUM:
+            coefficients = (
+                np.ones(int(part_counts.sum()), np.float32) if weights is None else weights
+            )
+        else:
+            bag_of = np.repeat(np.arange(bags.num_bags), part_counts)
+            if weights is None:
+                per_bag = part_counts.astype(np.float64)
+            else:
+                squares = weights.astype(np.float64) ** (2 if combiner is Combiner.SQRTN else 1)
+                per_bag = np.bincount(bag_of, weights=squares, minlength=bags.num_bags)
+            if combiner is Combiner.SQRTN:
+                per_bag = np.sqrt(per_bag)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                scale = np.where(per_bag != 0, 1.0 / per_bag, 0.0)
+            per_entry = scale[bag_of] if weights is None else weights * scale[bag_of]
+            coefficients = per_entry.astype(np.float32)
+        data_parts.append(coefficients)
+        bag += bags.num_bags
+        entry += part_inverse.size
+    indptr = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    return np.concatenate(data_parts), column, indptr
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 5), max_size=6),  # keys per bag
+            st.sampled_from(list(Combiner)),
+            st.booleans(),  # weighted
+            st.booleans(),  # with padding
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    st.integers(0, 2**32 - 1),
+)
+def test_a_stacked_matrix_is_bit_for_bit_the_previous_code(
+    features: list[tuple[list[int], Combiner, bool, bool]], seed: int
+) -> None:
+    generator = np.random.default_rng(seed)
+    parts, keys = [], []
+    for sizes, combiner, weighted, padded in features:
+        values = generator.integers(-1 if padded else 0, 40, sum(sizes))
+        weights = generator.random(values.size).astype(np.float32) * 3 if weighted else None
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        parts.append((to_bags(WHERE, values, offsets, weights, include_last_offset=True), combiner))
+        keys.append(values)
+    unique, inverse = distinct(np.concatenate(keys))
+    bounds = np.cumsum([0] + [k.size for k in keys])
+    stacked = [(bags, inverse[bounds[i] : bounds[i + 1]], c) for i, (bags, c) in enumerate(parts)]
+    got = stacked_pooling_matrix(stacked, unique.size)
+    data, indices, indptr = previous_stacked_pooling_matrix(stacked, unique.size)
+    assert got.shape == (indptr.size - 1, unique.size)
+    assert got.data.dtype == np.float32
+    np.testing.assert_array_equal(got.data, data)
+    np.testing.assert_array_equal(got.indices, indices)
+    np.testing.assert_array_equal(got.indptr, indptr)

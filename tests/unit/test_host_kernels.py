@@ -438,3 +438,144 @@ def test_training_scratch_grows_is_kept_and_shrinks() -> None:
     np.testing.assert_array_equal(compiled.dirty, before[1])
     compiled.close()
     assert compiled.arena is None
+
+
+def _bounded_reference(config: TableConfig, rows: np.ndarray) -> np.ndarray:
+    """numpy's reading of CacheTier.bounded: every weight and state value within ROW_BOUND,
+    an Adam row's second moments without a sign bit."""
+    width, dim = config.row_width, config.dim
+    values = rows[:, :width]
+    within = (np.abs(values) <= host_kernels.ROW_BOUND).all(axis=1)  # NaN: False
+    if isinstance(config.optimizer, optim.Adam):
+        within &= ~np.signbit(values[:, 2 * dim : 3 * dim]).any(axis=1)
+    return within
+
+
+def test_a_push_onto_bounded_rows_saves_nothing_and_trains_the_same_bits() -> None:
+    """Wide rows (their save a stream): the first push records each row's bounded flag as
+    numpy reads its values; a push of every key onto bounded rows with bounded gradients
+    (cannot_refuse) saves nothing and gives, bit for bit, the rows and flags of the saved
+    path (a partial push on a twin tier); a row the update takes beyond the bound has its
+    flag cleared."""
+    rng = np.random.default_rng(21)
+    dim, n = 64, 300
+    config = TableConfig("t", dim, optimizer=optim.Adam(lr=0.01))
+    assert 4 * config.row_width >= host_kernels.TRAIN_STREAM_BYTES
+    keys = rng.choice(10**12, n, replace=False).astype(np.int64)
+    rows = config.initial_rows(keys)
+    rows[:, :dim] = rng.standard_normal((n, dim), dtype=np.float32)
+    rows[:3, :dim] = [[2.0**51], [-(2.0**50)], [-0.0]]  # beyond, at, within the bound
+    fast, saved = (CacheTier(config, 1 << 26, trains_in_place=True) for _ in range(2))
+    for tier in (fast, saved):
+        tier.insert(keys, rows, np.arange(n) % 3 == 0, _no_spill)
+        assert not tier.bounded[tier.index.values[tier.index.find(keys)]].any()
+    ids = fast.index.values[fast.index.find(keys)]
+    grads = rng.standard_normal((n, dim), dtype=np.float32)
+    for tier in (fast, saved):
+        hit, undo, refused = tier.train_resident(keys, grads, 1, None)
+        assert hit.size == n and undo is None and refused is None
+    np.testing.assert_array_equal(fast.bounded[ids], _bounded_reference(config, fast.arena[ids]))
+    assert fast.bounded[ids].sum() == n - 1  # row 0 is beyond
+    push = keys[1:]  # every row bounded
+    kind, hyper = host_kernels.optimizer_kind(config.optimizer, 2)
+    flagged_ids = fast.index.values[fast.index.find(push)]
+    assert host_kernels.cannot_refuse(kind, hyper, grads[1:], fast.bounded, flagged_ids)
+    scratch = fast.stats()["scratch_bytes"]
+    hit, undo, refused = fast.train_resident(push, grads[1:], 2, None)
+    assert hit.size == n - 1 and undo is None and refused is None
+    assert fast.stats()["scratch_bytes"] == scratch
+    partial = np.concatenate([push, [10**13]])  # a key not here: the saved path
+    more = np.concatenate([grads[1:], np.ones((1, dim), np.float32)])
+    hit, undo, refused = saved.train_resident(partial, more, 2, None)
+    assert hit.size == n - 1 and undo is not None and refused is None
+    for got, want in zip(fast.find(keys), saved.find(keys), strict=True):
+        np.testing.assert_array_equal(
+            np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8)
+        )
+    np.testing.assert_array_equal(fast.bounded[ids], _bounded_reference(config, fast.arena[ids]))
+
+    sgd = TableConfig("s", 128, optimizer=optim.SGD(lr=1.0))  # 512-byte rows: wide
+    tier = CacheTier(sgd, 1 << 24, trains_in_place=True)
+    small = np.arange(1, 9, dtype=np.int64)
+    tier.insert(small, np.full((8, 128), 2.0**49, np.float32), np.ones(8, bool), _no_spill)
+    tier.train_resident(small, np.zeros((8, 128), np.float32), 1, None)  # records: bounded
+    step = np.zeros((8, 128), np.float32)
+    step[5, 7] = -(2.0**50)  # 2**49 + 2**50: beyond the bound, finite
+    tier.train_resident(small, step, 2, None)  # onto bounded rows: the cleared flag
+    sgd_ids = tier.index.values[tier.index.find(small)]
+    assert tier.bounded[sgd_ids].tolist() == [True] * 5 + [False] + [True] * 2
+    np.testing.assert_array_equal(
+        tier.bounded[sgd_ids], _bounded_reference(sgd, tier.arena[sgd_ids])
+    )
+
+
+def test_a_row_not_known_bounded_keeps_the_save_that_undoes_a_refusal() -> None:
+    """An inserted row's flag is clear until a push writes it. A push whose gradients are
+    within GRAD_BOUND but which includes such a row (here one whose step overflows: w at
+    float32's largest, m 1e30, v 0: the step is m / eps) saves every row it writes, and
+    its refusal leaves every row and flag as it was, bit for bit."""
+    dim, n = 64, 40
+    config = TableConfig("t", dim, optimizer=optim.Adam(lr=0.01))
+    keys = np.arange(1, n + 1, dtype=np.int64)
+    rows = config.initial_rows(keys)
+    rows[n - 1, :dim] = -np.finfo(np.float32).max
+    rows[n - 1, dim : 2 * dim] = 1e30
+    tier = CacheTier(config, 1 << 26, trains_in_place=True)
+    tier.insert(keys, rows, np.zeros(n, bool), _no_spill)
+    grads = np.full((n, dim), 1e-3, np.float32)
+    tier.train_resident(keys[:-1], grads[:-1], 1, None)  # every row bounded but the last
+    ids = tier.index.values[tier.index.find(keys)]
+    assert tier.bounded[ids].tolist() == [True] * (n - 1) + [False]
+    kind, hyper = host_kernels.optimizer_kind(config.optimizer, 2)
+    assert host_kernels.step_stays_finite(kind, hyper)
+    assert not host_kernels.cannot_refuse(kind, hyper, grads, tier.bounded, ids)
+    before = tier.arena.view(np.uint32).copy(), tier.dirty.copy()
+    grads[n - 1] = 0.0
+    _, undo, refused = tier.train_resident(keys, grads, 2, None)
+    assert undo is None and refused is not None
+    assert np.flatnonzero(~np.isfinite(refused).all(axis=1)).tolist() == [n - 1]
+    np.testing.assert_array_equal(tier.arena.view(np.uint32), before[0])
+    np.testing.assert_array_equal(tier.dirty, before[1])
+
+
+@pytest.mark.parametrize("kind", [0, 4], ids=["sgd", "adam"])
+def test_the_largest_step_proven_finite_is_finite_at_the_bounds(kind: int) -> None:
+    """step_stays_finite's edge: the largest learning rate (SGD) or step size (Adam, eps
+    1e-8) it accepts, by powers of two, is refused at twice that; at it, every sign
+    combination of rows at ROW_BOUND (second moments 0 or ROW_BOUND) and gradients at
+    GRAD_BOUND trains to finite values in the kernel, refusing nothing. Other kinds and
+    hyper-parameters outside the proof are never accepted."""
+    dim = 8
+    bound, grad = float(host_kernels.ROW_BOUND), float(host_kernels.GRAD_BOUND)
+
+    def hyper(scale: float) -> np.ndarray:
+        values = [scale] if kind == 0 else [0.1, 0.001, scale, 1e-8]
+        return np.array(values, np.float32)
+
+    scale = 1.0
+    while host_kernels.step_stays_finite(kind, hyper(2 * scale)):
+        scale *= 2
+    assert host_kernels.step_stays_finite(kind, hyper(scale))
+    assert scale > 1e3  # far beyond any learning rate in use
+    size = host_kernels.optimizer_slots(kind)
+    signs = np.array(np.meshgrid(*[[-1.0, 1.0]] * 3)).reshape(3, -1).T  # w, m, g
+    cases = [(w, m, v, g) for w, m, g in signs for v in (0.0, bound)]
+    arena = np.empty((len(cases), size * dim), np.float32)
+    grads = np.empty((len(cases), dim), np.float32)
+    for i, (w, m, v, g) in enumerate(cases):
+        arena[i] = np.repeat([w * bound, m * bound, v][:size], dim)
+        grads[i] = g * grad
+    n = len(cases)
+    bad = host_kernels.k_train(
+        kind, arena, np.arange(n), grads, hyper(scale), size, True,
+        np.empty((n, size * dim), np.float32), np.empty(n, bool), np.empty(0, np.float32),
+        False, size * dim, np.zeros(n, bool), np.zeros(n, bool), host_kernels.FLAGS_RECORD,
+        *host_kernels.nonnegative_columns(kind, dim),
+    )  # fmt: skip
+    assert bad == -1 and np.isfinite(arena).all()
+    if kind == 4:
+        for outside in ([0.1, 1.5, 1e-3, 1e-8], [0.1, -0.1, 1e-3, 1e-8], [0.1, 1e-3, 1e-3, 0.0]):
+            assert not host_kernels.step_stays_finite(4, np.array(outside, np.float32))
+    assert not host_kernels.step_stays_finite(kind, hyper(np.inf))
+    for other in (1, 2, 3, 5):
+        assert not host_kernels.step_stays_finite(other, np.ones(5, np.float32))

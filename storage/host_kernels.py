@@ -87,9 +87,9 @@ LINE = 64  # bytes of a cache line
 # at 64-192 (a line or a few a row, between random reads)
 TRAIN_STREAM_BYTES = 512
 # A push skips the undo save where no row can come out non-finite (`cannot_refuse`): every
-# row's weight and state values are within ROW_BOUND in magnitude, as the tier's `bounded`
-# flags record (set only by k_train, for rows its accepted steps wrote), and every gradient
-# is within GRAD_BOUND. Bounds far beyond any trained embedding, far below float32's overflow.
+# row's weight and state values are within ROW_BOUND in magnitude (and an Adam row's second
+# moments not negative), as the tier's `bounded` flags record, and every gradient is within
+# GRAD_BOUND. Bounds far beyond any trained embedding, far below float32's overflow.
 ROW_BOUND = np.float32(2.0**50)
 GRAD_BOUND = np.float32(2.0**50)
 # added to a magnitude's bits, carries into bit 31 exactly when it is above ROW_BOUND's
@@ -564,7 +564,7 @@ if numba is not None:
     @jit_kernel
     def k_train(
         kind, arena, ids, grads, p, size, refuse, backup, was_dirty, stamp, has_stamp,
-        row_width, dirty, bounded, flags,
+        row_width, dirty, bounded, flags, nonneg_from, nonneg_to,
     ):  # fmt: skip
         """One optimizer step in place on rows arena[ids] (unique) with grads [n, dim];
         size: weight and state slots. Row by row: the new values are computed, and with
@@ -573,10 +573,10 @@ if numba is not None:
         none where the caller proved that no row can be refused, `cannot_refuse`) and its
         dirty flag in was_dirty[i]; then the new values, the stamp (has_stamp:
         arena[r, row_width:] = stamp, the step slots) and the dirty flag are written.
-        bounded (one flag per arena row) says whether a row's values are within ROW_BOUND:
-        `flags` FLAGS_RECORD writes it for every row, FLAGS_CLEAR (every row's flag is
-        known set) clears the flag of a row that leaves the bound and writes no other,
-        FLAGS_NONE leaves it. A row with a
+        bounded (one flag per arena row) says whether a row's values are within ROW_BOUND
+        with columns [nonneg_from, nonneg_to) not negative: `flags` FLAGS_RECORD writes it
+        for every row, FLAGS_CLEAR (every row's flag is known set) clears the flag of a
+        row that leaves the bound and writes no other, FLAGS_NONE leaves it. A row with a
         non-finite value stops the pass: the rows and flags written so far are put back
         from backup and was_dirty (their bounded flags cleared) and its index i returned,
         nothing changed. Else -1."""
@@ -587,6 +587,8 @@ if numba is not None:
         track = flags != FLAGS_NONE
         new = np.empty(width, dtype=np.float32)
         new_bits = new.view(np.uint32)  # the checks: integer ORs, vectorised
+        sign_mask = np.zeros(width, dtype=np.uint32)  # the sign bit where it must be clear
+        sign_mask[nonneg_from:nonneg_to] = _CARRY
         stream = saved * 4 >= TRAIN_STREAM_BYTES and _streams(backup, saved)
         arena_at, arena_stride = np.int64(arena.ctypes.data), arena.strides[0]
         backup_at, backup_stride = np.int64(backup.ctypes.data), backup.strides[0]
@@ -598,31 +600,32 @@ if numba is not None:
                     _prefetch_for_write(bounded, _at(bounded, ahead))
             r = ids[i]
             _update_row(kind, arena, r, grads, i, dim, p, new)
-            # checked before it is written (an integer OR, vectorised): bit 31 of `beyond`
-            # is set by a magnitude above ROW_BOUND, inf and NaN among them
-            beyond = np.uint32(0)
-            for c in range(width):
-                beyond |= (new_bits[c] & _MAGNITUDE) + _BEYOND_ROW_BOUND
-            if refuse and beyond & _CARRY:  # beyond the bound: is it also non-finite?
-                carry = np.uint32(0)  # bit 31 set by a value whose exponent bits all are
-                for c in range(width):
-                    carry |= (new_bits[c] & _EXPONENT) + _EXPONENT_LOW_BIT
-                if carry & _CARRY:  # inf or NaN; a thread reads its own streamed stores
-                    for j in range(i):
-                        for c in range(saved):
-                            arena[ids[j], c] = backup[j, c]
-                        dirty[ids[j]] = was_dirty[j]
-                        if track:
-                            bounded[ids[j]] = False
-                    return i
             if stream:
                 _stream_row(backup_at + i * backup_stride, arena_at + r * arena_stride, saved * 4)
             else:
                 for c in range(saved):
                     backup[i, c] = arena[r, c]
             was_dirty[i] = dirty[r]
+            # written while checked, one pass over the row (integer ORs, vectorised): bit
+            # 31 of `beyond` is set by a magnitude above ROW_BOUND (inf and NaN too), and by
+            # a negative value in [nonneg_from, nonneg_to)
+            beyond = np.uint32(0)
             for c in range(width):
                 arena[r, c] = new[c]
+                bits = new_bits[c]
+                beyond |= ((bits & _MAGNITUDE) + _BEYOND_ROW_BOUND) | (bits & sign_mask[c])
+            if refuse and beyond & _CARRY:  # beyond the bound: is it also non-finite?
+                carry = np.uint32(0)  # bit 31 set by a value whose exponent bits all are
+                for c in range(width):
+                    carry |= (new_bits[c] & _EXPONENT) + _EXPONENT_LOW_BIT
+                if carry & _CARRY:  # inf or NaN; a thread reads its own streamed stores
+                    for j in range(i + 1):
+                        for c in range(saved):
+                            arena[ids[j], c] = backup[j, c]
+                        dirty[ids[j]] = was_dirty[j]
+                        if track:
+                            bounded[ids[j]] = False
+                    return i
             if record:
                 bounded[r] = not beyond & _CARRY
             elif track and beyond & _CARRY:
@@ -723,7 +726,7 @@ class NumbaLauncher:
             dirty = np.empty(arena.shape[0], dtype=bool)  # scratch: fused_apply sets none
             k_train(kind, arena, ids, grads[:n, :dim], params, size, False, empty,
                     np.empty(n, bool), np.empty(0, np.float32), False, width, dirty,
-                    _NO_FLAGS, FLAGS_NONE)  # fmt: skip
+                    _NO_FLAGS, FLAGS_NONE, 0, 0)  # fmt: skip
         else:
             raise ValueError(f"host kernels: field 'name' expected a kernel name, got {name!r}")
 
@@ -752,17 +755,22 @@ def optimizer_kind(optimizer: Any, step: int) -> tuple[int, np.ndarray] | None:
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
+def nonnegative_columns(kind: int, dim: int) -> tuple[int, int]:
+    """The columns [start, stop) of a row that a bounded row of this optimizer kind holds
+    not negative (Adam's second moments: their square root is taken); (0, 0) for none."""
+    return (2 * dim, 3 * dim) if kind == 4 else (0, 0)
+
+
 def step_stays_finite(kind: int, hyper: np.ndarray) -> bool:
     """Whether one step of optimizer `kind` with these float32 hyper-parameters, from any
-    row within ROW_BOUND that an accepted step wrote, and any gradient within GRAD_BOUND,
-    gives only finite values. Proven for SGD and Adam (others: False). Each float32
-    operation's result is bounded by twice its exact value (rounding adds at most 2**-24
-    of it), in float64, and every such bound must stay below float32's largest:
+    row within ROW_BOUND (nonnegative_columns not negative) and any gradient within
+    GRAD_BOUND, gives only finite values. Proven for SGD and Adam (others: False). Each
+    float32 operation's result is bounded by twice its exact value (rounding adds at most
+    2**-24 of it), in float64, and every such bound must stay below float32's largest:
     - SGD, w - lr*g: 2 * (T + 2|lr|G).
-    - Adam, m + b1(g - m): M = 2(T + 4|b1|(G + T)); v + b2(g*g - v): 2(T + 4|b2|(2G^2 + T)).
-      An accepted step leaves v >= 0 or -0 (a negative v makes sqrt(v) NaN: refused);
-      then with 0 <= b2 <= 1 the new v is too (rounding is monotonic: g*g - v >= -v, b2
-      times it >= -v, v plus that >= +0), so sqrt(v) + eps >= eps > 0: no NaN, and
+    - Adam, m + b1(g - m): M = 2(T + 4|b1|(G + T)); v + b2(g*g - v): 2(T + 4|b2|(2G^2 + T)),
+      and with 0 <= b2 <= 1 and v >= 0 not negative (rounding is monotonic: g*g - v >= -v,
+      b2 times it >= -v, v plus that >= 0), so sqrt(.) + eps >= eps > 0: no NaN, and
       w - step * m / (sqrt(v) + eps) is bounded by 2(T + 4|step| M / eps)."""
     values = [float(h) for h in hyper]
     if not all(np.isfinite(values)):

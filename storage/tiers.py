@@ -548,6 +548,7 @@ class CacheTier(Tier):
             self.dirty,
             self.bounded,
             flags,
+            *host_kernels.nonnegative_columns(kind, self.config.dim),
         )
         if bad >= 0 and unsaved:  # cannot happen: rows before it are written, unsaved
             raise RuntimeError(
@@ -572,6 +573,8 @@ class CacheTier(Tier):
                 np.empty(ids.size, dtype=bool),
                 np.empty(0, dtype=bool),
                 host_kernels.FLAGS_NONE,
+                0,
+                0,
             )
             return hit, None, trained[:, :width]
         if everything:

@@ -441,8 +441,14 @@ def test_training_scratch_grows_is_kept_and_shrinks() -> None:
 
 
 def _bounded_reference(config: TableConfig, rows: np.ndarray) -> np.ndarray:
-    """numpy's reading of CacheTier.bounded: every weight and state value within ROW_BOUND."""
-    return (np.abs(rows[:, : config.row_width]) <= host_kernels.ROW_BOUND).all(axis=1)
+    """numpy's reading of CacheTier.bounded: every weight and state value within ROW_BOUND,
+    an Adam row's second moments without a sign bit."""
+    width, dim = config.row_width, config.dim
+    values = rows[:, :width]
+    within = (np.abs(values) <= host_kernels.ROW_BOUND).all(axis=1)  # NaN: False
+    if isinstance(config.optimizer, optim.Adam):
+        within &= ~np.signbit(values[:, 2 * dim : 3 * dim]).any(axis=1)
+    return within
 
 
 def test_a_push_onto_bounded_rows_saves_nothing_and_trains_the_same_bits() -> None:
@@ -564,6 +570,7 @@ def test_the_largest_step_proven_finite_is_finite_at_the_bounds(kind: int) -> No
         kind, arena, np.arange(n), grads, hyper(scale), size, True,
         np.empty((n, size * dim), np.float32), np.empty(n, bool), np.empty(0, np.float32),
         False, size * dim, np.zeros(n, bool), np.zeros(n, bool), host_kernels.FLAGS_RECORD,
+        *host_kernels.nonnegative_columns(kind, dim),
     )  # fmt: skip
     assert bad == -1 and np.isfinite(arena).all()
     if kind == 4:

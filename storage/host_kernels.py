@@ -50,7 +50,6 @@ _TWO_POW_M24 = 2.0**-24
 _EXPONENT = np.uint32(0x7F800000)  # a float32's exponent bits: all set for inf and NaN
 _EXPONENT_LOW_BIT = np.uint32(0x00800000)  # added to them, carries into bit 31 only then
 _CARRY = np.uint32(0x80000000)
-_MAGNITUDE = np.uint32(0x7FFFFFFF)  # a float32's bits without the sign: ordered as |x|
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 _cache_warned = False
@@ -86,15 +85,6 @@ LINE = 64  # bytes of a cache line
 # measured on 65,536 random rows, faster at 768 bytes, alike at 256-384, 1.2-1.7x slower
 # at 64-192 (a line or a few a row, between random reads)
 TRAIN_STREAM_BYTES = 512
-# A push skips the undo save where no row can come out non-finite (`cannot_refuse`): every
-# row's weight and state values are within ROW_BOUND in magnitude (and an Adam row's second
-# moments not negative), as the tier's `bounded` flags record, and every gradient is within
-# GRAD_BOUND. Bounds far beyond any trained embedding, far below float32's overflow.
-ROW_BOUND = np.float32(2.0**50)
-GRAD_BOUND = np.float32(2.0**50)
-# added to a magnitude's bits, carries into bit 31 exactly when it is above ROW_BOUND's
-_BEYOND_ROW_BOUND = np.uint32(0x7FFFFFFF - int(ROW_BOUND.view(np.uint32)))
-_GRAD_BOUND_BITS = np.uint32(GRAD_BOUND.view(np.uint32))
 
 
 def aligned_empty(rows: int, columns: int) -> np.ndarray:
@@ -104,9 +94,6 @@ def aligned_empty(rows: int, columns: int) -> np.ndarray:
     start = -raw.ctypes.data % LINE
     return raw[start : start + rows * columns * 4].view(np.float32).reshape(rows, columns)
 
-
-# k_train's `flags`: what it writes into the tier's bounded flags (see k_train)
-FLAGS_NONE, FLAGS_RECORD, FLAGS_CLEAR = 0, 1, 2
 
 # k_lookup's mode bits: what it writes besides the rows
 LOOKUP_SLOTS, LOOKUP_DIRTY, LOOKUP_MISSED, LOOKUP_ROW_IDS = 1, 2, 4, 8
@@ -564,72 +551,48 @@ if numba is not None:
     @jit_kernel
     def k_train(
         kind, arena, ids, grads, p, size, refuse, backup, was_dirty, stamp, has_stamp,
-        row_width, dirty, bounded, flags, nonneg_from, nonneg_to,
+        row_width, dirty,
     ):  # fmt: skip
         """One optimizer step in place on rows arena[ids] (unique) with grads [n, dim];
         size: weight and state slots. Row by row: the new values are computed, and with
         refuse, checked to be finite; the row's first backup.shape[1] floats are saved
-        in backup[i] (by non-temporal stores when wide: it is read again only to undo;
-        none where the caller proved that no row can be refused, `cannot_refuse`) and its
-        dirty flag in was_dirty[i]; then the new values, the stamp (has_stamp:
-        arena[r, row_width:] = stamp, the step slots) and the dirty flag are written.
-        bounded (one flag per arena row) says whether a row's values are within ROW_BOUND
-        with columns [nonneg_from, nonneg_to) not negative: `flags` FLAGS_RECORD writes it
-        for every row, FLAGS_CLEAR (every row's flag is known set) clears the flag of a
-        row that leaves the bound and writes no other, FLAGS_NONE leaves it. A row with a
-        non-finite value stops the pass: the rows and flags written so far are put back
-        from backup and was_dirty (their bounded flags cleared) and its index i returned,
-        nothing changed. Else -1."""
+        in backup[i] (by non-temporal stores when wide: it is read again only to undo)
+        and its dirty flag in was_dirty[i]; then the new values, the stamp (has_stamp:
+        arena[r, row_width:] = stamp, the step slots) and the dirty flag are written. A
+        row with a non-finite value stops the pass: the rows and flags written so far are
+        put back from backup and was_dirty and its index i returned, nothing changed.
+        Else -1."""
         n, dim = grads.shape
         width = size * dim
         saved = backup.shape[1]
-        record = flags == FLAGS_RECORD
-        track = flags != FLAGS_NONE
         new = np.empty(width, dtype=np.float32)
-        new_bits = new.view(np.uint32)  # the checks: integer ORs, vectorised
-        sign_mask = np.zeros(width, dtype=np.uint32)  # the sign bit where it must be clear
-        sign_mask[nonneg_from:nonneg_to] = _CARRY
+        new_bits = new.view(np.uint32)  # the finiteness test: an integer OR, vectorised
         stream = saved * 4 >= TRAIN_STREAM_BYTES and _streams(backup, saved)
         arena_at, arena_stride = np.int64(arena.ctypes.data), arena.strides[0]
         backup_at, backup_stride = np.int64(backup.ctypes.data), backup.strides[0]
         for i in range(n):
             if i + TRAIN_AHEAD < n:
-                ahead = ids[i + TRAIN_AHEAD]
-                _prefetch_row_for_write(arena, ahead)
-                if record:
-                    _prefetch_for_write(bounded, _at(bounded, ahead))
+                _prefetch_row_for_write(arena, ids[i + TRAIN_AHEAD])
             r = ids[i]
             _update_row(kind, arena, r, grads, i, dim, p, new)
+            if refuse:
+                carry = np.uint32(0)  # bit 31 set by a value whose exponent bits are all set
+                for c in range(width):
+                    carry |= (new_bits[c] & _EXPONENT) + _EXPONENT_LOW_BIT
+                if carry & _CARRY:  # inf or NaN; a thread reads its own streamed stores
+                    for j in range(i):
+                        for c in range(saved):
+                            arena[ids[j], c] = backup[j, c]
+                        dirty[ids[j]] = was_dirty[j]
+                    return i
             if stream:
                 _stream_row(backup_at + i * backup_stride, arena_at + r * arena_stride, saved * 4)
             else:
                 for c in range(saved):
                     backup[i, c] = arena[r, c]
             was_dirty[i] = dirty[r]
-            # written while checked, one pass over the row (integer ORs, vectorised): bit
-            # 31 of `beyond` is set by a magnitude above ROW_BOUND (inf and NaN too), and by
-            # a negative value in [nonneg_from, nonneg_to)
-            beyond = np.uint32(0)
             for c in range(width):
                 arena[r, c] = new[c]
-                bits = new_bits[c]
-                beyond |= ((bits & _MAGNITUDE) + _BEYOND_ROW_BOUND) | (bits & sign_mask[c])
-            if refuse and beyond & _CARRY:  # beyond the bound: is it also non-finite?
-                carry = np.uint32(0)  # bit 31 set by a value whose exponent bits all are
-                for c in range(width):
-                    carry |= (new_bits[c] & _EXPONENT) + _EXPONENT_LOW_BIT
-                if carry & _CARRY:  # inf or NaN; a thread reads its own streamed stores
-                    for j in range(i + 1):
-                        for c in range(saved):
-                            arena[ids[j], c] = backup[j, c]
-                        dirty[ids[j]] = was_dirty[j]
-                        if track:
-                            bounded[ids[j]] = False
-                    return i
-            if record:
-                bounded[r] = not beyond & _CARRY
-            elif track and beyond & _CARRY:
-                bounded[r] = False
             if has_stamp:
                 for c in range(stamp.shape[0]):
                     arena[r, row_width + c] = stamp[c]
@@ -637,24 +600,6 @@ if numba is not None:
         if stream:
             _store_fence()
         return -1
-
-    @jit_kernel
-    def k_all_within(bits, limit):
-        """Whether every float32 value, given as its uint32 bits, has a magnitude whose bits
-        are at most `limit` (NaN's are above any finite limit)."""
-        largest = np.uint32(0)
-        for k in range(bits.shape[0]):
-            magnitude = bits[k] & _MAGNITUDE
-            largest = magnitude if magnitude > largest else largest
-        return largest <= limit
-
-    @jit_kernel
-    def k_all_set(flags, ids):
-        """Whether flags[ids[i]] is set for every i."""
-        for i in range(ids.shape[0]):
-            if not flags[ids[i]]:
-                return False
-        return True
 
     @jit_kernel
     def k_uniform_rows(keys, stream, span, low, below_high, out, fills, dim):
@@ -679,8 +624,6 @@ def _null(array: Any, dtype: Any) -> tuple[Any, bool]:
         return np.empty(1, dtype=dtype), False
     return array, True
 
-
-_NO_FLAGS = np.empty(0, dtype=bool)  # k_train: no bounded flags to keep
 
 _OPTIMIZER_KINDS = {
     "tierps_sgd": 0,
@@ -725,8 +668,7 @@ class NumbaLauncher:
             empty = np.empty((n, 0), np.float32)  # nothing to put back: no refusal
             dirty = np.empty(arena.shape[0], dtype=bool)  # scratch: fused_apply sets none
             k_train(kind, arena, ids, grads[:n, :dim], params, size, False, empty,
-                    np.empty(n, bool), np.empty(0, np.float32), False, width, dirty,
-                    _NO_FLAGS, FLAGS_NONE, 0, 0)  # fmt: skip
+                    np.empty(n, bool), np.empty(0, np.float32), False, width, dirty)  # fmt: skip
         else:
             raise ValueError(f"host kernels: field 'name' expected a kernel name, got {name!r}")
 
@@ -750,60 +692,6 @@ def optimizer_kind(optimizer: Any, step: int) -> tuple[int, np.ndarray] | None:
         kind = 2
         hyper = hyper[:2]
     return kind, np.array([float(h) for h in hyper], dtype=np.float32)
-
-
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
-def nonnegative_columns(kind: int, dim: int) -> tuple[int, int]:
-    """The columns [start, stop) of a row that a bounded row of this optimizer kind holds
-    not negative (Adam's second moments: their square root is taken); (0, 0) for none."""
-    return (2 * dim, 3 * dim) if kind == 4 else (0, 0)
-
-
-def step_stays_finite(kind: int, hyper: np.ndarray) -> bool:
-    """Whether one step of optimizer `kind` with these float32 hyper-parameters, from any
-    row within ROW_BOUND (nonnegative_columns not negative) and any gradient within
-    GRAD_BOUND, gives only finite values. Proven for SGD and Adam (others: False). Each
-    float32 operation's result is bounded by twice its exact value (rounding adds at most
-    2**-24 of it), in float64, and every such bound must stay below float32's largest:
-    - SGD, w - lr*g: 2 * (T + 2|lr|G).
-    - Adam, m + b1(g - m): M = 2(T + 4|b1|(G + T)); v + b2(g*g - v): 2(T + 4|b2|(2G^2 + T)),
-      and with 0 <= b2 <= 1 and v >= 0 not negative (rounding is monotonic: g*g - v >= -v,
-      b2 times it >= -v, v plus that >= 0), so sqrt(.) + eps >= eps > 0: no NaN, and
-      w - step * m / (sqrt(v) + eps) is bounded by 2(T + 4|step| M / eps)."""
-    values = [float(h) for h in hyper]
-    if not all(np.isfinite(values)):
-        return False
-    bound, grad = float(ROW_BOUND), float(GRAD_BOUND)
-    if kind == 0:
-        (lr,) = values
-        largest = [2 * (bound + 2 * abs(lr) * grad)]
-    elif kind == 4:
-        b1, b2, step, eps = values
-        if not (0.0 <= b2 <= 1.0 and eps > 0.0):
-            return False
-        moment = 2 * (bound + 4 * abs(b1) * (grad + bound))
-        second = 2 * (bound + 4 * b2 * (2 * grad * grad + bound))
-        largest = [moment, second, 2 * moment / eps, 2 * (bound + 4 * abs(step) * moment / eps)]
-    else:
-        return False
-    return max(largest) < _FLOAT32_MAX
-
-
-def cannot_refuse(
-    kind: int, hyper: np.ndarray, grads: np.ndarray, bounded: np.ndarray, ids: np.ndarray
-) -> bool:
-    """Whether k_train of these C-contiguous float32 gradients onto rows `ids` can give no
-    non-finite value, so that it need save nothing to undo a refusal: the optimizer's step
-    stays finite from bounded values (step_stays_finite), every row is flagged bounded
-    (k_train flags the rows it writes; anything else that writes a row clears its flag),
-    and every gradient is within GRAD_BOUND."""
-    return (
-        step_stays_finite(kind, hyper)
-        and bool(k_all_set(bounded, ids))
-        and bool(k_all_within(grads.reshape(-1).view(np.uint32), _GRAD_BOUND_BITS))
-    )
 
 
 _launcher: NumbaLauncher | None = None

@@ -55,7 +55,6 @@ from tierps.storage.xp import to_host
 
 _INITIAL_ROWS = 1024
 _DIRTY_FLAG_BYTES = 1
-_BOUNDED_FLAG_BYTES = 1  # CacheTier.bounded
 _FREE_LIST_BYTES = 8
 SCRATCH_SHRINK_CALLS = 64  # see CacheTier._scratch_rows
 
@@ -162,11 +161,10 @@ class DurableTier(Tier):
 
 
 def host_rows_for_budget(budget_bytes: int, row_bytes: int, max_load: float = 0.5) -> int:
-    """The most rows whose arena, dirty and bounded flags, free list and hash index fit in
-    the budget."""
+    """The most rows whose arena, dirty flags, free list and hash index fit in the budget."""
 
     def cost(rows: int) -> int:
-        per_row = row_bytes + _DIRTY_FLAG_BYTES + _BOUNDED_FLAG_BYTES + _FREE_LIST_BYTES
+        per_row = row_bytes + _DIRTY_FLAG_BYTES + _FREE_LIST_BYTES
         return rows * per_row + HashTable.nbytes_for(rows, max_load)
 
     low, high = 0, budget_bytes // row_bytes + 1  # cost(low) <= budget < cost(high)
@@ -222,10 +220,6 @@ class CacheTier(Tier):
         self.index = HashTable(start, eviction=config.eviction, xp=xp, kernels=kernels)
         self.arena = xp.empty((start, self.width), dtype=xp.float32)
         self.dirty = xp.zeros(start, dtype=bool)
-        # bounded[r]: row r's values are known to be within host_kernels.ROW_BOUND (a push
-        # onto such rows need save nothing to undo: host_kernels.cannot_refuse). Set only by
-        # the compiled push, which checks what it writes; every other write clears it.
-        self.bounded = xp.zeros(start, dtype=bool)
         self._free = xp.empty(0, dtype=xp.int64)  # row ids released by eviction
         self._high = 0  # row ids >= _high were never used
         self._scratch = np.empty(0, dtype=np.float32)  # see _scratch_rows (cache-line aligned)
@@ -252,13 +246,10 @@ class CacheTier(Tier):
             arena[: self.arena.shape[0]] = self.arena
             dirty = np.zeros(rows, dtype=bool)
             dirty[: self.dirty.shape[0]] = self.dirty
-            bounded = np.zeros(rows, dtype=bool)
-            bounded[: self.bounded.shape[0]] = self.bounded
-            self.arena, self.dirty, self.bounded = arena, dirty, bounded
+            self.arena, self.dirty = arena, dirty
             return
         self.arena.resize((rows, self.width), refcheck=False)  # no views are ever kept
         self.dirty.resize(rows, refcheck=False)
-        self.bounded.resize(rows, refcheck=False)
 
     @property
     def compiled(self) -> bool:
@@ -324,7 +315,6 @@ class CacheTier(Tier):
         if bool(present.all()):  # an update of resident rows (a push): no masked copies
             ids = self.index.values[slots]
             self.arena[ids] = rows
-            self.bounded[ids] = False
             self.dirty[ids] = self.dirty[ids] | dirty  # see below: never cleared here
             self.index.touch(slots)
             return
@@ -383,10 +373,8 @@ class CacheTier(Tier):
         self._free, self._high = free_after, high_after
         self.arena[present_ids] = present_rows
         self.dirty[present_ids] = present_dirty
-        self.bounded[present_ids] = False
         self.arena[ids] = placed_rows
         self.dirty[ids] = placed_dirty
-        self.bounded[ids] = False
 
     def _take_rows(self, count: int, freeing: Any) -> tuple[Any, Any, int]:
         """Row ids for `count` new rows - freed ones first, then those of `freeing` (rows
@@ -438,7 +426,6 @@ class CacheTier(Tier):
         def undo() -> None:
             self.arena[ids] = before
             self.dirty[ids] = was_dirty
-            self.bounded[ids] = False
 
         resident_grads = xp.asarray(grads if everything else grads[hit])
         optimizer = self.config.optimizer
@@ -456,7 +443,6 @@ class CacheTier(Tier):
         if stamp is not None:
             self.arena[ids, width:] = xp.asarray(step_bits(stamp))
         self.dirty[ids] = True
-        self.bounded[ids] = False
         return hit, undo, None
 
     def _touch_resident(self, keys: np.ndarray) -> tuple[Any, bool, Any] | None:
@@ -496,10 +482,7 @@ class CacheTier(Tier):
         only the values the update touches (row_width floats per row, the step slots) are
         saved, so a non-finite one puts the rows written before it back. When every key is
         here nothing can fail after the pass (the cascade has no other keys to store), so
-        no undo is returned; else the saved values and dirty flags make the undo. When
-        every key is here and no row can come out non-finite (host_kernels.cannot_refuse:
-        bounded rows and gradients), nothing is saved: the save is a third of the pass's
-        memory traffic at wide rows."""
+        no undo is returned; else the saved values and dirty flags make the undo."""
         resident = self._touch_resident(keys)
         if resident is None:
             return np.empty(0, dtype=np.int64), None, None
@@ -509,28 +492,9 @@ class CacheTier(Tier):
         size = host_kernels.optimizer_slots(kind)
         stamp_bits = step_bits(stamp) if stamp is not None else np.empty(0, np.float32)
         touched = width if stamp is None else self.width  # the step slots too
-        # rows whose save is a stream to memory keep bounded flags and skip the save where
-        # they can; narrower rows' saves stay in the caches and cost less than the flags
-        wide = touched * 4 >= host_kernels.TRAIN_STREAM_BYTES
-        unsaved = (
-            wide
-            and everything
-            and host_kernels.cannot_refuse(kind, hyper, resident_grads, self.bounded, ids)
-        )
-        flags = (
-            host_kernels.FLAGS_CLEAR
-            if unsaved
-            else host_kernels.FLAGS_RECORD
-            if wide
-            else host_kernels.FLAGS_NONE
-        )
         # the saved values go to this tier's scratch (kept: fresh pages every push would
         # be zeroed by the kernel first); the undo that reads it runs within this push
-        backup = (
-            np.empty((ids.size, 0), np.float32)
-            if unsaved
-            else self._scratch_rows(ids.size, touched)
-        )
+        backup = self._scratch_rows(ids.size, touched)
         was_dirty = np.empty(ids.size, dtype=bool)
         bad = host_kernels.k_train(
             kind,
@@ -546,15 +510,7 @@ class CacheTier(Tier):
             stamp is not None,
             width,
             self.dirty,
-            self.bounded,
-            flags,
-            *host_kernels.nonnegative_columns(kind, self.config.dim),
         )
-        if bad >= 0 and unsaved:  # cannot happen: rows before it are written, unsaved
-            raise RuntimeError(
-                f"tier '{self.name}': a push proven finite (host_kernels.cannot_refuse) gave "
-                f"a non-finite value in row {bad} of {ids.size}; rows before it are updated"
-            )
         if bad >= 0:  # put back already; the trained rows, same arithmetic, for the refusal
             trained = np.take(self.arena, ids, axis=0)
             host_kernels.k_train(
@@ -571,10 +527,6 @@ class CacheTier(Tier):
                 False,
                 width,
                 np.empty(ids.size, dtype=bool),
-                np.empty(0, dtype=bool),
-                host_kernels.FLAGS_NONE,
-                0,
-                0,
             )
             return hit, None, trained[:, :width]
         if everything:
@@ -583,7 +535,6 @@ class CacheTier(Tier):
         def undo() -> None:
             self.arena[ids, :touched] = backup
             self.dirty[ids] = was_dirty
-            self.bounded[ids] = False
 
         return hit, undo, None
 
@@ -661,8 +612,7 @@ class CacheTier(Tier):
         return {
             "rows": self.rows,
             "capacity_rows": self.max_rows,
-            "bytes": int(self.arena.nbytes + self.dirty.nbytes + self.bounded.nbytes)
-            + int(self._free.nbytes)
+            "bytes": int(self.arena.nbytes + self.dirty.nbytes + self._free.nbytes)
             + self.index.nbytes,
             # working memory of pushes, beside the budget: at most the arena's size again
             "scratch_bytes": int(self._scratch.nbytes),
@@ -673,8 +623,7 @@ class CacheTier(Tier):
 
     def close(self) -> None:
         """Drop the arrays: a GPU tier's memory returns to cupy's pool now, not at exit."""
-        self.arena = self.dirty = self.bounded = self._free = None  # type: ignore[assignment]
-        self._scratch = None  # type: ignore[assignment]
+        self.arena = self.dirty = self._free = self._scratch = None  # type: ignore[assignment]
         self.index = None  # type: ignore[assignment]
 
 

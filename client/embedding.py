@@ -48,7 +48,7 @@ from tierps.client.wire_kernels import group_by_shard
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
-from tierps.storage.config import TableConfig, key_shards, single_shard
+from tierps.storage.config import TableConfig, single_shard
 from tierps.storage.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -1062,8 +1062,7 @@ class EmbeddingClient(ClusterAdmin):
                 if keys.size:
                     per_shard[owner].append((name, dim, keys, np.arange(keys.size)))
                 continue
-            shard_of = key_shards(config, keys, self.num_shards)
-            grouped, order, bounds = group_by_shard(shard_of, keys, self.num_shards)
+            grouped, order, bounds = group_by_shard(config, keys, self.num_shards)
             for shard in range(self.num_shards):
                 span = slice(bounds[shard], bounds[shard + 1])
                 if order[span].size:

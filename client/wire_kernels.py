@@ -33,7 +33,7 @@ if host_kernels.numba is not None:
         placement of storage.config.key_shards): grouped[bounds[s]:bounds[s+1]] are shard
         s's keys in their order, positions their places in `keys`. Each key's shard is
         computed once (a power of two by a mask: an integer division costs ~20 cycles) and
-        kept for the second pass; the fill cursors are the bounds themselves."""
+        kept for the second pass."""
         n = keys.shape[0]
         shard_of = np.empty(n, np.int32)
         bounds[:] = 0

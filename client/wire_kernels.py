@@ -1,5 +1,8 @@
-"""Compiled passes of the client's data calls: grouping a call's keys by shard in one pass
-(whether they are distinct: storage.host_kernels.all_distinct, shared with the shards).
+"""Compiled passes of a data call's key routing: the client grouping a call's keys by shard
+(whether they are distinct: storage.host_kernels.all_distinct, shared with the shards), and a
+shard finding the first key sent to it that is another shard's. Both compute a key's shard
+as storage.config.key_shards does for a table whose keys spread (k % num_shards), inside
+the pass: no array of shards, no temporaries.
 
 The numpy reference (`group_by_shard_reference`) runs where the host kernels are off (numba
 missing, TIERPS_HOST_KERNELS=0), and tests/unit/test_wire_kernels.py compares the kernel
@@ -17,44 +20,82 @@ from __future__ import annotations
 
 import numpy as np
 
-from tierps.storage import host_kernels
+from tierps.storage import TableConfig, host_kernels
+from tierps.storage.config import key_shards
 from tierps.storage.host_kernels import host_launcher
 
 if host_kernels.numba is not None:
     jit_kernel = host_kernels.jit_kernel  # one owner of how the host kernels compile and cache
 
     @jit_kernel
-    def k_group_by_shard(shard_of, keys, grouped, positions, bounds):
-        """A stable counting sort of keys by their shard: grouped[bounds[s]:bounds[s+1]]
-        are shard s's keys in their order, positions their places in `keys`."""
-        num_shards = bounds.shape[0] - 1
+    def k_group_by_shard(keys, num_shards, grouped, positions, bounds):
+        """A stable counting sort of keys >= 0 by their shard k % num_shards (the row
+        placement of storage.config.key_shards): grouped[bounds[s]:bounds[s+1]] are shard
+        s's keys in their order, positions their places in `keys`. Each key's shard is
+        computed once (a power of two by a mask: an integer division costs ~20 cycles) and
+        kept for the second pass."""
+        n = keys.shape[0]
+        shard_of = np.empty(n, np.int32)
         bounds[:] = 0
-        for i in range(shard_of.shape[0]):
-            bounds[shard_of[i] + 1] += 1
+        mask = num_shards - 1
+        if num_shards & mask == 0:
+            for i in range(n):
+                s = keys[i] & mask
+                shard_of[i] = s
+                bounds[s + 1] += 1
+        else:
+            for i in range(n):
+                s = keys[i] % num_shards
+                shard_of[i] = s
+                bounds[s + 1] += 1
         for s in range(num_shards):
             bounds[s + 1] += bounds[s]
         fill = bounds[:num_shards].copy()
-        for i in range(shard_of.shape[0]):
+        for i in range(n):
             s = shard_of[i]
-            grouped[fill[s]] = keys[i]
-            positions[fill[s]] = i
-            fill[s] += 1
+            j = fill[s]
+            grouped[j] = keys[i]
+            positions[j] = i
+            fill[s] = j + 1
+
+    @jit_kernel
+    def k_first_foreign_key(keys, num_shards, shard_id):
+        """The index of the first key >= 0 whose shard k % num_shards is not shard_id, or
+        -1: a shard's check of the keys it is sent, in one pass with no temporaries."""
+        mask = num_shards - 1
+        power_of_two = num_shards & mask == 0
+        for i in range(keys.shape[0]):
+            k = keys[i]
+            if k >= 0 and (k & mask if power_of_two else k % num_shards) != shard_id:
+                return i
+        return -1
 
 
 def group_by_shard(
-    shard_of: np.ndarray, keys: np.ndarray, num_shards: int
+    config: TableConfig, keys: np.ndarray, num_shards: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(keys grouped by shard, their positions in `keys`, bounds [num_shards + 1]): shard
     s's keys, in their order, are grouped[bounds[s]:bounds[s + 1]], and their positions
-    ascend. shard_of: one shard in [0, num_shards) per key (storage.config.key_shards);
-    keys: int64 1-D."""
+    ascend. keys: int64 1-D, >= 0, of a table whose keys spread over the shards
+    (storage.config.single_shard(config, num_shards) is None: a key's shard is
+    key_shards', k % num_shards, computed in the kernel's pass)."""
     if host_launcher() is None:
-        return group_by_shard_reference(shard_of, keys, num_shards)
+        return group_by_shard_reference(key_shards(config, keys, num_shards), keys, num_shards)
     grouped = np.empty(keys.size, np.int64)
     positions = np.empty(keys.size, np.int64)
     bounds = np.empty(num_shards + 1, np.int64)
-    k_group_by_shard(np.ascontiguousarray(shard_of, np.int64), keys, grouped, positions, bounds)
+    k_group_by_shard(np.ascontiguousarray(keys, np.int64), num_shards, grouped, positions, bounds)
     return grouped, positions, bounds
+
+
+def first_foreign_key(config: TableConfig, keys: np.ndarray, num_shards: int, shard_id: int) -> int:
+    """The index of the first key >= 0 of `keys` (int64 1-D) that is not shard shard_id's
+    (storage.config.key_shards), or -1 where every one is; for a table whose keys spread
+    over the shards (single_shard(config, num_shards) is None)."""
+    if host_launcher() is None:
+        wrong = (keys >= 0) & (key_shards(config, keys, num_shards) != shard_id)
+        return int(np.argmax(wrong)) if wrong.any() else -1
+    return int(k_first_foreign_key(np.ascontiguousarray(keys, np.int64), num_shards, shard_id))
 
 
 def group_by_shard_reference(

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from tierps.client.wire_kernels import first_foreign_key
 from tierps.server.config import ServerConfig
 from tierps.server.lives import Lives
 from tierps.storage import (
@@ -279,13 +280,12 @@ class Shard:
                     f"to shard {owner}"
                 )
             return
-        shards = key_shards(config, keys, self.num_shards)
-        wrong = (keys >= 0) & (shards != self.shard_id)
-        if wrong.any():
-            index = int(np.argmax(wrong))
+        index = first_foreign_key(config, keys, self.num_shards, self.shard_id)
+        if index >= 0:
+            shard = int(key_shards(config, keys[index : index + 1], self.num_shards)[0])
             raise InvalidArgumentError(
                 f"table {config.name!r}: key {int(keys[index])} at index {index} belongs to "
-                f"shard {int(shards[index])}, not to {self.where} (a key k lives on shard "
+                f"shard {shard}, not to {self.where} (a key k lives on shard "
                 f"k % {self.num_shards})"
             )
 

@@ -268,6 +268,51 @@ def test_distinct_keys_and_lookups_in_pieces_agree_with_numpy(
     np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
 
 
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_two_pieces_a_shard_run_at_once_on_every_shard(
+    shard_server: ServerFactory,
+    make_client: Callable[..., EmbeddingClient],
+    num_shards: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lookup of two pieces a shard (embedding.PIECES_AT_ONCE) sends all of them at once,
+    on one shard and on two: each piece's call waits here, up to 10 s, until every piece
+    of the lookup is in flight; no shard ever has more than two at once. The rows equal
+    numpy's initial rows, in the keys' order."""
+    monkeypatch.setattr(embedding, "LOOKUP_PIECE_BYTES", 4 << 10)
+    monkeypatch.setattr(embedding, "LOOKUP_PIECES", 2)
+    servers = [shard_server(shard_id=i, num_shards=num_shards) for i in range(num_shards)]
+    client = make_client(servers)
+    config = sgd_table("t", 16)
+    client.create_table(config)
+    keys = np.random.default_rng(12).choice(1 << 40, 400 * num_shards, replace=False)
+    pieces = 2 * num_shards  # 25 KiB of rows a shard: two pieces of 4 KiB or more each
+    state = {"in_flight": [0] * num_shards, "most": [0] * num_shards, "all": 0}
+    changed = threading.Condition()
+
+    def waiting(shard: int, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(request: bytes, **options: Any) -> Any:
+            with changed:
+                state["in_flight"][shard] += 1
+                state["most"][shard] = max(state["most"][shard], state["in_flight"][shard])
+                state["all"] = max(state["all"], sum(state["in_flight"]))
+                changed.notify_all()
+                changed.wait_for(lambda: state["all"] >= pieces, timeout=10.0)
+            try:
+                return real(request, **options)
+            finally:
+                with changed:
+                    state["in_flight"][shard] -= 1
+
+        return call
+
+    for shard in range(num_shards):
+        client._lookup_one[shard] = waiting(shard, client._lookup_one[shard])
+    np.testing.assert_array_equal(client.lookup("t", keys), initial(config, keys))
+    assert state["all"] == pieces and state["most"] == [2] * num_shards
+    assert sum(calls(s, "LookupUnary") for s in servers) == pieces
+
+
 def test_rows_written_into_the_reply_equal_numpy_at_any_alignment(
     shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
 ) -> None:

@@ -13,14 +13,16 @@ from tierps.storage.config import key_shards
 
 
 @pytest.mark.parametrize(
-    ("size", "num_shards"), [(0, 2), (1, 2), (1000, 1), (5000, 2), (5000, 3), (777, 8)]
+    ("size", "num_shards"),
+    [(0, 2), (1, 2), (1000, 1), (5000, 2), (5000, 3), (777, 8), (4000, 4), (3001, 7)],
 )
 def test_group_by_shard_matches_the_reference_and_the_definition(
     size: int, num_shards: int
 ) -> None:
     keys = np.random.default_rng(size + num_shards).choice(10**9, size, replace=False)
-    shard_of = key_shards(TableConfig("t", 4), keys, num_shards)
-    got = wire_kernels.group_by_shard(shard_of, keys, num_shards)
+    config = TableConfig("t", 4)
+    shard_of = key_shards(config, keys, num_shards)
+    got = wire_kernels.group_by_shard(config, keys, num_shards)
     want = wire_kernels.group_by_shard_reference(shard_of, keys, num_shards)
     for got_part, want_part in zip(got, want, strict=True):
         assert got_part.dtype == np.int64
@@ -41,7 +43,26 @@ def test_group_by_shard_runs_compiled_where_the_host_kernels_do() -> None:
     grouped = np.empty(4, np.int64)
     positions = np.empty(4, np.int64)
     bounds = np.empty(3, np.int64)
-    wire_kernels.k_group_by_shard(keys % 2, keys, grouped, positions, bounds)
+    wire_kernels.k_group_by_shard(keys, 2, grouped, positions, bounds)
     assert grouped.tolist() == [2, 4, 5, 7]
     assert positions.tolist() == [1, 3, 0, 2]
     assert bounds.tolist() == [0, 2, 4]
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 4, 7])
+def test_first_foreign_key_is_the_first_key_of_another_shard(num_shards: int) -> None:
+    config = TableConfig("t", 4)
+    rng = np.random.default_rng(num_shards)
+    for shard_id in range(num_shards):
+        mine = rng.choice(10**9, 3000, replace=False) * num_shards + shard_id
+        mine[::7] = -1 - mine[::7]  # padding passes, whatever its remainder
+        assert wire_kernels.first_foreign_key(config, mine, num_shards, shard_id) == -1
+        if num_shards == 1:
+            continue
+        for index in (0, 1234, mine.size - 1):
+            keys = mine.copy()
+            keys[index] = 12345 * num_shards + (shard_id + 1) % num_shards  # another's
+            keys[-1 if index == 0 else 0] = -5  # padding before it does not count
+            want = np.flatnonzero((keys >= 0) & (key_shards(config, keys, num_shards) != shard_id))
+            got = wire_kernels.first_foreign_key(config, keys, num_shards, shard_id)
+            assert got == want[0] == index

@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -70,7 +70,7 @@ DEFAULT_MAX_CALL_BYTES = 256 << 20  # bulk bytes of one call (request or reply) 
 # in 4 pieces 1.1-1.5x faster than in 2, and 2 faster than 1; 4 MiB in pieces slower.
 LOOKUP_PIECE_BYTES = 4 << 20
 LOOKUP_PIECES = 4
-PIECES_AT_ONCE = 2  # calls of one fan-out to one shard at once, where others allow no more
+PIECES_AT_ONCE = 2  # calls of one fan-out to one shard at once (see _fan_out)
 # One table's part of a call to a shard: (table, dim, keys, their positions in the table's
 # distinct keys).
 Batch = tuple[str, int, np.ndarray, np.ndarray]
@@ -1117,13 +1117,17 @@ class EmbeddingClient(ClusterAdmin):
             except ShardError as error:
                 return error
 
-        # The last call runs now, beside the others, unless that would give its shard more
-        # calls of this fan-out at once than PIECES_AT_ONCE and than another shard has in
-        # the call threads (a shard's in-flight budget is sized for that many): so two
-        # shards' pieces all run at once, and a third piece to one shard waits.
+        # The last call runs now, beside the others, unless its shard already has
+        # PIECES_AT_ONCE calls of this fan-out in the call threads (a shard's in-flight
+        # byte budget is sized for two calls at once): so two pieces to each of two
+        # shards all run at once, and a third piece to one shard waits.
         in_threads = collections.Counter(shard for shard, _ in others)
-        last_now = in_threads[last_shard] < max([PIECES_AT_ONCE, *in_threads.values()])
-        last = run_last() if last_now else None
+        last_now = in_threads[last_shard] < PIECES_AT_ONCE
+        try:
+            last = run_last() if last_now else None
+        except BaseException:  # not a ShardError (a bug, an interrupt): none left running
+            wait(futures)  # into the caller's output
+            raise
         outcomes: list[Any] = []
         for future in futures:
             try:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from tierps.storage import TableConfig, host_kernels
-from tierps.storage.config import key_shards
+from tierps.storage.config import key_shards, single_shard
 from tierps.storage.host_kernels import host_launcher
 
 if host_kernels.numba is not None:
@@ -76,10 +76,10 @@ def group_by_shard(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(keys grouped by shard, their positions in `keys`, bounds [num_shards + 1]): shard
     s's keys, in their order, are grouped[bounds[s]:bounds[s + 1]], and their positions
-    ascend. keys: int64 1-D, >= 0, of a table whose keys spread over the shards
-    (storage.config.single_shard(config, num_shards) is None: a key's shard is
-    key_shards', k % num_shards, computed in the kernel's pass)."""
-    if host_launcher() is None:
+    ascend. keys: int64 1-D, >= 0. Where the table's keys spread over the shards
+    (storage.config.single_shard is None) the kernel computes key_shards' k % num_shards
+    in its pass; else (and without the kernels) key_shards places them."""
+    if host_launcher() is None or single_shard(config, num_shards) is not None:
         return group_by_shard_reference(key_shards(config, keys, num_shards), keys, num_shards)
     grouped = np.empty(keys.size, np.int64)
     positions = np.empty(keys.size, np.int64)
@@ -90,9 +90,9 @@ def group_by_shard(
 
 def first_foreign_key(config: TableConfig, keys: np.ndarray, num_shards: int, shard_id: int) -> int:
     """The index of the first key >= 0 of `keys` (int64 1-D) that is not shard shard_id's
-    (storage.config.key_shards), or -1 where every one is; for a table whose keys spread
-    over the shards (single_shard(config, num_shards) is None)."""
-    if host_launcher() is None:
+    (storage.config.key_shards), or -1 where every one is. The kernel computes key_shards'
+    k % num_shards where the table's keys spread (single_shard is None)."""
+    if host_launcher() is None or single_shard(config, num_shards) is not None:
         wrong = (keys >= 0) & (key_shards(config, keys, num_shards) != shard_id)
         return int(np.argmax(wrong)) if wrong.any() else -1
     return int(k_first_foreign_key(np.ascontiguousarray(keys, np.int64), num_shards, shard_id))

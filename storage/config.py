@@ -393,7 +393,9 @@ def key_shards(config: TableConfig, keys: np.ndarray, num_shards: int) -> np.nda
     """The shard of each int64 key >= 0 of a table in a cluster of num_shards: k % num_shards
     (placement="row"), or the table's owner_shard for every key (placement="table"). The one
     owner of key placement: the client's routing, a shard's check of the keys it is sent
-    and a snapshot load's share of each shard all ask it (or single_shard, its shortcut)."""
+    and a snapshot load's share of each shard all ask it (or single_shard, its shortcut;
+    client/wire_kernels' compiled routing and key check compute the same k % num_shards in
+    their pass, and ask it where single_shard answers)."""
     single = single_shard(config, num_shards)
     if single is not None:
         return np.full(keys.shape, single, dtype=np.int64)

@@ -1,7 +1,7 @@
 """How close the host tier's lookup is to the least work any hash lookup must do.
 
     python -m tests.bench.bench_lookup_bound [--keys 1000000] [--dims 16 64 128]
-        [--out bench-results/lookup_bound.json]
+        [--out docs/perf/lookup_bound.json]
 
 `np.take(arena, ids)` with precomputed row ids (bench_storage's baseline) reads one row a
 key. A lookup by key must also read the key's index slot (one more random cache line),
@@ -151,7 +151,7 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=1_000_000)
     parser.add_argument("--dims", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=Path("bench-results/lookup_bound.json"))
+    parser.add_argument("--out", type=Path, default=Path("docs/perf/lookup_bound.json"))
     args = parser.parse_args()
     hk.warm_up()
     results = []

@@ -313,6 +313,43 @@ def test_two_pieces_a_shard_run_at_once_on_every_shard(
     assert sum(calls(s, "LookupUnary") for s in servers) == pieces
 
 
+def test_a_third_piece_to_one_shard_waits_for_the_others(
+    shard_server: ServerFactory,
+    make_client: Callable[..., EmbeddingClient],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lookup of three pieces to one shard sends two at once (embedding.PIECES_AT_ONCE)
+    and the third once they have ended: each call waits here, up to 0.5 s, for a third
+    call in flight, which must never come. The rows equal numpy's initial rows."""
+    monkeypatch.setattr(embedding, "LOOKUP_PIECE_BYTES", 4 << 10)
+    monkeypatch.setattr(embedding, "LOOKUP_PIECES", 3)
+    server = shard_server()
+    client = make_client([server])
+    config = sgd_table("t", 16)
+    client.create_table(config)
+    keys = np.random.default_rng(13).choice(1 << 40, 600, replace=False)  # 37.5 KiB of rows
+    state = {"in_flight": 0, "most": 0}
+    changed = threading.Condition()
+    real = client._lookup_one[0]
+
+    def call(request: bytes, **options: Any) -> Any:
+        with changed:
+            state["in_flight"] += 1
+            state["most"] = max(state["most"], state["in_flight"])
+            changed.notify_all()
+            changed.wait_for(lambda: state["in_flight"] > embedding.PIECES_AT_ONCE, timeout=0.5)
+        try:
+            return real(request, **options)
+        finally:
+            with changed:
+                state["in_flight"] -= 1
+
+    client._lookup_one[0] = call
+    np.testing.assert_array_equal(client.lookup("t", keys), initial(config, keys))
+    assert calls(server, "LookupUnary") == 3
+    assert state["most"] == embedding.PIECES_AT_ONCE == 2
+
+
 def test_rows_written_into_the_reply_equal_numpy_at_any_alignment(
     shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
 ) -> None:

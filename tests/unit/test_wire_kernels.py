@@ -66,3 +66,37 @@ def test_first_foreign_key_is_the_first_key_of_another_shard(num_shards: int) ->
             want = np.flatnonzero((keys >= 0) & (key_shards(config, keys, num_shards) != shard_id))
             got = wire_kernels.first_foreign_key(config, keys, num_shards, shard_id)
             assert got == want[0] == index
+
+
+EXTREME_KEYS = [2**63 - 1, 2**63 - 2, 2**62, 2**62 + 1, 2**31, 2**31 - 1, 1, 0]
+
+
+@pytest.mark.parametrize("num_shards", [2, 3, 4, 5, 7, 8, 1_000_003])
+def test_the_kernels_route_int64_extremes_as_key_shards(num_shards: int) -> None:
+    """Keys near the int64 limits (and padding, keys < 0, down to its minimum) route as
+    key_shards' k % num_shards, for powers of two (a mask) and not."""
+    config = TableConfig("t", 4)
+    keys = np.array(EXTREME_KEYS, np.int64)
+    shard_of = key_shards(config, keys, num_shards)
+    got = wire_kernels.group_by_shard(config, keys, num_shards)
+    want = wire_kernels.group_by_shard_reference(shard_of, keys, num_shards)
+    for got_part, want_part in zip(got, want, strict=True):
+        assert np.array_equal(got_part, want_part)
+    padded = np.concatenate([np.array([-(2**63), -(2**63) + 1, -7, -1], np.int64), keys])
+    for shard_id in range(min(num_shards, 8)):
+        wrong = (padded >= 0) & (key_shards(config, padded, num_shards) != shard_id)
+        want_index = int(np.argmax(wrong)) if wrong.any() else -1
+        got_index = wire_kernels.first_foreign_key(config, padded, num_shards, shard_id)
+        assert got_index == want_index
+
+
+def test_a_table_placed_whole_routes_every_key_to_its_shard() -> None:
+    """placement="table": the compiled routing and key check give way to key_shards, which
+    places every key on the table's shard (not k % num_shards)."""
+    config = TableConfig("t", 4, placement="table", table_shard=1)
+    keys = np.arange(6, dtype=np.int64)
+    grouped, positions, bounds = wire_kernels.group_by_shard(config, keys, 3)
+    assert bounds.tolist() == [0, 0, 6, 6]
+    assert grouped.tolist() == keys.tolist() and positions.tolist() == list(range(6))
+    assert wire_kernels.first_foreign_key(config, keys, 3, 1) == -1
+    assert wire_kernels.first_foreign_key(config, keys, 3, 0) == 0

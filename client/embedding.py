@@ -70,7 +70,7 @@ DEFAULT_MAX_CALL_BYTES = 256 << 20  # bulk bytes of one call (request or reply) 
 # in 4 pieces 1.1-1.5x faster than in 2, and 2 faster than 1; 4 MiB in pieces slower.
 LOOKUP_PIECE_BYTES = 4 << 20
 LOOKUP_PIECES = 4
-PIECES_AT_ONCE = 2  # calls of one fan-out to one shard at once (see _fan_out)
+PIECES_AT_ONCE = 2  # calls of one fan-out to one shard at once (its lanes, see _fan_out)
 # One table's part of a call to a shard: (table, dim, keys, their positions in the table's
 # distinct keys).
 Batch = tuple[str, int, np.ndarray, np.ndarray]
@@ -1097,44 +1097,41 @@ class EmbeddingClient(ClusterAdmin):
         self, calls: list[tuple[int, Work]], call: Callable[[int, Work], Any]
     ) -> list[Any]:
         """call(shard, work) for every call (work: its batches, or what the caller pairs
-        with the shard), all at once: the last in this thread, the others on the client's
-        call threads (persistent: a gRPC future would start a thread per call). Returns
-        the results in call order once every call has ended; if any failed, raises the
-        first failure as a ShardError naming its shard, with `succeeded` set to the shards
-        whose calls went through."""
+        with the shard), all at once but at most PIECES_AT_ONCE to one shard: a shard's
+        calls go in that many lanes, each lane's calls one after another (a shard's
+        in-flight byte budget is sized for two calls at once, and a call of a split push
+        or assign may carry max_call_bytes). The last lane runs in this thread, the others
+        on the client's call threads (persistent: a gRPC future would start a thread per
+        call; there are two a shard, so every lane of a fan-out runs at once). Returns the
+        results in call order once every call has ended; if any failed, raises the first
+        failure as a ShardError naming its shard, with `succeeded` set to the shards whose
+        calls went through."""
         if not calls:
             return []
         self._learn_lives([shard for shard, _ in calls])
-        *others, (last_shard, last_work) = calls
-        futures = [
-            self._calls.submit(self._on, shard, lambda i, _, w=work: call(i, w))
-            for shard, work in others
-        ]
+        lanes: dict[tuple[int, int], list[int]] = {}
+        seen: collections.Counter[int] = collections.Counter()
+        for index, (shard, _) in enumerate(calls):
+            lanes.setdefault((shard, seen[shard] % PIECES_AT_ONCE), []).append(index)
+            seen[shard] += 1
+        outcomes: list[Any] = [None] * len(calls)
 
-        def run_last() -> Any:
-            try:
-                return self._on(last_shard, lambda i, _: call(i, last_work))
-            except ShardError as error:
-                return error
+        def run_lane(indices: list[int]) -> None:
+            for index in indices:
+                shard, work = calls[index]
+                try:
+                    outcomes[index] = self._on(shard, lambda i, _, w=work: call(i, w))
+                except ShardError as error:
+                    outcomes[index] = error
 
-        # The last call runs now, beside the others, unless its shard already has
-        # PIECES_AT_ONCE calls of this fan-out in the call threads (a shard's in-flight
-        # byte budget is sized for two calls at once): so two pieces to each of two
-        # shards all run at once, and a third piece to one shard waits.
-        in_threads = collections.Counter(shard for shard, _ in others)
-        last_now = in_threads[last_shard] < PIECES_AT_ONCE
+        *others, last = lanes.values()
+        futures = [self._calls.submit(run_lane, indices) for indices in others]
         try:
-            last = run_last() if last_now else None
-        except BaseException:  # not a ShardError (a bug, an interrupt): none left running
-            wait(futures)  # into the caller's output
-            raise
-        outcomes: list[Any] = []
+            run_lane(last)
+        finally:  # none left running into the caller's output, whatever the last raised
+            wait(futures)
         for future in futures:
-            try:
-                outcomes.append(future.result())
-            except ShardError as error:
-                outcomes.append(error)
-        outcomes.append(last if last_now else run_last())
+            future.result()  # raises what a lane raised other than a ShardError (a bug)
         failures = [outcome for outcome in outcomes if isinstance(outcome, ShardError)]
         if failures:
             # a shard counts only if every one of its calls went through (a part of more

@@ -340,31 +340,45 @@ def test_a_call_sending_more_than_it_declared_is_cut_off_at_the_budget(
     assert server.shard.describe("t")["current_step"] == 0  # nothing applied
 
 
+@pytest.mark.parametrize("num_shards", [1, 2])
 @pytest.mark.parametrize("one_message_bytes", [wire.ONE_MESSAGE_BYTES, 0], ids=["one", "stream"])
 def test_a_large_push_the_client_splits_fits_the_shards_limits(
-    shard_server: Callable[..., ShardServer], one_message_bytes: int
+    shard_server: Callable[..., ShardServer], one_message_bytes: int, num_shards: int
 ) -> None:
     """The client's calls of max_call_bytes of bulk fit a shard whose max_batch_bytes is the
-    same, scaled down (4 MiB, a 10 MiB push in three calls), as one message or streamed;
-    and the defaults agree: a call of DEFAULT_MAX_CALL_BYTES fits the default per-call
-    limit, and two of them the default budget."""
-    batch, dim, n = 4 << 20, 64, 40_000  # 10.6 MB of keys and gradients
-    server = shard_server(
-        max_batch_bytes=batch, max_inflight_bytes=2 * max_call_request_bytes(batch)
-    )
-    server.shard.create_table(TableConfig(name="t", dim=dim, optimizer=optim.SGD(lr=1.0)))
+    same, scaled down (4 MiB, a 10 MiB push a shard in three calls to it, on 1 and 2 shards:
+    never more than two at once to one shard), as one message or streamed; and the defaults
+    agree: a call of DEFAULT_MAX_CALL_BYTES fits the default per-call limit, and two of them
+    the default budget."""
+    batch, dim, n = 4 << 20, 64, 40_000 * num_shards  # 10.6 MB of keys and gradients a shard
+    servers = [
+        shard_server(
+            shard_id=i,
+            num_shards=num_shards,
+            max_batch_bytes=batch,
+            max_inflight_bytes=2 * max_call_request_bytes(batch),
+        )
+        for i in range(num_shards)
+    ]
+    for server in servers:
+        server.shard.create_table(TableConfig(name="t", dim=dim, optimizer=optim.SGD(lr=1.0)))
     with EmbeddingClient(
-        [server.address], max_call_bytes=batch, one_message_bytes=one_message_bytes
+        [server.address for server in servers],
+        max_call_bytes=batch,
+        one_message_bytes=one_message_bytes,
     ) as client:
         keys = np.arange(n)
         before = client.lookup("t", keys)
         assert client.push_gradients("t", keys, np.ones((n, dim), np.float32)) == n
         np.testing.assert_array_equal(client.lookup("t", keys), before - np.float32(1))
-    refusals = server.metrics.refusals.labels
-    for method in ("PushGradients", "PushGradientsUnary"):  # none refused for its bytes
-        for cause in ("declared", "bytes"):
-            refused = refusals(f"/tierps.v1.EmbeddingService/{method}", "RESOURCE_EXHAUSTED", cause)
-            assert refused._value.get() == 0
+    for server in servers:
+        refusals = server.metrics.refusals.labels
+        for method in ("PushGradients", "PushGradientsUnary"):  # none refused for its bytes
+            for cause in ("declared", "bytes"):
+                refused = refusals(
+                    f"/tierps.v1.EmbeddingService/{method}", "RESOURCE_EXHAUSTED", cause
+                )
+                assert refused._value.get() == 0
     default_call = DEFAULT_MAX_CALL_BYTES // (8 + 4 * dim)  # keys of the widest default call
     streamed = wire.stream_bytes("t" * 255, dim, 2**63, default_call, 4 * dim)
     assert streamed <= max_call_request_bytes(MAX_BATCH_BYTES)

@@ -105,3 +105,16 @@ def group_by_shard_reference(
     positions = np.argsort(shard_of, kind="stable")
     bounds = np.searchsorted(shard_of[positions], np.arange(num_shards + 1))
     return keys[positions], positions, bounds.astype(np.int64)
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the routing kernels for the arrays they meet:
+    keys of an array of their own, and keys read in place from a request's bytes (a
+    read-only view, which numba compiles apart). A shard runs it when it starts, beside
+    storage.host_kernels.warm_up, so that its first data call does not."""
+    if host_launcher() is None:
+        return
+    request = np.arange(9, dtype=np.int64).tobytes()
+    for keys in (np.arange(8, dtype=np.int64), np.frombuffer(request, np.int64, 8, 1)):
+        k_first_foreign_key(keys, 2, 0)
+        k_group_by_shard(keys, 2, *(np.empty(n, np.int64) for n in (8, 8, 3)))

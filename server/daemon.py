@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tierps.client import wire_kernels
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto.wire import channel_options
@@ -197,6 +198,7 @@ class ShardServer:
     def start(self) -> ShardServer:
         # compile (or load from numba's cache) the host kernels now, not in the first RPC
         host_kernels.warm_up()
+        wire_kernels.warm_up()  # the key check of a shard's data calls
         self._server.start()
         if self._health_server is not None:
             self._health_server.start()

@@ -100,3 +100,15 @@ def test_a_table_placed_whole_routes_every_key_to_its_shard() -> None:
     assert grouped.tolist() == keys.tolist() and positions.tolist() == list(range(6))
     assert wire_kernels.first_foreign_key(config, keys, 3, 1) == -1
     assert wire_kernels.first_foreign_key(config, keys, 3, 0) == 0
+
+
+def test_warm_up_compiles_both_kernels_for_own_and_request_keys() -> None:
+    """wire_kernels.warm_up (a shard runs it at start) leaves each kernel compiled for a
+    writable key array and for a read-only view of a request's bytes, the two a call meets,
+    so that neither compiles in a data call."""
+    if host_kernels.host_launcher() is None:
+        pytest.skip(f"host kernels unavailable: {host_kernels.unavailable_reason()}")
+    wire_kernels.warm_up()
+    for kernel in (wire_kernels.k_first_foreign_key, wire_kernels.k_group_by_shard):
+        writable = {signature[0].mutable for signature in kernel.signatures}
+        assert writable == {False, True}, kernel.signatures

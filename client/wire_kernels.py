@@ -28,26 +28,26 @@ if host_kernels.numba is not None:
     jit_kernel = host_kernels.jit_kernel  # one owner of how the host kernels compile and cache
 
     @jit_kernel
+    def _key_shard(key, num_shards, mask, power_of_two):
+        """k % num_shards (storage.config.key_shards' row placement); for a power of two by
+        the mask, as an integer division costs ~20 cycles."""
+        return key & mask if power_of_two else key % num_shards
+
+    @jit_kernel
     def k_group_by_shard(keys, num_shards, grouped, positions, bounds):
         """A stable counting sort of keys >= 0 by their shard k % num_shards (the row
         placement of storage.config.key_shards): grouped[bounds[s]:bounds[s+1]] are shard
         s's keys in their order, positions their places in `keys`. Each key's shard is
-        computed once (a power of two by a mask: an integer division costs ~20 cycles) and
-        kept for the second pass."""
+        computed once and kept for the second pass."""
         n = keys.shape[0]
         shard_of = np.empty(n, np.int32)
         bounds[:] = 0
         mask = num_shards - 1
-        if num_shards & mask == 0:
-            for i in range(n):
-                s = keys[i] & mask
-                shard_of[i] = s
-                bounds[s + 1] += 1
-        else:
-            for i in range(n):
-                s = keys[i] % num_shards
-                shard_of[i] = s
-                bounds[s + 1] += 1
+        power_of_two = num_shards & mask == 0
+        for i in range(n):
+            s = _key_shard(keys[i], num_shards, mask, power_of_two)
+            shard_of[i] = s
+            bounds[s + 1] += 1
         for s in range(num_shards):
             bounds[s + 1] += bounds[s]
         fill = bounds[:num_shards].copy()
@@ -66,7 +66,7 @@ if host_kernels.numba is not None:
         power_of_two = num_shards & mask == 0
         for i in range(keys.shape[0]):
             k = keys[i]
-            if k >= 0 and (k & mask if power_of_two else k % num_shards) != shard_id:
+            if k >= 0 and _key_shard(k, num_shards, mask, power_of_two) != shard_id:
                 return i
         return -1
 

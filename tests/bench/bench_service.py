@@ -1,8 +1,10 @@
 """Shard-service benchmark: EmbeddingClient lookups and pushes over loopback against the best
 raw transport of the same bytes, a gRPC unary echo carrying each shard's request and reply
-as one message each (tests/bench/echo_server.py: no protobuf, limits raised on both ends),
-and Redis MGET of the same value bytes where redis-server is installed; all in this run,
-their calls alternated so that this shared machine's drift hits all alike.
+as one message each (tests/bench/echo_server.py: no protobuf, limits raised on both ends);
+against the best raw server doing the same work, a "raw numpy server" in the echo's process
+that holds the rows in a numpy arena (np.take for a lookup, numpy SGD for a push) on the same
+wire; and Redis MGET of the same value bytes where redis-server is installed; all in this
+run, their calls alternated so that this shared machine's drift hits all alike.
 
     python -m tests.bench.bench_service [--quick] [--out docs/perf/service.json]
         [--png docs/perf/service.png]
@@ -36,7 +38,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from tests.bench.echo_server import echo_call
+from tests.bench.echo_server import echo_call, initial_rows, raw_calls
 from tierps.client import EmbeddingClient
 from tierps.proto import wire
 from tierps.server import LocalCluster
@@ -48,6 +50,8 @@ SHARDS = (1, 2)
 PLOT_DIM = 64  # the picture's dim (every dim is in the JSON)
 TABLE_KEYS = 1 << 19  # keys stored per table, all in the host tier
 MIN_SECONDS = 0.4  # each measurement repeats until it has run this long (and >= 5 times)
+LR = 0.01  # the SGD step of tierps' table and the raw numpy server's
+ROW_SEED = 0  # initial_rows' seed: tierps and the raw numpy server hold the same rows
 
 
 def measure_together(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
@@ -65,7 +69,8 @@ def measure_together(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
 
 
 class EchoServers:
-    """One echo server subprocess per shard, and a raw client that calls them at once."""
+    """One echo server subprocess per shard (each serving the echo and the raw numpy
+    server), and a raw client that calls them at once."""
 
     def __init__(self, count: int, root: Path) -> None:
         self.processes, addresses = [], []
@@ -85,16 +90,32 @@ class EchoServers:
         options = wire.channel_options()
         self.channels = [grpc.insecure_channel(a, options=options) for a in addresses]
         self.calls = [echo_call(channel) for channel in self.channels]
+        self.raw = [raw_calls(channel) for channel in self.channels]
         self.pool = ThreadPoolExecutor(max(1, count - 1))
 
     def round_trip(self, requests: list[bytes], reply_bytes: list[int]) -> None:
-        """Each shard's request bytes out and its reply bytes back, all shards at once (the
-        last in this thread, as the client does)."""
-        *others, last = range(len(requests))
-        futures = [self.pool.submit(self.calls[i], requests[i], reply_bytes[i]) for i in others]
-        self.calls[last](requests[last], reply_bytes[last])
-        for future in futures:
-            future.result()
+        """Each shard's request bytes out and its reply bytes back, all shards at once."""
+        self._at_once([lambda i=i: self.calls[i](requests[i], reply_bytes[i]) for i in
+                       range(len(requests))])  # fmt: skip
+
+    def fill_raw(self, dim: int) -> None:
+        """Every raw numpy server holds initial_rows(TABLE_KEYS, dim), SGD at LR."""
+        shape = {"table_rows": TABLE_KEYS, "dim": dim, "lr": LR, "seed": ROW_SEED}
+        self._at_once([lambda f=raw["fill"]: f(json.dumps(shape).encode(), timeout=120.0)
+                       for raw in self.raw])  # fmt: skip
+
+    def raw_call(self, method: str, requests: list[bytes]) -> list[bytes]:
+        """The raw numpy servers' `method` (lookup, push) with each shard's request bytes,
+        all shards at once; their replies."""
+        return self._at_once([lambda i=i: self.raw[i][method](requests[i], timeout=120.0)
+                              for i in range(len(requests))])  # fmt: skip
+
+    def _at_once(self, calls: list[Callable[[], bytes]]) -> list[bytes]:
+        """Runs the calls at once, the last in this thread (as the client does)."""
+        *others, last = calls
+        futures = [self.pool.submit(call) for call in others]
+        mine = last()
+        return [future.result() for future in futures] + [mine]
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -139,14 +160,46 @@ class Redis:
 
 
 def populate(client: EmbeddingClient, dim: int) -> str:
-    """A table of TABLE_KEYS rows, all in the host tier (SGD keeps dim floats a row)."""
+    """A table of TABLE_KEYS rows (initial_rows, as the raw numpy server holds), all in the
+    host tier (SGD keeps dim floats a row)."""
     table = f"bench{dim}"
     client.create_table(
-        TableConfig(table, dim, optimizer=optim.SGD(lr=0.01), host_cache_bytes=TABLE_KEYS * dim * 8)
+        TableConfig(table, dim, optimizer=optim.SGD(lr=LR), host_cache_bytes=TABLE_KEYS * dim * 8)
     )
     keys = np.arange(TABLE_KEYS, dtype=np.int64)
-    client.assign(table, keys, np.zeros((TABLE_KEYS, dim), np.float32))
+    client.assign(table, keys, initial_rows(TABLE_KEYS, dim, ROW_SEED))
     return table
+
+
+def check_raw_server(
+    client: EmbeddingClient, echo: EchoServers, table: str, shards: int, dim: int
+) -> None:
+    """Outside the timing: the raw numpy servers answer a lookup with the rows tierps
+    returns for the same keys (both hold initial_rows), and after one SGD push of the same
+    gradients on both, still. Raises AssertionError where a baseline is wrong."""
+    rng = np.random.default_rng(1)
+    keys = rng.choice(TABLE_KEYS, 4096, replace=False).astype(np.int64)
+    grads = rng.standard_normal((keys.size, dim), dtype=np.float32)
+    owner = keys % shards
+    at = [np.flatnonzero(owner == s) for s in range(shards)]
+
+    def raw_rows() -> np.ndarray:
+        replies = echo.raw_call("lookup", [keys[i].tobytes() for i in at])
+        rows = np.empty((keys.size, dim), np.float32)
+        for i, reply in zip(at, replies, strict=True):
+            rows[i] = np.frombuffer(reply, np.float32).reshape(i.size, dim)
+        return rows
+
+    before = client.lookup(table, keys)
+    if not np.array_equal(raw_rows(), before):
+        raise AssertionError(f"raw numpy server: lookup rows differ from tierps' (dim {dim})")
+    client.push_gradients(table, keys, grads)
+    echo.raw_call("push", [keys[i].tobytes() + grads[i].tobytes() for i in at])
+    # each side rounds lr * grad and the difference once in float32 (2**-24 relative each),
+    # and one side may round lr to float32 first: at most 2**-23 * (|row| + 3 lr |grad|)
+    bound = 2.0**-23 * (np.abs(before) + 3 * LR * np.abs(grads))
+    if not (np.abs(raw_rows() - client.lookup(table, keys)) <= bound).all():
+        raise AssertionError(f"raw numpy server: rows after a push differ from tierps' (dim {dim})")
 
 
 def redis_mget(redis_server: Redis, batches: tuple[int, ...], dim: int) -> dict[int, float]:
@@ -179,6 +232,14 @@ def sweep(
         "table_keys": TABLE_KEYS,
         "baseline": "raw gRPC unary echo of each shard's request and reply bytes, one message "
                     "each way, no protobuf (tests/bench/echo_server.py)",
+        "raw_numpy": "the same work done the raw way (tests/bench/echo_server.py RawNumpy, in "
+                     "the echo's process, the same wire): rows in a dense numpy arena indexed "
+                     "by key; lookup = np.take into a reused buffer (mode=clip) then .tobytes() "
+                     "(faster than np.take(...).tobytes() at 4 MiB and more: "
+                     "docs/perf/profile-lookup.md round 6); push = arena[keys] -= lr * grads "
+                     "of views of the request; no checks; the client neither routes nor "
+                     "reassembles (requests built outside the timing, as for the echo). "
+                     "Checked once per dim to answer tierps' rows, before and after a push",
         "lookup": "EmbeddingClient.lookup: a writable array in the keys' order; lookup_view: "
                   "copy=False (a read-only view of the reply where one reply holds every row "
                   "in order). A shard's reply of 8 MiB or more goes as 2-4 calls of 4 MiB or "
@@ -205,6 +266,8 @@ def sweep(
             try:
                 for dim in dims:
                     table = populate(client, dim)
+                    echo.fill_raw(dim)
+                    check_raw_server(client, echo, table, shards, dim)
                     for batch in batches:
                         row = measure_shape(client, echo, table, shards, dim, batch, rng)
                         results["rows"].append(row)
@@ -226,19 +289,22 @@ def measure_shape(
 ) -> dict[str, Any]:
     keys = rng.choice(TABLE_KEYS, batch, replace=False).astype(np.int64)
     grads = rng.standard_normal((batch, dim), dtype=np.float32) * 1e-3
-    mine = [np.sort(keys[keys % shards == s]) for s in range(shards)]
+    # each shard's keys in the order the client sends them (distinct keys go as given)
+    mine = [np.flatnonzero(keys % shards == s) for s in range(shards)]
     # the echo carries what a shard call carries: keys out and rows back; keys and
-    # gradients out and an acknowledgement back
-    key_bytes = [k.tobytes() for k in mine]
-    push_bytes = [k.tobytes() + grads[: k.size].tobytes() for k in mine]
-    rows_back = [4 * dim * k.size for k in mine]
+    # gradients out and an acknowledgement back (the raw numpy server reads them)
+    key_bytes = [keys[at].tobytes() for at in mine]
+    push_bytes = [keys[at].tobytes() + grads[at].tobytes() for at in mine]
+    rows_back = [4 * dim * at.size for at in mine]
     seconds = measure_together(
         {
             "lookup_tierps": lambda: client.lookup(table, keys),
             "lookup_view_tierps": lambda: client.lookup(table, keys, copy=False),
             "lookup_echo": lambda: echo.round_trip(key_bytes, rows_back),
+            "lookup_raw": lambda: echo.raw_call("lookup", key_bytes),
             "push_tierps": lambda: client.push_gradients(table, keys, grads),
             "push_echo": lambda: echo.round_trip(push_bytes, [8] * shards),
+            "push_raw": lambda: echo.raw_call("push", push_bytes),
         }
     )
     row: dict[str, Any] = {"shards": shards, "dim": dim, "batch": batch}
@@ -247,6 +313,8 @@ def measure_shape(
         row[f"{name}_keys_per_s"] = batch / s
     for op in ("lookup", "push"):
         row[f"{op}_vs_echo"] = seconds[f"{op}_echo"] / seconds[f"{op}_tierps"]
+        row[f"{op}_vs_raw"] = seconds[f"{op}_raw"] / seconds[f"{op}_tierps"]
+        row[f"{op}_raw_vs_echo"] = seconds[f"{op}_echo"] / seconds[f"{op}_raw"]
     row["lookup_view_vs_echo"] = seconds["lookup_echo"] / seconds["lookup_view_tierps"]
     return row
 
@@ -256,33 +324,42 @@ def _line(row: dict[str, Any]) -> str:
     for op in ("lookup", "push"):
         parts.append(
             f"{op} {row[f'{op}_tierps_s'] * 1e3:6.1f} ms vs echo {row[f'{op}_echo_s'] * 1e3:6.1f}"
-            f" ms ({row[f'{op}_tierps_keys_per_s'] / 1e6:5.2f}M keys/s, "
-            f"{row[f'{op}_vs_echo']:.2f}x echo)"
+            f" ms, raw numpy {row[f'{op}_raw_s'] * 1e3:6.1f} ms "
+            f"({row[f'{op}_tierps_keys_per_s'] / 1e6:5.2f}M keys/s, "
+            f"{row[f'{op}_vs_echo']:.2f}x echo, {row[f'{op}_vs_raw']:.2f}x raw)"
         )
     parts.append(f"copy=False {row['lookup_view_vs_echo']:.2f}x")
     return " | ".join(parts)
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    """Keys/s against batch size at PLOT_DIM, one panel per shard count."""
+    """Keys/s against batch size at PLOT_DIM (else the smallest dim measured), one panel per
+    shard count."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    dims = {r["dim"] for r in results["rows"]}
+    dim = PLOT_DIM if PLOT_DIM in dims or not dims else min(dims)
     fig, axes = plt.subplots(1, len(SHARDS), figsize=(11, 4.8), sharey=True)
     for ax, shards in zip(axes, SHARDS, strict=True):
-        rows = [r for r in results["rows"] if r["shards"] == shards and r["dim"] == PLOT_DIM]
+        rows = [r for r in results["rows"] if r["shards"] == shards and r["dim"] == dim]
         batches = [r["batch"] for r in rows]
         lines = (
             ("lookup_echo", "raw unary echo, lookup bytes (ceiling)", "C0", "--"),
+            ("lookup_raw", "raw numpy server, lookup (np.take)", "C0", ":"),
             ("lookup_tierps", "tierps lookup", "C0", "-"),
             ("push_echo", "raw unary echo, push bytes (ceiling)", "C1", "--"),
+            ("push_raw", "raw numpy server, push (numpy SGD)", "C1", ":"),
             ("push_tierps", "tierps push (SGD)", "C1", "-"),
         )
         for key, label, color, style in lines:
+            if f"{key}_keys_per_s" not in (rows[0] if rows else {}):
+                continue  # a JSON written before the raw numpy server
             values = [r[f"{key}_keys_per_s"] for r in rows]
-            ax.plot(batches, values, style, color=color, marker="o", label=label)
+            marker = "^" if style == ":" else "o"
+            ax.plot(batches, values, style, color=color, marker=marker, label=label)
         if results.get("redis_mget_s"):
             mget = results["redis_mget_s"]
             sizes = [b for b in batches if str(b) in mget]
@@ -292,7 +369,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_yscale("log")
         ax.set_xticks(batches, [f"{b // 1024}k" for b in batches])
         ax.set_xlabel("keys per call")
-        ax.set_title(f"{shards} shard{'s' if shards > 1 else ''}, dim {PLOT_DIM}, loopback")
+        ax.set_title(f"{shards} shard{'s' if shards > 1 else ''}, dim {dim}, loopback")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("keys/s")
     handles, labels = axes[0].get_legend_handles_labels()

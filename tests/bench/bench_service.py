@@ -18,6 +18,7 @@ the test run.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import multiprocessing
 import os
@@ -39,7 +40,7 @@ import grpc
 import numpy as np
 
 from tests.bench.echo_server import echo_call, initial_rows, raw_calls
-from tierps.client import EmbeddingClient
+from tierps.client import EmbeddingClient, embedding
 from tierps.proto import wire
 from tierps.server import LocalCluster
 from tierps.storage import TableConfig, optim
@@ -237,8 +238,10 @@ def sweep(
                      "by key; lookup = np.take into a reused buffer (mode=clip) then .tobytes() "
                      "(faster than np.take(...).tobytes() at 4 MiB and more: "
                      "docs/perf/profile-lookup.md round 6); push = arena[keys] -= lr * grads "
-                     "of views of the request; no checks; the client neither routes nor "
-                     "reassembles (requests built outside the timing, as for the echo). "
+                     "of views of the request, as np.take into the buffer, rows -= lr * grads, "
+                     "arena[keys] = rows (the same bits, about 2x faster); no checks; the "
+                     "client neither routes nor reassembles (requests built outside the "
+                     "timing, as for the echo). "
                      "Checked once per dim to answer tierps' rows, before and after a push",
         "lookup": "EmbeddingClient.lookup: a writable array in the keys' order; lookup_view: "
                   "copy=False (a read-only view of the reply where one reply holds every row "
@@ -375,8 +378,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle(
-        f"tierps over gRPC vs the raw transport of the same bytes ({results['machine']['cpus']} "
-        f"cores, one run)",
+        f"tierps over gRPC vs the raw transport of the same bytes, and a raw numpy server "
+        f"({results['machine']['cpus']} cores, one run)",
         fontsize=10,
     )
     fig.tight_layout(rect=(0, 0.1, 1, 1))
@@ -486,6 +489,95 @@ def tables_of_one_call(root: Path, tables: int = 8, batch: int = 16384, dim: int
     return out
 
 
+# -- the lookup's piece size ------------------------------------------------------------------
+
+
+def piece_counts(
+    client: EmbeddingClient, table: str, dim: int, keys: np.ndarray, sizes: tuple[int, ...]
+) -> dict[int, int]:
+    """The most calls a shard's part of a lookup of `keys` goes as, at each piece size (the
+    client's own routing, LOOKUP_PIECE_BYTES set to each size in turn)."""
+    saved, counts = embedding.LOOKUP_PIECE_BYTES, {}
+    try:
+        for size in sizes:
+            embedding.LOOKUP_PIECE_BYTES = size
+            calls = client._route({table: (dim, keys)}, lambda d: max(8, 4 * d), pieces=True)
+            counts[size] = max(collections.Counter(shard for shard, _ in calls).values())
+    finally:
+        embedding.LOOKUP_PIECE_BYTES = saved
+    return counts
+
+
+def piece_sizes(
+    root: Path,
+    shard_counts: tuple[int, ...],
+    dims: tuple[int, ...],
+    batches: tuple[int, ...],
+    sizes: tuple[int, ...] = (512 << 10, 1 << 20, 2 << 20, 4 << 20),
+    rounds: int = 2,
+) -> dict[str, Any]:
+    """Lookups at each LOOKUP_PIECE_BYTES in `sizes` (set between calls), alternated with
+    each other and the echo in one process, `rounds` times a shape; shapes where every size
+    cuts the same pieces are skipped."""
+    rng = np.random.default_rng(5)
+    saved = embedding.LOOKUP_PIECE_BYTES
+    out: dict[str, Any] = {"sizes": list(sizes), "rounds": rounds, "rows": []}
+    try:
+        for shards in shard_counts:
+            with LocalCluster(shards, root / f"pieces-{shards}") as cluster:
+                echo = EchoServers(shards, root)
+                client = EmbeddingClient(cluster.addresses, timeout_s=120.0)
+                try:
+                    for dim in dims:
+                        table = populate(client, dim)
+                        for batch in batches:
+                            keys = rng.choice(TABLE_KEYS, batch, replace=False)
+                            counts = piece_counts(client, table, dim, keys, sizes)
+                            if len(set(counts.values())) > 1:
+                                row = _pieces_shape(client, echo, table, shards, dim, keys,
+                                                    counts, rounds)  # fmt: skip
+                                out["rows"].append(row)
+                finally:
+                    client.close()
+                    echo.close()
+    finally:
+        embedding.LOOKUP_PIECE_BYTES = saved
+    return out
+
+
+def _pieces_shape(
+    client: EmbeddingClient,
+    echo: EchoServers,
+    table: str,
+    shards: int,
+    dim: int,
+    keys: np.ndarray,
+    counts: dict[int, int],
+    rounds: int,
+) -> dict[str, Any]:
+    """One shape of piece_sizes: `rounds` alternated runs of a lookup at each piece size."""
+
+    def at(size: int) -> Any:
+        embedding.LOOKUP_PIECE_BYTES = size
+        return client.lookup(table, keys)
+
+    mine = [keys[keys % shards == s] for s in range(shards)]
+    key_bytes = [k.tobytes() for k in mine]
+    rows_back = [4 * dim * k.size for k in mine]
+    fns: dict[str, Callable[[], object]] = {f"{s >> 10}KiB": lambda s=s: at(s) for s in counts}
+    fns["echo"] = lambda: echo.round_trip(key_bytes, rows_back)
+    runs = [measure_together(fns) for _ in range(rounds)]
+    row = {"shards": shards, "dim": dim, "batch": keys.size,
+           "pieces": {f"{s >> 10}KiB": c for s, c in counts.items()}, "seconds": runs}  # fmt: skip
+    timings = " | ".join(
+        " ".join(f"{name} {t * 1e3:5.1f}" for name, t in run.items()) for run in runs
+    )
+    pieces = " ".join(f"{name}:{c}" for name, c in row["pieces"].items())
+    print(f"shards={shards} dim={dim:>3} batch={keys.size:>6} {timings} ms; pieces {pieces}",
+          flush=True)  # fmt: skip
+    return row
+
+
 # -- where one RPC lookup's time goes ---------------------------------------------------------
 
 
@@ -566,6 +658,7 @@ def main() -> int:
     parser.add_argument("--concurrency", action="store_true", help="1 vs 2 concurrent clients")
     parser.add_argument("--replot", action="store_true", help="redraw --png from --out")
     parser.add_argument("--profile", action="store_true", help="py-spy one lookup's time")
+    parser.add_argument("--pieces", action="store_true", help="lookup piece sizes, A/B")
     parser.add_argument("--batches", type=_ints, help="keys per call, e.g. 65536,16384")
     parser.add_argument("--dims", type=_ints, help="dims, e.g. 16,64")
     parser.add_argument("--shards", type=_ints, default=SHARDS, help="shard counts, e.g. 1")
@@ -577,6 +670,13 @@ def main() -> int:
     try:
         if args.profile:
             profile(root, batch=(args.batches or (65536,))[0], dim=(args.dims or (64,))[0])
+            return 0
+        if args.pieces:
+            out = args.out.with_name("service-pieces.json")
+            found = piece_sizes(root, args.shards, args.dims or DIMS, args.batches or BATCHES)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(found, indent=2))
+            print(f"wrote {out}")
             return 0
         if args.concurrency:
             out = args.out.with_name("service-concurrency.json")

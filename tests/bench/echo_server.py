@@ -10,8 +10,9 @@ ends to the shards' (tierps.proto.wire.MAX_MESSAGE_BYTES):
   float32 arena [table_rows, dim], a row per key (the benchmark's keys are distinct ids in
   [0, table_rows)). A lookup's request is the keys (int64), its reply the rows gathered with
   np.take; a push's request is the keys then their float32 gradients, applied as numpy SGD
-  (`arena[keys] -= lr * grads`), its reply 8 bytes. `fill` makes the arena
-  (`initial_rows`, the rows the benchmark assigns to tierps). Keys are trusted: no checks.
+  (`arena[keys] -= lr * grads`, written as a gather, update and scatter), its reply 8
+  bytes. `fill` makes the arena (`initial_rows`, the rows the benchmark assigns to tierps).
+  Keys are trusted: no checks.
 
     python -m tests.bench.echo_server --port-file F
 """
@@ -79,22 +80,28 @@ class RawNumpy:
         return PUSH_REPLY
 
     def lookup(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        keys = np.frombuffer(request, np.int64)
-        dim = self.arena.shape[1]
-        gather = getattr(self._gathers, "buffer", None)
-        if gather is None or gather.size < keys.size * dim:
-            gather = self._gathers.buffer = np.empty(keys.size * dim, np.float32)
-        rows = gather[: keys.size * dim].reshape(keys.size, dim)
-        # mode="clip": np.take writes straight into `out` (mode="raise" buffers it first)
-        np.take(self.arena, keys, axis=0, out=rows, mode="clip")
-        return rows.tobytes()
+        return self._gather(np.frombuffer(request, np.int64)).tobytes()
 
     def push(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         count = len(request) // (8 + 4 * self.arena.shape[1])
         keys = np.frombuffer(request, np.int64, count)
         grads = np.frombuffer(request, np.float32, offset=8 * count).reshape(count, -1)
-        self.arena[keys] -= self.lr * grads
+        # arena[keys] -= lr * grads, the same bits, in half the time (docs/perf/
+        # profile-lookup.md, round 6): numpy's in-place fancy update makes more temporaries
+        rows = self._gather(keys)
+        rows -= self.lr * grads
+        self.arena[keys] = rows
         return PUSH_REPLY
+
+    def _gather(self, keys: np.ndarray) -> np.ndarray:
+        """The keys' rows, copied into this thread's reused buffer."""
+        dim = self.arena.shape[1]
+        buffer = getattr(self._gathers, "buffer", None)
+        if buffer is None or buffer.size < keys.size * dim:
+            buffer = self._gathers.buffer = np.empty(keys.size * dim, np.float32)
+        rows = buffer[: keys.size * dim].reshape(keys.size, dim)
+        # mode="clip": np.take writes straight into `out` (mode="raise" buffers it first)
+        return np.take(self.arena, keys, axis=0, out=rows, mode="clip")
 
 
 def echo_call(channel: grpc.Channel) -> Any:

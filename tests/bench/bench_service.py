@@ -9,6 +9,7 @@ run, their calls alternated so that this shared machine's drift hits all alike.
     python -m tests.bench.bench_service [--quick] [--out docs/perf/service.json]
         [--png docs/perf/service.png]
     python -m tests.bench.bench_service --concurrency   # 1 vs 2 clients on two tables
+    python -m tests.bench.bench_service --pieces        # lookup piece sizes, alternated
 
 Shards and echo servers are subprocesses (as in production); the client is this process,
 calling the shards at once (keys routed by key % num_shards), the echo likewise. Not part of
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -181,8 +182,7 @@ def check_raw_server(
     rng = np.random.default_rng(1)
     keys = rng.choice(TABLE_KEYS, 4096, replace=False).astype(np.int64)
     grads = rng.standard_normal((keys.size, dim), dtype=np.float32)
-    owner = keys % shards
-    at = [np.flatnonzero(owner == s) for s in range(shards)]
+    at = shard_positions(keys, shards)
 
     def raw_rows() -> np.ndarray:
         replies = echo.raw_call("lookup", [keys[i].tobytes() for i in at])
@@ -262,23 +262,39 @@ def sweep(
     else:
         results["redis"] = None
         print("redis-server is not installed (apt-get install redis-server): no Redis baseline")
+    for shards, client, echo in clusters(root / "data", shard_counts):
+        for dim in dims:
+            table = populate(client, dim)
+            echo.fill_raw(dim)
+            check_raw_server(client, echo, table, shards, dim)
+            for batch in batches:
+                row = measure_shape(client, echo, table, shards, dim, batch, rng)
+                results["rows"].append(row)
+                print(_line(row), flush=True)
+    return results
+
+
+def clusters(
+    root: Path, shard_counts: tuple[int, ...]
+) -> Iterator[tuple[int, EmbeddingClient, EchoServers]]:
+    """For each shard count in turn: a LocalCluster of that many shards, a client of it,
+    and as many echo servers; all closed before the next."""
     for shards in shard_counts:
-        with LocalCluster(shards, root / f"data-{shards}") as cluster:
+        with LocalCluster(shards, root / str(shards)) as cluster:
             echo = EchoServers(shards, root)
             client = EmbeddingClient(cluster.addresses, timeout_s=120.0)
             try:
-                for dim in dims:
-                    table = populate(client, dim)
-                    echo.fill_raw(dim)
-                    check_raw_server(client, echo, table, shards, dim)
-                    for batch in batches:
-                        row = measure_shape(client, echo, table, shards, dim, batch, rng)
-                        results["rows"].append(row)
-                        print(_line(row), flush=True)
+                yield shards, client, echo
             finally:
                 client.close()
                 echo.close()
-    return results
+
+
+def shard_positions(keys: np.ndarray, shards: int) -> list[np.ndarray]:
+    """Each shard's keys' positions in `keys`, in the order the client sends them (keys
+    routed by key % shards; distinct keys go as given)."""
+    owner = keys % shards
+    return [np.flatnonzero(owner == s) for s in range(shards)]
 
 
 def measure_shape(
@@ -292,8 +308,7 @@ def measure_shape(
 ) -> dict[str, Any]:
     keys = rng.choice(TABLE_KEYS, batch, replace=False).astype(np.int64)
     grads = rng.standard_normal((batch, dim), dtype=np.float32) * 1e-3
-    # each shard's keys in the order the client sends them (distinct keys go as given)
-    mine = [np.flatnonzero(keys % shards == s) for s in range(shards)]
+    mine = shard_positions(keys, shards)
     # the echo carries what a shard call carries: keys out and rows back; keys and
     # gradients out and an acknowledgement back (the raw numpy server reads them)
     key_bytes = [keys[at].tobytes() for at in mine]
@@ -523,23 +538,15 @@ def piece_sizes(
     saved = embedding.LOOKUP_PIECE_BYTES
     out: dict[str, Any] = {"sizes": list(sizes), "rounds": rounds, "rows": []}
     try:
-        for shards in shard_counts:
-            with LocalCluster(shards, root / f"pieces-{shards}") as cluster:
-                echo = EchoServers(shards, root)
-                client = EmbeddingClient(cluster.addresses, timeout_s=120.0)
-                try:
-                    for dim in dims:
-                        table = populate(client, dim)
-                        for batch in batches:
-                            keys = rng.choice(TABLE_KEYS, batch, replace=False)
-                            counts = piece_counts(client, table, dim, keys, sizes)
-                            if len(set(counts.values())) > 1:
-                                row = _pieces_shape(client, echo, table, shards, dim, keys,
-                                                    counts, rounds)  # fmt: skip
-                                out["rows"].append(row)
-                finally:
-                    client.close()
-                    echo.close()
+        for shards, client, echo in clusters(root / "pieces", shard_counts):
+            for dim in dims:
+                table = populate(client, dim)
+                for batch in batches:
+                    keys = rng.choice(TABLE_KEYS, batch, replace=False)
+                    counts = piece_counts(client, table, dim, keys, sizes)
+                    if len(set(counts.values())) > 1:
+                        row = _pieces_shape(client, echo, table, shards, dim, keys, counts, rounds)
+                        out["rows"].append(row)
     finally:
         embedding.LOOKUP_PIECE_BYTES = saved
     return out
@@ -561,9 +568,9 @@ def _pieces_shape(
         embedding.LOOKUP_PIECE_BYTES = size
         return client.lookup(table, keys)
 
-    mine = [keys[keys % shards == s] for s in range(shards)]
-    key_bytes = [k.tobytes() for k in mine]
-    rows_back = [4 * dim * k.size for k in mine]
+    mine = shard_positions(keys, shards)
+    key_bytes = [keys[at].tobytes() for at in mine]
+    rows_back = [4 * dim * at.size for at in mine]
     fns: dict[str, Callable[[], object]] = {f"{s >> 10}KiB": lambda s=s: at(s) for s in counts}
     fns["echo"] = lambda: echo.round_trip(key_bytes, rows_back)
     runs = [measure_together(fns) for _ in range(rounds)]

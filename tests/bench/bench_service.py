@@ -1,12 +1,15 @@
 """Shard-service benchmark: EmbeddingClient lookups and pushes over loopback against the best
 raw transport of the same bytes, a gRPC unary echo carrying each shard's request and reply
-as one message each (tests/bench/echo_server.py: no protobuf, limits raised on both ends),
-and Redis MGET of the same value bytes where redis-server is installed; all in this run,
-their calls alternated so that this shared machine's drift hits all alike.
+as one message each (tests/bench/echo_server.py: no protobuf, limits raised on both ends);
+against the best raw server doing the same work, a "raw numpy server" in the echo's process
+that holds the rows in a numpy arena (np.take for a lookup, numpy SGD for a push) on the same
+wire; and Redis MGET of the same value bytes where redis-server is installed; all in this
+run, their calls alternated so that this shared machine's drift hits all alike.
 
     python -m tests.bench.bench_service [--quick] [--out docs/perf/service.json]
         [--png docs/perf/service.png]
     python -m tests.bench.bench_service --concurrency   # 1 vs 2 clients on two tables
+    python -m tests.bench.bench_service --pieces        # lookup piece sizes, alternated
 
 Shards and echo servers are subprocesses (as in production); the client is this process,
 calling the shards at once (keys routed by key % num_shards), the echo likewise. Not part of
@@ -16,6 +19,7 @@ the test run.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import multiprocessing
 import os
@@ -28,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -36,8 +40,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from tests.bench.echo_server import echo_call
-from tierps.client import EmbeddingClient
+from tests.bench.echo_server import echo_call, initial_rows, raw_calls
+from tierps.client import EmbeddingClient, embedding
 from tierps.proto import wire
 from tierps.server import LocalCluster
 from tierps.storage import TableConfig, optim
@@ -48,6 +52,8 @@ SHARDS = (1, 2)
 PLOT_DIM = 64  # the picture's dim (every dim is in the JSON)
 TABLE_KEYS = 1 << 19  # keys stored per table, all in the host tier
 MIN_SECONDS = 0.4  # each measurement repeats until it has run this long (and >= 5 times)
+LR = 0.01  # the SGD step of tierps' table and the raw numpy server's
+ROW_SEED = 0  # initial_rows' seed: tierps and the raw numpy server hold the same rows
 
 
 def measure_together(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
@@ -65,7 +71,8 @@ def measure_together(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
 
 
 class EchoServers:
-    """One echo server subprocess per shard, and a raw client that calls them at once."""
+    """One echo server subprocess per shard (each serving the echo and the raw numpy
+    server), and a raw client that calls them at once."""
 
     def __init__(self, count: int, root: Path) -> None:
         self.processes, addresses = [], []
@@ -85,16 +92,32 @@ class EchoServers:
         options = wire.channel_options()
         self.channels = [grpc.insecure_channel(a, options=options) for a in addresses]
         self.calls = [echo_call(channel) for channel in self.channels]
+        self.raw = [raw_calls(channel) for channel in self.channels]
         self.pool = ThreadPoolExecutor(max(1, count - 1))
 
     def round_trip(self, requests: list[bytes], reply_bytes: list[int]) -> None:
-        """Each shard's request bytes out and its reply bytes back, all shards at once (the
-        last in this thread, as the client does)."""
-        *others, last = range(len(requests))
-        futures = [self.pool.submit(self.calls[i], requests[i], reply_bytes[i]) for i in others]
-        self.calls[last](requests[last], reply_bytes[last])
-        for future in futures:
-            future.result()
+        """Each shard's request bytes out and its reply bytes back, all shards at once."""
+        self._at_once([lambda i=i: self.calls[i](requests[i], reply_bytes[i]) for i in
+                       range(len(requests))])  # fmt: skip
+
+    def fill_raw(self, dim: int) -> None:
+        """Every raw numpy server holds initial_rows(TABLE_KEYS, dim), SGD at LR."""
+        shape = {"table_rows": TABLE_KEYS, "dim": dim, "lr": LR, "seed": ROW_SEED}
+        self._at_once([lambda f=raw["fill"]: f(json.dumps(shape).encode(), timeout=120.0)
+                       for raw in self.raw])  # fmt: skip
+
+    def raw_call(self, method: str, requests: list[bytes]) -> list[bytes]:
+        """The raw numpy servers' `method` (lookup, push) with each shard's request bytes,
+        all shards at once; their replies."""
+        return self._at_once([lambda i=i: self.raw[i][method](requests[i], timeout=120.0)
+                              for i in range(len(requests))])  # fmt: skip
+
+    def _at_once(self, calls: list[Callable[[], bytes]]) -> list[bytes]:
+        """Runs the calls at once, the last in this thread (as the client does)."""
+        *others, last = calls
+        futures = [self.pool.submit(call) for call in others]
+        mine = last()
+        return [future.result() for future in futures] + [mine]
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -139,14 +162,45 @@ class Redis:
 
 
 def populate(client: EmbeddingClient, dim: int) -> str:
-    """A table of TABLE_KEYS rows, all in the host tier (SGD keeps dim floats a row)."""
+    """A table of TABLE_KEYS rows (initial_rows, as the raw numpy server holds), all in the
+    host tier (SGD keeps dim floats a row)."""
     table = f"bench{dim}"
     client.create_table(
-        TableConfig(table, dim, optimizer=optim.SGD(lr=0.01), host_cache_bytes=TABLE_KEYS * dim * 8)
+        TableConfig(table, dim, optimizer=optim.SGD(lr=LR), host_cache_bytes=TABLE_KEYS * dim * 8)
     )
     keys = np.arange(TABLE_KEYS, dtype=np.int64)
-    client.assign(table, keys, np.zeros((TABLE_KEYS, dim), np.float32))
+    client.assign(table, keys, initial_rows(TABLE_KEYS, dim, ROW_SEED))
     return table
+
+
+def check_raw_server(
+    client: EmbeddingClient, echo: EchoServers, table: str, shards: int, dim: int
+) -> None:
+    """Outside the timing: the raw numpy servers answer a lookup with the rows tierps
+    returns for the same keys (both hold initial_rows), and after one SGD push of the same
+    gradients on both, still. Raises AssertionError where a baseline is wrong."""
+    rng = np.random.default_rng(1)
+    keys = rng.choice(TABLE_KEYS, 4096, replace=False).astype(np.int64)
+    grads = rng.standard_normal((keys.size, dim), dtype=np.float32)
+    at = shard_positions(keys, shards)
+
+    def raw_rows() -> np.ndarray:
+        replies = echo.raw_call("lookup", [keys[i].tobytes() for i in at])
+        rows = np.empty((keys.size, dim), np.float32)
+        for i, reply in zip(at, replies, strict=True):
+            rows[i] = np.frombuffer(reply, np.float32).reshape(i.size, dim)
+        return rows
+
+    before = client.lookup(table, keys)
+    if not np.array_equal(raw_rows(), before):
+        raise AssertionError(f"raw numpy server: lookup rows differ from tierps' (dim {dim})")
+    client.push_gradients(table, keys, grads)
+    echo.raw_call("push", [keys[i].tobytes() + grads[i].tobytes() for i in at])
+    # each side rounds lr * grad and the difference once in float32 (2**-24 relative each),
+    # and one side may round lr to float32 first: at most 2**-23 * (|row| + 3 lr |grad|)
+    bound = 2.0**-23 * (np.abs(before) + 3 * LR * np.abs(grads))
+    if not (np.abs(raw_rows() - client.lookup(table, keys)) <= bound).all():
+        raise AssertionError(f"raw numpy server: rows after a push differ from tierps' (dim {dim})")
 
 
 def redis_mget(redis_server: Redis, batches: tuple[int, ...], dim: int) -> dict[int, float]:
@@ -179,6 +233,16 @@ def sweep(
         "table_keys": TABLE_KEYS,
         "baseline": "raw gRPC unary echo of each shard's request and reply bytes, one message "
                     "each way, no protobuf (tests/bench/echo_server.py)",
+        "raw_numpy": "the same work done the raw way (tests/bench/echo_server.py RawNumpy, in "
+                     "the echo's process, the same wire): rows in a dense numpy arena indexed "
+                     "by key; lookup = np.take into a reused buffer (mode=clip) then .tobytes() "
+                     "(faster than np.take(...).tobytes() at 4 MiB and more: "
+                     "docs/perf/profile-lookup.md round 6); push = arena[keys] -= lr * grads "
+                     "of views of the request, as np.take into the buffer, rows -= lr * grads, "
+                     "arena[keys] = rows (the same bits, about 2x faster); no checks; the "
+                     "client neither routes nor reassembles (requests built outside the "
+                     "timing, as for the echo). "
+                     "Checked once per dim to answer tierps' rows, before and after a push",
         "lookup": "EmbeddingClient.lookup: a writable array in the keys' order; lookup_view: "
                   "copy=False (a read-only view of the reply where one reply holds every row "
                   "in order). A shard's reply of 8 MiB or more goes as 2-4 calls of 4 MiB or "
@@ -198,21 +262,39 @@ def sweep(
     else:
         results["redis"] = None
         print("redis-server is not installed (apt-get install redis-server): no Redis baseline")
+    for shards, client, echo in clusters(root / "data", shard_counts):
+        for dim in dims:
+            table = populate(client, dim)
+            echo.fill_raw(dim)
+            check_raw_server(client, echo, table, shards, dim)
+            for batch in batches:
+                row = measure_shape(client, echo, table, shards, dim, batch, rng)
+                results["rows"].append(row)
+                print(_line(row), flush=True)
+    return results
+
+
+def clusters(
+    root: Path, shard_counts: tuple[int, ...]
+) -> Iterator[tuple[int, EmbeddingClient, EchoServers]]:
+    """For each shard count in turn: a LocalCluster of that many shards, a client of it,
+    and as many echo servers; all closed before the next."""
     for shards in shard_counts:
-        with LocalCluster(shards, root / f"data-{shards}") as cluster:
+        with LocalCluster(shards, root / str(shards)) as cluster:
             echo = EchoServers(shards, root)
             client = EmbeddingClient(cluster.addresses, timeout_s=120.0)
             try:
-                for dim in dims:
-                    table = populate(client, dim)
-                    for batch in batches:
-                        row = measure_shape(client, echo, table, shards, dim, batch, rng)
-                        results["rows"].append(row)
-                        print(_line(row), flush=True)
+                yield shards, client, echo
             finally:
                 client.close()
                 echo.close()
-    return results
+
+
+def shard_positions(keys: np.ndarray, shards: int) -> list[np.ndarray]:
+    """Each shard's keys' positions in `keys`, in the order the client sends them (keys
+    routed by key % shards; distinct keys go as given)."""
+    owner = keys % shards
+    return [np.flatnonzero(owner == s) for s in range(shards)]
 
 
 def measure_shape(
@@ -226,19 +308,21 @@ def measure_shape(
 ) -> dict[str, Any]:
     keys = rng.choice(TABLE_KEYS, batch, replace=False).astype(np.int64)
     grads = rng.standard_normal((batch, dim), dtype=np.float32) * 1e-3
-    mine = [np.sort(keys[keys % shards == s]) for s in range(shards)]
+    mine = shard_positions(keys, shards)
     # the echo carries what a shard call carries: keys out and rows back; keys and
-    # gradients out and an acknowledgement back
-    key_bytes = [k.tobytes() for k in mine]
-    push_bytes = [k.tobytes() + grads[: k.size].tobytes() for k in mine]
-    rows_back = [4 * dim * k.size for k in mine]
+    # gradients out and an acknowledgement back (the raw numpy server reads them)
+    key_bytes = [keys[at].tobytes() for at in mine]
+    push_bytes = [keys[at].tobytes() + grads[at].tobytes() for at in mine]
+    rows_back = [4 * dim * at.size for at in mine]
     seconds = measure_together(
         {
             "lookup_tierps": lambda: client.lookup(table, keys),
             "lookup_view_tierps": lambda: client.lookup(table, keys, copy=False),
             "lookup_echo": lambda: echo.round_trip(key_bytes, rows_back),
+            "lookup_raw": lambda: echo.raw_call("lookup", key_bytes),
             "push_tierps": lambda: client.push_gradients(table, keys, grads),
             "push_echo": lambda: echo.round_trip(push_bytes, [8] * shards),
+            "push_raw": lambda: echo.raw_call("push", push_bytes),
         }
     )
     row: dict[str, Any] = {"shards": shards, "dim": dim, "batch": batch}
@@ -247,6 +331,8 @@ def measure_shape(
         row[f"{name}_keys_per_s"] = batch / s
     for op in ("lookup", "push"):
         row[f"{op}_vs_echo"] = seconds[f"{op}_echo"] / seconds[f"{op}_tierps"]
+        row[f"{op}_vs_raw"] = seconds[f"{op}_raw"] / seconds[f"{op}_tierps"]
+        row[f"{op}_raw_vs_echo"] = seconds[f"{op}_echo"] / seconds[f"{op}_raw"]
     row["lookup_view_vs_echo"] = seconds["lookup_echo"] / seconds["lookup_view_tierps"]
     return row
 
@@ -256,33 +342,42 @@ def _line(row: dict[str, Any]) -> str:
     for op in ("lookup", "push"):
         parts.append(
             f"{op} {row[f'{op}_tierps_s'] * 1e3:6.1f} ms vs echo {row[f'{op}_echo_s'] * 1e3:6.1f}"
-            f" ms ({row[f'{op}_tierps_keys_per_s'] / 1e6:5.2f}M keys/s, "
-            f"{row[f'{op}_vs_echo']:.2f}x echo)"
+            f" ms, raw numpy {row[f'{op}_raw_s'] * 1e3:6.1f} ms "
+            f"({row[f'{op}_tierps_keys_per_s'] / 1e6:5.2f}M keys/s, "
+            f"{row[f'{op}_vs_echo']:.2f}x echo, {row[f'{op}_vs_raw']:.2f}x raw)"
         )
     parts.append(f"copy=False {row['lookup_view_vs_echo']:.2f}x")
     return " | ".join(parts)
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    """Keys/s against batch size at PLOT_DIM, one panel per shard count."""
+    """Keys/s against batch size at PLOT_DIM (else the smallest dim measured), one panel per
+    shard count."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    dims = {r["dim"] for r in results["rows"]}
+    dim = PLOT_DIM if PLOT_DIM in dims or not dims else min(dims)
     fig, axes = plt.subplots(1, len(SHARDS), figsize=(11, 4.8), sharey=True)
     for ax, shards in zip(axes, SHARDS, strict=True):
-        rows = [r for r in results["rows"] if r["shards"] == shards and r["dim"] == PLOT_DIM]
+        rows = [r for r in results["rows"] if r["shards"] == shards and r["dim"] == dim]
         batches = [r["batch"] for r in rows]
         lines = (
             ("lookup_echo", "raw unary echo, lookup bytes (ceiling)", "C0", "--"),
+            ("lookup_raw", "raw numpy server, lookup (np.take)", "C0", ":"),
             ("lookup_tierps", "tierps lookup", "C0", "-"),
             ("push_echo", "raw unary echo, push bytes (ceiling)", "C1", "--"),
+            ("push_raw", "raw numpy server, push (numpy SGD)", "C1", ":"),
             ("push_tierps", "tierps push (SGD)", "C1", "-"),
         )
         for key, label, color, style in lines:
+            if f"{key}_keys_per_s" not in (rows[0] if rows else {}):
+                continue  # a JSON written before the raw numpy server
             values = [r[f"{key}_keys_per_s"] for r in rows]
-            ax.plot(batches, values, style, color=color, marker="o", label=label)
+            marker = "^" if style == ":" else "o"
+            ax.plot(batches, values, style, color=color, marker=marker, label=label)
         if results.get("redis_mget_s"):
             mget = results["redis_mget_s"]
             sizes = [b for b in batches if str(b) in mget]
@@ -292,14 +387,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_yscale("log")
         ax.set_xticks(batches, [f"{b // 1024}k" for b in batches])
         ax.set_xlabel("keys per call")
-        ax.set_title(f"{shards} shard{'s' if shards > 1 else ''}, dim {PLOT_DIM}, loopback")
+        ax.set_title(f"{shards} shard{'s' if shards > 1 else ''}, dim {dim}, loopback")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("keys/s")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle(
-        f"tierps over gRPC vs the raw transport of the same bytes ({results['machine']['cpus']} "
-        f"cores, one run)",
+        f"tierps over gRPC vs the raw transport of the same bytes, and a raw numpy server "
+        f"({results['machine']['cpus']} cores, one run)",
         fontsize=10,
     )
     fig.tight_layout(rect=(0, 0.1, 1, 1))
@@ -409,6 +504,87 @@ def tables_of_one_call(root: Path, tables: int = 8, batch: int = 16384, dim: int
     return out
 
 
+# -- the lookup's piece size ------------------------------------------------------------------
+
+
+def piece_counts(
+    client: EmbeddingClient, table: str, dim: int, keys: np.ndarray, sizes: tuple[int, ...]
+) -> dict[int, int]:
+    """The most calls a shard's part of a lookup of `keys` goes as, at each piece size (the
+    client's own routing, LOOKUP_PIECE_BYTES set to each size in turn)."""
+    saved, counts = embedding.LOOKUP_PIECE_BYTES, {}
+    try:
+        for size in sizes:
+            embedding.LOOKUP_PIECE_BYTES = size
+            calls = client._route({table: (dim, keys)}, lambda d: max(8, 4 * d), pieces=True)
+            counts[size] = max(collections.Counter(shard for shard, _ in calls).values())
+    finally:
+        embedding.LOOKUP_PIECE_BYTES = saved
+    return counts
+
+
+def piece_sizes(
+    root: Path,
+    shard_counts: tuple[int, ...],
+    dims: tuple[int, ...],
+    batches: tuple[int, ...],
+    sizes: tuple[int, ...] = (512 << 10, 1 << 20, 2 << 20, 4 << 20),
+    rounds: int = 2,
+) -> dict[str, Any]:
+    """Lookups at each LOOKUP_PIECE_BYTES in `sizes` (set between calls), alternated with
+    each other and the echo in one process, `rounds` times a shape; shapes where every size
+    cuts the same pieces are skipped."""
+    rng = np.random.default_rng(5)
+    saved = embedding.LOOKUP_PIECE_BYTES
+    out: dict[str, Any] = {"sizes": list(sizes), "rounds": rounds, "rows": []}
+    try:
+        for shards, client, echo in clusters(root / "pieces", shard_counts):
+            for dim in dims:
+                table = populate(client, dim)
+                for batch in batches:
+                    keys = rng.choice(TABLE_KEYS, batch, replace=False)
+                    counts = piece_counts(client, table, dim, keys, sizes)
+                    if len(set(counts.values())) > 1:
+                        row = _pieces_shape(client, echo, table, shards, dim, keys, counts, rounds)
+                        out["rows"].append(row)
+    finally:
+        embedding.LOOKUP_PIECE_BYTES = saved
+    return out
+
+
+def _pieces_shape(
+    client: EmbeddingClient,
+    echo: EchoServers,
+    table: str,
+    shards: int,
+    dim: int,
+    keys: np.ndarray,
+    counts: dict[int, int],
+    rounds: int,
+) -> dict[str, Any]:
+    """One shape of piece_sizes: `rounds` alternated runs of a lookup at each piece size."""
+
+    def at(size: int) -> Any:
+        embedding.LOOKUP_PIECE_BYTES = size
+        return client.lookup(table, keys)
+
+    mine = shard_positions(keys, shards)
+    key_bytes = [keys[at].tobytes() for at in mine]
+    rows_back = [4 * dim * at.size for at in mine]
+    fns: dict[str, Callable[[], object]] = {f"{s >> 10}KiB": lambda s=s: at(s) for s in counts}
+    fns["echo"] = lambda: echo.round_trip(key_bytes, rows_back)
+    runs = [measure_together(fns) for _ in range(rounds)]
+    row = {"shards": shards, "dim": dim, "batch": keys.size,
+           "pieces": {f"{s >> 10}KiB": c for s, c in counts.items()}, "seconds": runs}  # fmt: skip
+    timings = " | ".join(
+        " ".join(f"{name} {t * 1e3:5.1f}" for name, t in run.items()) for run in runs
+    )
+    pieces = " ".join(f"{name}:{c}" for name, c in row["pieces"].items())
+    print(f"shards={shards} dim={dim:>3} batch={keys.size:>6} {timings} ms; pieces {pieces}",
+          flush=True)  # fmt: skip
+    return row
+
+
 # -- where one RPC lookup's time goes ---------------------------------------------------------
 
 
@@ -489,6 +665,7 @@ def main() -> int:
     parser.add_argument("--concurrency", action="store_true", help="1 vs 2 concurrent clients")
     parser.add_argument("--replot", action="store_true", help="redraw --png from --out")
     parser.add_argument("--profile", action="store_true", help="py-spy one lookup's time")
+    parser.add_argument("--pieces", action="store_true", help="lookup piece sizes, A/B")
     parser.add_argument("--batches", type=_ints, help="keys per call, e.g. 65536,16384")
     parser.add_argument("--dims", type=_ints, help="dims, e.g. 16,64")
     parser.add_argument("--shards", type=_ints, default=SHARDS, help="shard counts, e.g. 1")
@@ -500,6 +677,13 @@ def main() -> int:
     try:
         if args.profile:
             profile(root, batch=(args.batches or (65536,))[0], dim=(args.dims or (64,))[0])
+            return 0
+        if args.pieces:
+            out = args.out.with_name("service-pieces.json")
+            found = piece_sizes(root, args.shards, args.dims or DIMS, args.batches or BATCHES)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(found, indent=2))
+            print(f"wrote {out}")
             return 0
         if args.concurrency:
             out = args.out.with_name("service-concurrency.json")

@@ -54,6 +54,9 @@ DEFAULT_ASYNC_STALENESS = 2
 DEFAULT_LR = 1e-3
 DEFAULT_SAMPLES = 200_000
 EVAL_BATCH_SIZE = 8192
+# The ids TrainerGroup.save_checkpoint gives job checkpoints (tierps.client.distributed):
+# --trainers' pruning finds them by it; a test prunes real ones.
+CHECKPOINT_PREFIX = "ckpt-step"
 # Host-tier budget per table and shard: MovieLens fits many times over; the synthetic set
 # (~130 MB of rows with Adam state at 200k samples) does not, so its cold rows live in RocksDB.
 DEFAULT_HOST_CACHE_MB = {"movielens": 64, "synthetic": 16}
@@ -420,7 +423,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--keep-snapshots", type=int, default=1,
         help="after saving, keep this many of the dataset's newest demo snapshots in "
-        "<data-dir>/snapshots and delete the older ones (0: keep all)",
+        "<data-dir>/snapshots and delete the older ones; with --trainers, of the newest job "
+        "checkpoints in <data-dir>/checkpoints, each with its snapshot (0: keep all)",
     )  # fmt: skip
     parser.add_argument(
         "--addresses",
@@ -552,7 +556,8 @@ def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: fl
             host_cache_bytes=host_mb << 20,
         )  # fmt: skip
         if args.trainers is not None:
-            return _train_with_torchrun(args, client, tables, epochs, batch_size, started)
+            ours = snapshot_dir if cluster is not None else None  # a running cluster's: not ours
+            return _train_with_torchrun(args, client, tables, epochs, batch_size, started, ours)
         model = build_tierps_model(
             client, dataset, dim=args.dim, seed=args.seed, staleness=staleness
         )
@@ -597,8 +602,11 @@ def _train_with_torchrun(
     epochs: int,
     batch_size: int,
     started: float,
+    snapshot_dir: Path | None,
 ) -> int:
-    """--trainers N: the ranks train (tierps.demo.trainers), checkpointing each epoch."""
+    """--trainers N: the ranks train (tierps.demo.trainers), checkpointing each epoch; then
+    all but the --keep-snapshots newest job checkpoints are deleted, with their snapshots in
+    snapshot_dir (None: the cluster's snapshots are not the demo's, nothing is deleted)."""
     import torch
 
     from tierps.demo.trainers import launch
@@ -612,6 +620,11 @@ def _train_with_torchrun(
     if code != 0:
         print(f"tierps demo: the trainers failed (torchrun exit code {code})", file=sys.stderr)
         return 1
+    if snapshot_dir is not None and args.keep_snapshots:
+        pruned = prune_job_checkpoints(checkpoint_dir.parent, snapshot_dir, args.keep_snapshots)
+        if pruned:
+            print(f"deleted {len(pruned)} older job checkpoint(s) (--keep-snapshots "
+                  f"{args.keep_snapshots}): {', '.join(pruned)}")  # fmt: skip
     rates = tier_hit_rates(client, tables)
     print(
         f"done in {time.perf_counter() - started:.1f} s; job checkpoints in {checkpoint_dir}; "
@@ -620,19 +633,43 @@ def _train_with_torchrun(
     return 0
 
 
+def prune_oldest(paths: Iterable[Path], keep: int, delete: Callable[[Path], Any]) -> list[str]:
+    """--keep-snapshots' rule: delete (with `delete`) all but the `keep` newest of `paths`,
+    by modification time (then name); the names deleted, oldest first."""
+    newest_last = sorted(paths, key=lambda path: (path.stat().st_mtime_ns, path.name))
+    old = newest_last[: max(0, len(newest_last) - keep)]
+    for path in old:
+        delete(path)
+    return [path.name for path in old]
+
+
 def prune_demo_snapshots(snapshot_dir: Path, dataset: str, keep: int) -> list[str]:
-    """Delete all but the `keep` newest (by modification time) of the dataset's demo
-    snapshots (deepfm-<dataset>-*) in snapshot_dir; the names deleted, oldest first."""
+    """Delete all but the `keep` newest of the dataset's demo snapshots (deepfm-<dataset>-*)
+    in snapshot_dir; the names deleted, oldest first."""
     import shutil
 
-    demo_snapshots = sorted(
-        (path for path in snapshot_dir.glob(f"deepfm-{dataset}-*") if path.is_dir()),
-        key=lambda path: (path.stat().st_mtime_ns, path.name),
-    )
-    old = demo_snapshots[: max(0, len(demo_snapshots) - keep)]
-    for path in old:
-        shutil.rmtree(path)
-    return [path.name for path in old]
+    demo_snapshots = (p for p in snapshot_dir.glob(f"deepfm-{dataset}-*") if p.is_dir())
+    return prune_oldest(demo_snapshots, keep, shutil.rmtree)
+
+
+def prune_job_checkpoints(checkpoints_dir: Path, snapshot_dir: Path, keep: int) -> list[str]:
+    """Delete all but the `keep` newest job checkpoints of the demo's --trainers runs (each
+    <checkpoints_dir>/<job>/<id>.pt with its snapshot <snapshot_dir>/<id>, written by
+    TrainerGroup.save_checkpoint), and the job directories left without one (their
+    latest.json names a deleted checkpoint); the ids deleted, oldest first. A job's newest
+    checkpoint, the one its latest.json names, is deleted only with all of that job's."""
+    import shutil
+
+    def delete(checkpoint: Path) -> None:
+        shutil.rmtree(snapshot_dir / checkpoint.stem, ignore_errors=True)  # before its .pt
+        checkpoint.unlink()
+
+    checkpoints = checkpoints_dir.glob(f"*/{CHECKPOINT_PREFIX}*.pt")
+    pruned = prune_oldest(checkpoints, keep, delete)
+    for job in checkpoints_dir.iterdir():
+        if job.is_dir() and not any(job.glob(f"{CHECKPOINT_PREFIX}*.pt")):
+            shutil.rmtree(job)
+    return [name.removesuffix(".pt") for name in pruned]
 
 
 def _snapshot_name(client: EmbeddingClient, dataset: str) -> str:

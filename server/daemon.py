@@ -26,7 +26,7 @@ from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto.wire import channel_options
 from tierps.server.config import ServerConfig, max_call_request_bytes
 from tierps.server.handlers import refusal
-from tierps.server.limits import HEALTH_WORKERS, CallLimits
+from tierps.server.limits import HEALTH_WORKERS, RECEIVE_WINDOW_OPTIONS, CallLimits
 from tierps.server.lives import LIFE_HEADER
 from tierps.server.metrics import ShardMetrics
 from tierps.server.security import (
@@ -98,7 +98,11 @@ class ShardServer:
             if tokens is not None:  # first: an unknown caller is refused before anything
                 interceptors.insert(0, AuthCheck(tokens, self._refused, where))
             # so_reuseport off: a port in use is an error, never two servers on one port.
-            options = [*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)]
+            options = [
+                *channel_options(config.max_message_bytes),
+                *RECEIVE_WINDOW_OPTIONS,  # what gRPC buffers ahead of the byte budget
+                ("grpc.so_reuseport", 0),
+            ]
             # HEALTH_WORKERS threads more than calls may hold: health always finds one
             self._executor = ThreadPoolExecutor(
                 config.max_workers + HEALTH_WORKERS, thread_name_prefix="tierps-rpc"

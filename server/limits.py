@@ -18,7 +18,9 @@ interceptor):
   before the next message is read: such a refused push holds at most the budget (or the
   per-call limit) plus one message, and lets go of it at once;
 - a request stream idle for idle_s while the shard waits for its next message, or a data
-  call running for total_s, is cancelled (the client sees CANCELLED), freeing its thread.
+  call running for total_s, is cancelled (the client sees CANCELLED), freeing its thread;
+- what gRPC core takes off the socket ahead of the servicer, before a message is counted:
+  RECEIVE_WINDOW_OPTIONS pin each stream's flow-control window to one message.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 import grpc
 
 from tierps.proto import tierps_service_pb2 as pb
-from tierps.proto.wire import REQUEST_BYTES_HEADER
+from tierps.proto.wire import CHUNK_BYTES, REQUEST_BYTES_HEADER
 from tierps.server.handlers import with_behavior
 from tierps.storage.errors import ResourceExhaustedError
 
@@ -41,6 +43,22 @@ HEALTH_WORKERS = 4  # threads of the server's pool beyond max_calls: health alwa
 _HEALTH = "/grpc.health.v1.Health/"
 _DATA = f"/{pb.DESCRIPTOR.services_by_name['EmbeddingService'].full_name}/"
 Refused = Callable[[str, str, str, str], None]  # (method, code, cause, why): count and log
+
+# The shard server's HTTP/2 flow control. gRPC core buffers what a stream's window lets the
+# client send before the servicer asks for it, and the budget counts a message only when it
+# is read. By default the window follows the BDP probe: max(4 MiB, 2 x the bytes that arrive
+# within one ping's round trip), rounded up to a power of two - unbounded, and largest when
+# the shard is slow (a busy CPU delays the ping's ack while the client keeps sending): a
+# refused 1 GiB push had 8 messages (32 MiB) beyond the budget in the shard under CPU load.
+# Pinned at one stream message (the BDP probe off), a stream holds at most that ahead, plus
+# the message being read (gRPC opens the window to the size of the message the servicer
+# waits for, so a one-message call of any size still arrives). The probe also sets the
+# largest frame the client may send; without it that stays at 16 KiB: set it to a message.
+RECEIVE_WINDOW_OPTIONS = [
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", CHUNK_BYTES),
+    ("grpc.http2.max_frame_size", CHUNK_BYTES),
+]
 
 
 def _libc_malloc_trim() -> Callable[[int], int] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.resources
 import importlib.util
 import itertools
+import json
 import re
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
 from tierps.client import EmbeddingClient  # noqa: E402
 from tierps.demo import data  # noqa: E402
@@ -155,13 +156,18 @@ def test_demo_command_explains_bad_flags(tmp_path: Path) -> None:
 def test_demo_with_two_trainers_in_sync_mode_learns_as_one(tmp_path: Path) -> None:
     """`tierps demo --trainers N` under real torchrun: 2 sync trainers, each on half of every
     batch, reach the test AUC and logloss of 1 trainer on the whole batches, epoch by epoch
-    (the same training up to float summation order), with a job checkpoint per epoch."""
+    (the same training up to float summation order), with a job checkpoint at the start and
+    per epoch, of which --keep-snapshots 2 keeps the newest two (the first run's deleted by
+    the second), and the newest restores."""
+    data_dir = tmp_path / "data"
     args = ("demo", "--dataset", "synthetic", "--samples", "3000", "--epochs", "2",
-            "--batch-size", "256", "--data-dir", str(tmp_path / "data"))  # fmt: skip
+            "--batch-size", "256", "--data-dir", str(data_dir),
+            "--keep-snapshots", "2")  # fmt: skip
     figures = {}
-    for trainers in (1, 2):
+    for trainers, deleted in ((1, 1), (2, 3)):  # 3 checkpoints a job: its start, 2 epochs
         result = _tierps(*args, "--trainers", str(trainers), cwd=tmp_path)
         assert result.returncode == 0, f"{trainers} trainers:\n{result.stdout}\n{result.stderr}"
+        assert f"deleted {deleted} older job checkpoint(s)" in result.stdout, result.stdout
         found = re.findall(
             rf"epoch (\d): test logloss ([0-9.]+) AUC ([0-9.]+) \| [0-9,]+ samples/s over "
             rf"{trainers} trainer\(s\)",
@@ -173,8 +179,22 @@ def test_demo_with_two_trainers_in_sync_mode_learns_as_one(tmp_path: Path) -> No
     # tiny set, moves a lot in 2 epochs) to within float summation's differences
     assert np.abs(figures[2][:, 2] - figures[1][:, 2]).max() <= 0.005, figures
     assert np.abs(figures[2][:, 1] - figures[1][:, 1]).max() <= 2e-3, figures
-    checkpoints = list((tmp_path / "data" / "checkpoints").glob("*/latest.json"))
-    assert len(checkpoints) == 2, checkpoints
+    (job,) = (data_dir / "checkpoints").iterdir()  # the first run's job had all its deleted
+    kept = sorted(path.stem for path in job.glob("*.pt"))
+    assert len(kept) == 2, kept
+    snapshots = sorted(p.name for p in (data_dir / "snapshots").glob(f"{demo.CHECKPOINT_PREFIX}*"))
+    assert snapshots == kept
+    latest = json.loads((job / "latest.json").read_text())
+    assert latest["checkpoint"] == kept[-1]  # ids sort by step
+    saved = torch.load(job / f"{kept[-1]}.pt", weights_only=False)
+    assert saved["step"] == latest["step"] > 0 and saved["state"]["model"]
+    with (
+        LocalCluster(2, data_dir / "demo-cluster-2", data_dir / "snapshots") as cluster,
+        EmbeddingClient(cluster.addresses) as client,
+    ):
+        assert client.load_snapshot(kept[-1])["rows"] > 0
+        tables = [config.name for config in client.list_tables()]
+        assert tables and all(client.table_step(name) == saved["step"] for name in tables)
 
 
 def test_storage_demo_still_runs(tmp_path: Path) -> None:

@@ -90,6 +90,8 @@ MODES = ("sync", "async")
 # attempt and fail to connect (pytorch/pytorch#135712, seen here with gloo under load).
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 LATEST = "latest.json"  # in a checkpoint directory: the id of the latest whole checkpoint
+# Each checkpoint's id (and its snapshot's name) starts so: <prefix><step>-<random>
+CHECKPOINT_PREFIX = "ckpt-step"
 
 STALENESS_SEEN = Histogram(
     "tierps_trainer_sparse_staleness_steps",
@@ -316,7 +318,7 @@ class TrainerGroup:
             f"checkpoint at step {self.step}: a push failed, so no consistent cut exists; "
             f"resume from the last checkpoint",
         )
-        checkpoint = f"ckpt-step{self.step:010d}-{uuid.uuid4().hex[:8]}"
+        checkpoint = f"{CHECKPOINT_PREFIX}{self.step:010d}-{uuid.uuid4().hex[:8]}"
 
         def save() -> None:
             root = Path(directory)

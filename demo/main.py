@@ -54,9 +54,6 @@ DEFAULT_ASYNC_STALENESS = 2
 DEFAULT_LR = 1e-3
 DEFAULT_SAMPLES = 200_000
 EVAL_BATCH_SIZE = 8192
-# The ids TrainerGroup.save_checkpoint gives job checkpoints (tierps.client.distributed):
-# --trainers' pruning finds them by it; a test prunes real ones.
-CHECKPOINT_PREFIX = "ckpt-step"
 # Host-tier budget per table and shard: MovieLens fits many times over; the synthetic set
 # (~130 MB of rows with Adam state at 200k samples) does not, so its cold rows live in RocksDB.
 DEFAULT_HOST_CACHE_MB = {"movielens": 64, "synthetic": 16}
@@ -611,7 +608,8 @@ def _train_with_torchrun(
 
     from tierps.demo.trainers import launch
 
-    checkpoint_dir = args.data_dir / "checkpoints" / time.strftime("deepfm-%Y%m%d-%H%M%S")
+    job = time.strftime(f"{job_prefix(args.dataset)}%Y%m%d-%H%M%S")
+    checkpoint_dir = args.data_dir / "checkpoints" / job
     code = launch(
         args, client.addresses, epochs=epochs, batch_size=batch_size,
         staleness=staleness_of(args), checkpoint_dir=checkpoint_dir,
@@ -621,7 +619,9 @@ def _train_with_torchrun(
         print(f"tierps demo: the trainers failed (torchrun exit code {code})", file=sys.stderr)
         return 1
     if snapshot_dir is not None and args.keep_snapshots:
-        pruned = prune_job_checkpoints(checkpoint_dir.parent, snapshot_dir, args.keep_snapshots)
+        pruned = prune_job_checkpoints(
+            checkpoint_dir.parent, snapshot_dir, args.dataset, args.keep_snapshots
+        )
         if pruned:
             print(f"deleted {len(pruned)} older job checkpoint(s) (--keep-snapshots "
                   f"{args.keep_snapshots}): {', '.join(pruned)}")  # fmt: skip
@@ -652,22 +652,38 @@ def prune_demo_snapshots(snapshot_dir: Path, dataset: str, keep: int) -> list[st
     return prune_oldest(demo_snapshots, keep, shutil.rmtree)
 
 
-def prune_job_checkpoints(checkpoints_dir: Path, snapshot_dir: Path, keep: int) -> list[str]:
-    """Delete all but the `keep` newest job checkpoints of the demo's --trainers runs (each
-    <checkpoints_dir>/<job>/<id>.pt with its snapshot <snapshot_dir>/<id>, written by
-    TrainerGroup.save_checkpoint), and the job directories left without one (their
-    latest.json names a deleted checkpoint); the ids deleted, oldest first. A job's newest
-    checkpoint, the one its latest.json names, is deleted only with all of that job's."""
+def job_prefix(dataset: str) -> str:
+    """The start of the name of a --trainers job's checkpoint directory for a dataset."""
+    return f"deepfm-{dataset}-job-"
+
+
+def prune_job_checkpoints(
+    checkpoints_dir: Path, snapshot_dir: Path, dataset: str, keep: int
+) -> list[str]:
+    """Delete all but the `keep` newest of the dataset's --trainers job checkpoints made on
+    this demo's own cluster: each <checkpoints_dir>/<job>/<id>.pt (written by
+    TrainerGroup.save_checkpoint) whose snapshot <snapshot_dir>/<id> is here. A checkpoint
+    whose snapshot is elsewhere (a cluster given with --addresses) is never counted nor
+    deleted. The .pt goes first, then its snapshot: a .pt always has its snapshot, even if
+    this stops halfway. A job directory of a deleted checkpoint left without any is removed
+    (its latest.json names a deleted one). Returns the ids deleted, oldest first."""
     import shutil
 
-    def delete(checkpoint: Path) -> None:
-        shutil.rmtree(snapshot_dir / checkpoint.stem, ignore_errors=True)  # before its .pt
-        checkpoint.unlink()
+    from tierps.client.distributed import CHECKPOINT_PREFIX
 
-    checkpoints = checkpoints_dir.glob(f"*/{CHECKPOINT_PREFIX}*.pt")
+    def delete(checkpoint: Path) -> None:
+        checkpoint.unlink()
+        shutil.rmtree(snapshot_dir / checkpoint.stem)
+
+    checkpoints = [
+        path
+        for path in checkpoints_dir.glob(f"{job_prefix(dataset)}*/{CHECKPOINT_PREFIX}*.pt")
+        if (snapshot_dir / path.stem).is_dir()
+    ]
     pruned = prune_oldest(checkpoints, keep, delete)
-    for job in checkpoints_dir.iterdir():
-        if job.is_dir() and not any(job.glob(f"{CHECKPOINT_PREFIX}*.pt")):
+    emptied = {path.parent for path in checkpoints if not path.exists()}
+    for job in emptied:
+        if not any(job.glob(f"{CHECKPOINT_PREFIX}*.pt")):
             shutil.rmtree(job)
     return [name.removesuffix(".pt") for name in pruned]
 

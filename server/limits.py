@@ -47,13 +47,15 @@ Refused = Callable[[str, str, str, str], None]  # (method, code, cause, why): co
 # The shard server's HTTP/2 flow control. gRPC core buffers what a stream's window lets the
 # client send before the servicer asks for it, and the budget counts a message only when it
 # is read. By default the window follows the BDP probe: max(4 MiB, 2 x the bytes that arrive
-# within one ping's round trip), rounded up to a power of two - unbounded, and largest when
+# within one ping's round trip), rounded up to a power of two - up to 1 GiB, and largest when
 # the shard is slow (a busy CPU delays the ping's ack while the client keeps sending): a
 # refused 1 GiB push had 8 messages (32 MiB) beyond the budget in the shard under CPU load.
 # Pinned at one stream message (the BDP probe off), a stream holds at most that ahead, plus
 # the message being read (gRPC opens the window to the size of the message the servicer
 # waits for, so a one-message call of any size still arrives). The probe also sets the
-# largest frame the client may send; without it that stays at 16 KiB: set it to a message.
+# largest frame the client may send; without it that stays at 16 KiB: set it to a message
+# (HTTP/2 allows frames up to 16 MiB - 1; gRPC would clamp a larger one without a word).
+assert CHUNK_BYTES < 1 << 24, "a stream message must fit one HTTP/2 frame"
 RECEIVE_WINDOW_OPTIONS = [
     ("grpc.http2.bdp_probe", 0),
     ("grpc.http2.lookahead_bytes", CHUNK_BYTES),

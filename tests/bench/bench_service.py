@@ -236,7 +236,7 @@ def sweep(
         "raw_numpy": "the same work done the raw way (tests/bench/echo_server.py RawNumpy, in "
                      "the echo's process, the same wire): rows in a dense numpy arena indexed "
                      "by key; lookup = np.take into a reused buffer (mode=clip) then .tobytes() "
-                     "(faster than np.take(...).tobytes() at 4 MiB and more: "
+                     "(faster than np.take(...).tobytes() at 4-16 MiB, equal at 1 MiB: "
                      "docs/perf/profile-lookup.md round 6); push = arena[keys] -= lr * grads "
                      "of views of the request, as np.take into the buffer, rows -= lr * grads, "
                      "arena[keys] = rows (the same bits, about 2x faster); no checks; the "

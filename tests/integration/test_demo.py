@@ -22,6 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tierps.client import EmbeddingClient  # noqa: E402
+from tierps.client.distributed import CHECKPOINT_PREFIX  # noqa: E402
 from tierps.demo import data  # noqa: E402
 from tierps.demo import main as demo  # noqa: E402
 from tierps.demo.deepfm import initial_weights  # noqa: E402
@@ -182,7 +183,7 @@ def test_demo_with_two_trainers_in_sync_mode_learns_as_one(tmp_path: Path) -> No
     (job,) = (data_dir / "checkpoints").iterdir()  # the first run's job had all its deleted
     kept = sorted(path.stem for path in job.glob("*.pt"))
     assert len(kept) == 2, kept
-    snapshots = sorted(p.name for p in (data_dir / "snapshots").glob(f"{demo.CHECKPOINT_PREFIX}*"))
+    snapshots = sorted(p.name for p in (data_dir / "snapshots").glob(f"{CHECKPOINT_PREFIX}*"))
     assert snapshots == kept
     latest = json.loads((job / "latest.json").read_text())
     assert latest["checkpoint"] == kept[-1]  # ids sort by step
@@ -386,3 +387,45 @@ def test_auc_matches_pairwise_counting() -> None:
     assert demo.auc(labels, scores) == pytest.approx(expected, abs=1e-12)
     assert np.isnan(demo.auc(np.ones(4), np.arange(4.0)))
     assert demo.logloss(np.array([1.0, 0.0]), np.array([0.0, 0.0])) == pytest.approx(np.log(2))
+
+
+def test_job_checkpoint_pruning_touches_only_this_datasets_local_checkpoints(
+    tmp_path: Path,
+) -> None:
+    """prune_job_checkpoints deletes the oldest of one dataset's job checkpoints whose
+    snapshots are in the demo's snapshot directory, and nothing else: not another
+    dataset's, not one whose snapshot lives on another cluster (--addresses), not a folder
+    of the user's, not the job directory of a checkpoint still being written."""
+    import os
+
+    checkpoints, snapshots = tmp_path / "checkpoints", tmp_path / "snapshots"
+
+    def checkpoint(job: str, step: int, local: bool = True) -> Path:
+        name = f"{CHECKPOINT_PREFIX}{step:010d}-abcd1234"
+        (checkpoints / job).mkdir(parents=True, exist_ok=True)
+        pt = checkpoints / job / f"{name}.pt"
+        pt.write_bytes(b"state")
+        os.utime(pt, ns=(step * 10**9, step * 10**9))  # modification time orders them
+        if local:
+            (snapshots / name).mkdir(parents=True)
+        return pt
+
+    job = demo.job_prefix("synthetic")
+    old = [checkpoint(f"{job}1", 1), checkpoint(f"{job}1", 2)]
+    kept = [checkpoint(f"{job}2", 3), checkpoint(f"{job}2", 4)]
+    remote = checkpoint(f"{job}3", 5, local=False)  # made against a cluster given by address
+    other_dataset = checkpoint(f"{demo.job_prefix('movielens')}1", 0)
+    (snapshots / f"{CHECKPOINT_PREFIX}0000000009-being-saved").mkdir()  # its .pt not yet
+    (checkpoints / f"{job}4").mkdir()  # the job directory of that checkpoint
+    (checkpoints / "my-notes").mkdir()
+
+    deleted = demo.prune_job_checkpoints(checkpoints, snapshots, "synthetic", keep=2)
+
+    assert deleted == [path.stem for path in old]
+    assert not any(path.exists() or (snapshots / path.stem).exists() for path in old)
+    assert not (checkpoints / f"{job}1").exists()  # emptied by the pruning: removed
+    survivors = [*kept, remote, other_dataset]
+    assert all(path.exists() for path in survivors)
+    assert all((snapshots / path.stem).is_dir() for path in [*kept, other_dataset])
+    assert (checkpoints / f"{job}4").is_dir() and (checkpoints / "my-notes").is_dir()
+    assert (snapshots / f"{CHECKPOINT_PREFIX}0000000009-being-saved").is_dir()

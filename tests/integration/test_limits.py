@@ -172,8 +172,8 @@ def test_a_refused_1gib_push_costs_at_most_the_byte_budget_and_a_few_messages(
     its stream's flow-control window and the message it assembles (server/limits.py pins
     the window to one message: with gRPC's BDP probe it grew under CPU load, 8 messages
     ahead). The other 10: freed message-sized blocks the allocator keeps in its per-thread
-    arenas (measured: 5 at most under 4 busy loops on 2 cores). Afterwards RSS is back
-    within 8 messages of where it was."""
+    arenas (measured, not derived: 5 at most under 4 busy loops on 2 cores; twice that
+    allowed). Afterwards RSS is back within 8 messages of where it was."""
     args = ("--max-inflight-mb", str(BUDGET_MIB), "--flush-interval-s", "0")
     with (
         LocalCluster(1, tmp_path / "cluster", extra_args=args) as cluster,

@@ -564,14 +564,16 @@ def _pieces_shape(
 ) -> dict[str, Any]:
     """One shape of piece_sizes: `rounds` alternated runs of a lookup at each piece size."""
 
-    def at(size: int) -> Any:
+    def lookup_in_pieces_of(size: int) -> Any:
         embedding.LOOKUP_PIECE_BYTES = size
         return client.lookup(table, keys)
 
     mine = shard_positions(keys, shards)
     key_bytes = [keys[at].tobytes() for at in mine]
     rows_back = [4 * dim * at.size for at in mine]
-    fns: dict[str, Callable[[], object]] = {f"{s >> 10}KiB": lambda s=s: at(s) for s in counts}
+    fns: dict[str, Callable[[], object]] = {
+        f"{s >> 10}KiB": lambda s=s: lookup_in_pieces_of(s) for s in counts
+    }
     fns["echo"] = lambda: echo.round_trip(key_bytes, rows_back)
     runs = [measure_together(fns) for _ in range(rounds)]
     row = {"shards": shards, "dim": dim, "batch": keys.size,

@@ -38,9 +38,17 @@ class ShardError(RuntimeError):
         # Of a call sent to several shards: the shards where it went through (a data call
         # whose other shards failed; EmbeddingClient fills it in).
         self.succeeded: list[int] = []
+        self.failed: list[int] = []  # and the shards where it did not (refused: unchanged)
 
 
-LIFE_HEADER = "tierps-life"  # as server/lives.py: the shard life a client last talked to
+LIFE_HEADER = "tierps-life"  # as server/lives.py: "<data id>/<life>" a client last talked to
+# A client reaches a shard again within a second of it serving again (gRPC's default
+# reconnect backoff grows to 120 s: a shard down 90 s answered UNAVAILABLE 32 s longer).
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 class _CallDetails(
@@ -53,10 +61,10 @@ class _CallDetails(
     """grpc.ClientCallDetails with other metadata (grpc's own interceptor examples do so)."""
 
 
-def life_metadata(life: int | None, fixed: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+def life_metadata(life: str | None, fixed: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
     """The metadata every call to a shard carries: `fixed` (the client's token, where it has
-    one) and the life of the shard this client last talked to, when known."""
-    return [*fixed] if life is None else [*fixed, (LIFE_HEADER, str(life))]
+    one) and the data dir and life of the shard this client last talked to, when known."""
+    return [*fixed] if life is None else [*fixed, (LIFE_HEADER, life)]
 
 
 class _LifeHeader(
@@ -70,7 +78,7 @@ class _LifeHeader(
     And the client's own metadata (its token), where it has any."""
 
     def __init__(
-        self, life: Callable[[], int | None], fixed: list[tuple[str, str]] | None = None
+        self, life: Callable[[], str | None], fixed: list[tuple[str, str]] | None = None
     ) -> None:
         self.life = life
         self.fixed = fixed or []
@@ -125,13 +133,14 @@ class RetryPolicy:
         if self.buffer_bytes < 0:
             raise ValueError(f"RetryPolicy: buffer_bytes expected >= 0, got {self.buffer_bytes}")
 
-    # Calls safe to repeat: lookups and assigns (idempotent: the same rows, the same values)
-    # and admin calls that read or are idempotent. Pushes are not repeated: a push whose reply
-    # was lost, or which failed in the backend after one of its tables was applied, would be
-    # applied twice. Snapshot saves and loads are long streams: never repeated.
+    # Calls safe to repeat: lookups and assigns (idempotent: the same rows, the same values),
+    # pushes (each carries its id, and a shard applies an id once: server/ledger.py; a retry
+    # sends the same metadata) and admin calls that read or are idempotent. Snapshot saves
+    # and loads are long streams: never repeated.
     RETRIED = (
         *({"service": "tierps.v1.EmbeddingService", "method": method}
-          for method in ("Lookup", "LookupUnary", "Assign")),
+          for method in ("Lookup", "LookupUnary", "Assign", "PushGradients",
+                         "PushGradientsUnary", "PushThenLookup")),
         *({"service": "tierps.v1.AdminService", "method": method}
           for method in ("CreateTable", "ListTables", "DescribeTable", "ListSnapshots", "Stats")),
     )  # fmt: skip
@@ -175,11 +184,16 @@ class ClusterAdmin:
         self.timeout_s = timeout_s
         self.retry = RetryPolicy() if retry is None else retry
         self.security = NO_SECURITY if security is None else security
-        options = channel_options() + self.retry.channel_options()
+        options = channel_options() + RECONNECT_OPTIONS + self.retry.channel_options()
         # The life each shard was in when this client last learned it (None: not yet; data
         # calls learn it first, from Stats): a shard that restarted uncleanly since refuses
         # this client's data calls with DATA_LOSS until it accepts the restart.
-        self._lives: list[int | None] = [None] * len(addresses)
+        # As LIFE_HEADER carries it: "<data id>/<life>".
+        self._lives: list[str | None] = [None] * len(addresses)
+        # Per shard: the generation of each table's rows this client knows (learned with
+        # the life, from Stats); its pushes carry them, and a shard refuses (ABORTED) a push
+        # made against rows a snapshot load replaced since.
+        self._generations: list[dict[str, int]] = [{} for _ in addresses]
         # shards whose Stats this client's role may not call (a reader): life unknown
         self._life_denied: set[int] = set()
         # Channels without the interceptor, for the hot data calls: they pass what it adds
@@ -227,7 +241,20 @@ class ClusterAdmin:
                         raise
                     self._life_denied.add(shard_id)  # a reader: looks up without a life
                     continue
-                self._lives[shard_id] = int(reply.life)
+                self._learned(shard_id, reply)
+
+    def _learned(self, shard_id: int, reply: pb.StatsResponse) -> None:
+        """Take a shard's life, data dir and table generations from its Stats."""
+        life = f"{reply.data_id}/{reply.life}" if reply.data_id else str(reply.life)
+        self._generations[shard_id] = {t.config.name: t.generation for t in reply.tables}
+        self._lives[shard_id] = life
+
+    def _relearn_generations(self, shard_id: int) -> None:
+        """Learn a shard's table generations again (after it said rows were replaced)."""
+        reply = self._on(
+            shard_id, lambda i, stub: stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
+        )
+        self._generations[shard_id] = {t.config.name: t.generation for t in reply.tables}
 
     def accept_restart(self, shards: list[int] | None = None) -> None:
         """Go on after a shard restarted without a clean stop (its data calls were refused
@@ -236,6 +263,7 @@ class ClusterAdmin:
         are now will do - a snapshot load accepts by itself."""
         for shard_id in range(len(self.addresses)) if shards is None else shards:
             self._lives[shard_id] = None
+            self._generations[shard_id] = {}
 
     def check_topology(self) -> None:
         """Every shard says it is shard i of len(addresses), at position i."""

@@ -16,7 +16,9 @@ GPU with `device_pooling`.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -378,6 +380,10 @@ class EmbeddingClient(ClusterAdmin):
         self._configs: dict[str, TableConfig] = {}
         self._steps: dict[str, int] = {}
         self._lock = threading.Lock()
+        # Each push call's identity (wire.PUSH_ID_HEADER): this client's id and a number of
+        # its own, the same on every retry of the call, so that a shard applies it once.
+        self._client_id = uuid.uuid4().hex
+        self._sequence = itertools.count(1)
 
     def close(self) -> None:
         self._calls.shutdown(wait=False)
@@ -418,6 +424,8 @@ class EmbeddingClient(ClusterAdmin):
         with self._lock:
             self._configs.pop(name, None)
             self._steps.pop(name, None)
+            for known in self._generations:
+                known.pop(name, None)
         super().drop_table(name)
 
     def table_config(self, name: str) -> TableConfig:
@@ -795,13 +803,14 @@ class EmbeddingClient(ClusterAdmin):
     ) -> Any:
         """One push call of _push_unique's to a shard: its PushGradientsResponse."""
         bulk = sum(_key_and_row_bytes(dim) * keys.size for _, dim, keys, _ in batches)
+        identity = self._push_identity(shard, [name for name, *_ in batches])
         if bulk <= self._one_message_bytes[shard]:
             request = _push_request(batches, steps, pushes)
             try:
                 return self._push_one[shard](
                     request,
                     timeout=self.timeout_s,
-                    metadata=self._metadata(shard, *wire.declared(len(request))),
+                    metadata=self._metadata(shard, *wire.declared(len(request)), *identity),
                 )
             except grpc.RpcError as error:
                 # refused before it was read: nothing applied, the stream may carry it
@@ -827,24 +836,51 @@ class EmbeddingClient(ClusterAdmin):
             for name, dim, k, _ in parts
         )
         return self._data[shard].PushGradients(
-            requests, timeout=self.timeout_s, metadata=wire.declared(size)
+            requests, timeout=self.timeout_s, metadata=(*wire.declared(size), *identity)
+        )
+
+    def _push_identity(self, shard: int, tables: list[str]) -> tuple[tuple[str, str], ...]:
+        """The metadata that makes a push call to a shard safe to send again: a new push id,
+        and the generation of each table's rows there as this client knows it (learned
+        once per table; 0 where the shard does not say, as to a reader)."""
+        known = self._generations[shard]
+        if shard not in self._life_denied and any(table not in known for table in tables):
+            try:
+                self._relearn_generations(shard)
+            except ShardError:
+                pass  # the push itself says what is wrong with the shard
+            known = self._generations[shard]
+        generations = ",".join(str(known.get(table, 0)) for table in tables)
+        return (
+            (wire.PUSH_ID_HEADER, f"{self._client_id}:{next(self._sequence)}"),
+            (wire.GENERATIONS_HEADER, generations),
         )
 
     def _push_failure(
         self, error: ShardError, steps: dict[str, int], step: int | None
     ) -> ShardError:
         """The error a failed push raises: where it was applied on no shard, its steps are
-        given back (unless the caller chose the step); where on some, it says which."""
+        given back (unless the caller chose the step); where on some, it says which shards
+        and tables. A push refused for rows replaced under it (ABORTED) has this client
+        learn the tables' generations again: the next push goes on the new rows."""
+        if error.code is grpc.StatusCode.ABORTED:
+            for shard in range(self.num_shards):
+                try:
+                    self._relearn_generations(shard)
+                except ShardError:
+                    pass
         if not error.succeeded:
             if step is None:
                 self._release_steps(steps)
             return error
+        failed = error.failed or [error.shard_id]
         partial = ShardError(  # part of the push is in: its step stays taken; say where
             error.shard_id, error.address, error.code,
-            f"{error.details} (this push was applied on shards {error.succeeded}; the "
-            f"failed shards' part of it was not)",
+            f"{error.details} (this push of tables {sorted(steps)} was applied on shards "
+            f"{error.succeeded}, and not on shards {failed}, where the refusal changed none "
+            f"of them; send only the failed shards' part again, or nothing)",
         )  # fmt: skip
-        partial.succeeded = error.succeeded
+        partial.succeeded, partial.failed = error.succeeded, error.failed
         return partial
 
     def _push_done(self, steps: dict[str, int], step: int | None) -> None:
@@ -933,6 +969,7 @@ class EmbeddingClient(ClusterAdmin):
                 raise
             failure = push_failed[min(push_failed)] if push_failed else error
             failure.succeeded = sorted(pushed & push_shards)
+            failure.failed = sorted(push_shards - pushed)
             raise PushNotApplied(self._push_failure(failure, steps, step)) from None
         self._push_done(steps, step)
         return out
@@ -958,11 +995,12 @@ class EmbeddingClient(ClusterAdmin):
             [(name, dim, create, (_wire_keys(keys),)) for name, dim, keys, _ in lookup],
         )  # fmt: skip
         _fill_push(push, fields, pushes)
+        identity = self._push_identity(shard, [name for name, *_ in push])
         try:
             reply = self._push_then_lookup_one[shard](
                 request,
                 timeout=self.timeout_s,
-                metadata=self._metadata(shard, *wire.declared(len(request))),
+                metadata=self._metadata(shard, *wire.declared(len(request)), *identity),
             )
         except grpc.RpcError as error:
             if _push_applied(error):  # whatever else it says: the push must not go again
@@ -1142,6 +1180,7 @@ class EmbeddingClient(ClusterAdmin):
             failed = {shard for (shard, _), outcome in zip(calls, outcomes, strict=True)
                       if isinstance(outcome, ShardError)}  # fmt: skip
             failures[0].succeeded = sorted({shard for shard, _ in calls} - failed)
+            failures[0].failed = sorted(failed)
             raise failures[0]
         return outcomes
 

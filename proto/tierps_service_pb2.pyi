@@ -232,7 +232,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., hit_rate: _Optional[float] = ..., scratch_bytes: _Optional[int] = ...) -> None: ...
 
 class TableDescription(_message.Message):
-    __slots__ = ("config", "shard_id", "num_shards", "tiers", "initialized", "created", "lifecycle", "current_step", "keys_looked_up", "keys_pushed")
+    __slots__ = ("config", "shard_id", "num_shards", "tiers", "initialized", "created", "lifecycle", "current_step", "keys_looked_up", "keys_pushed", "generation", "generation_snapshot")
     class LifecycleEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +250,8 @@ class TableDescription(_message.Message):
     CURRENT_STEP_FIELD_NUMBER: _ClassVar[int]
     KEYS_LOOKED_UP_FIELD_NUMBER: _ClassVar[int]
     KEYS_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     config: TableConfig
     shard_id: int
     num_shards: int
@@ -260,7 +262,9 @@ class TableDescription(_message.Message):
     current_step: int
     keys_looked_up: int
     keys_pushed: int
-    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., initialized: _Optional[int] = ..., created: _Optional[int] = ..., lifecycle: _Optional[_Mapping[str, float]] = ..., current_step: _Optional[int] = ..., keys_looked_up: _Optional[int] = ..., keys_pushed: _Optional[int] = ...) -> None: ...
+    generation: int
+    generation_snapshot: str
+    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., initialized: _Optional[int] = ..., created: _Optional[int] = ..., lifecycle: _Optional[_Mapping[str, float]] = ..., current_step: _Optional[int] = ..., keys_looked_up: _Optional[int] = ..., keys_pushed: _Optional[int] = ..., generation: _Optional[int] = ..., generation_snapshot: _Optional[str] = ...) -> None: ...
 
 class SaveSnapshotRequest(_message.Message):
     __slots__ = ("name", "phase", "save_id")
@@ -360,7 +364,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("shard_id", "num_shards", "tables", "rss_bytes", "peak_rss_bytes", "uptime_s", "life", "previous_life_clean", "last_flush_unix_s", "writable", "metrics_port")
+    __slots__ = ("shard_id", "num_shards", "tables", "rss_bytes", "peak_rss_bytes", "uptime_s", "life", "previous_life_clean", "last_flush_unix_s", "writable", "metrics_port", "data_id", "data_created_unix_s")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
@@ -372,6 +376,8 @@ class StatsResponse(_message.Message):
     LAST_FLUSH_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     WRITABLE_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_CREATED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     num_shards: int
     tables: _containers.RepeatedCompositeFieldContainer[TableDescription]
@@ -383,4 +389,6 @@ class StatsResponse(_message.Message):
     last_flush_unix_s: float
     writable: bool
     metrics_port: int
-    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableDescription, _Mapping]]] = ..., rss_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., life: _Optional[int] = ..., previous_life_clean: _Optional[bool] = ..., last_flush_unix_s: _Optional[float] = ..., writable: _Optional[bool] = ..., metrics_port: _Optional[int] = ...) -> None: ...
+    data_id: str
+    data_created_unix_s: float
+    def __init__(self, shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableDescription, _Mapping]]] = ..., rss_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., life: _Optional[int] = ..., previous_life_clean: _Optional[bool] = ..., last_flush_unix_s: _Optional[float] = ..., writable: _Optional[bool] = ..., metrics_port: _Optional[int] = ..., data_id: _Optional[str] = ..., data_created_unix_s: _Optional[float] = ...) -> None: ...

@@ -30,6 +30,11 @@ MAX_MESSAGE_BYTES = ONE_MESSAGE_BYTES + HEADER_ROOM
 # Said by a shard refusing a call as too large for one message; with gRPC's own "larger
 # than max" it tells the client that nothing happened and the stream form may carry it.
 TOO_LARGE_FOR_ONE_MESSAGE = "too large for one message"
+# gRPC metadata of a push call (server/ledger.py): "<client id>:<sequence>", the same on
+# every retry of the call, so that a shard applies it once; and the generation of each of its
+# batches' tables it was made against, comma-separated in the batches' order (0: not known).
+PUSH_ID_HEADER = "tierps-push-id"
+GENERATIONS_HEADER = "tierps-generations"
 # gRPC metadata: a data call's request bytes (its serialized messages), declared by the client
 # before it sends any, so a shard can refuse a call too large for it before reading a message
 # (server/limits.py).

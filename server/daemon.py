@@ -39,7 +39,7 @@ from tierps.server.security import (
 from tierps.server.servicers import AdminServicer, EmbeddingServicer, add_embedding_service
 from tierps.server.shard import Shard
 from tierps.storage import host_kernels
-from tierps.storage.errors import BackendError, DataLossError
+from tierps.storage.errors import BackendError, DataLossError, InvalidArgumentError
 
 log = logging.getLogger("tierps.server")
 
@@ -66,6 +66,8 @@ class LifeCheck(grpc.ServerInterceptor):
             self.shard.lives.check(known)
         except DataLossError as error:
             return refusal(handler, grpc.StatusCode.DATA_LOSS, str(error))
+        except InvalidArgumentError as error:  # a malformed header: nothing was read
+            return refusal(handler, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         return handler
 
 

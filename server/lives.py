@@ -7,25 +7,29 @@ that finds `running` still set knows the previous life ended uncleanly (killed, 
 the machine lost power) and records it, with that life's last successful flush, when the
 store held write-back tables (whose acknowledged updates since that flush may be gone).
 
-Clients send the life they last talked to with every data call (metadata LIFE_HEADER); a
-call from a client that knew a life which has since ended uncleanly is refused with
-DATA_LOSS, naming the shard and what may be lost. A new client (no header), or one that
-accepts the restart (it forgets the life it knew), goes on.
+Clients send the data dir and the life they last talked to with every data call (metadata
+LIFE_HEADER, "<data id>/<life>"); a call from a client that knew a life which has since
+ended uncleanly, or another data dir of this shard (a wiped or replaced volume: the dir's
+identity, made once when it was first used, differs), is refused with DATA_LOSS, naming the
+shard and what may be lost. A new client (no header), or one that accepts the restart (it
+forgets the life it knew), goes on.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from tierps.storage.errors import DataLossError
+from tierps.storage.errors import DataLossError, InvalidArgumentError
 
 LIFE_HEADER = "tierps-life"  # gRPC metadata: the shard life a client last talked to
 LIVES_FILE = "LIVES.json"
+log = logging.getLogger("tierps.server")
 KEPT_UNCLEAN = 64  # unclean ends remembered (a client older than all of them is refused too)
 
 
@@ -38,9 +42,11 @@ def _timestamp(seconds: float | None) -> str:
 class Lives:
     """The life record of one shard's data dir (see the module docstring)."""
 
-    def __init__(self, data_dir: Path, where: str) -> None:
+    def __init__(self, data_dir: Path, where: str, data_id: str = "") -> None:
         self.path = Path(data_dir) / LIVES_FILE
         self.where = where  # "shard 0 of 2"
+        self.data_id = data_id  # the data dir's identity (Shard's SHARD.json)
+        self._foreign_told: set[str] = set()  # other data ids clients came with, logged once
         self._lock = threading.Lock()
         record: dict[str, Any] = {"life": 0, "running": False, "last_flush": None}
         if self.path.exists():
@@ -88,21 +94,40 @@ class Lives:
                 os.fsync(out.fileno())
             os.replace(tmp, self.path)
 
+    def header(self) -> str:
+        """The LIFE_HEADER value of a client that talks to this life now."""
+        return f"{self.data_id}/{self.life}"
+
     def check(self, known: str | None) -> None:
-        """Refuse (DataLossError) a client that last talked to life `known` (a header
-        value; None: a new client) if a life since then ended uncleanly."""
-        if known is None or known == str(self.life):
+        """Refuse (DataLossError) a client that last talked to `known` (a LIFE_HEADER value,
+        "<data id>/<life>" or a bare life; None: a new client) if that was another data dir
+        of this shard, or a life since which one ended uncleanly. A value of neither form is
+        the caller's error (InvalidArgumentError)."""
+        if known is None or known == str(self.life) or known == self.header():
             return
-        try:
-            life = int(known)
-        except ValueError:
-            life = -1
+        data_id, _, life_text = known.rpartition("/")
+        if not (life_text.isascii() and life_text.isdigit() and len(life_text) <= 19):
+            shown = known if len(known) <= 100 else known[:100] + "..."
+            raise InvalidArgumentError(
+                f"metadata '{LIFE_HEADER}' expected '<data id>/<life>' (a life: a whole number "
+                f">= 1, as Stats gives), got {shown!r}"
+            )
+        if data_id and self.data_id and data_id != self.data_id:
+            self._tell_foreign(data_id)
+            raise DataLossError(
+                f"{self.where} holds another data dir (id {self.data_id}) than the one this "
+                f"client talked to (id {data_id}): its volume was wiped or replaced, and every "
+                f"update acknowledged before may be gone. Reload a snapshot, or accept the "
+                f"restart (EmbeddingClient.accept_restart()) to go on with the rows as they are"
+            )
+        life = int(life_text)
         lost = sorted(u for u in self.unclean if life <= u < self.life)
         if life < 1 or life > self.life:
             lost = lost or [life]
         if not lost:
             return  # only clean restarts since: nothing acknowledged can be missing
         first = lost[0]
+        known = str(life)
         raise DataLossError(
             f"{self.where} restarted after an unclean stop (its life {first} ended without "
             f"a clean stop: killed, crashed or lost power; it is now in life {self.life}); "
@@ -111,3 +136,15 @@ class Lives:
             f"Reload a snapshot, or accept the restart (EmbeddingClient.accept_restart()) to "
             f"go on with the rows as they are"
         )
+
+    def _tell_foreign(self, data_id: str) -> None:
+        """Log once per other data dir a client came with: this shard's data was lost."""
+        with self._lock:
+            if data_id in self._foreign_told or len(self._foreign_told) > KEPT_UNCLEAN:
+                return
+            self._foreign_told.add(data_id)
+        log.warning(
+            "%s: a client knew another data dir of this shard (id %s; this one is %s): the "
+            "data it held is not here, and the client is told (DATA_LOSS)",
+            self.where, data_id, self.data_id,
+        )  # fmt: skip

@@ -15,11 +15,23 @@ from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
 from tierps.proto.convert import table_config_to_dict, table_config_to_proto
+from tierps.server.ledger import (
+    GENERATIONS_HEADER,
+    PUSH_ID_HEADER,
+    PushId,
+    parse_generations,
+    parse_push_id,
+)
 from tierps.server.shard import AssignBatch, LookupBatch, PushBatch, Shard
 from tierps.server.status import Observe, rpc, run_to_completion
 from tierps.storage import InvalidArgumentError, ResourceExhaustedError, TableConfig
 from tierps.storage.codec import WIRE_DTYPE, wire_row_bytes
+from tierps.storage.config import MAX_DIM
 from tierps.storage.snapshot import Progress
+
+# Table batches one data call may carry: far more tables than a model has, and a bound on
+# the work a call makes before its tables are looked up.
+MAX_BATCHES_PER_CALL = 1024
 
 # -- bytes <-> arrays ---------------------------------------------------------------------------
 
@@ -33,15 +45,27 @@ def table_batches(
     'table' is set and differs from the current batch's begins the next batch
     (tierps_service.proto, "Several tables in one call")."""
     batches: list[tuple[Any, dict[str, list[bytes]]]] = []
+    seen: set[str] = set()  # the tables of the batches so far: linear in the call's batches
     total = 0
     for index, message in enumerate(requests):
         if not batches or (message.table and message.table != batches[-1][0].table):
-            if any(first.table == message.table for first, _ in batches):
+            if message.table in seen:
                 raise InvalidArgumentError(
-                    f"message {index} of the stream: table {message.table!r} expected in one "
-                    f"batch per call, but it begins a second batch; send its keys together"
+                    f"message {index} of the stream: table {_shown(message.table)} expected in "
+                    f"one batch per call, but it begins a second batch; send its keys together"
                 )
+            if len(batches) == MAX_BATCHES_PER_CALL:
+                raise InvalidArgumentError(
+                    f"message {index} of the stream: at most {MAX_BATCHES_PER_CALL} table "
+                    f"batches per call expected, got more; send the tables in several calls"
+                )
+            seen.add(message.table)
             batches.append((message, {field: [] for field in bulk}))
+            if not 1 <= message.dim <= MAX_DIM:
+                raise InvalidArgumentError(
+                    f"table {_shown(message.table)}: field 'dim' expected in [1, {MAX_DIM}], "
+                    f"got {message.dim}"
+                )
         else:
             first = batches[-1][0]
             for field in header:
@@ -67,6 +91,23 @@ def table_batches(
         (first, {field: _joined(chunks) for field, chunks in parts.items()})
         for first, parts in batches
     ]
+
+
+def _shown(name: str) -> str:
+    """A table name as an error quotes it: cut short where a caller sent a huge one."""
+    return repr(name) if len(name) <= 200 else f"{name[:200]!r}... ({len(name)} characters)"
+
+
+def _push_identity(context: Any) -> tuple[PushId | None, list[int] | None]:
+    """A push call's id and the generations its batches were made against (metadata; see
+    server/ledger.py), each None where the call carries none."""
+    push_id = generations = None
+    for key, value in context.invocation_metadata() or ():
+        if key == PUSH_ID_HEADER:
+            push_id = parse_push_id(value)
+        elif key == GENERATIONS_HEADER:
+            generations = parse_generations(value)
+    return push_id, generations
 
 
 def _joined(chunks: list[Any]) -> Any:
@@ -127,6 +168,8 @@ def _description(described: dict[str, Any]) -> pb.TableDescription:
         current_step=described["current_step"],
         keys_looked_up=described["keys_looked_up"],
         keys_pushed=described["keys_pushed"],
+        generation=described["generation"],
+        generation_snapshot=described["generation_snapshot"],
     )
 
 
@@ -184,9 +227,13 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
             batches.append(PushBatch(first.table, first.dim, keys, grads, first.step))
         return batches
 
-    def _push(self, messages: Iterable[pb.PushGradientsRequest]) -> pb.PushGradientsResponse:
+    def _push(
+        self, messages: Iterable[pb.PushGradientsRequest], context: Any
+    ) -> pb.PushGradientsResponse:
+        push_id, generations = _push_identity(context)
+        batches = self._push_batches(messages)
         return pb.PushGradientsResponse(
-            num_keys=self.shard.push_gradients(self._push_batches(messages))
+            num_keys=self.shard.push_gradients(batches, push_id, generations)
         )
 
     @rpc
@@ -210,11 +257,11 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
 
     @rpc
     def PushGradients(self, requests: Iterator[pb.PushGradientsRequest], context: Any) -> Any:
-        return self._push(requests)
+        return self._push(requests, context)
 
     @rpc
     def PushGradientsUnary(self, request: pb.PushGradientsBatches, context: Any) -> Any:
-        return self._push(_one_message(request))
+        return self._push(_one_message(request), context)
 
     @rpc
     def PushThenLookup(self, request: Any, context: Any) -> Any:
@@ -222,6 +269,7 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
         applied as PushGradientsUnary's, then the lookup served as LookupUnary's, its rows
         written straight into the reply's bytes. A failure after the push was applied says
         so in trailing metadata (wire.PUSHED_HEADER: the push's num_keys)."""
+        push_id, generations = _push_identity(context)
         pushes = self._push_batches(_one_message(request.push))
         limit = min(self.max_batch_bytes, self.max_reply_message)
         lookups = self._lookup_batches(_one_message(request.lookup), limit)
@@ -236,7 +284,7 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
             return rows
 
         try:
-            self.shard.push_then_lookup(pushes, lookups, reply_rows)
+            self.shard.push_then_lookup(pushes, lookups, reply_rows, push_id, generations)
         except Exception:
             if pushed:
                 context.set_trailing_metadata(((wire.PUSHED_HEADER, str(pushed[0])),))

@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -21,6 +22,8 @@ import numpy as np
 
 from tierps.client.wire_kernels import first_foreign_key
 from tierps.server.config import ServerConfig
+from tierps.server.ledger import KEY_PREFIX as PUSH_RECORDS
+from tierps.server.ledger import PushId, PushLedger
 from tierps.server.lives import Lives
 from tierps.storage import (
     BackendError,
@@ -32,6 +35,7 @@ from tierps.storage import (
     snapshot,
 )
 from tierps.storage.config import Placement, WritePolicy, key_shards, owner_shard
+from tierps.storage.errors import TableReplacedError, UnavailableError
 from tierps.storage.snapshot import Progress
 from tierps.storage.table import FLUSH_CHUNK_BYTES, EmbeddingTable
 from tierps.storage.xp import gpu_arrays
@@ -166,7 +170,7 @@ class Shard:
         # Per table: [keys looked up, keys pushed] since the start (Stats, metrics, top).
         self._key_counts: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
         self._key_counts_lock = threading.Lock()
-        self._check_identity(Path(config.data_dir))
+        self.data_id, self.data_created, new_dir = self._check_identity(Path(config.data_dir))
         if config.require_gpu:
             module, why = gpu_arrays(config.gpu_arrays)
             if module is None:
@@ -182,7 +186,17 @@ class Shard:
         self._table_threads = ThreadPoolExecutor(
             TABLE_THREADS, thread_name_prefix=f"tierps-tables-{self.shard_id}"
         )
+        # A push's tables are prepared and stored here while its calling thread holds their
+        # locks: work that never waits for a table lock, so a lookup queued on the table
+        # threads behind such a lock cannot hold up the push that holds it.
+        self._push_threads = ThreadPoolExecutor(
+            TABLE_THREADS, thread_name_prefix=f"tierps-push-{self.shard_id}"
+        )
         self._admin = threading.Lock()  # one table or snapshot change at a time
+        # Tables a snapshot load is replacing now -> the snapshot: pushes and assigns to
+        # them are refused (UNAVAILABLE: retried) from before the load stages its first row
+        # until its swap, so none is acknowledged and then dropped by the swap.
+        self._replacing: dict[str, str] = {}
         # Told whether the shard serves: False while a snapshot loads or while the store
         # cannot write; the server wires it to health.
         self.on_serving_change: Callable[[bool], None] = lambda serving: None
@@ -198,7 +212,10 @@ class Shard:
             for table in config.tables:
                 self.owner(table)
                 self.store.create_table(table)
-            self.lives = Lives(Path(config.data_dir), self.where)
+            self.lives = Lives(Path(config.data_dir), self.where, self.data_id)
+            self.ledger = PushLedger(
+                self.store.write_metadata, self.store.metadata(PUSH_RECORDS), self.where
+            )
             at_risk = any(
                 t.write_policy is WritePolicy.WRITE_BACK or t.promote_after
                 for t in self.store.tables()
@@ -207,6 +224,13 @@ class Shard:
         except BaseException:
             self.store.close()  # release RocksDB's lock: the data dir can be opened again
             raise
+        if new_dir:
+            log.warning(
+                "%s starts on a new, empty data dir %s (data id %s): if this shard held rows "
+                "before, they are not here, and every client that knew them is told "
+                "(DATA_LOSS) at its next call", self.where, config.data_dir, self.data_id,
+                extra={"shard_id": self.shard_id, "data_id": self.data_id},
+            )  # fmt: skip
         if not self.lives.ended_cleanly:
             log.warning(
                 "%s: its previous life %d ended without a clean stop (killed, crashed or lost "
@@ -216,21 +240,25 @@ class Shard:
                 extra={"shard_id": self.shard_id, "life": self.lives.life},
             )  # fmt: skip
 
-    def _check_identity(self, data_dir: Path) -> None:
+    def _check_identity(self, data_dir: Path) -> tuple[str, float, bool]:
+        """The data dir's identity (SHARD.json): the shard it belongs to, and an id and
+        creation time made once, when the dir is first used. Returns (id, created, whether
+        the dir is new)."""
         data_dir.mkdir(parents=True, exist_ok=True)
         identity_file = data_dir / "SHARD.json"
         identity = {"shard_id": self.shard_id, "num_shards": self.num_shards}
-        if identity_file.exists():
-            stored = json.loads(identity_file.read_text())
-            if stored != identity:
-                raise FailedPreconditionError(
-                    f"data dir {data_dir} holds shard {stored['shard_id']} of "
-                    f"{stored['num_shards']}, but this daemon was started as {self.where}; "
-                    f"start it with those flags, or load a snapshot into a new data dir to "
-                    f"reshard"
-                )
-        else:
-            identity_file.write_text(json.dumps(identity))
+        new = not identity_file.exists()
+        stored = {} if new else json.loads(identity_file.read_text())
+        if not new and {key: stored.get(key) for key in identity} != identity:
+            raise FailedPreconditionError(
+                f"data dir {data_dir} holds shard {stored.get('shard_id')} of "
+                f"{stored.get('num_shards')}, but this daemon was started as {self.where}; "
+                f"start it with those flags, or load a snapshot into a new data dir to reshard"
+            )
+        if "data_id" not in stored:  # a new dir, or one made before dirs had an id
+            stored = {**identity, "data_id": uuid.uuid4().hex, "created": time.time()}
+            _write_durably(identity_file, json.dumps(stored))
+        return str(stored["data_id"]), float(stored["created"]), new
 
     # -- checks ------------------------------------------------------------------------------
 
@@ -291,24 +319,43 @@ class Shard:
 
     # -- data calls --------------------------------------------------------------------------
 
-    def _each_table(self, work: Callable[[Item], Result], items: Sequence[Item]) -> list[Result]:
+    def _each_table(
+        self,
+        work: Callable[[Item], Result],
+        items: Sequence[Item],
+        threads: ThreadPoolExecutor | None = None,
+    ) -> list[Result]:
         """work(item) for each table's item of a call (a call names a table once): the first
-        in this thread, the others at once on the shard's table threads. Every item runs to
-        its end; then the first failure, in the call's order, is raised."""
+        in this thread, the others at once on the shard's table threads (or `threads`).
+        Every item runs to its end; then the first failure, in the call's order, is raised."""
+        outcomes = self._each_outcome(work, items, threads)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return outcomes
+
+    def _each_outcome(
+        self,
+        work: Callable[[Item], Result],
+        items: Sequence[Item],
+        threads: ThreadPoolExecutor | None = None,
+    ) -> list[Any]:
+        """_each_table's runs: each item's result, or the exception it raised."""
         if len(items) == 1:
-            return [work(items[0])]
-        futures = [self._table_threads.submit(work, item) for item in items[1:]]
+            try:
+                return [work(items[0])]
+            except BaseException as error:  # noqa: BLE001 - the caller raises it
+                return [error]
+        pool = self._table_threads if threads is None else threads
+        futures = [pool.submit(work, item) for item in items[1:]]
         outcomes: list[Any] = []
         try:
             outcomes.append(work(items[0]))
-        except BaseException as error:  # noqa: BLE001 - raised below, in order
+        except BaseException as error:  # noqa: BLE001 - returned, in order
             outcomes.append(error)
         for future in futures:
             error = future.exception()
             outcomes.append(future.result() if error is None else error)
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
         return outcomes
 
     def lookup(
@@ -342,43 +389,144 @@ class Shard:
             list(zip(targets, batches, outs, strict=True)),
         )
 
-    def push_gradients(self, batches: list[PushBatch]) -> int:
-        """Apply each table's gradients; every batch (its gradients and step included) is
-        checked before any is applied. Returns the distinct keys updated, over all batches."""
+    def push_gradients(
+        self,
+        batches: list[PushBatch],
+        push_id: PushId | None = None,
+        generations: Sequence[int] | None = None,
+    ) -> int:
+        """Apply each table's gradients as one unit: every batch (its gradients, step, the
+        generation it was made against, and the non-finite result of its update) is checked
+        before any table changes, and one refusal changes none. `push_id`: the call's
+        identity (server/ledger.py): a repeat of an applied call applies nothing again.
+        `generations`: per batch, the generation of the table's rows it was made against
+        (0: not known). Returns the distinct keys updated, over all batches."""
         with self._gate.shared():
-            updated = self._apply_push(self._checked_push(batches))
+            updated = self._push(batches, push_id, generations)
         self._count_keys(batches, 1)
         return updated
 
-    def _checked_push(self, batches: list[PushBatch]) -> list[tuple[Any, ...]]:
+    def _push(
+        self,
+        batches: list[PushBatch],
+        push_id: PushId | None,
+        generations: Sequence[int] | None,
+        then: Callable[[], None] = lambda: None,
+    ) -> int:
+        """push_gradients' work inside the gate: what the ledger says this call applied
+        already is skipped, the rest checked and applied, then `then()` (a fused lookup's
+        checks) runs before anything is applied."""
+        applied = self.ledger.begin(push_id) if push_id is not None else {}
+        try:
+            todo = [i for i, batch in enumerate(batches) if batch.table not in applied]
+            checked = self._checked_push(
+                [batches[i] for i in todo],
+                None if generations is None else [generations[i] for i in todo],
+            )
+            then()
+            self._apply_push(checked, applied)
+        finally:
+            if push_id is not None:
+                self.ledger.end(push_id, applied)
+        return sum(applied.get(batch.table, 0) for batch in batches)
+
+    def _checked_push(
+        self, batches: list[PushBatch], generations: Sequence[int] | None = None
+    ) -> list[tuple[Any, ...]]:
         """Each push batch's table and its checked arguments, every batch checked (its
-        gradients and step included)."""
+        gradients, step and generation included; a table a load is replacing refused)."""
+        if generations is not None and len(generations) != len(batches):
+            raise InvalidArgumentError(
+                f"push on {self.where}: metadata 'tierps-generations' expected one generation "
+                f"per table batch ({len(batches)}), got {len(generations)}"
+            )
         checked = []
-        for batch in batches:
+        for index, batch in enumerate(batches):
             target = self._checked(batch.table, batch.dim, batch.keys)
+            self._check_not_replacing(batch.table, "push")
+            if generations is not None:
+                self._check_generation(target, generations[index])
             checked.append((target, *target.check_gradients(batch.keys, batch.grads, batch.step)))
         return checked
 
-    def _apply_push(self, checked: list[tuple[Any, ...]]) -> int:
-        return sum(
-            self._each_table(lambda item: item[0].apply_checked_gradients(*item[1:]), checked)
-        )
+    def _check_not_replacing(self, name: str, call: str) -> None:
+        source = self._replacing.get(name)
+        if source is not None:
+            raise UnavailableError(
+                f"table {name!r} on {self.where} is being replaced by the load of snapshot "
+                f"{source!r}: this {call} was not applied; send it again after the load"
+            )
+
+    def _check_generation(self, table: EmbeddingTable, known: int) -> None:
+        generation = table.generation
+        if known and generation is not None and known != generation.id:
+            raise TableReplacedError(
+                f"table {table.config.name!r} on {self.where}: this push was made against "
+                f"generation {known} of its rows, but they were replaced since: the table "
+                f"holds {generation.describe()}. Nothing was applied; look the rows up again "
+                f"before pushing"
+            )
+
+    def _apply_push(self, checked: list[tuple[Any, ...]], applied: dict[str, int]) -> None:
+        """Apply checked push batches as one unit, adding each table applied to `applied`
+        (table -> distinct keys updated). Every table's lock is taken (in name order: no
+        deadlock between calls) and its update computed and checked on copies (prepare,
+        on the push threads, which take no table lock) before any row is stored: a refusal
+        undoes every table's push. A storage failure while storing raises, naming the
+        tables of this call stored and not stored on this shard."""
+        if not checked:
+            return
+        tables = [item[0] for item in checked]
+        begun: dict[int, Any] = {}
+        try:
+            for index in sorted(range(len(checked)), key=lambda i: tables[i].config.name):
+                begun[index] = tables[index].begin_push(checked[index][3])
+            stores = self._each_table(
+                lambda index: tables[index].prepare_push(begun[index], *checked[index][1:3]),
+                list(range(len(checked))),
+                self._push_threads,
+            )
+        except BaseException as error:
+            for index, push in begun.items():
+                tables[index].end_push(push, error)
+            raise
+        outcomes = self._each_outcome(lambda store: store(), stores, self._push_threads)
+        failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        for index, outcome in enumerate(outcomes):
+            error = outcome if isinstance(outcome, BaseException) else None
+            tables[index].end_push(begun[index], error)
+            if error is None:
+                applied[tables[index].config.name] = outcome
+        if failure is None:
+            return
+        stored = sorted(name for name in applied if name in {t.config.name for t in tables})
+        missing = sorted(t.config.name for t in tables if t.config.name not in applied)
+        if not stored:
+            raise failure
+        raise type(failure)(
+            f"{failure} (on {self.where}, this push's tables {stored} were applied and "
+            f"{missing} were not; the same call sent again applies only those)"
+        ) from failure
 
     def push_then_lookup(
         self,
         pushes: list[PushBatch],
         lookups: list[LookupBatch],
         out: Callable[[int], Sequence[np.ndarray] | None] = lambda _: None,
+        push_id: PushId | None = None,
+        generations: Sequence[int] | None = None,
     ) -> tuple[int, list[np.ndarray]]:
         """A push, then a lookup that sees it: every batch of both is checked before the
         push is applied (a refused call changes nothing); then the lookup is served, into
         out(the push's distinct keys updated) when that gives arrays. Returns (the push's
         distinct keys updated, the rows). A failure after the push was applied (the lookup's
-        storage) is raised as it is: the push stays applied."""
+        storage) is raised as it is: the push stays applied. push_id and generations: as
+        push_gradients'."""
         with self._gate.shared():
-            checked = self._checked_push(pushes)
-            targets = self._checked_lookup(lookups)
-            updated = self._apply_push(checked)
+            targets: list[EmbeddingTable] = []
+            updated = self._push(
+                pushes, push_id, generations, lambda: targets.extend(self._checked_lookup(lookups))
+            )
             self._count_keys(pushes, 1)
             rows = self._serve_lookup(targets, lookups, out(updated))
         self._count_keys(lookups, 0)
@@ -397,6 +545,7 @@ class Shard:
             checked = []
             for batch in batches:
                 target = self._checked(batch.table, batch.dim, batch.keys)
+                self._check_not_replacing(batch.table, "assign")
                 checked.append((target, *target.check_values(batch.keys, batch.values)))
             return sum(target.assign_checked(*args) for target, *args in checked)
 
@@ -449,6 +598,8 @@ class Shard:
             "current_step": table.current_step,
             "keys_looked_up": self._key_counts.get(name, (0, 0))[0],
             "keys_pushed": self._key_counts.get(name, (0, 0))[1],
+            "generation": table.generation.id,
+            "generation_snapshot": table.generation.snapshot or "",
         }
 
     def stats(self) -> dict[str, Any]:
@@ -466,6 +617,8 @@ class Shard:
             "last_flush_unix_s": self.last_flush or 0.0,
             "writable": self.store.writable,
             "metrics_port": self.metrics_port,
+            "data_id": self.data_id,
+            "data_created_unix_s": self.data_created,
         }
 
     # -- eviction ----------------------------------------------------------------------------
@@ -541,10 +694,12 @@ class Shard:
         """Replace the snapshot's tables with its rows of this shard's keys, all of them or
         none. The whole snapshot is checked (snapshot.Snapshot: manifest, part headers,
         every file's content), every part read, checked and this shard's rows written to
-        staged column families while the live tables serve on unchanged; only when all of
-        it passed do data calls wait (health NOT_SERVING) while one atomic RocksDB write
-        swaps the staged tables in. A refused or failed load leaves every live row as it
-        was and drops what it staged."""
+        staged column families while the live tables serve lookups on unchanged (pushes
+        and assigns to them are refused with UNAVAILABLE from before the first row is
+        staged, so none is acknowledged and then replaced); only when all of it passed do
+        data calls wait (health NOT_SERVING) while one atomic RocksDB write swaps the staged
+        tables in, each with a new generation naming the snapshot. A refused or failed load
+        leaves every live row as it was and drops what it staged."""
         root = self._snapshot_root()
         opened = snapshot.Snapshot(root, name)
         for config in opened.configs.values():
@@ -568,9 +723,11 @@ class Shard:
         done = kept = 0
         with self._admin:
             staged: list[Any] = []
+            with self._gate.exclusive():  # the pushes running now end before the fence
+                self._replacing.update(dict.fromkeys(opened.configs, name))
             try:
                 for table_name, config in opened.configs.items():
-                    stage = self.store.stage_table(config)
+                    stage = self.store.stage_table(config, source=name)
                     staged.append(stage)
                     state = states[table_name]
                     stage.steps = (state.get("current_step", 0), state.get("first_step", 0))
@@ -594,6 +751,8 @@ class Shard:
                     finally:
                         self._set_loading(False)
             finally:
+                for table_name in opened.configs:
+                    self._replacing.pop(table_name, None)
                 for stage in staged:  # a refused, failed or cancelled load: drop the staging
                     self.store.discard_staged(stage)
         yield Progress(done, total, str(opened.path), rows_kept=kept, done=True)
@@ -732,6 +891,7 @@ class Shard:
         with self._admin, self._gate.exclusive():
             self.store.close()
         self._table_threads.shutdown()
+        self._push_threads.shutdown()
         self.lives.end_cleanly()
 
 
@@ -745,3 +905,13 @@ def _proc_status_bytes(field: str) -> int:
     except OSError:
         pass
     return 0
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """Replace a small file whole (a temporary file, fsynced, renamed over it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)

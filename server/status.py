@@ -23,6 +23,8 @@ from tierps.storage.errors import (
     NotFoundError,
     ResourceExhaustedError,
     StorageFullError,
+    TableReplacedError,
+    UnavailableError,
 )
 
 log = logging.getLogger("tierps.server")
@@ -37,6 +39,8 @@ STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (StorageFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),  # a full disk: retrying won't help
     (DataLossError, grpc.StatusCode.DATA_LOSS),  # before BackendError: both are backend errors
     (BackendError, grpc.StatusCode.UNAVAILABLE),
+    (UnavailableError, grpc.StatusCode.UNAVAILABLE),  # a table being replaced: retry
+    (TableReplacedError, grpc.StatusCode.ABORTED),  # rows replaced under the caller
     # out of host or GPU memory (cupy's OutOfMemoryError is a MemoryError): the call changed
     # nothing (a tier allocates before it lets go of anything); smaller batches may pass
     (MemoryError, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -42,3 +42,13 @@ class StorageFullError(BackendError):
 class DataLossError(BackendError):
     """Stored data is corrupt or rows may be gone (RocksDB reports corruption, or the shard
     restarted after an unclean stop). DATA_LOSS: a person or the trainer must decide."""
+
+
+class UnavailableError(TierpsError):
+    """The call cannot run now but can soon (its table is being replaced by a snapshot
+    load): nothing was changed. UNAVAILABLE: the same call may succeed later."""
+
+
+class TableReplacedError(TierpsError):
+    """A push made against a generation of a table's rows that a snapshot load has since
+    replaced: nothing was applied. ABORTED: look the rows up again before pushing."""

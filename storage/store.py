@@ -27,9 +27,11 @@ over DIRECT_MEMORY_FRACTION of physical memory, like a direct table's arena.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import secrets
 import shutil
 import threading
 import time
@@ -75,6 +77,9 @@ _STEPS_PREFIX = b"tierps/steps/"  # sorts before _CONFIG_PREFIX: the table scan 
 # A table's column families where a snapshot load staged them (sorts before _CONFIG_PREFIX
 # too); without it, "table.<name>" and "buckets.<name>".
 _FAMILY_PREFIX = b"tierps/family/"
+# A table's generation: {"id", "snapshot", "at"}, made anew when the table is created and
+# when a snapshot load replaces it (Generation)
+_GENERATION_PREFIX = b"tierps/generation/"
 _CF_PREFIX = "table."
 _BUCKETS_CF_PREFIX = "buckets."  # adaptive embedding's bucket rows of a table
 _PROBE_KEY = b"tierps/probe"  # written by recover() to prove the store writes again
@@ -167,6 +172,30 @@ def _options() -> Options:
     return options
 
 
+@dataclass(frozen=True)
+class Generation:
+    """Which life of a table's rows a shard holds: `id` is made anew (at random) when the
+    table is created and when a snapshot load replaces its rows (`snapshot`, at `at`, Unix
+    seconds). A push made against rows of another generation is refused: they were replaced
+    under its trainer."""
+
+    id: int
+    snapshot: str | None = None
+    at: float = 0.0
+
+    @classmethod
+    def new(cls, snapshot: str | None = None) -> Generation:
+        return cls(secrets.randbits(63) or 1, snapshot or None, time.time())
+
+    def encoded(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    def describe(self) -> str:
+        made = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.at))
+        how = f"loaded from snapshot {self.snapshot!r}" if self.snapshot else "created"
+        return f"generation {self.id} ({how} at {made})"
+
+
 @dataclass
 class StagedTable:
     """A table's rows that a snapshot load writes aside (EmbeddingStore.stage_table):
@@ -178,6 +207,7 @@ class StagedTable:
     buckets: RocksDBTier | None
     families: tuple[str, str]
     steps: tuple[int, int] = (0, 0)
+    source: str = ""  # the snapshot loaded: the generation it installs names it
     installed: bool = False  # live now: its families are the table's, never to be dropped
     closed: bool = False
 
@@ -367,11 +397,35 @@ class EmbeddingStore:
                 config, self._rocksdb_tier(bucket_family, config.bucket_codec, f"{where} buckets")
             )
         table = EmbeddingTable(config, tiers, where=where, buckets=buckets)
+        table.generation = self._generation(config.name)
         steps = self._db.get(_STEPS_PREFIX + config.name.encode())
         if steps is not None:
             table.current_step, table.first_step = json.loads(steps)
         self._tables[config.name] = table
         return table
+
+    def _generation(self, name: str) -> Generation:
+        """A table's generation as stored; one made now for a table stored without one."""
+        raw = self._db.get(_GENERATION_PREFIX + name.encode())
+        if raw is not None:
+            return Generation(**json.loads(raw))
+        generation = Generation.new()
+        self._put(_GENERATION_PREFIX + name.encode(), generation.encoded())
+        return generation
+
+    def write_metadata(self, key: bytes, value: bytes | None) -> None:
+        """Write (value None: delete) one key of the shard's own records (not a table's
+        rows), as durably as the rows: refused while the store cannot write."""
+        self._put(key, value)
+
+    def metadata(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
+        """The shard's own records whose key starts with prefix, in key order."""
+        found = []
+        for key, value in self._db.items(from_key=prefix):
+            if not key.startswith(prefix):
+                break
+            found.append((key, value))
+        return found
 
     def _rocksdb_tier(self, family: str, codec: RowCodec, where: str) -> RocksDBTier:
         return RocksDBTier(
@@ -438,6 +492,7 @@ class EmbeddingStore:
                     )
                 return existing
             self.check_creatable(config)
+            self._put(_GENERATION_PREFIX + config.name.encode(), Generation.new().encoded())
             self._put(_CONFIG_PREFIX + config.name.encode(), json.dumps(config.to_dict()).encode())
             return self._open_table(config)
 
@@ -478,10 +533,11 @@ class EmbeddingStore:
             self._put(_CONFIG_PREFIX + name.encode(), None)
             self._put(_STEPS_PREFIX + name.encode(), None)
             self._put(_FAMILY_PREFIX + name.encode(), None)
+            self._put(_GENERATION_PREFIX + name.encode(), None)
 
     # -- snapshot loads: stage a table's rows aside, then swap them in at once ----------
 
-    def stage_table(self, config: TableConfig) -> StagedTable:
+    def stage_table(self, config: TableConfig, source: str = "") -> StagedTable:
         """Empty column families for a table's rows (and bucket rows) that a snapshot load
         fills while the live table serves on, untouched; install_staged makes them live."""
         tag = uuid.uuid4().hex[:12]  # '@' is in no table name: never a live table's family
@@ -490,7 +546,7 @@ class EmbeddingStore:
         buckets_family = f"{_BUCKETS_CF_PREFIX}{config.name}@{tag}"
         staged = StagedTable(
             config, self._rocksdb_tier(rows_family, config.codec, where),
-            None, (rows_family, buckets_family),
+            None, (rows_family, buckets_family), source=source,
         )  # fmt: skip
         if config.promote_after:
             self._family(buckets_family)
@@ -510,6 +566,7 @@ class EmbeddingStore:
                 name = table.config.name.encode()
                 batch.put(_CONFIG_PREFIX + name, json.dumps(table.config.to_dict()).encode())
                 batch.put(_FAMILY_PREFIX + name, json.dumps(list(table.families)).encode())
+                batch.put(_GENERATION_PREFIX + name, Generation.new(table.source).encoded())
                 if table.config.steps_to_live:
                     batch.put(_STEPS_PREFIX + name, json.dumps(list(table.steps)).encode())
                 else:

@@ -403,8 +403,8 @@ class CacheTier(Tier):
         and mark them dirty. Returns (hit, undo, refused):
         - hit: the indices into keys of those trained (the others are the cascade's);
         - undo: puts the trained rows back as they were, for the cascade to call if storing
-          the other keys fails (so a failed push changes no row); None when none trained,
-          and on the compiled host path when all trained (no other keys are stored after);
+          the other keys fails, or another table of the same push is refused (so a failed
+          push changes no row); None when none trained;
         - refused: None, or if the update made any weight or optimizer state value
           non-finite, the trained rows [hit.size, row_width] on the host, for the cascade
           to name in its refusal; the rows are put back already (and undo is None).
@@ -480,9 +480,9 @@ class CacheTier(Tier):
         """train_resident on the host in one compiled pass over the rows (host_kernels.
         k_train): each row's new values are checked finite before they are written, and
         only the values the update touches (row_width floats per row, the step slots) are
-        saved, so a non-finite one puts the rows written before it back. When every key is
-        here nothing can fail after the pass (the cascade has no other keys to store), so
-        no undo is returned; else the saved values and dirty flags make the undo."""
+        saved, so a non-finite one puts the rows written before it back. The saved values
+        and dirty flags make the undo: the cascade's other keys, or another table of the
+        same push, may still fail after the pass."""
         resident = self._touch_resident(keys)
         if resident is None:
             return np.empty(0, dtype=np.int64), None, None
@@ -529,8 +529,6 @@ class CacheTier(Tier):
                 np.empty(ids.size, dtype=bool),
             )
             return hit, None, trained[:, :width]
-        if everything:
-            return hit, None, None
 
         def undo() -> None:
             self.arena[ids, :touched] = backup

@@ -772,6 +772,7 @@ class Fault:
 
     code: grpc.StatusCode | None = None
     wait_s: float = 0.0
+    after: bool = False  # abort after the real handler ran: a reply lost on its way back
 
 
 @dataclass
@@ -806,12 +807,15 @@ class Interceptor(grpc.ServerInterceptor):
                 fault = faults[n]
                 if fault.wait_s:
                     self.release.wait(fault.wait_s)
-                if fault.code is not None:
+                if fault.code is not None and not fault.after:
                     context.abort(fault.code, f"injected {fault.code.name}")
             if handler.request_streaming:
                 request = self._record(method, request)
             elif hasattr(request, "batches"):  # the one-message form of a data call
                 list(self._record(method, iter(request.batches)))
+            if n < len(faults) and faults[n].after and faults[n].code is not None:
+                behaviour(request, context)
+                context.abort(faults[n].code, f"injected {faults[n].code.name} after the handler")
             return behaviour(request, context)
 
         return handler._replace(**{kind: intercepted})
@@ -884,24 +888,23 @@ def test_a_lookup_or_assign_failing_with_unavailable_is_retried(
             np.testing.assert_array_equal(rows[int(keys[i])][:DIM], values[i])
 
 
-def test_a_push_failing_with_unavailable_is_not_retried_and_takes_no_step(
-    faulty_shard: Callable[..., FaultyShard], make_client: Callable[..., EmbeddingClient]
+@pytest.mark.parametrize("after", [False, True], ids=["refused", "reply-lost"])
+def test_a_push_failing_with_unavailable_is_retried_and_applied_once(
+    faulty_shard: Callable[..., FaultyShard], make_client: Callable[..., EmbeddingClient],
+    after: bool,
 ) -> None:
-    """A push is never repeated (a lost reply would apply it twice): the error reaches the
-    trainer, and the step it would have taken is given back."""
+    """A push failing with UNAVAILABLE is sent again with the same push id: refused before
+    the handler (nothing applied) or after it (applied, the reply lost), the shard applies
+    it exactly once, and the push takes one step."""
     lr = 0.5
-    shard = faulty_shard(faults={"PushGradients": [Fault(CODE.UNAVAILABLE)]})
+    shard = faulty_shard(faults={"PushGradients": [Fault(CODE.UNAVAILABLE, after=after)]})
     client = make_client([shard.address], timeout_s=5.0, retry=FAST_RETRY)
     table = config(optimizer=optim.SGD(lr=lr))
     client.create_table(table)
     keys = np.array([3, 1, 4, 1, 5])
     grads = normal(rng(18), (5, DIM))
-    with pytest.raises(ShardError) as raised:
-        client.push_gradients("t", keys, grads)
-    assert raised.value.code is CODE.UNAVAILABLE and shard.address in str(raised.value)
-    assert shard.interceptor.calls["PushGradients"] == 1
-    assert stored(shard.shard, "t") == {}
-    assert client.push_gradients("t", keys, grads) == 4  # the trainer's own retry
+    assert client.push_gradients("t", keys, grads) == 4
+    assert shard.interceptor.calls["PushGradients"] == 2
     assert client._steps["t"] == 1
     want = initial(table, keys).astype(np.float64) - lr * grads
     want[1] -= lr * grads[3]
@@ -1058,7 +1061,9 @@ def test_a_push_failing_on_one_shard_names_the_shards_it_reached_and_keeps_its_s
 ) -> None:
     shards = [
         faulty_shard(shard_id=0, num_shards=2),
-        faulty_shard(shard_id=1, num_shards=2, faults={"PushGradients": [Fault(CODE.UNAVAILABLE)]}),
+        faulty_shard(
+            shard_id=1, num_shards=2, faults={"PushGradients": [Fault(CODE.RESOURCE_EXHAUSTED)]}
+        ),
     ]
     client = make_client([s.address for s in shards], timeout_s=5.0, retry=FAST_RETRY)
     client.create_table(config(optimizer=optim.SGD(lr=0.5)))
@@ -1067,7 +1072,9 @@ def test_a_push_failing_on_one_shard_names_the_shards_it_reached_and_keeps_its_s
         client.push_gradients("t", keys, np.ones((4, DIM), np.float32))
     error = raised.value
     assert error.shard_id == 1 and error.succeeded == [0], (error.shard_id, error.succeeded)
-    assert "applied on shards [0]" in str(error) and shards[1].address in str(error)
+    assert error.failed == [1]
+    assert "of tables ['t'] was applied on shards [0], and not on shards [1]" in str(error)
+    assert shards[1].address in str(error)
     assert sorted(stored(shards[0].shard, "t")) == [2, 4] and stored(shards[1].shard, "t") == {}
     assert client._steps["t"] == 1  # shard 0 applied step 1: the next push is step 2
 

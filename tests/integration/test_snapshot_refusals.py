@@ -442,8 +442,8 @@ def test_a_storage_failure_while_staging_changes_no_live_row(
     stage_table = EmbeddingStore.stage_table
     writes = {"n": 0}
 
-    def failing_stage(self: EmbeddingStore, config: TableConfig) -> Any:
-        staged = stage_table(self, config)
+    def failing_stage(self: EmbeddingStore, config: TableConfig, source: str = "") -> Any:
+        staged = stage_table(self, config, source)
         write = staged.rows.write
 
         def write_then_fail(keys: np.ndarray, rows: np.ndarray) -> None:

@@ -12,7 +12,7 @@ import pytest
 from tierps.server.config import ServerConfig
 from tierps.server.lives import Lives
 from tierps.server.shard import Shard
-from tierps.storage import DataLossError, StorageFullError, TableConfig, optim
+from tierps.storage import DataLossError, InvalidArgumentError, StorageFullError, TableConfig, optim
 
 
 def start(data_dir: Path, at_risk: bool = True) -> Lives:
@@ -54,11 +54,28 @@ def test_write_through_only_stores_lose_nothing_on_an_unclean_stop(tmp_path: Pat
     again.check("1")  # every acknowledged update was in RocksDB's log
 
 
-@pytest.mark.parametrize("known", ["7", "banana", "0"])
+@pytest.mark.parametrize("known", ["7", "0"])
 def test_a_life_this_shard_never_had_is_refused(tmp_path: Path, known: str) -> None:
     lives = start(tmp_path)
     with pytest.raises(DataLossError):
         lives.check(known)
+
+
+@pytest.mark.parametrize("known", ["banana", "abc/", "x/-1", "1/2/x", "9" * 30])
+def test_a_header_that_is_no_life_is_the_callers_error(tmp_path: Path, known: str) -> None:
+    lives = start(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="tierps-life"):
+        lives.check(known)
+
+
+def test_a_client_that_knew_another_data_dir_is_told(tmp_path: Path) -> None:
+    """A wiped volume starts again at life 1: the life alone cannot tell, the dir's id does."""
+    lives = Lives(tmp_path, "shard 0 of 1", data_id="new")
+    lives.begin(at_risk=False)
+    lives.check("new/1")
+    lives.check("1")  # a client of the life alone: as before
+    with pytest.raises(DataLossError, match="another data dir"):
+        lives.check("old/1")
 
 
 def test_durability_settings_are_checked(tmp_path: Path) -> None:

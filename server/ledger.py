@@ -1,0 +1,167 @@
+"""Exactly-once pushes: what a shard remembers of the pushes it applied, by the pushing
+client's id and the call's sequence number (as Kafka's idempotent producer does).
+
+Every push call of an EmbeddingClient carries `PUSH_ID_HEADER: <client id>:<sequence>`
+(a new sequence number per call, the same on every retry of it). The shard records, per
+push id, the tables of the call it applied and how many keys each updated; a call that
+arrives again (a retry after a lost reply or an UNAVAILABLE) is acknowledged with the
+recorded counts and its recorded tables are not applied again - only the tables it did not
+apply the first time (a storage failure between two tables of one call) are.
+
+The record is bounded (RECENT_PER_CLIENT calls per client, RECENT_CLIENTS clients) and kept
+in the store's metadata, written after the rows and before the acknowledgement, so that it
+survives a restart wherever the rows do (a write-through table's rows are in RocksDB's log
+before the call returns; a write-back table's after a flush or a clean stop, and an unclean
+stop is told to every client that knew the shard, lives.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tierps.proto.wire import GENERATIONS_HEADER, PUSH_ID_HEADER
+from tierps.storage.errors import InvalidArgumentError
+
+__all__ = [
+    "GENERATIONS_HEADER", "PUSH_ID_HEADER", "PushId", "PushLedger", "parse_generations",
+    "parse_push_id",
+]
+
+RECENT_PER_CLIENT = 1024  # calls remembered per client: far more than a client has in flight
+RECENT_CLIENTS = 4096  # clients remembered: the oldest is forgotten first
+KEY_PREFIX = b"tierps/pushes/"
+_MAX_CLIENT_ID = 64
+log = logging.getLogger("tierps.server")
+
+
+@dataclass(frozen=True)
+class PushId:
+    client: str
+    sequence: int
+
+    def __str__(self) -> str:
+        return f"{self.client}:{self.sequence}"
+
+
+def parse_push_id(value: str | None) -> PushId | None:
+    """The push id of a call's metadata value (None: the call carries none, as an older
+    client's or a raw call's; it is applied as it comes). A malformed one is the caller's
+    error: nothing is applied."""
+    if value is None:
+        return None
+    client, _, sequence = value.rpartition(":")
+    if not (
+        0 < len(client) <= _MAX_CLIENT_ID
+        and client.isascii()
+        and client.replace("-", "").isalnum()
+        and sequence.isascii()
+        and sequence.isdigit()
+        and len(sequence) <= 19
+    ):
+        shown = value if len(value) <= 100 else value[:100] + "..."
+        raise InvalidArgumentError(
+            f"metadata '{PUSH_ID_HEADER}' expected '<client id>:<sequence>' (an id of at most "
+            f"{_MAX_CLIENT_ID} letters, digits or '-', and a decimal sequence number), got "
+            f"{shown!r}"
+        )
+    return PushId(client, int(sequence))
+
+
+Applied = dict[str, int]  # table -> distinct keys the call updated there
+
+
+class PushLedger:
+    """The recent pushes a shard applied (see the module docstring). `write(key, value)`
+    keeps a record durable (value None: removes it); `stored` is what was kept before."""
+
+    def __init__(
+        self,
+        write: Callable[[bytes, bytes | None], None],
+        stored: list[tuple[bytes, bytes]],
+        where: str,
+    ) -> None:
+        self._write = write
+        self._where = where
+        self._cond = threading.Condition()
+        # client -> {sequence: applied}, clients in least recently used order
+        self._clients: collections.OrderedDict[str, collections.OrderedDict[int, Applied]] = (
+            collections.OrderedDict()
+        )
+        self._running: set[PushId] = set()
+        for key, value in stored:
+            try:
+                client, sequence = key[len(KEY_PREFIX) :].decode().rsplit("/", 1)
+                self._remember(PushId(client, int(sequence)), json.loads(value))
+            except (ValueError, UnicodeDecodeError):
+                log.warning("%s: an unreadable push record %r was skipped", where, key[:80])
+
+    @staticmethod
+    def key(push_id: PushId) -> bytes:
+        return KEY_PREFIX + f"{push_id.client}/{push_id.sequence:020d}".encode()
+
+    def begin(self, push_id: PushId) -> Applied:
+        """What this push applied already (empty: nothing; a repeat returns its record).
+        Waits while the same push id runs in another call; end() must follow."""
+        with self._cond:
+            while push_id in self._running:
+                self._cond.wait()
+            self._running.add(push_id)
+            calls = self._clients.get(push_id.client)
+            return dict(calls.get(push_id.sequence, {})) if calls else {}
+
+    def end(self, push_id: PushId, applied: Applied) -> None:
+        """Record what the push has applied now (all its tables so far); then the next call
+        of the same id may run. A record that cannot be written is logged: the rows are
+        applied, and this process still knows."""
+        with self._cond:
+            try:
+                if applied:
+                    forgotten = self._remember(push_id, applied)
+                    self._persist(push_id, applied, forgotten)
+            finally:
+                self._running.discard(push_id)
+                self._cond.notify_all()
+
+    def _remember(self, push_id: PushId, applied: Applied) -> list[PushId]:
+        calls = self._clients.setdefault(push_id.client, collections.OrderedDict())
+        self._clients.move_to_end(push_id.client)
+        calls[push_id.sequence] = dict(applied)
+        forgotten = []
+        while len(calls) > RECENT_PER_CLIENT:
+            forgotten.append(PushId(push_id.client, calls.popitem(last=False)[0]))
+        while len(self._clients) > RECENT_CLIENTS:
+            client, old = self._clients.popitem(last=False)
+            forgotten.extend(PushId(client, sequence) for sequence in old)
+        return forgotten
+
+    def _persist(self, push_id: PushId, applied: Applied, forgotten: list[PushId]) -> None:
+        try:
+            self._write(self.key(push_id), json.dumps(applied).encode())
+            for old in forgotten:
+                self._write(self.key(old), None)
+        except Exception as error:  # noqa: BLE001 - the rows are in; say it, do not fail
+            log.warning("%s: could not keep the record of push %s: %s", self._where, push_id,
+                        error)  # fmt: skip
+
+    @property
+    def size(self) -> int:
+        with self._cond:
+            return sum(len(calls) for calls in self._clients.values())
+
+
+
+def parse_generations(value: str) -> list[int]:
+    """The generations of a GENERATIONS_HEADER value; a malformed one is the caller's error."""
+    parts = value.split(",") if value else []
+    if not all(p.isascii() and p.isdigit() and len(p) <= 20 for p in parts):
+        shown = value if len(value) <= 100 else value[:100] + "..."
+        raise InvalidArgumentError(
+            f"metadata '{GENERATIONS_HEADER}' expected comma-separated whole numbers (one "
+            f"generation per table batch, 0: not known), got {shown!r}"
+        )
+    return [int(p) for p in parts]

@@ -337,3 +337,42 @@ def test_shard_checks_every_table_before_it_locks_any(tmp_path: Path) -> None:
         np.testing.assert_array_equal(rows, np.ones((keys.size, DIM), np.float32))
     finally:
         shard.close()
+
+
+# -- a client is back within a second of its shard ------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_client_reaches_a_restarted_shard_within_a_second_of_it_serving(
+    tmp_path: Path,
+) -> None:
+    """The shard is down 8 s while the client keeps calling. With gRPC's default reconnect
+    backoff (1 s growing 1.6x a try, to 120 s) its next try may come 6 s after the shard
+    serves again; capped at 1 s (client.admin.RECONNECT_OPTIONS, +-20% jitter), it comes
+    within 1.2 s: the bound below leaves room for a slow machine, not for the default."""
+    cluster = LocalCluster(
+        1, tmp_path / "data", tmp_path / "snapshots", start_timeout_s=60,
+        base_port=free_base_port(1),
+    )  # fmt: skip
+    keys = np.arange(10, dtype=np.int64)
+    with cluster, EmbeddingClient(cluster.addresses, timeout_s=2.0) as client:
+        client.create_table(counting("t"))
+        client.push_gradients("t", keys, ones(keys))
+        assert cluster.stop_shard(0) == 0
+        down_until = time.monotonic() + 8.0
+        while time.monotonic() < down_until:
+            with pytest.raises(ShardError) as refused:
+                client.lookup("t", keys, create=False)
+            assert refused.value.code in (CODE.UNAVAILABLE, CODE.DEADLINE_EXCEEDED)
+        cluster.start_shard(0)  # returns once the shard answers health SERVING
+        serving = time.monotonic()
+        while True:
+            try:
+                rows = client.lookup("t", keys, create=False)
+                break
+            except ShardError:
+                assert time.monotonic() - serving < 30
+        back = time.monotonic() - serving
+        np.testing.assert_array_equal(rows, np.ones((keys.size, DIM), np.float32))
+        print(f"back {back:.2f} s after the shard served again (down 8 s)")
+        assert back < 2.5, back

@@ -32,8 +32,11 @@ __all__ = [
     "parse_push_id",
 ]
 
-RECENT_PER_CLIENT = 1024  # calls remembered per client: far more than a client has in flight
-RECENT_CLIENTS = 4096  # clients remembered: the oldest is forgotten first
+# Calls remembered per client: a client has a few calls in flight to a shard (two lanes of
+# a fan-out, a prefetch), and retries one within seconds. At most 64 x 1,024 records (about
+# 20 MB) in memory, as many small keys in RocksDB.
+RECENT_PER_CLIENT = 64
+RECENT_CLIENTS = 1024  # clients remembered: the least recently pushing is forgotten first
 KEY_PREFIX = b"tierps/pushes/"
 _MAX_CLIENT_ID = 64
 log = logging.getLogger("tierps.server")
@@ -93,12 +96,15 @@ class PushLedger:
             collections.OrderedDict()
         )
         self._running: set[PushId] = set()
+        forgotten: list[PushId] = []
         for key, value in stored:
             try:
                 client, sequence = key[len(KEY_PREFIX) :].decode().rsplit("/", 1)
-                self._remember(PushId(client, int(sequence)), json.loads(value))
+                forgotten += self._remember(PushId(client, int(sequence)), json.loads(value))
             except (ValueError, UnicodeDecodeError):
                 log.warning("%s: an unreadable push record %r was skipped", where, key[:80])
+        if forgotten:  # kept by a process with larger bounds
+            self._persist(None, {}, forgotten)
 
     @staticmethod
     def key(push_id: PushId) -> bytes:
@@ -139,9 +145,10 @@ class PushLedger:
             forgotten.extend(PushId(client, sequence) for sequence in old)
         return forgotten
 
-    def _persist(self, push_id: PushId, applied: Applied, forgotten: list[PushId]) -> None:
+    def _persist(self, push_id: PushId | None, applied: Applied, forgotten: list[PushId]) -> None:
         try:
-            self._write(self.key(push_id), json.dumps(applied).encode())
+            if push_id is not None:
+                self._write(self.key(push_id), json.dumps(applied).encode())
             for old in forgotten:
                 self._write(self.key(old), None)
         except Exception as error:  # noqa: BLE001 - the rows are in; say it, do not fail

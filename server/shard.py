@@ -177,6 +177,7 @@ class Shard:
             gpu_cache_bytes=config.gpu_cache_bytes,
             gpu_arrays=config.gpu_arrays,
             sync_writes=config.sync_writes,
+            max_step_leap=config.max_step_leap,
         )
         self._gate = Gate()
         self._table_threads = ThreadPoolExecutor(

@@ -64,6 +64,7 @@ from tierps.storage.tiers import (
     direct_arena_bytes,
     host_rows_for_budget,
 )
+from tierps.storage.validation import DEFAULT_MAX_STEP_LEAP
 from tierps.storage.xp import gpu_arrays
 
 log = logging.getLogger("tierps.storage")
@@ -199,6 +200,9 @@ class EmbeddingStore:
     sync_writes: fsync RocksDB's log on every write (WriteOptions.sync), so that what a
     write-through table acknowledged survives a power loss too, not only a killed process.
 
+    max_step_leap: how far one push may move a table's clock forward (check_step_leap in
+    storage/validation.py; 0: no limit).
+
     A failed RocksDB write (a full disk, an I/O error) is remembered (write_state): the store
     refuses writes from then on with that cause, while every row not yet written stays in
     the memory tiers, until recover() reopens RocksDB and writes them down.
@@ -214,8 +218,10 @@ class EmbeddingStore:
         gpu_cache_bytes: int = 0,
         gpu_arrays: str = "auto",
         sync_writes: bool = False,
+        max_step_leap: int = DEFAULT_MAX_STEP_LEAP,
     ) -> None:
         self.path = Path(path)
+        self.max_step_leap = max_step_leap  # every table's (EmbeddingTable.max_step_leap)
         self.shard_id = shard_id
         self.sync_writes = sync_writes
         self.write_state = WriteState()
@@ -366,7 +372,9 @@ class EmbeddingStore:
             buckets = BucketRows(
                 config, self._rocksdb_tier(bucket_family, config.bucket_codec, f"{where} buckets")
             )
-        table = EmbeddingTable(config, tiers, where=where, buckets=buckets)
+        table = EmbeddingTable(
+            config, tiers, where=where, buckets=buckets, max_step_leap=self.max_step_leap
+        )
         steps = self._db.get(_STEPS_PREFIX + config.name.encode())
         if steps is not None:
             table.current_step, table.first_step = json.loads(steps)

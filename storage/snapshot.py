@@ -56,6 +56,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -697,6 +698,91 @@ def _read_json(path: Path, what: str, error: type[Exception] = FailedPreconditio
     return data
 
 
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words, with the value when short: "a list [1, 2]"."""
+    kinds = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
+             (list, "a list"), (dict, "an object"))  # fmt: skip
+    kind = next((name for type_, name in kinds if isinstance(value, type_)), "null")
+    text = json.dumps(value, default=str) if value is not None else ""
+    return f"{kind} {text[:60]}{'...' if len(text) > 60 else ''}".rstrip()
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _expect(where: str, field: str, value: Any, expected: str, ok: bool) -> None:
+    if not ok:
+        raise SnapshotRefusedError(
+            f"{where}: field {field!r} expected {expected}, got {_json_kind(value)}"
+        )
+
+
+def _check_file_entry(where: str, field: str, file: Any) -> None:
+    _expect(where, field, file, "an object (path, bytes, sha256)", isinstance(file, dict))
+    _expect(where, f"{field}.path", file.get("path"), "a string", isinstance(file.get("path"), str))
+    _expect(where, f"{field}.bytes", file.get("bytes"), "an integer >= 0",
+            _is_count(file.get("bytes")))  # fmt: skip
+    sha = file.get("sha256")
+    _expect(where, f"{field}.sha256", sha, "a string (hex SHA-256)", isinstance(sha, str))
+
+
+def check_manifest_fields(manifest: dict[str, Any], where: str) -> None:
+    """Every field of a manifest that a reader uses, of the JSON type it must be: the one
+    place that checks them, run before any of them is used, so that a crafted manifest (a
+    list where an object belongs, a string for a count, NaN) is refused like every other
+    crafted snapshot - SnapshotRefusedError, FAILED_PRECONDITION, naming the field, what was
+    expected and what came - and never fails inside the code that reads it."""
+    num_shards = manifest.get("num_shards")
+    _expect(where, "num_shards", num_shards, "an integer >= 1",
+            _is_count(num_shards) and num_shards >= 1)  # fmt: skip
+    save_id = manifest.get("save_id")
+    _expect(where, "save_id", save_id, f"a string matching {_SAVE_ID.pattern}",
+            isinstance(save_id, str) and bool(_SAVE_ID.fullmatch(save_id)))  # fmt: skip
+    created = manifest.get("created_unix")
+    _expect(where, "created_unix", created, "a finite number (seconds since the epoch)",
+            isinstance(created, int | float) and not isinstance(created, bool)
+            and math.isfinite(created))  # fmt: skip
+    tables = manifest.get("tables")
+    _expect(where, "tables", tables, "an object (table name -> its entry)",
+            isinstance(tables, dict))  # fmt: skip
+    for name, entry in tables.items():
+        at = f"tables.{name}"
+        _expect(where, at, entry, "an object (config, layout, rows, parts)",
+                isinstance(entry, dict))  # fmt: skip
+        for key in ("config", "layout"):
+            _expect(where, f"{at}.{key}", entry.get(key), "an object",
+                    isinstance(entry.get(key), dict))  # fmt: skip
+        config_name = entry["config"].get("name")
+        _expect(where, f"{at}.config.name", config_name, f"{name!r} (the table's key)",
+                config_name == name)  # fmt: skip
+        _expect(where, f"{at}.rows", entry.get("rows"), "an integer >= 0",
+                _is_count(entry.get("rows")))  # fmt: skip
+        parts = entry.get("parts")
+        _expect(where, f"{at}.parts", parts, "a list (one entry per part)",
+                isinstance(parts, list))  # fmt: skip
+        for index, part in enumerate(parts):
+            here = f"{at}.parts[{index}]"
+            _expect(where, here, part, "an object", isinstance(part, dict))
+            for key in ("shard_id", "rows"):
+                _expect(where, f"{here}.{key}", part.get(key), "an integer >= 0",
+                        _is_count(part.get(key)))  # fmt: skip
+            for key, file in part.items():
+                if key.endswith("_file"):
+                    _check_file_entry(where, f"{here}.{key}", file)
+
+
+def _config(where: str, table_name: str, data: dict[str, Any]) -> TableConfig:
+    """A manifest's table config, or SnapshotRefusedError naming the table and why."""
+    try:
+        return TableConfig.from_dict(data)
+    except (KeyError, TypeError, ValueError) as error:
+        raise SnapshotRefusedError(
+            f"{where}: field 'tables.{table_name}.config' expected a valid config of table "
+            f"{table_name!r}, got one refused: {error}"
+        ) from None
+
+
 class Snapshot:
     """A complete snapshot, opened for loading. Opening checks the manifest: its structure,
     sizes, file paths and its own checksum. `check_files` checks that every file is where
@@ -717,12 +803,13 @@ class Snapshot:
             )
         where = f"snapshot {name!r}: {MANIFEST}"
         self.manifest = _read_json(self.path / MANIFEST, where, SnapshotRefusedError)
+        check_manifest_fields(self.manifest, where)
         self.version = int(self.manifest["format_version"])
         try:
             self.num_shards = int(self.manifest["num_shards"])
             self.save_id = check_save_id(self.manifest["save_id"])
             self.configs = {
-                table_name: TableConfig.from_dict(entry["config"])
+                table_name: _config(where, table_name, entry["config"])
                 for table_name, entry in self.manifest["tables"].items()
             }
             for table_name, entry in self.tables.items():
@@ -730,7 +817,13 @@ class Snapshot:
                 self._check_sizes(table_name, entry)
         except (KeyError, TypeError, ValueError) as error:
             raise SnapshotRefusedError(f"{where} is corrupted: {error!r}") from None
-        found = manifest_checksum(self.manifest)
+        try:
+            found = manifest_checksum(self.manifest)
+        except ValueError as error:  # NaN or infinity, which json.load reads
+            raise SnapshotRefusedError(
+                f"{where}: every number expected finite (JSON has no NaN or Infinity), got "
+                f"one: {error}"
+            ) from None
         expected = self.manifest.get(CHECKSUM)
         if found != expected:
             raise SnapshotRefusedError(
@@ -918,13 +1011,20 @@ class Snapshot:
                         raise SnapshotRefusedError(
                             f"{where}: header file {file['path']} is corrupted: {error}"
                         ) from None
+                    label = f"{where}: part header {file['path']}"
+                    _expect(label, "(the header)", header, "an object", isinstance(header, dict))
+                    tables = header.get("tables")
+                    _expect(label, "tables", tables, "an object (table name -> its entry)",
+                            isinstance(tables, dict))  # fmt: skip
                     headers[file["path"]] = header
                 header = headers[file["path"]]
-                written = header.get("tables", {}).get(table_name)
+                written = header["tables"].get(table_name)
                 if written is None:
                     raise SnapshotRefusedError(
                         f"{where}: the part header {file['path']} has no table {table_name!r}"
                     )
+                _expect(f"{where}: part header {file['path']}", f"tables.{table_name}", written,
+                        "an object", isinstance(written, dict))  # fmt: skip
                 checks = [
                     ("shard_id", header.get("shard_id"), part["shard_id"]),
                     ("num_shards", header.get("num_shards"), self.num_shards),
@@ -1108,7 +1208,7 @@ class Snapshot:
         for field in ("current_step", "first_step", "admission_calls", "promotion_calls"):
             if field in header:
                 value = header[field]
-                if not isinstance(value, int) or not 0 <= value <= MAX_STEP:
+                if not _is_count(value) or value > MAX_STEP:
                     raise SnapshotRefusedError(
                         f"{where}: state field {field!r} expected an int in [0, {MAX_STEP}], "
                         f"got {value!r}"
@@ -1301,7 +1401,9 @@ def list_snapshots(root: Path) -> list[dict[str, Any]]:
         }
         if (path / MANIFEST).exists():
             try:
-                manifest = _read_json(path / MANIFEST, f"snapshot {path.name!r}: {MANIFEST}")
+                where = f"snapshot {path.name!r}: {MANIFEST}"
+                manifest = _read_json(path / MANIFEST, where)
+                check_manifest_fields(manifest, where)
             except FailedPreconditionError:
                 pass  # listed as incomplete; a load says what is wrong
             else:

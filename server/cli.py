@@ -65,6 +65,11 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         help="fsync RocksDB's log on every write: write-through updates survive a power loss "
         "too, not only a killed process (slower writes)",
     )  # fmt: skip
+    serve.add_argument(
+        "--max-step-leap", type=int,
+        help="refuse a push more than this many steps past its table's largest step "
+        "(default 10**9; 0: no limit; a table's first push may start anywhere)",
+    )  # fmt: skip
     security = serve.add_argument_group("security and limits (README, Security)")
     security.add_argument("--tls-cert", type=Path, help="PEM certificate: TLS on the port")
     security.add_argument("--tls-key", type=Path, help="PEM key of --tls-cert")
@@ -132,6 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
         "max_receiving_streams": args.max_receiving_streams,
         "max_inflight_bytes": None if args.max_inflight_mb is None else args.max_inflight_mb << 20,
         "stream_idle_s": args.stream_idle_s, "call_total_s": args.call_total_s,
+        "max_step_leap": args.max_step_leap,
     }  # fmt: skip
     try:
         if args.config is not None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from tierps.proto.wire import CHUNK_BYTES, HEADER_ROOM, MAX_MESSAGE_BYTES, ONE_MESSAGE_BYTES
 from tierps.storage import TableConfig
-from tierps.storage.validation import check_int
+from tierps.storage.validation import DEFAULT_MAX_STEP_LEAP, MAX_STEP, check_int
 from tierps.storage.xp import GPU_ARRAYS
 
 # Why the size defaults are what they are: EmbeddingClient sends at most max_call_bytes
@@ -66,6 +66,10 @@ class ServerConfig:
     acknowledged updates (0: flush only at stop, snapshot save and eviction).
     sync_writes: fsync RocksDB's log on every write, so write-through updates survive a power
     loss, not only a killed process.
+    max_step_leap: one push may move a table's clock (its largest step pushed) forward by at
+    most this many steps, or is refused with INVALID_ARGUMENT before anything changes; a
+    table's first push (clock 0) may start at any step (DEFAULT_MAX_STEP_LEAP in
+    storage/validation.py says why 10**9). 0: no limit.
     """
 
     shard_id: int
@@ -97,6 +101,7 @@ class ServerConfig:
     max_inflight_bytes: int = MAX_INFLIGHT_BYTES
     stream_idle_s: float = 30.0
     call_total_s: float = 600.0
+    max_step_leap: int = DEFAULT_MAX_STEP_LEAP
 
     def __post_init__(self) -> None:
         owner = "ServerConfig"
@@ -138,6 +143,7 @@ class ServerConfig:
             raise ValueError(f"{owner}: field 'host' expected a host name, got {self.host!r}")
         check_int(owner, "max_receiving_streams", self.max_receiving_streams, 1, self.max_workers)
         check_int(owner, "max_inflight_bytes", self.max_inflight_bytes, 1 << 20, 1 << 44)
+        check_int(owner, "max_step_leap", self.max_step_leap, 0, MAX_STEP)
         for name in ("stream_idle_s", "call_total_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and 0 < value < float("inf")):

@@ -181,7 +181,9 @@ class Shard:
             gpu_cache_bytes=config.gpu_cache_bytes,
             gpu_arrays=config.gpu_arrays,
             sync_writes=config.sync_writes,
+            max_step_leap=config.max_step_leap,
         )
+        snapshot.collect_abandoned_parts(config.snapshot_dir, self.shard_id, self.num_shards)
         self._gate = Gate()
         self._table_threads = ThreadPoolExecutor(
             TABLE_THREADS, thread_name_prefix=f"tierps-tables-{self.shard_id}"

@@ -12,6 +12,8 @@
       <save-id>/part-00000-of-00002.json          the part's header: for each table its config,
                                                   layout (dim, optimizer, row_width, dtypes),
                                                   rows, and each file's size and SHA-256
+      <save-id>/.part-00000-of-00002.writing      flock'ed while the part is written, then
+                                                  removed (collect_abandoned_parts)
       MANIFEST.json                               written last and exclusively; a snapshot
                                                   without it is incomplete, never loaded
 
@@ -50,13 +52,18 @@ keys out of order, rather than write a snapshot no load would accept.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
+import logging
+import math
 import os
 import re
 import shutil
+import socket
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -79,6 +86,8 @@ from tierps.storage.errors import (
     ResourceExhaustedError,
 )
 from tierps.storage.validation import MAX_STEP, first_non_finite
+
+log = logging.getLogger("tierps.storage")
 
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (2, 3)  # version 2 snapshots load too: rows only (see CARRIES)
@@ -280,17 +289,166 @@ def write_part(
     part_dir = staging / part
     where = f"snapshot {name!r}: shard {shard_id}'s part {part_dir}"
     check_inside(root, staging, where)
-    if part_dir.exists():  # this save's part, written before by a call that failed
-        shutil.rmtree(part_dir)
     try:
-        part_dir.mkdir(parents=True)
-        yield from _write_part(staging, part, save_id, shard_id, num_shards, exports,
-                               rows_estimate, name)  # fmt: skip
+        with _writing(staging, part):  # the part is whole (header written) or removed
+            try:
+                # this save's part, written before by a call that failed: its header first,
+                # so that no header describes files being rewritten
+                (staging / f"{part}.json").unlink(missing_ok=True)
+                if part_dir.exists():
+                    shutil.rmtree(part_dir)
+                part_dir.mkdir()
+                yield from _write_part(staging, part, save_id, shard_id, num_shards, exports,
+                                       rows_estimate, name)  # fmt: skip
+            except OSError:
+                shutil.rmtree(part_dir, ignore_errors=True)
+                raise
     except OSError as error:
-        shutil.rmtree(part_dir, ignore_errors=True)
         if error.errno in FULL:
             raise full_error(error, where) from None
         raise
+
+
+WRITING_SUFFIX = ".writing"  # <save-id>/.<part>.writing: held locked while the part is written
+
+
+def _writing_marker(staging: Path, part: str) -> Path:
+    return staging / f".{part}{WRITING_SUFFIX}"
+
+
+@contextmanager
+def _writing(staging: Path, part: str) -> Iterator[None]:
+    """Hold the part's writing marker (see collect_abandoned_parts) while the body writes
+    the part: a file beside it, created and flock'ed before the part's directory exists,
+    removed only after the part is whole or removed. A process killed meanwhile leaves it
+    behind, and the kernel releases its lock."""
+    staging.mkdir(parents=True, exist_ok=True)
+    marker = _writing_marker(staging, part)
+    while True:
+        fd = os.open(marker, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            # a collector removes a marker it could lock: lock the file that is there now
+            if _same_file(fd, marker):
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        who = {"pid": os.getpid(), "host": socket.gethostname(), "started_unix": time.time()}
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(who).encode())  # for people: who writes this part
+        yield
+    finally:
+        marker.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        on_disk = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (on_disk.st_dev, on_disk.st_ino)
+
+
+def _tree_bytes(paths: Iterable[Path]) -> int:
+    """Bytes of the files under these paths (links counted, never followed)."""
+    total = 0
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            for folder, _, files in os.walk(path):
+                total += sum(os.lstat(os.path.join(folder, f)).st_size for f in files)
+        elif path.exists() or path.is_symlink():
+            total += path.lstat().st_size
+    return total
+
+
+def collect_abandoned_parts(root: Path | None, shard_id: int, num_shards: int) -> dict[str, int]:
+    """Remove this shard's snapshot parts whose writing was cut off (the process killed
+    mid-save), logging each with its bytes; returns {part directory: bytes removed}. Run
+    when a shard starts; a snapshot dir shared by several shards and clusters is safe.
+
+    The rule. write_part creates <snapshot>/<save-id>/.<part>.writing and holds an
+    exclusive flock on it from before the part's directory exists until the part is whole
+    (its header <part>.json written last, atomically) or removed, and only then deletes it.
+    So a marker that is still there but that no process holds locked belongs to a writer
+    that died mid-part, and the kernel, not a guess, says no process holds it (flock locks
+    die with their process, kill -9 included). For each marker of this shard's part name
+    (part-<shard>-of-<num_shards>) this takes the lock without waiting, and:
+    - the lock is held: a live writer (this part name of another cluster sharing the dir,
+      mid-save): left alone;
+    - the save's MANIFEST names this save, or the part's header exists: a whole part,
+      perhaps committed: only the stale marker goes;
+    - otherwise the part can never be committed (commit needs its header; a retry of the
+      save rewrites it whole): its directory, its header's temporary files and the marker
+      go.
+    Whole parts of saves never committed, and directories left empty, are left to
+    `snapshot gc` (delete_snapshot), which an admin runs when no save is in progress."""
+    if root is None or not Path(root).is_dir():
+        return {}
+    part = part_name(shard_id, num_shards)
+    removed: dict[str, int] = {}
+    for marker in sorted(Path(root).glob(f"*/*/.{part}{WRITING_SUFFIX}")):
+        staging, snapshot = marker.parent, marker.parent.parent
+        if not (_NAME.fullmatch(snapshot.name) and _SAVE_ID.fullmatch(staging.name)):
+            continue
+        if not _inside(root, marker):  # through a symlink out of the snapshot dir
+            continue
+        try:
+            size = _collect_part(marker, staging, snapshot, part)
+        except OSError as error:  # garbage left behind, nothing lost: say so
+            log.warning("shard %d: could not remove the abandoned snapshot part %s: %s",
+                        shard_id, staging / part, error)  # fmt: skip
+            continue
+        if size is None:
+            continue
+        removed[str(staging / part)] = size
+        log.warning(
+            "shard %d of %d: removed %s, %d bytes: snapshot %r's save %s was killed while "
+            "this shard wrote its part (never committed)", shard_id, num_shards,
+            staging / part, size, snapshot.name, staging.name,
+            extra={"shard_id": shard_id, "removed": str(staging / part), "bytes": size},
+        )  # fmt: skip
+    return removed
+
+
+def _collect_part(marker: Path, staging: Path, snapshot: Path, part: str) -> int | None:
+    """collect_abandoned_parts for one marker: the bytes removed, or None when the part
+    is left as it is (a live writer, or a whole part)."""
+    try:
+        fd = os.open(marker, os.O_RDWR)  # never created here: gone means its writer is done
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None  # a live writer holds it
+        if not _same_file(fd, marker):
+            return None  # replaced meanwhile: a new writer's
+        committed = False
+        if (snapshot / MANIFEST).exists():
+            try:
+                committed = _read_json(snapshot / MANIFEST, "").get("save_id") == staging.name
+            except FailedPreconditionError:
+                committed = True  # unreadable: take no chance with a snapshot's files
+        if committed or (staging / f"{part}.json").exists():
+            marker.unlink()
+            return None
+        leftovers = [staging / part, *staging.glob(f".{part}.json.*.tmp")]
+        size = _tree_bytes([*leftovers, marker])
+        for path in leftovers:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        marker.unlink()
+        return size
+    finally:
+        os.close(fd)
 
 
 def _write_part(
@@ -540,6 +698,91 @@ def _read_json(path: Path, what: str, error: type[Exception] = FailedPreconditio
     return data
 
 
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words, with the value when short: "a list [1, 2]"."""
+    kinds = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
+             (list, "a list"), (dict, "an object"))  # fmt: skip
+    kind = next((name for type_, name in kinds if isinstance(value, type_)), "null")
+    text = json.dumps(value, default=str) if value is not None else ""
+    return f"{kind} {text[:60]}{'...' if len(text) > 60 else ''}".rstrip()
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _expect(where: str, field: str, value: Any, expected: str, ok: bool) -> None:
+    if not ok:
+        raise SnapshotRefusedError(
+            f"{where}: field {field!r} expected {expected}, got {_json_kind(value)}"
+        )
+
+
+def _check_file_entry(where: str, field: str, file: Any) -> None:
+    _expect(where, field, file, "an object (path, bytes, sha256)", isinstance(file, dict))
+    _expect(where, f"{field}.path", file.get("path"), "a string", isinstance(file.get("path"), str))
+    _expect(where, f"{field}.bytes", file.get("bytes"), "an integer >= 0",
+            _is_count(file.get("bytes")))  # fmt: skip
+    sha = file.get("sha256")
+    _expect(where, f"{field}.sha256", sha, "a string (hex SHA-256)", isinstance(sha, str))
+
+
+def check_manifest_fields(manifest: dict[str, Any], where: str) -> None:
+    """Every field of a manifest that a reader uses, of the JSON type it must be: the one
+    place that checks them, run before any of them is used, so that a crafted manifest (a
+    list where an object belongs, a string for a count, NaN) is refused like every other
+    crafted snapshot - SnapshotRefusedError, FAILED_PRECONDITION, naming the field, what was
+    expected and what came - and never fails inside the code that reads it."""
+    num_shards = manifest.get("num_shards")
+    _expect(where, "num_shards", num_shards, "an integer >= 1",
+            _is_count(num_shards) and num_shards >= 1)  # fmt: skip
+    save_id = manifest.get("save_id")
+    _expect(where, "save_id", save_id, f"a string matching {_SAVE_ID.pattern}",
+            isinstance(save_id, str) and bool(_SAVE_ID.fullmatch(save_id)))  # fmt: skip
+    created = manifest.get("created_unix")
+    _expect(where, "created_unix", created, "a finite number (seconds since the epoch)",
+            isinstance(created, int | float) and not isinstance(created, bool)
+            and math.isfinite(created))  # fmt: skip
+    tables = manifest.get("tables")
+    _expect(where, "tables", tables, "an object (table name -> its entry)",
+            isinstance(tables, dict))  # fmt: skip
+    for name, entry in tables.items():
+        at = f"tables.{name}"
+        _expect(where, at, entry, "an object (config, layout, rows, parts)",
+                isinstance(entry, dict))  # fmt: skip
+        for key in ("config", "layout"):
+            _expect(where, f"{at}.{key}", entry.get(key), "an object",
+                    isinstance(entry.get(key), dict))  # fmt: skip
+        config_name = entry["config"].get("name")
+        _expect(where, f"{at}.config.name", config_name, f"{name!r} (the table's key)",
+                config_name == name)  # fmt: skip
+        _expect(where, f"{at}.rows", entry.get("rows"), "an integer >= 0",
+                _is_count(entry.get("rows")))  # fmt: skip
+        parts = entry.get("parts")
+        _expect(where, f"{at}.parts", parts, "a list (one entry per part)",
+                isinstance(parts, list))  # fmt: skip
+        for index, part in enumerate(parts):
+            here = f"{at}.parts[{index}]"
+            _expect(where, here, part, "an object", isinstance(part, dict))
+            for key in ("shard_id", "rows"):
+                _expect(where, f"{here}.{key}", part.get(key), "an integer >= 0",
+                        _is_count(part.get(key)))  # fmt: skip
+            for key, file in part.items():
+                if key.endswith("_file"):
+                    _check_file_entry(where, f"{here}.{key}", file)
+
+
+def _config(where: str, table_name: str, data: dict[str, Any]) -> TableConfig:
+    """A manifest's table config, or SnapshotRefusedError naming the table and why."""
+    try:
+        return TableConfig.from_dict(data)
+    except (KeyError, TypeError, ValueError) as error:
+        raise SnapshotRefusedError(
+            f"{where}: field 'tables.{table_name}.config' expected a valid config of table "
+            f"{table_name!r}, got one refused: {error}"
+        ) from None
+
+
 class Snapshot:
     """A complete snapshot, opened for loading. Opening checks the manifest: its structure,
     sizes, file paths and its own checksum. `check_files` checks that every file is where
@@ -560,12 +803,13 @@ class Snapshot:
             )
         where = f"snapshot {name!r}: {MANIFEST}"
         self.manifest = _read_json(self.path / MANIFEST, where, SnapshotRefusedError)
+        check_manifest_fields(self.manifest, where)
         self.version = int(self.manifest["format_version"])
         try:
             self.num_shards = int(self.manifest["num_shards"])
             self.save_id = check_save_id(self.manifest["save_id"])
             self.configs = {
-                table_name: TableConfig.from_dict(entry["config"])
+                table_name: _config(where, table_name, entry["config"])
                 for table_name, entry in self.manifest["tables"].items()
             }
             for table_name, entry in self.tables.items():
@@ -573,7 +817,13 @@ class Snapshot:
                 self._check_sizes(table_name, entry)
         except (KeyError, TypeError, ValueError) as error:
             raise SnapshotRefusedError(f"{where} is corrupted: {error!r}") from None
-        found = manifest_checksum(self.manifest)
+        try:
+            found = manifest_checksum(self.manifest)
+        except ValueError as error:  # NaN or infinity, which json.load reads
+            raise SnapshotRefusedError(
+                f"{where}: every number expected finite (JSON has no NaN or Infinity), got "
+                f"one: {error}"
+            ) from None
         expected = self.manifest.get(CHECKSUM)
         if found != expected:
             raise SnapshotRefusedError(
@@ -761,13 +1011,20 @@ class Snapshot:
                         raise SnapshotRefusedError(
                             f"{where}: header file {file['path']} is corrupted: {error}"
                         ) from None
+                    label = f"{where}: part header {file['path']}"
+                    _expect(label, "(the header)", header, "an object", isinstance(header, dict))
+                    tables = header.get("tables")
+                    _expect(label, "tables", tables, "an object (table name -> its entry)",
+                            isinstance(tables, dict))  # fmt: skip
                     headers[file["path"]] = header
                 header = headers[file["path"]]
-                written = header.get("tables", {}).get(table_name)
+                written = header["tables"].get(table_name)
                 if written is None:
                     raise SnapshotRefusedError(
                         f"{where}: the part header {file['path']} has no table {table_name!r}"
                     )
+                _expect(f"{where}: part header {file['path']}", f"tables.{table_name}", written,
+                        "an object", isinstance(written, dict))  # fmt: skip
                 checks = [
                     ("shard_id", header.get("shard_id"), part["shard_id"]),
                     ("num_shards", header.get("num_shards"), self.num_shards),
@@ -951,7 +1208,7 @@ class Snapshot:
         for field in ("current_step", "first_step", "admission_calls", "promotion_calls"):
             if field in header:
                 value = header[field]
-                if not isinstance(value, int) or not 0 <= value <= MAX_STEP:
+                if not _is_count(value) or value > MAX_STEP:
                     raise SnapshotRefusedError(
                         f"{where}: state field {field!r} expected an int in [0, {MAX_STEP}], "
                         f"got {value!r}"
@@ -1144,7 +1401,9 @@ def list_snapshots(root: Path) -> list[dict[str, Any]]:
         }
         if (path / MANIFEST).exists():
             try:
-                manifest = _read_json(path / MANIFEST, f"snapshot {path.name!r}: {MANIFEST}")
+                where = f"snapshot {path.name!r}: {MANIFEST}"
+                manifest = _read_json(path / MANIFEST, where)
+                check_manifest_fields(manifest, where)
             except FailedPreconditionError:
                 pass  # listed as incomplete; a load says what is wrong
             else:

@@ -66,6 +66,7 @@ from tierps.storage.tiers import (
     direct_arena_bytes,
     host_rows_for_budget,
 )
+from tierps.storage.validation import DEFAULT_MAX_STEP_LEAP
 from tierps.storage.xp import gpu_arrays
 
 log = logging.getLogger("tierps.storage")
@@ -229,6 +230,12 @@ class EmbeddingStore:
     sync_writes: fsync RocksDB's log on every write (WriteOptions.sync), so that what a
     write-through table acknowledged survives a power loss too, not only a killed process.
 
+    max_step_leap: how far one push may move a table's clock forward (check_step_leap in
+    storage/validation.py; 0: no limit).
+
+    Opening drops the column families that a snapshot load killed before it finished left
+    behind (_drop_orphan_families), logging each with its size.
+
     A failed RocksDB write (a full disk, an I/O error) is remembered (write_state): the store
     refuses writes from then on with that cause, while every row not yet written stays in
     the memory tiers, until recover() reopens RocksDB and writes them down.
@@ -244,8 +251,10 @@ class EmbeddingStore:
         gpu_cache_bytes: int = 0,
         gpu_arrays: str = "auto",
         sync_writes: bool = False,
+        max_step_leap: int = DEFAULT_MAX_STEP_LEAP,
     ) -> None:
         self.path = Path(path)
+        self.max_step_leap = max_step_leap  # every table's (EmbeddingTable.max_step_leap)
         self.shard_id = shard_id
         self.sync_writes = sync_writes
         self.write_state = WriteState()
@@ -269,10 +278,14 @@ class EmbeddingStore:
             self._usable_gpu(
                 f"shard {shard_id} asks for a GPU cache of {gpu_cache_bytes} bytes per table"
             )
+        configs = []
         for key, raw in list(self._db.items(from_key=_CONFIG_PREFIX)):
             if not key.startswith(_CONFIG_PREFIX):
                 break
-            self._open_table(TableConfig.from_dict(json.loads(raw)))
+            configs.append(TableConfig.from_dict(json.loads(raw)))
+        self.orphans_dropped = self._drop_orphan_families(configs)
+        for config in configs:
+            self._open_table(config)
 
     def _where(self, name: str) -> str:
         return f"table '{name}' on shard {self.shard_id}"
@@ -287,6 +300,47 @@ class EmbeddingStore:
             )
         except Exception as error:
             raise backend_error(f"open {self.path}", f"shard {self.shard_id}", error) from error
+
+    def _drop_orphan_families(self, configs: list[TableConfig]) -> dict[str, int]:
+        """Drop the column families of ours ("table.*", "buckets.*") that no stored table
+        uses, logging each with its size; returns {family: bytes}. Only a process killed
+        during a snapshot load leaves such families: stage_table writes a table's rows into
+        new families ("table.<name>@<tag>", a name no live family has), and install_staged
+        makes them the table's in one atomic write of _FAMILY_PREFIX records; killed before
+        that write, the staged families are used by no table, and killed after it but
+        before it dropped the families they replaced, those are. Which families a table
+        uses is read from its records, as _open_table reads them, so a family that any
+        stored table reads is never dropped. Runs at open, before any table is served."""
+        used = set()
+        for config in configs:
+            rows, buckets = self._families(config.name)
+            used.add(rows)
+            if config.promote_after:
+                used.add(buckets)
+        dropped: dict[str, int] = {}
+        for family in Rdict.list_cf(str(self.path)):
+            if not family.startswith((_CF_PREFIX, _BUCKETS_CF_PREFIX)) or family in used:
+                continue
+            handle = self._db.get_column_family(family)
+            try:  # what it takes on disk: its SST files, and its memtable (in the log)
+                size = handle.property_int_value("rocksdb.total-sst-files-size") or 0
+                size += handle.property_int_value("rocksdb.cur-size-all-mem-tables") or 0
+            finally:
+                handle.close()
+            try:
+                self._db.drop_column_family(family)
+            except Exception as error:  # noqa: BLE001 - garbage left, nothing lost: say so
+                log.warning("shard %d: could not drop column family %r, which no table uses "
+                            "(left by a killed snapshot load): %s", self.shard_id, family,
+                            error)  # fmt: skip
+                continue
+            dropped[family] = size
+            log.warning(
+                "shard %d: dropped column family %r of %d bytes, which no table uses: a "
+                "snapshot load killed before it finished left it", self.shard_id, family, size,
+                extra={"shard_id": self.shard_id, "family": family, "bytes": size},
+            )  # fmt: skip
+        return dropped
 
     def _write_options(self) -> WriteOptions:
         options = WriteOptions()
@@ -396,7 +450,9 @@ class EmbeddingStore:
             buckets = BucketRows(
                 config, self._rocksdb_tier(bucket_family, config.bucket_codec, f"{where} buckets")
             )
-        table = EmbeddingTable(config, tiers, where=where, buckets=buckets)
+        table = EmbeddingTable(
+            config, tiers, where=where, buckets=buckets, max_step_leap=self.max_step_leap
+        )
         table.generation = self._generation(config.name)
         steps = self._db.get(_STEPS_PREFIX + config.name.encode())
         if steps is not None:

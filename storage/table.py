@@ -47,7 +47,15 @@ from tierps.storage.errors import BackendError, InvalidArgumentError
 from tierps.storage.fallbacks import Fallback, Gathered, RowOrigin
 from tierps.storage.host_kernels import all_distinct
 from tierps.storage.tiers import DurableTier, Spill, Tier
-from tierps.storage.validation import as_keys, as_out, as_rows, check_step, first_non_finite
+from tierps.storage.validation import (
+    DEFAULT_MAX_STEP_LEAP,
+    as_keys,
+    as_out,
+    as_rows,
+    check_step,
+    check_step_leap,
+    first_non_finite,
+)
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +129,7 @@ class EmbeddingTable:
         *,
         where: str,
         buckets: BucketRows | None = None,
+        max_step_leap: int = DEFAULT_MAX_STEP_LEAP,
     ) -> None:
         self.config = config
         self.tiers = tiers
@@ -155,7 +164,8 @@ class EmbeddingTable:
         # eviction: steps of pushes (0: none yet; the store keeps them across restarts)
         self.codec = config.codec  # the stored row's layout: weights, state, step stamp
         self.step_slots = self.codec.step_slots
-        self.current_step = 0  # the largest step pushed
+        self.current_step = 0  # the largest step pushed (the clock)
+        self.max_step_leap = max_step_leap  # how far one push may move it (0: no limit)
         self.first_step = 0  # the smallest step pushed
         self.evictions = 0  # evict calls that ran
         self.evicted_total = 0  # rows removed by them
@@ -352,12 +362,15 @@ class EmbeddingTable:
     ) -> tuple[np.ndarray, np.ndarray, int]:
         """(keys, grads, step) as apply_gradients takes them, or InvalidArgumentError: int64
         keys, finite gradients of the table's dim, a step in [1, 2**53) (MAX_STEP in
-        storage/validation.py)."""
+        storage/validation.py) and at most max_step_leap past the table's clock
+        (check_step_leap; the first push of a table, at clock 0, may start anywhere)."""
         where = f"{self.where}: apply_gradients"
         keys = as_keys(where, keys)
         self.check_key_range(keys, "apply_gradients")
         grads = as_rows(where, "grads", grads, keys.size, self.config.dim)
-        return keys, grads, check_step(where, step)
+        step = check_step(where, step)
+        check_step_leap(where, step, self.current_step, self.max_step_leap)
+        return keys, grads, step
 
     # A leap held back by the eviction guard (_advance_clock): its step, 0 when none. Soft
     # state, like the admission counts: a restart forgets it.
@@ -369,14 +382,18 @@ class EmbeddingTable:
         ahead of the clock (a leap; the first push of a table is none) would alone make
         every row it does not update stale, and the next evict would remove them all (a
         step of 10**12 once did). Its rows are trained and stamped with its step, but the
-        clock stays until a later push confirms the leap by leaping too, to within L of
-        it; a push that does not leap forgets it. So one stray push cannot age a table,
-        while a trainer that really moved on (a shard that got none of the table's keys
-        for L pushes, or missed them while down) moves the clock at its next push."""
+        clock stays until a later push at another step confirms the leap by leaping too,
+        to within L of it; a push that does not leap forgets it. A push at the very step
+        held back confirms nothing: the same step again (a repeated push, another worker
+        of that step) is no sign that the trainer moved on. So one stray push, or one key
+        pushed twice, cannot age a table, while a trainer that really moved on (a shard
+        that got none of the table's keys for L pushes, or missed them while down) moves
+        the clock at its next step. How far a push may leap at all is bounded before this
+        runs (check_step_leap)."""
         self.first_step = min(self.first_step, step) if self.first_step else step
         limit = self.config.steps_to_live
         if limit and self.current_step and step - self.current_step >= limit:
-            if not (self.leap_step and abs(step - self.leap_step) < limit):
+            if not (self.leap_step and 0 < abs(step - self.leap_step) < limit):
                 self.leap_step = step  # held back: the clock stays
                 return step
         self.leap_step = 0

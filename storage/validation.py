@@ -61,6 +61,29 @@ exact below 2**53), the store keeps current_step in JSON (exact in every JSON re
 refused before anything changes."""
 
 
+DEFAULT_MAX_STEP_LEAP = 10**9
+"""How far one push may move a table's clock (its largest step pushed) forward, by default
+(ServerConfig.max_step_leap, `tierps serve --max-step-leap`; 0: no limit). A billion steps is
+more than a trainer moves between two pushes of one table (about 12 days at 1,000 steps a
+second), and far below the steps that a bug sends: 10**12, 2**53-1, a time in milliseconds
+(~1.7e12). A table with no push yet (clock 0) takes its first push at any step: that is
+where its trainer is (a resume from a checkpoint at step 1,000,000 into a new table, a shard
+that gets the table's first keys late); a snapshot load sets the clock with the rows."""
+
+
+def check_step_leap(where: str, step: int, clock: int, limit: int) -> None:
+    """Refuse (InvalidArgumentError) a push at `step` more than `limit` steps past a table's
+    clock; a clock of 0 (no push yet) or a limit of 0 (off) refuses nothing."""
+    if clock and limit and step - clock > limit:
+        raise InvalidArgumentError(
+            f"{where}: field 'step' expected at most {clock + limit} (the table's clock, its "
+            f"largest step pushed, is {clock}; max_step_leap {limit} is the most one push may "
+            f"move it), got {step}, {step - clock} steps ahead; a trainer's step is off, or an "
+            f"admin raises the limit with `tierps serve --max-step-leap N` "
+            f"(ServerConfig.max_step_leap; 0: no limit)"
+        )
+
+
 def check_step(where: str, step: Any) -> int:
     """An optimizer step: an int in [1, MAX_STEP] (Adam's bias correction counts from 1)."""
     if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 1:

@@ -12,11 +12,13 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 
+import grpc
 import numpy as np
 import pytest
 
-from tierps.client import EmbeddingClient, TableConfig, init, optim
+from tierps.client import EmbeddingClient, ShardError, TableConfig, init, optim
 from tierps.server.daemon import ShardServer
+from tierps.storage.validation import DEFAULT_MAX_STEP_LEAP, MAX_STEP
 
 ServerFactory = Callable[..., ShardServer]
 DIM = 4
@@ -177,3 +179,33 @@ def test_a_push_with_an_older_step_still_marks_its_rows_fresh(
     assert client.evict("clicks")["removed"] == 0
     client.push_gradients("clicks", np.arange(2), np.ones((2, DIM), np.float32), step=111)
     assert client.evict("clicks")["removed"] == 6  # keys 2..7: last updated at the clock's 100
+
+
+def test_a_key_pushed_twice_at_the_largest_step_is_refused_and_a_save_keeps_every_row(
+    cluster: tuple[list[ShardServer], EmbeddingClient],
+) -> None:
+    """1,001 rows trained at steps 1 and 2, then one key pushed twice at 2**53-1 (a step
+    2**53-3 past the clock): each push is refused with INVALID_ARGUMENT naming the table,
+    the shard, the step, the clock and the limit, and the save that evicts before its cut
+    (evict_before_snapshot) keeps all 1,001 rows."""
+    _, client = cluster
+    guarded = TableConfig(
+        "guarded", DIM, optimizer=optim.SGD(lr=0.1), steps_to_live=5, evict_before_snapshot=True
+    )
+    client.create_table(guarded)
+    keys = np.arange(1001)
+    for step in (1, 2):
+        client.push_gradients("guarded", keys, np.ones((keys.size, DIM), np.float32), step=step)
+    for _ in range(2):
+        with pytest.raises(ShardError) as refused:
+            client.push_gradients("guarded", np.array([7]), np.ones((1, DIM), np.float32),
+                                  step=MAX_STEP)  # fmt: skip
+        assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        for needle in ("'guarded'", "shard 1", f"got {MAX_STEP}", "clock", "is 2",
+                       f"max_step_leap {DEFAULT_MAX_STEP_LEAP}", "--max-step-leap"):  # fmt: skip
+            assert needle in refused.value.details, (needle, refused.value.details)
+    assert [shard["current_step"] for shard in client.describe("guarded")] == [2, 2]
+    saved = client.save_snapshot("kept")
+    assert (saved["rows"], saved["evicted"]) == (1001, 0)
+    rows = client.lookup("guarded", keys, create=False)
+    assert np.allclose(rows, guarded.initial_rows(keys)[:, :DIM] - 0.2)  # two SGD steps of 1

@@ -359,6 +359,70 @@ CASES: dict[str, tuple[Callable[[Path], None], list[str]]] = {
 }
 
 
+# -- manifests with a field of the wrong JSON type, checksum recomputed: (change, needles) ---
+
+
+def retyped(change: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
+    """A craft that edits the manifest and recomputes its checksum, as an attacker would."""
+
+    def craft(snapshot: Path) -> None:
+        manifest = json.loads((snapshot / fmt.MANIFEST).read_text())
+        change(manifest)
+        try:
+            manifest[fmt.CHECKSUM] = fmt.manifest_checksum(manifest)
+        except ValueError:  # NaN or Infinity: canonical JSON has none, so neither a checksum
+            pass
+        (snapshot / fmt.MANIFEST).write_text(json.dumps(manifest))
+
+    return craft
+
+
+def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    """Set manifest[a][b]... (path "a/b/0/c") to value."""
+
+    def change(manifest: dict[str, Any]) -> None:
+        *parents, last = path.split("/")
+        target: Any = manifest
+        for key in parents:
+            target = target[int(key)] if isinstance(target, list) else target[key]
+        target[int(last) if isinstance(target, list) else last] = value
+
+    return change
+
+
+def _tables_as_list(manifest: dict[str, Any]) -> None:
+    manifest["tables"] = [dict(entry, name=name) for name, entry in manifest["tables"].items()]
+
+
+WRONG_TYPES: dict[str, tuple[Callable[[dict[str, Any]], None], list[str]]] = {
+    "tables a list": (_tables_as_list, ["'tables'", "expected an object", "got a list"]),
+    "num_shards a string": (_set("num_shards", "2"), ["'num_shards'", "an integer >= 1",
+                                                      'got a string "2"']),
+    "save_id a number": (_set("save_id", 7), ["'save_id'", "a string", "got an integer 7"]),
+    "created_unix a string": (_set("created_unix", "now"),
+                              ["'created_unix'", 'got a string "now"']),
+    "a table entry a list": (_set("tables/ada", []), ["'tables.ada'", "got a list"]),
+    "parts an object": (_set("tables/ada/parts", {}), ["'tables.ada.parts'", "a list",
+                                                       "got an object"]),
+    "rows a string": (_set("tables/ada/rows", "1"), ["'tables.ada.rows'", "an integer >= 0"]),
+    "a part's shard_id a float": (_set("tables/ada/parts/1/shard_id", 1.0),
+                                  ["'tables.ada.parts[1].shard_id'", "got a number 1.0"]),
+    "a part a string": (_set("tables/ada/parts/0", "part"), ["'tables.ada.parts[0]'",
+                                                             "an object", "got a string"]),
+    "a file's bytes a boolean": (_set("tables/ada/parts/0/keys_file/bytes", True),
+                                 ["'tables.ada.parts[0].keys_file.bytes'", "got a boolean"]),
+    "a file entry a string": (_set("tables/adam16/parts/1/rows_file", "x.rows"),
+                              ["'tables.adam16.parts[1].rows_file'", "an object"]),
+    "config a list": (_set("tables/ada/config", []), ["'tables.ada.config'", "an object"]),
+    "config named another table": (_set("tables/ada/config/name", "adam16"),
+                                   ["'tables.ada.config.name'", "'ada'", "adam16"]),
+    "created_unix NaN": (_set("created_unix", float("nan")),
+                         ["'created_unix'", "a finite number", "got a number NaN"]),
+    "a config's lr Infinity": (_set("tables/ada/config/optimizer/lr", float("inf")),
+                               ["'ada'", "'lr'", "inf"]),
+}  # fmt: skip
+
+
 @pytest.fixture
 def clusters(tmp_path: Path) -> Iterator[tuple[list[Shard], Path]]:
     shards = make_cluster(tmp_path, "live")
@@ -397,6 +461,32 @@ def test_a_crafted_snapshot_is_refused_and_changes_no_live_row(
     for shard in shards:
         list(shard.load_snapshot("good"))
     assert changed_rows(before, state(shards)) > 0
+
+
+@pytest.mark.parametrize("case", list(WRONG_TYPES))
+def test_a_manifest_field_of_the_wrong_type_is_refused_naming_it(
+    clusters: tuple[list[Shard], Path], case: str
+) -> None:
+    """Not an internal error: FAILED_PRECONDITION, as every crafted snapshot, naming the
+    field, what it expected and what came; no live row changes and nothing stays staged;
+    listing the snapshots shows a mistyped one as incomplete instead of failing."""
+    shards, root = clusters
+    change, needles = WRONG_TYPES[case]
+    shutil.copytree(root / "good", root / "bad", symlinks=True)
+    retyped(change)(root / "bad")
+    before = state(shards)
+    families_before = sorted(families(shards))
+    for shard in shards:
+        with pytest.raises(fmt.SnapshotRefusedError) as raised:
+            list(shard.load_snapshot("bad"))
+        for needle in ["'bad'", "MANIFEST.json", *needles]:
+            assert needle in str(raised.value), (needle, str(raised.value))
+    assert changed_rows(before, state(shards)) == 0
+    assert sorted(families(shards)) == families_before
+    listed = {info["name"]: info["complete"] for info in shards[0].list_snapshots()}
+    assert sorted(listed) == ["bad", "good"] and listed["good"]
+    if case != "a config's lr Infinity":  # well typed: listed as complete, refused at a load
+        assert not listed["bad"]
 
 
 def families(shards: list[Shard]) -> list[str]:
@@ -526,12 +616,18 @@ def test_a_bad_part_on_shard_1_is_refused_through_the_cluster_admin(
     root = tmp_path / "snapshots"
     shutil.copytree(root / "good", root / "bad", symlinks=True)
     inf_in_adam_state(root / "bad")
+    shutil.copytree(root / "good", root / "listed", symlinks=True)
+    retyped(_tables_as_list)(root / "listed")
     before = state(shards)
     with ClusterAdmin([s.address for s in servers], timeout_s=10.0) as admin:
         with pytest.raises(ShardError) as raised:
             admin.load_snapshot("bad")
         assert raised.value.code is grpc.StatusCode.FAILED_PRECONDITION
         assert "part-00001-of-00002" in raised.value.details  # the bad part: shard 1's
+        with pytest.raises(ShardError) as raised:  # "tables" a list: refused, not INTERNAL
+            admin.load_snapshot("listed")
+        assert raised.value.code is grpc.StatusCode.FAILED_PRECONDITION
+        assert "field 'tables' expected an object" in raised.value.details
         assert changed_rows(before, state(shards)) == 0
         admin.load_snapshot("good")  # the good one loads through the same path
     assert changed_rows(before, state(shards)) > 0

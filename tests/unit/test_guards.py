@@ -422,13 +422,18 @@ def test_a_step_out_of_bounds_is_refused_naming_the_bound(opened, step: Any) -> 
 
 @pytest.mark.parametrize("step", [MAX_STEP, np.int64(MAX_STEP), np.uint64(MAX_STEP)], ids=repr)
 def test_the_largest_step_is_accepted_and_kept_exactly(opened, step: Any) -> None:
+    """The largest step, as a table's first push (which may start anywhere) and held back
+    as a leap then confirmed with the step limit off (max_step_leap=0)."""
     assert MAX_STEP == 2**53 - 1
-    store = opened()
+    first = opened().create_table(config(steps_to_live=10))
+    assert push(first, keys_of(1), grads(1), step=step) == 1
+    assert (first.current_step, first.first_step, first.leap_step) == (MAX_STEP, MAX_STEP, 0)
+    store = opened(max_step_leap=0)
     table = store.create_table(config(steps_to_live=10))
     push(table, keys_of(1), grads(1), step=5)
-    assert push(table, keys_of(1, 2), grads(2), step=step) == 2
-    assert (table.current_step, table.leap_step) == (5, MAX_STEP)  # a leap: held back
-    assert push(table, keys_of(2), grads(1), step=step) == 1  # confirmed
+    assert push(table, keys_of(1, 2), grads(2), step=step - 1) == 2
+    assert (table.current_step, table.leap_step) == (5, MAX_STEP - 1)  # a leap: held back
+    assert push(table, keys_of(1, 2), grads(2), step=step) == 2  # another step: confirmed
     assert (table.current_step, table.leap_step) == (MAX_STEP, 0)
     rows = snapshot(table)["rows"]
     assert rows[1][1] == rows[2][1] == MAX_STEP
@@ -445,8 +450,9 @@ LIVE = 10
 
 
 def leaping_table(opened) -> EmbeddingTable:
-    """steps_to_live = LIVE; keys A = 0..3 pushed at steps 1..5 (clock 5)."""
-    table = opened().create_table(config(steps_to_live=LIVE))
+    """steps_to_live = LIVE; keys A = 0..3 pushed at steps 1..5 (clock 5). The step limit
+    is off (max_step_leap=0): these tests show the eviction guard on its own."""
+    table = opened(max_step_leap=0).create_table(config(steps_to_live=LIVE))
     for step in range(1, 6):
         push(table, keys_of(0, 1, 2, 3), grads(4), step)
     assert (table.current_step, table.first_step) == (5, 1)
@@ -505,6 +511,82 @@ def test_a_refused_push_does_not_hold_or_confirm_a_leap(opened) -> None:
     refused(table, keys_of(101), g, 10**12 + 1, "key 101")  # would confirm: does not
     assert (table.current_step, table.leap_step) == (5, 10**12)
     assert table.evict() == 0
+
+
+def test_the_same_leap_step_again_does_not_confirm_it(opened) -> None:
+    """One key pushed twice at a leap's step (a repeated push, a second worker of that
+    step) is no sign that the trainer moved on: the clock stays, evict removes nothing."""
+    table = leaping_table(opened)
+    for _ in range(3):
+        push(table, keys_of(100), grads(1), step=10**12)
+        assert (table.current_step, table.leap_step) == (5, 10**12)
+    assert table.evict() == 0
+    push(table, keys_of(100), grads(1), step=10**12 + 1)  # the next step: it moved on
+    assert (table.current_step, table.leap_step) == (10**12 + 1, 0)
+
+
+# -- 7b: how far one push may move the clock (max_step_leap) -----------------------------------
+
+LEAP = 1000
+
+
+def test_a_push_beyond_max_step_leap_is_refused_naming_step_clock_and_limit(opened) -> None:
+    table = opened(max_step_leap=LEAP).create_table(config(steps_to_live=LIVE))
+    push(table, keys_of(0, 1), grads(2), step=5)
+    message = refused(
+        table, keys_of(1, 2), grads(2), 5 + LEAP + 1,
+        "'step'", f"at most {5 + LEAP}", "clock", "is 5", f"max_step_leap {LEAP}",
+        f"got {5 + LEAP + 1}", "--max-step-leap",
+    )  # fmt: skip
+    assert "shard 0" in message
+    assert push(table, keys_of(1, 2), grads(2), step=5 + LEAP) == 2  # at the limit: taken
+    assert table.leap_step == 5 + LEAP  # and held back by the eviction guard, as before
+
+
+def test_the_limit_is_checked_before_anything_changes_and_older_steps_pass(opened) -> None:
+    table = opened(max_step_leap=LEAP).create_table(config(steps_to_live=LIVE))
+    push(table, keys_of(0), grads(1), step=10**6)
+    refused(table, keys_of(0, 7), grads(2), MAX_STEP, "'step'", str(MAX_STEP))
+    assert push(table, keys_of(7), grads(1), step=1) == 1  # behind the clock: never refused
+    assert table.current_step == 10**6
+
+
+@pytest.mark.parametrize("start", [1, 1_000_000, 10**12, MAX_STEP])
+def test_a_tables_first_push_may_start_at_any_step(opened, start: int) -> None:
+    """Clock 0 (no push yet): a trainer resuming from its checkpoint at step 1,000,000 into
+    a new table starts there; the limit counts from the clock that push sets."""
+    table = opened(max_step_leap=LEAP).create_table(config(steps_to_live=LIVE))
+    assert push(table, keys_of(0), grads(1), step=start) == 1
+    assert table.current_step == start
+    if start + LEAP + 1 <= MAX_STEP:
+        refused(table, keys_of(1), grads(1), start + LEAP + 1, f"is {start}")
+
+
+def test_max_step_leap_zero_is_no_limit(opened) -> None:
+    table = opened(max_step_leap=0).create_table(config())
+    push(table, keys_of(0), grads(1), step=1)
+    assert push(table, keys_of(0), grads(1), step=MAX_STEP) == 1
+
+
+def test_a_key_pushed_twice_at_the_largest_step_does_not_empty_the_table(opened) -> None:
+    """1,001 rows pushed at steps 1..3, then one key pushed twice at 2**53-1: the default
+    limit refuses both pushes, the clock stays at 3, and an evict (what a save with
+    evict_before_snapshot runs) keeps every row. With the limit off, the eviction guard
+    holds the leap back (the same step twice confirms nothing) and the rows stay too."""
+    for limit in (None, 0):
+        store = opened() if limit is None else opened(max_step_leap=limit)
+        table = store.create_table(config(steps_to_live=LIVE, evict_before_snapshot=True))
+        keys = np.arange(1001, dtype=np.int64)
+        for step in (1, 2, 3):
+            push(table, keys, grads(keys.size), step)
+        for _ in range(2):
+            if limit is None:
+                refused(table, keys_of(7), grads(1), MAX_STEP, "max_step_leap 1000000000")
+            else:
+                push(table, keys_of(7), grads(1), step=MAX_STEP)
+        assert table.current_step == 3
+        assert table.evict() == 0
+        assert len(snapshot(table)["rows"]) == 1001
 
 
 # -- 8: optimizer configs that turn finite input into NaN or inf -------------------------------

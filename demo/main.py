@@ -701,11 +701,9 @@ def _snapshot_name(client: EmbeddingClient, dataset: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m tierps.demo.main` does what `tierps demo` does."""
-    from tierps.server.cli import DefaultsHelpFormatter
+    from tierps.server.cli import DefaultsHelpFormatter, Parser
 
-    parser = argparse.ArgumentParser(
-        prog="tierps demo", description=__doc__, formatter_class=DefaultsHelpFormatter
-    )
+    parser = Parser(prog="tierps demo", description=__doc__, formatter_class=DefaultsHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

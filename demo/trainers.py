@@ -96,7 +96,9 @@ def launch(
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from tierps.server.cli import Parser  # no flag prefixes; usage errors hide secrets
+
+    parser = Parser(
         prog="python -m tierps.demo.trainers",
         description="One rank of `tierps demo --trainers N` (run by torchrun).",
     )

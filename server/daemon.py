@@ -38,6 +38,7 @@ from tierps.server.security import (
 )
 from tierps.server.servicers import AdminServicer, EmbeddingServicer, add_embedding_service
 from tierps.server.shard import Shard
+from tierps.server.status import DecodeCheck
 from tierps.storage import host_kernels
 from tierps.storage.errors import BackendError, DataLossError, InvalidArgumentError
 
@@ -96,7 +97,9 @@ class ShardServer:
                 idle_s=config.stream_idle_s,
                 total_s=config.call_total_s, where=where, refused=self._refused,
             )  # fmt: skip
-            interceptors: list[grpc.ServerInterceptor] = [self.limits, LifeCheck(self.shard)]
+            interceptors: list[grpc.ServerInterceptor] = [
+                self.limits, LifeCheck(self.shard), DecodeCheck(),  # last: see its docstring
+            ]  # fmt: skip
             if tokens is not None:  # first: an unknown caller is refused before anything
                 interceptors.insert(0, AuthCheck(tokens, self._refused, where))
             # so_reuseport off: a port in use is an error, never two servers on one port.
@@ -154,6 +157,7 @@ class ShardServer:
         self._health_server = grpc.server(
             ThreadPoolExecutor(HEALTH_WORKERS, thread_name_prefix="tierps-health"),
             options=[("grpc.so_reuseport", 0)],
+            interceptors=[DecodeCheck()],
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
         try:

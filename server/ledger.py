@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tierps.proto.wire import GENERATIONS_HEADER, PUSH_ID_HEADER
-from tierps.storage.errors import InvalidArgumentError
+from tierps.storage.errors import InvalidArgumentError, quoted
 
 __all__ = [
     "GENERATIONS_HEADER", "PUSH_ID_HEADER", "PushId", "PushLedger", "parse_generations",
@@ -66,11 +66,10 @@ def parse_push_id(value: str | None) -> PushId | None:
         and sequence.isdigit()
         and len(sequence) <= 19
     ):
-        shown = value if len(value) <= 100 else value[:100] + "..."
         raise InvalidArgumentError(
             f"metadata '{PUSH_ID_HEADER}' expected '<client id>:<sequence>' (an id of at most "
             f"{_MAX_CLIENT_ID} letters, digits or '-', and a decimal sequence number), got "
-            f"{shown!r}"
+            f"{quoted(value)}"
         )
     return PushId(client, int(sequence))
 
@@ -166,9 +165,8 @@ def parse_generations(value: str) -> list[int]:
     """The generations of a GENERATIONS_HEADER value; a malformed one is the caller's error."""
     parts = value.split(",") if value else []
     if not all(p.isascii() and p.isdigit() and len(p) <= 20 for p in parts):
-        shown = value if len(value) <= 100 else value[:100] + "..."
         raise InvalidArgumentError(
             f"metadata '{GENERATIONS_HEADER}' expected comma-separated whole numbers (one "
-            f"generation per table batch, 0: not known), got {shown!r}"
+            f"generation per table batch, 0: not known), got {quoted(value)}"
         )
     return [int(p) for p in parts]

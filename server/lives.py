@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierps.storage.errors import DataLossError, InvalidArgumentError
+from tierps.storage.errors import DataLossError, InvalidArgumentError, quoted
 
 LIFE_HEADER = "tierps-life"  # gRPC metadata: the shard life a client last talked to
 LIVES_FILE = "LIVES.json"
@@ -107,10 +107,9 @@ class Lives:
             return
         data_id, _, life_text = known.rpartition("/")
         if not (life_text.isascii() and life_text.isdigit() and len(life_text) <= 19):
-            shown = known if len(known) <= 100 else known[:100] + "..."
             raise InvalidArgumentError(
                 f"metadata '{LIFE_HEADER}' expected '<data id>/<life>' (a life: a whole number "
-                f">= 1, as Stats gives), got {shown!r}"
+                f">= 1, as Stats gives), got {quoted(known)}"
             )
         if data_id and self.data_id and data_id != self.data_id:
             self._tell_foreign(data_id)

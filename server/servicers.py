@@ -27,6 +27,7 @@ from tierps.server.status import Observe, rpc, run_to_completion
 from tierps.storage import InvalidArgumentError, ResourceExhaustedError, TableConfig
 from tierps.storage.codec import WIRE_DTYPE, wire_row_bytes
 from tierps.storage.config import MAX_DIM
+from tierps.storage.errors import quoted
 from tierps.storage.snapshot import Progress
 
 # Table batches one data call may carry: far more tables than a model has, and a bound on
@@ -51,7 +52,7 @@ def table_batches(
         if not batches or (message.table and message.table != batches[-1][0].table):
             if message.table in seen:
                 raise InvalidArgumentError(
-                    f"message {index} of the stream: table {_shown(message.table)} expected in "
+                    f"message {index} of the stream: table {quoted(message.table)} expected in "
                     f"one batch per call, but it begins a second batch; send its keys together"
                 )
             if len(batches) == MAX_BATCHES_PER_CALL:
@@ -63,7 +64,7 @@ def table_batches(
             batches.append((message, {field: [] for field in bulk}))
             if not 1 <= message.dim <= MAX_DIM:
                 raise InvalidArgumentError(
-                    f"table {_shown(message.table)}: field 'dim' expected in [1, {MAX_DIM}], "
+                    f"table {quoted(message.table)}: field 'dim' expected in [1, {MAX_DIM}], "
                     f"got {message.dim}"
                 )
         else:
@@ -91,11 +92,6 @@ def table_batches(
         (first, {field: _joined(chunks) for field, chunks in parts.items()})
         for first, parts in batches
     ]
-
-
-def _shown(name: str) -> str:
-    """A table name as an error quotes it: cut short where a caller sent a huge one."""
-    return repr(name) if len(name) <= 200 else f"{name[:200]!r}... ({len(name)} characters)"
 
 
 def _push_identity(context: Any) -> tuple[PushId | None, list[int] | None]:

@@ -52,3 +52,15 @@ class UnavailableError(TierpsError):
 class TableReplacedError(TierpsError):
     """A push made against a generation of a table's rows that a snapshot load has since
     replaced: nothing was applied. ABORTED: look the rows up again before pushing."""
+
+
+QUOTED_CHARS = 64  # of a caller's string an error echoes: a table name has at most 64
+
+
+def quoted(text: str, limit: int = QUOTED_CHARS) -> str:
+    """`text` (a caller's name) as an error quotes it: repr'd whole up to `limit` characters,
+    else its first `limit` and its length (`'aaaa…' (1048576 chars)`): an error echoing a
+    1 MiB name whole would be over what a gRPC client accepts of a status message."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit] + '…'!r} ({len(text)} chars)"

@@ -56,6 +56,7 @@ from tierps.storage.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
     TableNotFoundError,
+    quoted,
 )
 from tierps.storage.rocksdb_tier import RocksDBTier, WriteState, backend_error
 from tierps.storage.table import FLUSH_CHUNK_BYTES, EmbeddingTable
@@ -677,7 +678,8 @@ class EmbeddingStore:
             return self._tables[name]
         except KeyError:
             raise TableNotFoundError(
-                f"shard {self.shard_id}: table {name!r} not found; tables: {sorted(self._tables)}"
+                f"shard {self.shard_id}: table {quoted(name)} not found; tables: "
+                f"{sorted(self._tables)}"
             ) from None
 
     def tables(self) -> list[TableConfig]:

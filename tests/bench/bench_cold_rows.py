@@ -94,7 +94,7 @@ def run_one(label: str, cold: dict, args: argparse.Namespace, dataset) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--host-kib", type=int, default=64)
     parser.add_argument("--dim", type=int, default=16)

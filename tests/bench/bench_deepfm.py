@@ -276,7 +276,7 @@ def _line(row: dict) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("docs/perf/deepfm.json"))
     parser.add_argument("--quick", action="store_true", help="shorter chunks, fewer rounds")
     args = parser.parse_args()

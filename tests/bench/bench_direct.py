@@ -124,7 +124,7 @@ def bench_apply(tables: dict[str, EmbeddingTable], rows: int, batch: int) -> dic
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="default bench-results/direct"
                         "[-quick].json")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="100,000 rows, for a smoke run")

@@ -85,7 +85,7 @@ def raw_chunk_write_ms(path: Path, chunk_bytes: int, row_bytes: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--out", type=Path, default=Path("bench-results/flush.json"))
     args = parser.parse_args()

@@ -340,7 +340,7 @@ def run(settings: Settings, device: torch.device) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu")
     parser.add_argument(
         "--out", type=Path, default=None, help="default bench-results/gpu_pooling[-cpu].json"

@@ -87,7 +87,7 @@ def run(root: Path, name: str, config: TableConfig, arrays: str, batches: dict) 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results/gpu_shard.json"))
     parser.add_argument("--quick", action="store_true", help="200,000 keys, for a smoke run")
     parser.add_argument("--gpu-arrays", choices=GPU_ARRAYS, default="auto")

@@ -147,7 +147,7 @@ def bench_bound(root: Path, n: int, dim: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--keys", type=int, default=1_000_000)
     parser.add_argument("--dims", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument("--repeats", type=int, default=15)

@@ -437,7 +437,7 @@ def run(settings: Settings) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results/pooling.json"))
     parser.add_argument(
         "--quick", action="store_true", help="dim 64 sum only, 3 repeats: a smoke run"

@@ -660,7 +660,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("docs/perf/service.json"))
     parser.add_argument("--png", type=Path, default=Path("docs/perf/service.png"))
     parser.add_argument("--quick", action="store_true", help="fewer shapes, for a smoke run")

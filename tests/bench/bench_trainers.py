@@ -74,7 +74,7 @@ def local_run() -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("docs/perf/trainers.json"))
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()

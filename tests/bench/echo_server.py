@@ -143,7 +143,7 @@ def start_server(address: str = "127.0.0.1:0") -> tuple[grpc.Server, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--port-file", type=Path, required=True)
     args = parser.parse_args()
     server, port = start_server()

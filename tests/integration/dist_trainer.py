@@ -65,7 +65,7 @@ def loss_of(dense: nn.Module, pooled: list[torch.Tensor], labels: torch.Tensor) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--addresses", required=True)
     parser.add_argument("--prefix", required=True)
     parser.add_argument("--mode", default="sync")

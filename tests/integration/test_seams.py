@@ -376,3 +376,17 @@ def test_a_client_reaches_a_restarted_shard_within_a_second_of_it_serving(
         np.testing.assert_array_equal(rows, np.ones((keys.size, DIM), np.float32))
         print(f"back {back:.2f} s after the shard served again (down 8 s)")
         assert back < 2.5, back
+
+
+@pytest.mark.parametrize("life", ["abc", "x/y", ""])
+def test_a_life_header_that_is_none_is_invalid_not_data_loss(
+    shard_server: Any, connect: Any, life: str
+) -> None:
+    server = shard_server()
+    stubs = connect(server)
+    lookup = stubs.channel.unary_unary("/tierps.v1.EmbeddingService/LookupUnary")
+    request = wire.encode_batches([("t", DIM, 0, (np.arange(4).tobytes(),))])
+    with pytest.raises(grpc.RpcError) as raised:
+        lookup(request, metadata=(("tierps-life", life),), timeout=10)
+    assert raised.value.code() is CODE.INVALID_ARGUMENT, raised.value.details()
+    assert "tierps-life" in raised.value.details()

@@ -23,10 +23,14 @@ from grpc_reflection.v1alpha import reflection
 from tierps.client import wire_kernels
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
-from tierps.proto.wire import channel_options
 from tierps.server.config import ServerConfig, max_call_request_bytes
 from tierps.server.handlers import refusal
-from tierps.server.limits import HEALTH_WORKERS, RECEIVE_WINDOW_OPTIONS, CallLimits
+from tierps.server.limits import (
+    HEALTH_WORKERS,
+    RECEIVE_WINDOW_OPTIONS,
+    CallLimits,
+    max_one_message_bytes,
+)
 from tierps.server.lives import LIFE_HEADER
 from tierps.server.metrics import ShardMetrics
 from tierps.server.security import (
@@ -87,11 +91,15 @@ class ShardServer:
         try:
             self.metrics = ShardMetrics(self.shard)
             self.health = health.HealthServicer(experimental_non_blocking=True)
+            max_call_bytes = max_call_request_bytes(config.max_batch_bytes)
+            # the largest request message gRPC takes in: what the budget and a call allow
+            receive = max_one_message_bytes(
+                config.max_message_bytes, max_call_bytes, config.max_inflight_bytes
+            )
             self.limits = CallLimits(
                 max_calls=config.max_workers, max_receiving=config.max_receiving_streams,
-                max_inflight_bytes=config.max_inflight_bytes,
-                max_call_bytes=max_call_request_bytes(config.max_batch_bytes),
-                idle_s=config.stream_idle_s,
+                max_inflight_bytes=config.max_inflight_bytes, max_call_bytes=max_call_bytes,
+                max_message_bytes=receive, idle_s=config.stream_idle_s,
                 total_s=config.call_total_s, where=where, refused=self._refused,
             )  # fmt: skip
             interceptors: list[grpc.ServerInterceptor] = [self.limits, LifeCheck(self.shard)]
@@ -99,7 +107,8 @@ class ShardServer:
                 interceptors.insert(0, AuthCheck(tokens, self._refused, where))
             # so_reuseport off: a port in use is an error, never two servers on one port.
             options = [
-                *channel_options(config.max_message_bytes),
+                ("grpc.max_receive_message_length", receive),
+                ("grpc.max_send_message_length", config.max_message_bytes),
                 *RECEIVE_WINDOW_OPTIONS,  # what gRPC buffers ahead of the byte budget
                 ("grpc.so_reuseport", 0),
             ]

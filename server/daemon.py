@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import json
 import logging
 import os
@@ -49,6 +50,16 @@ log = logging.getLogger("tierps.server")
 
 OUR_SERVICES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by_name.values())
 PARENT_PID_ENV = "TIERPS_PARENT_PID"  # set by LocalCluster: the daemon exits with its parent
+
+
+def host_port(host: str, port: int) -> str:
+    """gRPC's "host:port" of a bind or dial address: an IPv6 literal in brackets ("::1" ->
+    "[::1]:port"; one given in brackets stays so), names and IPv4 as they are."""
+    try:
+        bracket = ipaddress.ip_address(host).version == 6
+    except ValueError:  # a name, or "[::1]" already
+        bracket = False
+    return f"[{host}]:{port}" if bracket else f"{host}:{port}"
 
 
 class LifeCheck(grpc.ServerInterceptor):
@@ -125,8 +136,8 @@ class ShardServer:
             reflection.enable_server_reflection(
                 (*OUR_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
             )
+            bind = host_port(config.host, config.port)
             try:
-                bind = f"{config.host}:{config.port}"
                 if tls:
                     credentials = server_credentials(
                         config.tls_cert, config.tls_key, config.tls_client_ca
@@ -138,8 +149,8 @@ class ShardServer:
                 self.port = 0
             if self.port == 0:
                 raise OSError(
-                    f"shard {config.shard_id}: cannot bind {config.host}:{config.port} (in use, "
-                    f"or not an address of this machine)"
+                    f"shard {config.shard_id}: cannot bind {bind} (in use, or not an address "
+                    f"of this machine)"
                 )
         except BaseException:
             if hasattr(self, "limits"):
@@ -165,7 +176,7 @@ class ShardServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
         try:
             self.health_port = self._health_server.add_insecure_port(
-                f"{config.host}:{config.health_port}"
+                host_port(config.host, config.health_port)
             )
         except RuntimeError:
             self.health_port = 0
@@ -173,11 +184,11 @@ class ShardServer:
             self.limits.close()
             self.shard.close()
             raise OSError(f"shard {config.shard_id}: cannot bind the health port "
-                          f"{config.host}:{config.health_port}")  # fmt: skip
+                          f"{host_port(config.host, config.health_port)}")  # fmt: skip
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
+        return host_port(self.config.host, self.port)
 
     def _observe(self, method: str, code: str, seconds: float) -> None:
         self.metrics.observe(method, code, seconds)
@@ -217,9 +228,9 @@ class ShardServer:
             self._health_server.start()
         self.shard.start_background()
         if self.config.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(
-                self.config.metrics_host or self.config.host, self.config.metrics_port
-            )
+            host = self.config.metrics_host or self.config.host
+            # an IPv6 literal as "::1": Python's HTTP server takes no brackets
+            self.metrics_port = self.metrics.serve(host.strip("[]"), self.config.metrics_port)
             self.shard.metrics_port = self.metrics_port  # Stats tells clients (admin top)
         self.shard.publish_serving()  # NOT_SERVING still if its store cannot write
         log.info(
@@ -309,7 +320,7 @@ def serve(config: ServerConfig, *, port_file: Path | None = None) -> int:
         )
         os.replace(tmp, port_file)
     metrics_host = config.metrics_host or config.host
-    metrics = f", metrics at http://{metrics_host}:{server.metrics_port}/metrics"
+    metrics = f", metrics at http://{host_port(metrics_host, server.metrics_port or 0)}/metrics"
     print(
         f"shard {config.shard_id} of {config.num_shards} serving at {server.address}"
         f"{metrics if server.metrics_port is not None else ''}",

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import json
 import logging
 import os
@@ -23,10 +24,14 @@ from grpc_reflection.v1alpha import reflection
 from tierps.client import wire_kernels
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
-from tierps.proto.wire import channel_options
 from tierps.server.config import ServerConfig, max_call_request_bytes
 from tierps.server.handlers import refusal
-from tierps.server.limits import HEALTH_WORKERS, RECEIVE_WINDOW_OPTIONS, CallLimits
+from tierps.server.limits import (
+    HEALTH_WORKERS,
+    RECEIVE_WINDOW_OPTIONS,
+    CallLimits,
+    max_one_message_bytes,
+)
 from tierps.server.lives import LIFE_HEADER
 from tierps.server.metrics import ShardMetrics
 from tierps.server.security import (
@@ -46,6 +51,16 @@ log = logging.getLogger("tierps.server")
 
 OUR_SERVICES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by_name.values())
 PARENT_PID_ENV = "TIERPS_PARENT_PID"  # set by LocalCluster: the daemon exits with its parent
+
+
+def host_port(host: str, port: int) -> str:
+    """gRPC's "host:port" of a bind or dial address: an IPv6 literal in brackets ("::1" ->
+    "[::1]:port"; one given in brackets stays so), names and IPv4 as they are."""
+    try:
+        bracket = ipaddress.ip_address(host).version == 6
+    except ValueError:  # a name, or "[::1]" already
+        bracket = False
+    return f"[{host}]:{port}" if bracket else f"{host}:{port}"
 
 
 class LifeCheck(grpc.ServerInterceptor):
@@ -90,11 +105,15 @@ class ShardServer:
         try:
             self.metrics = ShardMetrics(self.shard)
             self.health = health.HealthServicer(experimental_non_blocking=True)
+            max_call_bytes = max_call_request_bytes(config.max_batch_bytes)
+            # the largest request message gRPC takes in: what the budget and a call allow
+            receive = max_one_message_bytes(
+                config.max_message_bytes, max_call_bytes, config.max_inflight_bytes
+            )
             self.limits = CallLimits(
                 max_calls=config.max_workers, max_receiving=config.max_receiving_streams,
-                max_inflight_bytes=config.max_inflight_bytes,
-                max_call_bytes=max_call_request_bytes(config.max_batch_bytes),
-                idle_s=config.stream_idle_s,
+                max_inflight_bytes=config.max_inflight_bytes, max_call_bytes=max_call_bytes,
+                max_message_bytes=receive, idle_s=config.stream_idle_s,
                 total_s=config.call_total_s, where=where, refused=self._refused,
             )  # fmt: skip
             interceptors: list[grpc.ServerInterceptor] = [
@@ -104,7 +123,8 @@ class ShardServer:
                 interceptors.insert(0, AuthCheck(tokens, self._refused, where))
             # so_reuseport off: a port in use is an error, never two servers on one port.
             options = [
-                *channel_options(config.max_message_bytes),
+                ("grpc.max_receive_message_length", receive),
+                ("grpc.max_send_message_length", config.max_message_bytes),
                 *RECEIVE_WINDOW_OPTIONS,  # what gRPC buffers ahead of the byte budget
                 ("grpc.so_reuseport", 0),
             ]
@@ -121,8 +141,8 @@ class ShardServer:
             reflection.enable_server_reflection(
                 (*OUR_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
             )
+            bind = host_port(config.host, config.port)
             try:
-                bind = f"{config.host}:{config.port}"
                 if tls:
                     credentials = server_credentials(
                         config.tls_cert, config.tls_key, config.tls_client_ca
@@ -134,8 +154,8 @@ class ShardServer:
                 self.port = 0
             if self.port == 0:
                 raise OSError(
-                    f"shard {config.shard_id}: cannot bind {config.host}:{config.port} (in use, "
-                    f"or not an address of this machine)"
+                    f"shard {config.shard_id}: cannot bind {bind} (in use, or not an address "
+                    f"of this machine)"
                 )
         except BaseException:
             if hasattr(self, "limits"):
@@ -162,7 +182,7 @@ class ShardServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
         try:
             self.health_port = self._health_server.add_insecure_port(
-                f"{config.host}:{config.health_port}"
+                host_port(config.host, config.health_port)
             )
         except RuntimeError:
             self.health_port = 0
@@ -170,11 +190,11 @@ class ShardServer:
             self.limits.close()
             self.shard.close()
             raise OSError(f"shard {config.shard_id}: cannot bind the health port "
-                          f"{config.host}:{config.health_port}")  # fmt: skip
+                          f"{host_port(config.host, config.health_port)}")  # fmt: skip
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
+        return host_port(self.config.host, self.port)
 
     def _observe(self, method: str, code: str, seconds: float) -> None:
         self.metrics.observe(method, code, seconds)
@@ -214,9 +234,9 @@ class ShardServer:
             self._health_server.start()
         self.shard.start_background()
         if self.config.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(
-                self.config.metrics_host or self.config.host, self.config.metrics_port
-            )
+            host = self.config.metrics_host or self.config.host
+            # an IPv6 literal as "::1": Python's HTTP server takes no brackets
+            self.metrics_port = self.metrics.serve(host.strip("[]"), self.config.metrics_port)
             self.shard.metrics_port = self.metrics_port  # Stats tells clients (admin top)
         self.shard.publish_serving()  # NOT_SERVING still if its store cannot write
         log.info(
@@ -306,7 +326,7 @@ def serve(config: ServerConfig, *, port_file: Path | None = None) -> int:
         )
         os.replace(tmp, port_file)
     metrics_host = config.metrics_host or config.host
-    metrics = f", metrics at http://{metrics_host}:{server.metrics_port}/metrics"
+    metrics = f", metrics at http://{host_port(metrics_host, server.metrics_port or 0)}/metrics"
     print(
         f"shard {config.shard_id} of {config.num_shards} serving at {server.address}"
         f"{metrics if server.metrics_port is not None else ''}",

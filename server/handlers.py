@@ -43,10 +43,29 @@ def with_behavior(
 
 
 def refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> Any:
-    """A handler of the same kind that answers `code` with `message` and does nothing else
-    (a streaming request is not read)."""
+    """A handler that answers `code` with `message` and reads nothing of the request, a
+    one-message call's included: it takes the request as a stream it never reads, so gRPC
+    never asks for the message and its flow control lets no more than one window of it in
+    (a one-message handler would have the whole message received before it runs)."""
 
-    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+    def refuse(requests: Any, context: grpc.ServicerContext) -> Any:
         context.abort(code, message)
 
-    return with_behavior(handler, lambda behavior: refuse)
+    return as_request_stream(handler, lambda behavior: refuse)
+
+
+def as_request_stream(
+    handler: grpc.RpcMethodHandler,
+    wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
+    request_deserializer: Callable[[bytes], Any] | None = None,
+) -> grpc.RpcMethodHandler:
+    """The handler as one that takes its request as a stream (the same response kind and
+    serializers), with behavior wrap(its behavior): for a one-message call, the new behavior
+    gets an iterator and decides whether and when the message is read. On the wire a
+    one-message request is a stream of one message: clients see no difference."""
+    factory = _FACTORIES[(True, handler.response_streaming)]
+    return factory(
+        wrap(behavior_of(handler)),
+        request_deserializer=request_deserializer or handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )

@@ -1,5 +1,9 @@
 """Limits that keep a shard serving whatever its clients do (CallLimits, a server
-interceptor):
+interceptor). Every call is admitted before any of its request is read: a one-message
+(unary) handler is served as a request stream of one message (the same call on the wire),
+so gRPC asks the client for the message only after admission, and a refused call costs the
+shard at most the one stream window gRPC buffers ahead (below). AuthCheck's refusals
+(server/security.py) read nothing either.
 
 - at most `max_calls` calls at once (health excepted), RESOURCE_EXHAUSTED beyond: a call never
   queues behind others, and the server's pool keeps HEALTH_WORKERS threads more than the cap,
@@ -9,16 +13,22 @@ interceptor):
   clients' calls need;
 - request bytes against a per-call limit and the shard's budget of in-flight bytes. A call
   declares its request bytes up front (metadata wire.REQUEST_BYTES_HEADER, as
-  EmbeddingClient does): a declaration over the per-call limit, or over what the budget has
-  left, is refused (RESOURCE_EXHAUSTED) before any message is read, so a refused 1 GiB push
-  costs the shard a few MiB (what gRPC buffers of it); an admitted declaration is reserved
-  from the budget until the call ends, so concurrent calls cannot overrun it. Bytes a call
-  sends beyond its declaration (all of them, where it declares none: an old or lying
-  client) are counted as each message arrives, RESOURCE_EXHAUSTED once over either limit,
-  before the next message is read: such a refused push holds at most the budget (or the
-  per-call limit) plus one message, and lets go of it at once;
-- a request stream idle for idle_s while the shard waits for its next message, or a data
-  call running for total_s, is cancelled (the client sees CANCELLED), freeing its thread;
+  EmbeddingClient does): a declaration over the per-call limit, over what the budget has
+  left, or (one-message calls) over the receive limit, is refused (RESOURCE_EXHAUSTED)
+  before any message is read; an admitted declaration is reserved from the budget until the
+  call ends, so concurrent calls cannot overrun it. A one-message data call that declares
+  nothing reserves the receive limit (the most its message may be) until it is read. Bytes
+  a call sends beyond its declaration are counted as each message arrives,
+  RESOURCE_EXHAUSTED once over either limit, before the next message is read;
+- the receive limit (gRPC's, checked against a message's length prefix before the message
+  is read: max_one_message_bytes) is never more than one call or the whole budget may hold:
+  a larger one-message call is refused unread and goes as a counted stream (EmbeddingClient
+  falls back). What stays unbudgeted: a one-message call that declares less than it sends
+  (or an admin call, whose messages carry no bulk and declare nothing) holds its message,
+  at most the receive limit, from its arrival until it is counted and refused;
+- a request stream idle for idle_s while the shard waits for its next message (a
+  one-message call's one message included), or a data call running for total_s, is
+  cancelled (the client sees CANCELLED), freeing its thread;
 - what gRPC core takes off the socket ahead of the servicer, before a message is counted:
   RECEIVE_WINDOW_OPTIONS pin each stream's flow-control window to one message.
 """
@@ -34,8 +44,8 @@ from typing import Any
 import grpc
 
 from tierps.proto import tierps_service_pb2 as pb
-from tierps.proto.wire import CHUNK_BYTES, REQUEST_BYTES_HEADER
-from tierps.server.handlers import with_behavior
+from tierps.proto.wire import CHUNK_BYTES, REQUEST_BYTES_HEADER, TOO_LARGE_FOR_ONE_MESSAGE
+from tierps.server.handlers import as_request_stream, with_behavior
 from tierps.storage.errors import ResourceExhaustedError
 
 TRIM_AFTER_BYTES = 16 << 20  # a failed call that held this much gives its memory back
@@ -63,6 +73,14 @@ RECEIVE_WINDOW_OPTIONS = [
 ]
 
 
+def max_one_message_bytes(max_message_bytes: int, max_call_bytes: int, budget: int) -> int:
+    """The largest request message a shard takes (gRPC's receive limit, which gRPC checks
+    against a message's length prefix before reading it): the configured message limit, but
+    never more than one call or the whole in-flight budget may hold. Larger one-message
+    calls are refused unread and go as counted streams (EmbeddingClient falls back)."""
+    return min(max_message_bytes, max_call_bytes, budget)
+
+
 def _libc_malloc_trim() -> Callable[[int], int] | None:
     try:
         return ctypes.CDLL(None).malloc_trim  # glibc
@@ -87,12 +105,14 @@ class _Expired(grpc.RpcError):
 class _Call:
     """One admitted call's share of the limits."""
 
-    __slots__ = ("method", "declared", "context", "started", "waiting_since", "expired", "size",
-                 "received", "held", "receiving", "timed", "failed")  # fmt: skip
+    __slots__ = ("method", "declared", "one_message", "context", "started", "waiting_since",
+                 "expired", "size", "received", "held", "receiving", "timed",
+                 "failed")  # fmt: skip
 
-    def __init__(self, method: str, declared: str | None) -> None:
+    def __init__(self, method: str, declared: str | None, one_message: bool) -> None:
         self.method = method
         self.declared = declared  # the request bytes the client declared, as it sent them
+        self.one_message = one_message  # a unary request: read by the interceptor
         self.context: Any = None
         self.started = time.monotonic()
         self.waiting_since: float | None = None  # while the shard waits for a message
@@ -113,6 +133,7 @@ class CallLimits(grpc.ServerInterceptor):
         max_receiving: int,
         max_inflight_bytes: int,
         max_call_bytes: int,
+        max_message_bytes: int,
         idle_s: float,
         total_s: float,
         where: str,
@@ -122,6 +143,7 @@ class CallLimits(grpc.ServerInterceptor):
         self.max_receiving = max_receiving
         self.max_inflight_bytes = max_inflight_bytes
         self.max_call_bytes = max_call_bytes
+        self.max_message_bytes = max_message_bytes  # the server's gRPC receive limit
         self.idle_s = idle_s
         self.total_s = total_s
         self.where = where
@@ -153,7 +175,9 @@ class CallLimits(grpc.ServerInterceptor):
 
     def _admit(self, call: _Call, context: Any, streaming: bool) -> None:
         """Take a call slot (and a receiving one for a request stream) and reserve the
-        request bytes it declared, or abort: before any of its messages is read."""
+        request bytes it declared, or abort: before any of its messages is read. A
+        one-message data call that declares nothing reserves the most its message may be
+        (the receive limit) until it is read."""
         call.context = context
         declared = 0 if call.declared is None else _declared_bytes(call.declared)
         if declared is None:
@@ -161,21 +185,23 @@ class CallLimits(grpc.ServerInterceptor):
                    f"decimal integer >= 0), got {(call.declared or '')[:40]!r}")  # fmt: skip
             self._refused(call.method, "INVALID_ARGUMENT", "declared", why)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.where}: {why}")
+        undeclared = call.declared is None and call.one_message and call.method.startswith(_DATA)
+        reserve = self.max_message_bytes if undeclared else declared
         with self._lock:
             full = self.calls >= self.max_calls
             streams_full = streaming and self.receiving >= self.max_receiving
             too_large = declared > self.max_call_bytes
+            one_too_large = call.one_message and declared > self.max_message_bytes
             left = self.max_inflight_bytes - self.inflight_bytes
-            no_room = declared > left
-            if not (full or streams_full or too_large or no_room):
+            no_room = reserve > left
+            if not (full or streams_full or too_large or one_too_large or no_room):
                 self.calls += 1
-                self.inflight_bytes += declared  # reserved until the call ends
-                call.held = declared
+                self.inflight_bytes += reserve  # until the call ends (or its one message
+                call.held = reserve  # is read, where it declared nothing)
                 if streaming:
                     self.receiving += 1
                     call.receiving = True
-                if streaming or call.timed:
-                    self._watched.add(call)
+                self._watched.add(call)
         if full:
             self._refuse(call, context, "calls",
                          f"{self.max_calls} calls at once expected at most, and as many run "
@@ -190,11 +216,18 @@ class CallLimits(grpc.ServerInterceptor):
                          f"request of {declared} bytes declared ({REQUEST_BYTES_HEADER}), "
                          f"expected at most {self.max_call_bytes} bytes per call; split the "
                          f"batch")  # fmt: skip
+        if one_too_large:
+            self._refuse(call, context, "declared",
+                         f"request of {declared} bytes declared ({REQUEST_BYTES_HEADER}) is "
+                         f"{TOO_LARGE_FOR_ONE_MESSAGE}: expected at most "
+                         f"{self.max_message_bytes} bytes; send it as a stream")  # fmt: skip
         if no_room:
+            size = (f"a one-message request of up to {reserve} bytes (the receive limit: it "
+                    f"declared none in {REQUEST_BYTES_HEADER})" if undeclared else
+                    f"request of {declared} bytes declared ({REQUEST_BYTES_HEADER})")  # fmt: skip
             self._refuse(call, context, "bytes",
-                         f"request of {declared} bytes declared ({REQUEST_BYTES_HEADER}), "
-                         f"expected at most the {left} bytes left of this shard's budget "
-                         f"of {self.max_inflight_bytes} request bytes in flight; retry "
+                         f"{size}, expected at most the {left} bytes left of this shard's "
+                         f"budget of {self.max_inflight_bytes} request bytes in flight; retry "
                          f"later")  # fmt: skip
 
     def _take_bytes(self, call: _Call, size: int) -> None:
@@ -229,6 +262,15 @@ class CallLimits(grpc.ServerInterceptor):
                 call.receiving = False
                 self.receiving -= 1
 
+    def _settle(self, call: _Call) -> None:
+        """A one-message call's message is read: it holds its bytes (or its declaration,
+        where that was more) from now on, no longer the receive limit it reserved."""
+        with self._lock:
+            keep = max(call.received, _declared_bytes(call.declared or "0") or 0)
+            if call.held > keep:
+                self.inflight_bytes -= call.held - keep
+                call.held = keep
+
     def _release(self, call: _Call) -> None:
         with self._lock:
             self.calls -= 1
@@ -244,7 +286,7 @@ class CallLimits(grpc.ServerInterceptor):
             call.held = 0
             self._watched.discard(call)
 
-    # -- the request stream -----------------------------------------------------------------
+    # -- the request -----------------------------------------------------------------------
 
     def _messages(self, call: _Call, requests: Iterator[Any]) -> Iterator[Any]:
         """The request stream, each message's bytes counted as it arrives; its receiving
@@ -266,38 +308,65 @@ class CallLimits(grpc.ServerInterceptor):
             yield message
         self._end_receiving(call)
 
+    def _one_message(self, call: _Call, requests: Iterator[Any]) -> Any:
+        """A one-message call's request, read now that the call is admitted (gRPC asks the
+        client for it only here), its bytes counted; aborts where they are over a limit.
+        _Expired where the call ended first (the watchdog, the client, or gRPC's receive
+        limit: gRPC has told the client)."""
+        call.waiting_since = time.monotonic()
+        try:
+            message = next(requests)
+        except StopIteration:
+            if call.expired is not None or not call.context.is_active():
+                raise _Expired() from None
+            why = f"{call.method} expected one request message, got none"
+            call.context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.where}: {why}")
+        except grpc.RpcError:
+            raise _Expired() from None
+        finally:
+            call.waiting_since = None
+        try:
+            self._take_bytes(call, call.size)
+        except ResourceExhaustedError as error:
+            call.context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        self._settle(call)
+        return message
+
     # -- the interceptor --------------------------------------------------------------------
 
     def intercept_service(self, continuation: Any, details: Any) -> Any:
+        """Every call admitted before its request is read: a one-message handler becomes a
+        request-stream one (the same call on the wire), whose behavior takes the message
+        only after admission, so a call refused here has none of its message received
+        beyond the one window gRPC buffers (RECEIVE_WINDOW_OPTIONS)."""
         handler = continuation(details)
         if handler is None or details.method.startswith(_HEALTH):
             return handler
+        streaming = handler.request_streaming
         declared = (v for k, v in details.invocation_metadata or () if k == REQUEST_BYTES_HEADER)
-        call = _Call(details.method, next(declared, None))
+        call = _Call(details.method, next(declared, None), one_message=not streaming)
         inner = handler.request_deserializer
 
         def deserialize(data: bytes) -> Any:
             call.size = len(data)
             return inner(data) if inner is not None else data
 
-        streaming = handler.request_streaming
-
-        def request_of(request: Any) -> Any:
+        def request_of(requests: Iterator[Any]) -> Any:
             if streaming:
-                return self._messages(call, request)
-            try:  # a one-message call: here whole already
-                self._take_bytes(call, call.size)
-            except ResourceExhaustedError as error:
-                call.context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-            return request
+                return self._messages(call, requests)
+            return self._one_message(call, requests)
 
         def wrap(behavior: Callable[..., Any]) -> Callable[..., Any]:
             if handler.response_streaming:
 
-                def responses(request: Any, context: Any) -> Iterator[Any]:
+                def responses(requests: Any, context: Any) -> Iterator[Any]:
                     self._admit(call, context, streaming)  # aborts if refused: nothing taken
                     try:
-                        yield from behavior(request_of(request), context)
+                        yield from behavior(request_of(requests), context)
+                    except _Expired:
+                        call.failed = True
+                        if streaming:
+                            raise
                     except BaseException:
                         call.failed = True
                         raise
@@ -306,10 +375,15 @@ class CallLimits(grpc.ServerInterceptor):
 
                 return responses
 
-            def response(request: Any, context: Any) -> Any:
+            def response(requests: Any, context: Any) -> Any:
                 self._admit(call, context, streaming)
                 try:
-                    return behavior(request_of(request), context)
+                    return behavior(request_of(requests), context)
+                except _Expired:
+                    call.failed = True
+                    if streaming:
+                        raise
+                    return None  # the call has ended: nothing to answer
                 except BaseException:
                     call.failed = True
                     raise
@@ -318,7 +392,9 @@ class CallLimits(grpc.ServerInterceptor):
 
             return response
 
-        return with_behavior(handler, wrap, deserialize)
+        if streaming:
+            return with_behavior(handler, wrap, deserialize)
+        return as_request_stream(handler, wrap, deserialize)
 
     # -- the watchdog -----------------------------------------------------------------------
 

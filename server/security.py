@@ -252,9 +252,11 @@ class AuthCheck(grpc.ServerInterceptor):
         return handler
 
     def _reader_lookup(self, handler: Any, method: str) -> Any:
-        """The lookup, its create flags checked as the messages are read (the fields the
+        """The lookup, its create flags checked as the message(s) are read (the fields the
         servicer decodes anyway: no second parse); create=true refuses the call before the
-        shard is asked anything."""
+        shard is asked anything. The handler may take LookupUnary's one message as a
+        stream of one (CallLimits reads it so, after admission)."""
+        one_message = method == _DATA + "LookupUnary"
 
         def refuse(index: int) -> PermissionDeniedError:
             why = (f"role 'reader' may look up with create=false only; message {index} of "
@@ -262,25 +264,35 @@ class AuthCheck(grpc.ServerInterceptor):
             self._refused(method, grpc.StatusCode.PERMISSION_DENIED.name, "role", why)
             return PermissionDeniedError(f"{self.where}: {why}")
 
+        def creating(message: Any) -> int | None:
+            """The index of a batch (of a one-message call) or message that creates."""
+            if not one_message:
+                return 0 if message.create else None
+            try:
+                batches = message.batches
+            except ValueError:  # undecodable: the servicer says what is wrong
+                return None
+            return next((i for i, b in enumerate(batches) if b.create), None)
+
         if handler.request_streaming:
 
-            def checked(requests: Iterator[Any]) -> Iterator[Any]:
+            def checked(requests: Iterator[Any], context: Any) -> Iterator[Any]:
                 for index, message in enumerate(requests):
-                    if message.create:
+                    created = creating(message)
+                    if created is not None and one_message:  # read before the servicer runs
+                        context.abort(grpc.StatusCode.PERMISSION_DENIED, str(refuse(created)))
+                    if created is not None:  # read by the servicer: its wrapper answers
                         raise refuse(index)
                     yield message
 
             return with_behavior(
-                handler, lambda behavior: lambda requests, ctx: behavior(checked(requests), ctx)
+                handler,
+                lambda behavior: lambda requests, ctx: behavior(checked(requests, ctx), ctx),
             )
 
         def unary(behavior: Any) -> Any:
             def run(request: Any, context: grpc.ServicerContext) -> Any:
-                try:
-                    batches = request.batches
-                except ValueError:  # undecodable: the servicer says what is wrong
-                    return behavior(request, context)
-                index = next((i for i, b in enumerate(batches) if b.create), None)
+                index = creating(request)
                 if index is not None:
                     context.abort(grpc.StatusCode.PERMISSION_DENIED, str(refuse(index)))
                 return behavior(request, context)

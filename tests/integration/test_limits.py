@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests import refused_memory
+from tests.certs import Certs, make_certs
 from tierps.client import EmbeddingClient, TableConfig
 from tierps.client.embedding import DEFAULT_MAX_CALL_BYTES
 from tierps.proto import tierps_service_pb2 as pb
@@ -24,6 +26,7 @@ from tierps.proto import wire
 from tierps.server.cluster import LocalCluster
 from tierps.server.config import MAX_BATCH_BYTES, ServerConfig, max_call_request_bytes
 from tierps.server.daemon import ShardServer
+from tierps.server.limits import RECEIVE_WINDOW_OPTIONS
 from tierps.storage import optim
 
 CODE = grpc.StatusCode
@@ -388,3 +391,149 @@ def test_a_large_push_the_client_splits_fits_the_shards_limits(
     assert streamed <= max_call_request_bytes(MAX_BATCH_BYTES)
     defaults = ServerConfig(shard_id=0, num_shards=1, data_dir=Path())
     assert 2 * streamed <= defaults.max_inflight_bytes
+
+
+# -- one-message calls: admitted before their message is read -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="module")
+def big_push() -> bytes:
+    return refused_memory.push_request(refused_memory.CALL_MIB << 20)
+
+
+EXPECTED = {  # each case's status code, and words its refusal says
+    "no token": (CODE.UNAUTHENTICATED, "expected metadata 'authorization: Bearer TOKEN'"),
+    "reader token (may not push)": (CODE.PERMISSION_DENIED, "role 'reader' may not call"),
+    "trainer, budget taken, declared": (CODE.RESOURCE_EXHAUSTED, "bytes declared"),
+    "trainer, budget taken, undeclared": (CODE.RESOURCE_EXHAUSTED, "declared none"),
+    "trainer, budget 200 MiB < one call": (CODE.RESOURCE_EXHAUSTED, "larger than max"),
+}
+SLACK_MESSAGES = 4  # the allocator's own: freed message-sized blocks it keeps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", refused_memory.CASES, ids=lambda case: case.name)
+def test_refused_one_message_calls_cost_the_shard_one_window_each(
+    tmp_path: Path, certs: Certs, big_push: bytes, case: refused_memory.Case
+) -> None:
+    """8 one-message pushes of 250 MiB at once to a TLS + tokens shard (a subprocess, its
+    peak RSS from /proc): without a token, with a reader's (which may not push), or with a
+    trainer's while other calls hold the whole in-flight budget (declared as EmbeddingClient
+    does, or declaring nothing), or to a shard whose budget is below one such call. Each is
+    refused before its message is read: the shard holds of it at most the one stream
+    window gRPC buffers ahead (RECEIVE_WINDOW_OPTIONS' lookahead). Bound: the bytes of the
+    calls it admitted (the budget's holders' first messages), one window per refused call,
+    and SLACK_MESSAGES messages of CHUNK_BYTES."""
+    result = refused_memory.measure(case, tmp_path, certs, big_push)
+    code, words = EXPECTED[case.name]
+    window = dict(RECEIVE_WINDOW_OPTIONS)["grpc.http2.lookahead_bytes"]
+    bound_kib = (
+        result.admitted_bytes
+        + refused_memory.CALLS * window
+        + SLACK_MESSAGES * wire.CHUNK_BYTES
+    ) >> 10  # fmt: skip
+    print(f"\n{refused_memory.table([result])}\nbound: {bound_kib / 1024:.0f} MiB over the "
+          f"baseline; refusal: {result.details[:200]}")  # fmt: skip
+    assert result.codes == (code.name,) * refused_memory.CALLS
+    assert words in result.details
+    assert result.peak_kib - result.baseline_kib <= bound_kib
+
+
+def test_a_one_message_call_over_the_receive_limit_is_refused_unread_and_goes_as_a_stream(
+    shard_server: Callable[..., ShardServer],
+) -> None:
+    """A shard whose largest request message (max_message_bytes) is below a push's bytes
+    refuses the one-message call by its declaration, before reading it, as too large for one
+    message; EmbeddingClient sends the push again as a stream, and it applies once."""
+    dim, n = 64, 40_000  # 10.6 MB of keys and gradients
+    server = shard_server(max_message_bytes=6 << 20)
+    assert server.limits.max_message_bytes == 6 << 20
+    server.shard.create_table(TableConfig(name="t", dim=dim, optimizer=optim.SGD(lr=1.0)))
+    with EmbeddingClient([server.address], timeout_s=30) as client:
+        keys = np.arange(n)
+        before = client.lookup("t", keys)
+        assert client.push_gradients("t", keys, np.ones((n, dim), np.float32)) == n
+        np.testing.assert_array_equal(client.lookup("t", keys), before - np.float32(1))
+    refused = server.metrics.refusals.labels(
+        "/tierps.v1.EmbeddingService/PushGradientsUnary", "RESOURCE_EXHAUSTED", "declared"
+    )
+    assert refused._value.get() == 1
+    assert server.limits.inflight_bytes == 0 and server.limits.calls == 0
+
+
+def test_an_undeclared_one_message_data_call_reserves_the_receive_limit(
+    shard_server: Callable[..., ShardServer],
+) -> None:
+    """With 16 MiB of budget (so a message of at most 16 MiB), a one-message lookup that
+    declares nothing could bring 16 MiB: while a stream holds 6 MiB of the budget it is
+    refused before it is read, naming what to do; declared, the same lookup is served, and
+    so is an admin call (whose messages carry no bulk); with the budget free again, it is
+    served undeclared too, and holds only its bytes once read."""
+    budget, dim, n = 16 << 20, 60, 26_000
+    server = shard_server(max_inflight_bytes=budget)
+    assert server.limits.max_message_bytes == budget
+    server.shard.create_table(TableConfig(name="t", dim=dim))
+    lookup_batch = wire.encode_batches([("t", dim, 0, (np.arange(4, dtype="<i8"),))])
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.EmbeddingServiceStub(channel)
+        lookup = channel.unary_unary("/tierps.v1.EmbeddingService/LookupUnary")
+        sent, go = threading.Event(), threading.Event()
+        declared = wire.stream_bytes("t", dim, 1, n, 4 * dim, 1 << 20)
+        holder = stub.PushGradients.future(
+            held_push(dim, np.arange(n), 1, sent, go), timeout=30,
+            metadata=wire.declared(declared),
+        )  # fmt: skip
+        try:
+            assert sent.wait(10)
+            with pytest.raises(grpc.RpcError) as refused:
+                lookup(lookup_batch, timeout=10)
+            assert refused.value.code() is CODE.RESOURCE_EXHAUSTED
+            assert (f"a one-message request of up to {budget} bytes (the receive limit: it "
+                    f"declared none in tierps-request-bytes), expected at most the "
+                    f"{budget - declared} bytes left") in refused.value.details()  # fmt: skip
+            assert lookup(lookup_batch, timeout=10, metadata=wire.declared(len(lookup_batch)))
+            tables = pb_grpc.AdminServiceStub(channel).ListTables(pb.ListTablesRequest())
+            assert [t.name for t in tables.tables] == ["t"]
+        finally:
+            go.set()
+        assert holder.result().num_keys == n
+        assert lookup(lookup_batch, timeout=10)
+    assert server.limits.inflight_bytes == 0 and server.limits.calls == 0
+
+
+def test_a_one_message_call_whose_message_never_comes_is_cancelled_or_refused(
+    shard_server: Callable[..., ShardServer],
+) -> None:
+    """A one-message call is admitted before its message is read, so a client that opens
+    one and sends nothing holds a call slot until the idle watchdog cancels it; one that
+    ends without a message is INVALID_ARGUMENT. Both give their slot back."""
+    server = shard_server(stream_idle_s=0.3)
+    release = threading.Event()
+
+    def nothing_until_released() -> Iterator[bytes]:
+        release.wait(30)
+        yield from ()
+
+    with grpc.insecure_channel(server.address) as channel:
+        push = channel.stream_unary("/tierps.v1.EmbeddingService/PushGradientsUnary")
+        try:
+            with pytest.raises(grpc.RpcError) as cancelled:
+                push(nothing_until_released(), timeout=30, metadata=wire.declared(100))
+            assert cancelled.value.code() is CODE.CANCELLED
+        finally:
+            release.set()
+        with pytest.raises(grpc.RpcError) as empty:
+            push(iter(()), timeout=30)
+        assert empty.value.code() is CODE.INVALID_ARGUMENT
+        assert "PushGradientsUnary expected one request message, got none" in (
+            empty.value.details()
+        )
+    deadline = time.monotonic() + 5
+    while server.limits.calls or server.limits.inflight_bytes:
+        assert time.monotonic() < deadline, "a call's slot or bytes were not given back"
+        time.sleep(0.01)

@@ -5,7 +5,11 @@ metrics, logged without the token)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +27,8 @@ from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
 from tierps.server import security
-from tierps.server.daemon import ShardServer
+from tierps.server.cluster import wait_until_serving
+from tierps.server.daemon import ShardServer, host_port
 
 CODE = grpc.StatusCode
 DIM = 4
@@ -361,3 +366,54 @@ def test_a_token_is_rotated_by_editing_the_tokens_file_without_a_restart(
     time.sleep(2 * security.RELOAD_CHECK_S)
     assert code(new) is CODE.OK
     assert "cannot be used" in caplog.text and new not in caplog.text
+
+
+# -- IPv6 literal hosts -------------------------------------------------------------------------
+
+
+def has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_host_port_brackets_ipv6_literals_only() -> None:
+    assert host_port("::1", 5) == "[::1]:5"
+    assert host_port("[::1]", 5) == "[::1]:5"  # given in brackets: kept
+    assert host_port("fe80::1", 0) == "[fe80::1]:0"
+    assert host_port("127.0.0.1", 5) == "127.0.0.1:5"
+    assert host_port("localhost", 5) == "localhost:5"
+    assert security.is_loopback("::1") and security.is_loopback("[::1]")
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_tierps_serve_binds_an_ipv6_literal_host(tmp_path: Path) -> None:
+    """`tierps serve --host ::1` (a real subprocess) binds [::1]:port, says so, and serves
+    a client that dials that address; ::1 is loopback, so no TLS or tokens are asked for."""
+    port_file = tmp_path / "shard.port"
+    log = tmp_path / "shard.log"
+    command = [
+        sys.executable, "-m", "tierps.server.cli", "serve", "--shard-id", "0", "--num-shards", "1",
+        "--host", "::1", "--port", "0",
+        "--data-dir", str(tmp_path / "data"), "--port-file", str(port_file),
+    ]  # fmt: skip
+    with open(log, "wb") as output:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=output, stderr=output)
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert process.poll() is None, f"the shard exited: {log.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, "the shard did not write its port in 60 s"
+            time.sleep(0.05)
+        address = f"[::1]:{json.loads(port_file.read_text())['port']}"
+        wait_until_serving(address, 30)
+        with EmbeddingClient([address], timeout_s=10) as client:
+            client.create_table(TableConfig(name="t", dim=DIM))
+            assert client.lookup("t", np.arange(3)).shape == (3, DIM)
+        assert f"serving at {address}" in log.read_text()
+    finally:
+        process.terminate()
+        assert process.wait(30) == 0

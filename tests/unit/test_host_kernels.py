@@ -160,7 +160,8 @@ def test_train_in_place_matches_apply(optimizer: optim.Optimizer) -> None:
     grads = rng.standard_normal((60, dim), dtype=np.float32)
     before = compiled.find(push)[1]
     hit, undo, refused = compiled.train_resident(push, grads, 3, 5)
-    assert hit.size == 60 and undo is None and refused is None
+    # an undo even when every key trained here: another table of the push may still fail
+    assert hit.size == 60 and undo is not None and refused is None
     r_hit, _, r_refused = reference.train_resident(push, grads, 3, 5)
     assert r_hit.size == 60 and r_refused is None
     got, want = compiled.find(push), reference.find(push)
@@ -172,6 +173,8 @@ def test_train_in_place_matches_apply(optimizer: optim.Optimizer) -> None:
     assert got[2].all() and want[2].all()
     rest = np.setdiff1d(keys, push)
     np.testing.assert_array_equal(compiled.find(rest)[1], stored[np.isin(keys, rest)])
+    undo()
+    np.testing.assert_array_equal(compiled.find(push)[1], before)
 
 
 def test_refused_train_changes_nothing_and_undo_puts_rows_back() -> None:

@@ -18,7 +18,7 @@ from tierps.client.security import NO_SECURITY, ChannelSecurity
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto.convert import table_config_to_dict, table_config_to_proto
-from tierps.proto.wire import channel_options
+from tierps.proto.wire import APPLIED_TABLES_HEADER, channel_options
 from tierps.storage.config import Placement, TableConfig, owner_shard
 
 T = TypeVar("T")
@@ -39,6 +39,20 @@ class ShardError(RuntimeError):
         # whose other shards failed; EmbeddingClient fills it in).
         self.succeeded: list[int] = []
         self.failed: list[int] = []  # and the shards where it did not (refused: unchanged)
+        # Of a push the failing shard applied in part: the tables it applied (the others not).
+        self.applied_tables: list[str] = []
+
+    @classmethod
+    def of(cls, shard_id: int, address: str, error: grpc.RpcError) -> ShardError:
+        """A gRPC failure of a call to a shard, with what its trailers say was applied."""
+        made = cls(shard_id, address, error.code(), error.details() or "")
+        for key, value in error.trailing_metadata() or ():
+            if key == APPLIED_TABLES_HEADER:
+                try:
+                    made.applied_tables = [str(name) for name in json.loads(value)]
+                except (ValueError, TypeError):
+                    pass  # not ours to read: the message still says it
+        return made
 
 
 LIFE_HEADER = "tierps-life"  # as server/lives.py: "<data id>/<life>" a client last talked to
@@ -219,9 +233,7 @@ class ClusterAdmin:
         try:
             return call(shard_id, self._stubs[shard_id])
         except grpc.RpcError as error:
-            raise ShardError(
-                shard_id, self.addresses[shard_id], error.code(), error.details() or ""
-            ) from None
+            raise ShardError.of(shard_id, self.addresses[shard_id], error) from None
 
     def _each(self, call: Callable[[int, pb_grpc.AdminServiceStub], T]) -> list[T]:
         """call(shard_id, stub) on every shard at once; the first failure is raised."""

@@ -714,6 +714,7 @@ class EmbeddingClient(ClusterAdmin):
         where both fit, else streamed (also after the shard refused one message as too
         large: a lookup changes nothing it could repeat)."""
         bulk = max(sum(8 * keys.size for _, _, keys, _ in batches), _reply_bytes(batches))
+        self._know_generations(shard, [name for name, *_ in batches])
         if bulk <= self._one_message_bytes[shard]:
             request = wire.encode_batches(
                 [(name, dim, create, (_wire_keys(keys),)) for name, dim, keys, _ in batches]
@@ -839,17 +840,24 @@ class EmbeddingClient(ClusterAdmin):
             requests, timeout=self.timeout_s, metadata=(*wire.declared(size), *identity)
         )
 
-    def _push_identity(self, shard: int, tables: list[str]) -> tuple[tuple[str, str], ...]:
-        """The metadata that makes a push call to a shard safe to send again: a new push id,
-        and the generation of each table's rows there as this client knows it (learned
-        once per table; 0 where the shard does not say, as to a reader)."""
+    def _know_generations(self, shard: int, tables: list[str]) -> dict[str, int]:
+        """The generations of a shard's tables this client knows, learned first where one
+        of `tables` is not known yet (a table made after this client first asked): at the
+        table's first lookup, so that a load between that lookup and its push is told."""
         known = self._generations[shard]
         if shard not in self._life_denied and any(table not in known for table in tables):
             try:
                 self._relearn_generations(shard)
             except ShardError:
-                pass  # the push itself says what is wrong with the shard
+                pass  # the data call itself says what is wrong with the shard
             known = self._generations[shard]
+        return known
+
+    def _push_identity(self, shard: int, tables: list[str]) -> tuple[tuple[str, str], ...]:
+        """The metadata that makes a push call to a shard safe to send again: a new push id,
+        and the generation of each table's rows there as this client knows it (learned
+        once per table; 0 where the shard does not say, as to a reader)."""
+        known = self._know_generations(shard, tables)
         generations = ",".join(str(known.get(table, 0)) for table in tables)
         return (
             (wire.PUSH_ID_HEADER, f"{self._client_id}:{next(self._sequence)}"),
@@ -869,18 +877,23 @@ class EmbeddingClient(ClusterAdmin):
                     self._relearn_generations(shard)
                 except ShardError:
                     pass
-        if not error.succeeded:
+        if not error.succeeded and not error.applied_tables:
             if step is None:
                 self._release_steps(steps)
             return error
         failed = error.failed or [error.shard_id]
+        in_part = (
+            f"; shard {error.shard_id} applied its part of tables {error.applied_tables} and "
+            f"not of the others" if error.applied_tables else ""
+        )  # fmt: skip
         partial = ShardError(  # part of the push is in: its step stays taken; say where
             error.shard_id, error.address, error.code,
             f"{error.details} (this push of tables {sorted(steps)} was applied on shards "
-            f"{error.succeeded}, and not on shards {failed}, where the refusal changed none "
-            f"of them; send only the failed shards' part again, or nothing)",
+            f"{error.succeeded}, and not on shards {failed}{in_part}; send only the failed "
+            f"shards' part again, or nothing)",
         )  # fmt: skip
         partial.succeeded, partial.failed = error.succeeded, error.failed
+        partial.applied_tables = error.applied_tables
         return partial
 
     def _push_done(self, steps: dict[str, int], step: int | None) -> None:
@@ -948,9 +961,7 @@ class EmbeddingClient(ClusterAdmin):
                 if _push_applied(error):
                     pushed.add(shard)  # the push is in; its lookup failed
                 else:
-                    push_failed[shard] = ShardError(
-                        shard, self.addresses[shard], error.code(), error.details() or ""
-                    )
+                    push_failed[shard] = ShardError.of(shard, self.addresses[shard], error)
                 raise
             pushed.add(shard)  # before its reply is read, which may fail
             if values is not None and lookup is not None:

@@ -42,6 +42,10 @@ REQUEST_BYTES_HEADER = "tierps-request-bytes"
 # gRPC trailing metadata of a failed PushThenLookup whose push was applied before its lookup
 # failed: the push's num_keys (without it, the failed call changed nothing).
 PUSHED_HEADER = "tierps-pushed"
+# gRPC trailing metadata of a failed push call that a shard applied in part (a storage
+# failure between two of its tables): the tables applied there, as a JSON list. The same call
+# (the same push id) sent again applies only the others.
+APPLIED_TABLES_HEADER = "tierps-applied-tables"
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:

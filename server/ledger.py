@@ -37,6 +37,9 @@ __all__ = [
 # 20 MB) in memory, as many small keys in RocksDB.
 RECENT_PER_CLIENT = 64
 RECENT_CLIENTS = 1024  # clients remembered: the least recently pushing is forgotten first
+# Table entries of every record together (a call may name up to 1,024 tables): the oldest
+# records of the least recently pushing clients go first beyond it.
+RECENT_TABLE_ENTRIES = 1 << 16
 KEY_PREFIX = b"tierps/pushes/"
 _MAX_CLIENT_ID = 64
 log = logging.getLogger("tierps.server")
@@ -95,12 +98,14 @@ class PushLedger:
             collections.OrderedDict()
         )
         self._running: set[PushId] = set()
+        self._entries = 0  # table entries over every record
         forgotten: list[PushId] = []
         for key, value in stored:
             try:
                 client, sequence = key[len(KEY_PREFIX) :].decode().rsplit("/", 1)
-                forgotten += self._remember(PushId(client, int(sequence)), json.loads(value))
-            except (ValueError, UnicodeDecodeError):
+                applied = {str(t): int(n) for t, n in json.loads(value).items()}
+                forgotten += self._remember(PushId(client, int(sequence)), applied)
+            except (ValueError, TypeError, AttributeError, UnicodeDecodeError):
                 log.warning("%s: an unreadable push record %r was skipped", where, key[:80])
         if forgotten:  # kept by a process with larger bounds
             self._persist(None, {}, forgotten)
@@ -123,25 +128,35 @@ class PushLedger:
         """Record what the push has applied now (all its tables so far); then the next call
         of the same id may run. A record that cannot be written is logged: the rows are
         applied, and this process still knows."""
-        with self._cond:
-            try:
-                if applied:
-                    forgotten = self._remember(push_id, applied)
-                    self._persist(push_id, applied, forgotten)
-            finally:
-                self._running.discard(push_id)
-                self._cond.notify_all()
+        forgotten: list[PushId] = []
+        with self._cond:  # memory first: a repeat arriving now finds the record
+            if applied:
+                forgotten = self._remember(push_id, applied)
+            self._running.discard(push_id)
+            self._cond.notify_all()
+        if applied:  # outside the lock: other pushes do not wait for this write
+            self._persist(push_id, applied, forgotten)
 
     def _remember(self, push_id: PushId, applied: Applied) -> list[PushId]:
         calls = self._clients.setdefault(push_id.client, collections.OrderedDict())
         self._clients.move_to_end(push_id.client)
+        self._entries -= len(calls.get(push_id.sequence, ()))
         calls[push_id.sequence] = dict(applied)
+        self._entries += len(applied)
         forgotten = []
         while len(calls) > RECENT_PER_CLIENT:
-            forgotten.append(PushId(push_id.client, calls.popitem(last=False)[0]))
-        while len(self._clients) > RECENT_CLIENTS:
-            client, old = self._clients.popitem(last=False)
-            forgotten.extend(PushId(client, sequence) for sequence in old)
+            sequence, old = calls.popitem(last=False)
+            self._entries -= len(old)
+            forgotten.append(PushId(push_id.client, sequence))
+        while len(self._clients) > RECENT_CLIENTS or (
+            self._entries > RECENT_TABLE_ENTRIES and len(self._clients) > 1
+        ):
+            client, records = next(iter(self._clients.items()))
+            sequence, old = records.popitem(last=False)
+            self._entries -= len(old)
+            forgotten.append(PushId(client, sequence))
+            if not records:
+                del self._clients[client]
         return forgotten
 
     def _persist(self, push_id: PushId | None, applied: Applied, forgotten: list[PushId]) -> None:

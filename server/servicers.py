@@ -5,6 +5,7 @@ bulk fields are read as views of the received bytes, and a lookup's reply is bui
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -104,6 +105,14 @@ def _push_identity(context: Any) -> tuple[PushId | None, list[int] | None]:
         elif key == GENERATIONS_HEADER:
             generations = parse_generations(value)
     return push_id, generations
+
+
+def _tell_applied_tables(context: Any, error: BaseException) -> None:
+    """A push the shard applied in part says which tables in its trailers (the client keeps
+    its step and says so; the same call sent again applies only the others)."""
+    tables = getattr(error, "applied_tables", None)
+    if tables:
+        context.set_trailing_metadata(((wire.APPLIED_TABLES_HEADER, json.dumps(tables)),))
 
 
 def _joined(chunks: list[Any]) -> Any:
@@ -228,9 +237,12 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
     ) -> pb.PushGradientsResponse:
         push_id, generations = _push_identity(context)
         batches = self._push_batches(messages)
-        return pb.PushGradientsResponse(
-            num_keys=self.shard.push_gradients(batches, push_id, generations)
-        )
+        try:
+            updated = self.shard.push_gradients(batches, push_id, generations)
+        except Exception as error:
+            _tell_applied_tables(context, error)
+            raise
+        return pb.PushGradientsResponse(num_keys=updated)
 
     @rpc
     def Lookup(self, requests: Iterator[pb.LookupRequest], context: Any) -> Iterator:
@@ -281,9 +293,11 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
 
         try:
             self.shard.push_then_lookup(pushes, lookups, reply_rows, push_id, generations)
-        except Exception:
+        except Exception as error:
             if pushed:
                 context.set_trailing_metadata(((wire.PUSHED_HEADER, str(pushed[0])),))
+            else:
+                _tell_applied_tables(context, error)
             raise
         return built[0]
 

@@ -418,6 +418,11 @@ class Shard:
         """push_gradients' work inside the gate: what the ledger says this call applied
         already is skipped, the rest checked and applied, then `then()` (a fused lookup's
         checks) runs before anything is applied."""
+        if generations is not None and len(generations) != len(batches):
+            raise InvalidArgumentError(
+                f"push on {self.where}: metadata 'tierps-generations' expected one generation "
+                f"per table batch ({len(batches)}), got {len(generations)}"
+            )
         applied = self.ledger.begin(push_id) if push_id is not None else {}
         try:
             todo = [i for i, batch in enumerate(batches) if batch.table not in applied]
@@ -437,11 +442,6 @@ class Shard:
     ) -> list[tuple[Any, ...]]:
         """Each push batch's table and its checked arguments, every batch checked (its
         gradients, step and generation included; a table a load is replacing refused)."""
-        if generations is not None and len(generations) != len(batches):
-            raise InvalidArgumentError(
-                f"push on {self.where}: metadata 'tierps-generations' expected one generation "
-                f"per table batch ({len(batches)}), got {len(generations)}"
-            )
         checked = []
         for index, batch in enumerate(batches):
             target = self._checked(batch.table, batch.dim, batch.keys)
@@ -489,26 +489,32 @@ class Shard:
                 self._push_threads,
             )
         except BaseException as error:
-            for index, push in begun.items():
-                tables[index].end_push(push, error)
+            _end_pushes(tables, {index: error for index in begun}, begun)
             raise
         outcomes = self._each_outcome(lambda store: store(), stores, self._push_threads)
-        failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        errors = {i: o for i, o in enumerate(outcomes) if isinstance(o, BaseException)}
+        _end_pushes(tables, {i: errors.get(i) for i in begun}, begun)
         for index, outcome in enumerate(outcomes):
-            error = outcome if isinstance(outcome, BaseException) else None
-            tables[index].end_push(begun[index], error)
-            if error is None:
+            if index not in errors:
                 applied[tables[index].config.name] = outcome
-        if failure is None:
+        if not errors:
             return
+        failure = errors[min(errors)]
         stored = sorted(name for name in applied if name in {t.config.name for t in tables})
-        missing = sorted(t.config.name for t in tables if t.config.name not in applied)
         if not stored:
             raise failure
-        raise type(failure)(
+        missing = sorted(t.config.name for t in tables if t.config.name not in applied)
+        message = (
             f"{failure} (on {self.where}, this push's tables {stored} were applied and "
             f"{missing} were not; the same call sent again applies only those)"
-        ) from failure
+        )
+        try:
+            partial = type(failure)(message)
+        except TypeError:  # an error made of other arguments (numpy's, cupy's out of memory)
+            kind = ResourceExhaustedError if isinstance(failure, MemoryError) else BackendError
+            partial = kind(message)
+        partial.applied_tables = stored  # type: ignore[attr-defined]  # the servicer tells
+        raise partial from failure
 
     def push_then_lookup(
         self,
@@ -917,3 +923,18 @@ def _write_durably(path: Path, text: str) -> None:
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, path)
+
+
+def _end_pushes(
+    tables: list[EmbeddingTable], errors: dict[int, BaseException | None], begun: dict[int, Any]
+) -> None:
+    """End every begun push (kept where its error is None, else undone), each lock let go
+    whatever another's end raised; then the first such failure is raised."""
+    failed: BaseException | None = None
+    for index, push in begun.items():
+        try:
+            tables[index].end_push(push, errors.get(index))
+        except BaseException as error:  # noqa: BLE001 - every table's lock must go first
+            failed = failed or error
+    if failed is not None:
+        raise failed

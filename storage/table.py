@@ -110,12 +110,14 @@ class _Push:
             for fallback in table.fallbacks:
                 fallback.commit()
             return
-        for undo in reversed(self.undo):
-            undo()
-        for fallback in table.fallbacks:
-            fallback.rollback()
-        table.initialized = self.initialized
-        table.current_step, table.first_step, table.leap_step = self.clock
+        try:
+            for undo in reversed(self.undo):
+                undo()
+        finally:  # the soft state goes back even if an undo failed (a GPU error)
+            for fallback in table.fallbacks:
+                fallback.rollback()
+            table.initialized = self.initialized
+            table.current_step, table.first_step, table.leap_step = self.clock
 
 
 class EmbeddingTable:

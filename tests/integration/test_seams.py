@@ -30,7 +30,15 @@ from tierps.server.config import ServerConfig
 from tierps.server.ledger import PushId
 from tierps.server.servicers import MAX_BATCHES_PER_CALL
 from tierps.server.shard import PushBatch, Shard
-from tierps.storage import BackendError, InvalidArgumentError, TableConfig, init, optim
+from tierps.storage import (
+    BackendError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    StorageFullError,
+    TableConfig,
+    init,
+    optim,
+)
 
 DIM = 4
 CODE = grpc.StatusCode
@@ -109,8 +117,18 @@ def test_across_shards_the_error_names_what_applied_and_what_did_not(shard_serve
         np.testing.assert_array_equal(x[2:], np.zeros((2, DIM)))  # shard 1: untouched
 
 
+def out_of_memory() -> BaseException:
+    """numpy's own out-of-memory error, which is not made of a message alone."""
+    try:
+        np.empty((1 << 55,), np.float32)  # 128 PiB
+    except MemoryError as error:
+        return error
+    raise AssertionError("expected numpy to refuse 128 PiB")
+
+
+@pytest.mark.parametrize("failure", ["backend", "out-of-memory"])
 def test_a_storage_failure_between_tables_is_named_and_a_resend_applies_only_the_rest(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: str
 ) -> None:
     """Table b's RocksDB write fails once (injected: a real one would need a disk that fills
     between two tables' writes of one call); a's rows are in. The error says so, and the same
@@ -123,7 +141,10 @@ def test_a_storage_failure_between_tables_is_named_and_a_resend_applies_only_the
         batches = [PushBatch(name, DIM, keys, ones(keys), 1) for name in ("a", "b")]
         durable = shard.store.table("b").durable
         real_write = durable.write
-        failures = iter([BackendError("rocksdb backend failed to write table 'b' (injected)")])
+        failures = iter([
+            BackendError("rocksdb backend failed to write table 'b' (injected)")
+            if failure == "backend" else out_of_memory()
+        ])  # fmt: skip
 
         def failing_write(*args: Any, **kwargs: Any) -> Any:
             failure = next(failures, None)
@@ -133,9 +154,11 @@ def test_a_storage_failure_between_tables_is_named_and_a_resend_applies_only_the
 
         monkeypatch.setattr(durable, "write", failing_write)
         push_id = PushId("trainer", 7)
-        with pytest.raises(BackendError) as raised:
+        kind = BackendError if failure == "backend" else ResourceExhaustedError
+        with pytest.raises(kind) as raised:
             shard.push_gradients(batches, push_id)
         assert "tables ['a'] were applied and ['b'] were not" in str(raised.value)
+        assert raised.value.applied_tables == ["a"]
         for name, want in (("a", -1.0), ("b", 0.0)):
             rows = shard.lookup([_lookup(name, keys)])[0]
             np.testing.assert_array_equal(rows, np.full((keys.size, DIM), -want, np.float32))
@@ -146,6 +169,40 @@ def test_a_storage_failure_between_tables_is_named_and_a_resend_applies_only_the
             np.testing.assert_array_equal(rows, np.ones((keys.size, DIM), np.float32))
     finally:
         shard.close()
+
+
+def test_a_push_a_shard_applied_in_part_keeps_its_step_and_says_which_tables(
+    shard_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the service: table b's write finds the disk full (injected once) after a's
+    rows are in. RESOURCE_EXHAUSTED is not retried; the client is told which tables the
+    shard applied, and keeps the push's step."""
+    server = shard_server()
+    with EmbeddingClient([f"127.0.0.1:{server.port}"]) as client:
+        for name in ("a", "b"):
+            client.create_table(counting(name, write_policy="write_through"))
+        durable = server.shard.store.table("b").durable
+        real_write = durable.write
+        failures = iter([StorageFullError("rocksdb backend: No space left on device (injected)")])
+
+        def failing_write(*args: Any, **kwargs: Any) -> Any:
+            failure = next(failures, None)
+            if failure is not None:
+                raise failure
+            return real_write(*args, **kwargs)
+
+        keys = np.array([[1, 2]])
+        features = [Feature("fa", "a"), Feature("fb", "b")]
+        pooled = client.lookup_pooled_features({"fa": keys, "fb": keys}, features)
+        monkeypatch.setattr(durable, "write", failing_write)  # after the lookup's own writes
+        with pytest.raises(ShardError) as raised:
+            pooled.push_gradients({f: -np.ones((1, DIM), np.float32) for f in ("fa", "fb")})
+        error = raised.value
+        assert error.code is CODE.RESOURCE_EXHAUSTED and error.applied_tables == ["a"]
+        assert "shard 0 applied its part of tables ['a'] and not of the others" in str(error)
+        assert client._steps["a"] == 1  # the step stays taken: a's rows moved at it
+        np.testing.assert_array_equal(rows_of(client, "a", keys[0]), np.ones((2, DIM)))
+        np.testing.assert_array_equal(rows_of(client, "b", keys[0]), np.zeros((2, DIM)))
 
 
 def _lookup(table: str, keys: np.ndarray) -> Any:
@@ -376,6 +433,29 @@ def test_a_client_reaches_a_restarted_shard_within_a_second_of_it_serving(
         np.testing.assert_array_equal(rows, np.ones((keys.size, DIM), np.float32))
         print(f"back {back:.2f} s after the shard served again (down 8 s)")
         assert back < 2.5, back
+
+
+@pytest.mark.parametrize("generations", ["5", "0,0,7", "x,1"])
+def test_a_generations_header_that_does_not_match_the_batches_is_refused(
+    shard_server: Any, connect: Any, generations: str
+) -> None:
+    server = shard_server()
+    with EmbeddingClient([f"127.0.0.1:{server.port}"]) as client:
+        for name in ("a", "b"):
+            client.create_table(counting(name))
+    stubs = connect(server)
+    keys = np.arange(3, dtype=np.int64)
+    request = wire.encode_batches(
+        [(name, DIM, 1, (keys.tobytes(), ones(keys).tobytes())) for name in ("a", "b")]
+    )
+    push = stubs.channel.unary_unary("/tierps.v1.EmbeddingService/PushGradientsUnary")
+    with pytest.raises(grpc.RpcError) as raised:
+        push(request, metadata=((wire.GENERATIONS_HEADER, generations),), timeout=10)
+    assert raised.value.code() is CODE.INVALID_ARGUMENT, raised.value.details()
+    assert wire.GENERATIONS_HEADER in raised.value.details()
+    with EmbeddingClient([f"127.0.0.1:{server.port}"]) as client:
+        for name in ("a", "b"):
+            np.testing.assert_array_equal(rows_of(client, name, keys), np.zeros((3, DIM)))
 
 
 @pytest.mark.parametrize("life", ["abc", "x/y", ""])

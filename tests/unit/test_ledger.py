@@ -75,3 +75,23 @@ def test_a_malformed_push_id_is_the_callers_error(value: str) -> None:
 def test_a_push_id_reads_back() -> None:
     assert parse_push_id("0f3a-b:42") == PushId("0f3a-b", 42)
     assert parse_push_id(None) is None
+
+
+def test_records_of_many_tables_are_bounded_by_their_entries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call may name 1,024 tables: the record keeps its table entries within a bound, the
+    least recently pushing client's oldest records going first."""
+    monkeypatch.setattr(ledger, "RECENT_TABLE_ENTRIES", 10)
+    with EmbeddingStore(tmp_path / "db") as store:
+        book = open_ledger(store)
+        for client in ("old", "new"):
+            for sequence in (1, 2):
+                push = PushId(client, sequence)
+                book.begin(push)
+                book.end(push, {f"t{i}": 1 for i in range(4)})  # 4 entries a record
+        assert book.size == 2  # 16 entries > 10: old's two records went
+        assert book.begin(PushId("old", 1)) == {}
+        book.end(PushId("old", 1), {})
+        assert book.begin(PushId("new", 2)) == {f"t{i}": 1 for i in range(4)}
+        book.end(PushId("new", 2), {f"t{i}": 1 for i in range(4)})

@@ -46,7 +46,8 @@ class ShardError(RuntimeError):
     def of(cls, shard_id: int, address: str, error: grpc.RpcError) -> ShardError:
         """A gRPC failure of a call to a shard, with what its trailers say was applied."""
         made = cls(shard_id, address, error.code(), error.details() or "")
-        for key, value in error.trailing_metadata() or ():
+        trailers = getattr(error, "trailing_metadata", None)  # a grpc.Call's, not every error's
+        for key, value in (trailers() if trailers else None) or ():
             if key == APPLIED_TABLES_HEADER:
                 try:
                     made.applied_tables = [str(name) for name in json.loads(value)]

@@ -32,6 +32,8 @@ from tierps.server import wait_until_serving
 from tierps.server.cluster import LocalCluster
 from tierps.storage import TableConfig, init, optim
 
+pytestmark = pytest.mark.slow  # subprocess clusters started, killed and restarted
+
 RPC_TIMEOUT_S = 30.0
 CLI_TIMEOUT_S = 60.0
 

@@ -23,6 +23,8 @@ from tierps.client.admin import RetryPolicy, ShardError
 from tierps.server.cluster import LocalCluster
 from tierps.storage import TableConfig, init, optim
 
+pytestmark = pytest.mark.slow  # kill -9 of subprocess shards and a tmpfs that fills
+
 DIM = 8
 KEYS = np.arange(600, dtype=np.int64)
 FLUSH_INTERVAL_S = 0.5

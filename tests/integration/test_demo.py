@@ -28,6 +28,8 @@ from tierps.demo import main as demo  # noqa: E402
 from tierps.demo.deepfm import initial_weights  # noqa: E402
 from tierps.server.cluster import LocalCluster  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the demo trains real models end to end: tens of seconds
+
 DIM = 16
 SEED = 0
 PARITY_TRAIN_ROWS = 40_000  # half an epoch of MovieLens keeps the test well under a minute

@@ -27,6 +27,8 @@ from tierps.server.cluster import LocalCluster  # noqa: E402
 from tierps.storage import optim  # noqa: E402
 from tierps.storage.config import TableConfig  # noqa: E402
 
+pytestmark = pytest.mark.slow  # real torchrun jobs, a killed rank among them
+
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
 STEPS = 6

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every README block against a live subprocess cluster
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 BLOCK = re.compile(
     r"(?:<!-- readme-test: (?P<marker>[^\n]*?) -->\n)?^```(?P<lang>\w*)\n(?P<code>.*?)^```",

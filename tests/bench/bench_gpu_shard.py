@@ -119,7 +119,8 @@ def main() -> int:
     if args.gpu_arrays == "auto":
         import cupy
 
-        device = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+        name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+        device = name.decode() if isinstance(name, bytes) else str(name)
     results = {
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "gpu": device},
         "keys": keys, "dim": args.dim, "batch": batch, "steps": steps, "zipf_a": ZIPF_A,

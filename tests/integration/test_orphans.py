@@ -150,14 +150,19 @@ def children() -> Iterator[list[subprocess.Popen[str]]]:
             process.wait(timeout=WAIT_S)
 
 
-def test_staged_families_of_loads_killed_mid_staging_are_dropped_at_the_next_open(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, children: list[subprocess.Popen[str]]
-) -> None:
-    path = tmp_path / "db"
+def live_store(path: Path) -> Path:
+    """A store at path with one table of LIVE_ROWS trained rows."""
     with EmbeddingStore(path) as store:
         table = store.create_table(TABLE)
         keys = np.arange(LIVE_ROWS, dtype=np.int64)
         table.apply_gradients(keys, np.full((keys.size, DIM), 0.5, np.float32), step=1)
+    return path
+
+
+def test_staged_families_of_loads_killed_mid_staging_are_dropped_at_the_next_open(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, children: list[subprocess.Popen[str]]
+) -> None:
+    path = live_store(tmp_path / "db")
     with EmbeddingStore(path) as store:  # one more clean open: the files as a restart has them
         live = rows_bits(store)
     before, before_data = tree_bytes(path), tree_bytes(path, info_logs=False)
@@ -201,11 +206,7 @@ def test_staged_families_of_loads_killed_mid_staging_are_dropped_at_the_next_ope
 def test_the_family_a_load_replaced_is_dropped_when_the_load_was_killed_after_its_swap(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, children: list[subprocess.Popen[str]]
 ) -> None:
-    path = tmp_path / "db"
-    with EmbeddingStore(path) as store:
-        table = store.create_table(TABLE)
-        keys = np.arange(LIVE_ROWS, dtype=np.int64)
-        table.apply_gradients(keys, np.full((keys.size, DIM), 0.5, np.float32), step=1)
+    path = live_store(tmp_path / "db")
     process = child(INSTALL, path, 1000)
     children.append(process)
     assert wait_for(process, "installed").split()[1:] == ["table.t"]  # the replaced family

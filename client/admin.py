@@ -209,8 +209,6 @@ class ClusterAdmin:
         # the life, from Stats); its pushes carry them, and a shard refuses (ABORTED) a push
         # made against rows a snapshot load replaced since.
         self._generations: list[dict[str, int]] = [{} for _ in addresses]
-        # shards whose Stats this client's role may not call (a reader): life unknown
-        self._life_denied: set[int] = set()
         # Channels without the interceptor, for the hot data calls: they pass what it adds
         # themselves (_metadata), as gRPC's interceptor machinery costs about 0.1-0.2 ms a call.
         self._plain_channels = [self.security.channel(address, options) for address in addresses]
@@ -241,19 +239,14 @@ class ClusterAdmin:
         return list(self._pool.map(lambda i: self._on(i, call), range(len(self.addresses))))
 
     def _learn_lives(self, shards: list[int]) -> None:
-        """Learn the life of each of these shards not yet known (one Stats call each)."""
+        """Learn the life of each of these shards not yet known (one Stats call each; every
+        role may call it, a reader being answered the life and little else)."""
         for shard_id in shards:
-            if self._lives[shard_id] is None and shard_id not in self._life_denied:
-                try:
-                    reply = self._on(
-                        shard_id,
-                        lambda i, stub: stub.Stats(pb.StatsRequest(), timeout=self.timeout_s),
-                    )
-                except ShardError as error:
-                    if error.code is not grpc.StatusCode.PERMISSION_DENIED:
-                        raise
-                    self._life_denied.add(shard_id)  # a reader: looks up without a life
-                    continue
+            if self._lives[shard_id] is None:
+                reply = self._on(
+                    shard_id,
+                    lambda i, stub: stub.Stats(pb.StatsRequest(), timeout=self.timeout_s),
+                )
                 self._learned(shard_id, reply)
 
     def _learned(self, shard_id: int, reply: pb.StatsResponse) -> None:

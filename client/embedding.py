@@ -845,7 +845,7 @@ class EmbeddingClient(ClusterAdmin):
         of `tables` is not known yet (a table made after this client first asked): at the
         table's first lookup, so that a load between that lookup and its push is told."""
         known = self._generations[shard]
-        if shard not in self._life_denied and any(table not in known for table in tables):
+        if any(table not in known for table in tables):
             try:
                 self._relearn_generations(shard)
             except ShardError:

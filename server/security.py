@@ -37,19 +37,24 @@ HEALTH_SERVICE = "/grpc.health.v1.Health/"
 _DATA = f"/{pb.DESCRIPTOR.services_by_name['EmbeddingService'].full_name}/"
 _ADMIN = f"/{pb.DESCRIPTOR.services_by_name['AdminService'].full_name}/"
 LOOKUPS = frozenset({_DATA + "Lookup", _DATA + "LookupUnary"})
+STATS = _ADMIN + "Stats"
 # The rpcs of each role but admin (which may make every call, reflection included).
-# Stats is a trainer's as well as ListTables and DescribeTable: EmbeddingClient learns each
-# shard's life from it, which is how a trainer is told that a shard lost acknowledged
-# updates. A reader may make lookups with create=false only, and ListTables (the client
-# reads each table's dim from it); a reader's client goes without Stats (no life).
+# Stats is every role's: EmbeddingClient learns each shard's life and data id from it when it
+# connects, which is how a client is told that a shard lost acknowledged updates. A reader
+# may make lookups with create=false only, ListTables (the client reads each table's dim from
+# it) and Stats, of which it is answered READER_STATS only.
 ROLE_METHODS: dict[str, frozenset[str]] = {
     "trainer": frozenset(
         {*LOOKUPS, _DATA + "PushGradients", _DATA + "PushGradientsUnary", _DATA + "Assign"}
         | {_DATA + "PushThenLookup"}  # a push and a lookup: a trainer's rights, not a reader's
         | {_ADMIN + m for m in ("ListTables", "DescribeTable", "Stats")}
     ),
-    "reader": frozenset({*LOOKUPS, _ADMIN + "ListTables"}),
+    "reader": frozenset({*LOOKUPS, _ADMIN + "ListTables", STATS}),
 }
+# The Stats fields a reader is answered: which shard it is and the life a client sends back.
+# Not the tables' rows, bytes and hit rates, memory, flush times or the metrics port: a
+# serving fleet's token is the most widely handed out, and serving needs none of them.
+READER_STATS = ("shard_id", "num_shards", "life", "data_id")
 ROLES = ("admin", *ROLE_METHODS)
 
 
@@ -249,6 +254,8 @@ class AuthCheck(grpc.ServerInterceptor):
             )  # fmt: skip
         if role == "reader" and method in LOOKUPS:
             return self._reader_lookup(handler, method)
+        if role == "reader" and method == STATS:
+            return with_behavior(handler, _reader_stats)
         return handler
 
     def _reader_lookup(self, handler: Any, method: str) -> Any:
@@ -300,3 +307,13 @@ class AuthCheck(grpc.ServerInterceptor):
             return run
 
         return with_behavior(handler, unary)
+
+
+def _reader_stats(behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """Stats as a reader is answered: the READER_STATS fields of the shard's answer."""
+
+    def run(request: Any, context: grpc.ServicerContext) -> Any:
+        full = behavior(request, context)
+        return pb.StatsResponse(**{field: getattr(full, field) for field in READER_STATS})
+
+    return run

@@ -184,7 +184,7 @@ CALLS: dict[str, tuple[Callable[[grpc.Channel, Any], Any], set[str]]] = {
     "PushThenLookup": (_push_then_lookup, {"trainer"}),  # a push's rights and a lookup's
     "ListTables": (_admin("ListTables", pb.ListTablesRequest()), {"trainer", "reader"}),
     "DescribeTable": (_admin("DescribeTable", pb.DescribeTableRequest(table="t")), {"trainer"}),
-    "Stats": (_admin("Stats", pb.StatsRequest()), {"trainer"}),
+    "Stats": (_admin("Stats", pb.StatsRequest()), {"trainer", "reader"}),
     "CreateTable": (
         _admin("CreateTable", pb.CreateTableRequest(config=pb.TableConfig(name="x", dim=2))),
         set(),
@@ -234,7 +234,7 @@ def test_each_role_may_make_its_rpcs_and_is_refused_the_others(
             for name, (call, _) in CALLS.items():
                 assert _code(call, channel, md) is CODE.UNAUTHENTICATED, (name, md)
     stats = refusals.labels("/tierps.v1.AdminService/Stats", "PERMISSION_DENIED", "role")
-    assert stats._value.get() == 1  # the reader's
+    assert stats._value.get() == 0  # every role may call it
     denied = refusals.labels("/tierps.v1.EmbeddingService/Lookup", "PERMISSION_DENIED", "role")
     assert denied._value.get() == 1  # the reader's create=true
     unknown = refusals.labels("/tierps.v1.AdminService/Stats", "UNAUTHENTICATED", "token")
@@ -272,17 +272,86 @@ def test_clients_with_tokens_train_and_serve(
     assert _rows(server) == 6  # the reader's create=true stored nothing
 
 
+def _refusals(server: ShardServer) -> float:
+    """Every refusal the shard counted (tierps_refusals_total, all labels)."""
+    return sum(
+        sample.value
+        for metric in server.metrics.refusals.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    )
+
+
+def test_a_reader_serves_over_tls_without_a_refusal_and_learns_the_life(
+    shard_server: Callable[..., ShardServer],
+    tmp_path: Path,
+    certs: Certs,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A reader's client learns each shard's life from Stats like any client (the reader is
+    answered the shard's identity and life only), so serving makes no refusal: nothing
+    counted in tierps_refusals_total, no WARNING. Pushes, creates and drops stay refused."""
+    server = shard_server(
+        tls_cert=certs.server_cert, tls_key=certs.server_key, tls_client_ca=certs.ca,
+        tokens_file=tokens_file(tmp_path),
+    )  # fmt: skip
+    mutual = {"ca_file": certs.ca, "cert_file": certs.client_cert, "key_file": certs.client_key}
+
+    def client(role: str) -> EmbeddingClient:
+        security = ChannelSecurity(**mutual, token=TOKENS[role])
+        return EmbeddingClient([server.address], timeout_s=10, security=security)
+
+    keys = np.arange(8)
+    with client("admin") as admin:
+        admin.create_table(TableConfig(name="t", dim=DIM))
+        admin.assign("t", keys, np.full((8, DIM), 3.0, np.float32))
+    before = _refusals(server)
+    caplog.clear()
+    with caplog.at_level(logging.INFO), client("reader") as reader:
+        for _ in range(3):  # the first lookup learns the life; the others carry it
+            np.testing.assert_array_equal(
+                reader.lookup("t", keys, create=False), np.full((8, DIM), 3.0, np.float32)
+            )
+        assert reader.list_tables()[0].name == "t"
+        assert reader._lives == [server.shard.lives.header()]  # "<data id>/<life>"
+        (stats,) = reader.stats()
+    assert _refusals(server) == before, "a reader's serving traffic was refused"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == []
+    # what a reader is answered of Stats: the shard's identity and life, nothing else
+    hidden = {field: value for field, value in stats.items() if field not in security.READER_STATS}
+    assert not any(hidden.values()), f"a reader was answered {hidden}"
+    assert (stats["shard_id"], stats["num_shards"]) == (0, 1)
+    assert f"{stats['data_id']}/{stats['life']}" == server.shard.lives.header()
+    with client("reader") as reader:
+        for refused_call in (
+            lambda: reader.push_gradients("t", keys, np.ones((8, DIM), np.float32)),
+            lambda: reader.assign("t", keys, np.zeros((8, DIM), np.float32)),
+            lambda: reader.lookup("t", keys + 100, create=True),
+            lambda: reader.create_table(TableConfig(name="u", dim=DIM)),
+            lambda: reader.drop_table("t"),
+        ):
+            with pytest.raises(ShardError) as refused:
+                refused_call()
+            assert refused.value.code is CODE.PERMISSION_DENIED
+    assert _refusals(server) == before + 5
+    with client("admin") as admin:
+        assert [t.name for t in admin.list_tables()] == ["t"]
+        np.testing.assert_array_equal(admin.lookup("t", keys), np.full((8, DIM), 3.0, np.float32))
+    assert _rows(server) == 8  # nothing the reader was refused stored a row
+
+
 def test_tokens_come_from_the_environment_and_bad_entries_are_refused(
     shard_server: Callable[..., ShardServer], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv(security.TOKENS_ENV, f"reader:{TOKENS['reader']}")
     server = shard_server()
     with grpc.insecure_channel(server.address) as channel:
-        stats = CALLS["Stats"][0]
-        assert _code(stats, channel, [("authorization", f"Bearer {TOKENS['reader']}")]) is (
+        describe = CALLS["DescribeTable"][0]
+        assert _code(describe, channel, [("authorization", f"Bearer {TOKENS['reader']}")]) is (
             CODE.PERMISSION_DENIED
         )
-        assert _code(stats, channel, []) is CODE.UNAUTHENTICATED
+        assert _code(describe, channel, []) is CODE.UNAUTHENTICATED
     for text, why in (("admin:short", "16 characters"), ("root:" + "x" * 20, "ROLE one of"),
                       ("", "at least one")):  # fmt: skip
         with pytest.raises(ValueError, match=why) as refused:

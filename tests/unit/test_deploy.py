@@ -1,13 +1,23 @@
 """deploy/: the Dockerfile, compose file and Kubernetes manifests agree with each other and
-with the real `tierps serve` command line."""
+with the real `tierps serve` command line, and every command deploy/README.md documents is
+run here (make-secrets.sh as a non-root user, `tierps admin` with TLS and tokens against real
+shards, the token rotation against a running shard) or, for docker and kubectl, checked
+against the compose file and manifests it acts on."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shlex
 import shutil
+import stat
 import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -412,36 +422,471 @@ def test_the_network_policy_admits_clients_to_grpc_and_monitoring_to_metrics() -
     assert "namespaceSelector" in allowed[metrics_port][0]
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="make-secrets.sh needs openssl")
-def test_make_secrets_makes_what_a_secured_shard_and_its_clients_use(tmp_path: Path) -> None:
-    import grpc
+# -- deploy/README.md's commands -------------------------------------------------------------
+
+README = DEPLOY / "README.md"
+SECRETS = DEPLOY / "secrets"  # the one secrets directory of the docs and the compose file
+NOBODY = 65534  # a non-root user to run the documented shell steps as, where tests run as root
+CONTAINER_UID = 10001  # the image's user (Dockerfile USER)
+CLIENT_FLAGS = ("--tls-ca", "--tls-client-cert", "--tls-client-key", "--token-file")
+ROTATION_MARK = "trainer_token.new"  # the block of the token rotation steps
+needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+
+
+def readme_blocks() -> list[str]:
+    """The sh blocks of deploy/README.md, continuation lines joined."""
+    blocks = re.findall(r"```sh\n(.*?)```", README.read_text(), re.S)
+    return [re.sub(r"\\\n\s*", " ", block) for block in blocks]
+
+
+def readme_commands() -> list[tuple[str, list[str]]]:
+    """Each command of those blocks as (text, words), comments dropped; each part of a
+    pipeline is a command of its own."""
+    out = []
+    for block in readme_blocks():
+        for line in block.splitlines():
+            for part in line.split(" | "):
+                words = shlex.split(part, comments=True)
+                if words:
+                    out.append((part.strip(), words))
+    return out
+
+
+def rotation_lines() -> set[str]:
+    (block,) = [b for b in readme_blocks() if ROTATION_MARK in b]
+    return {line.strip() for line in block.splitlines()}
+
+
+def admin_pod() -> dict[str, Any]:
+    return yaml.safe_load((K8S / "admin" / "pod.yaml").read_text())
+
+
+def secret_mounts(pod_spec: dict[str, Any]) -> dict[str, str]:
+    """{mount path: Secret name} of a pod spec's single container."""
+    (container,) = pod_spec["containers"]
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod_spec["volumes"] if "secret" in v}
+    return {m["mountPath"]: secrets[m["name"]] for m in container["volumeMounts"]
+            if m["name"] in secrets}  # fmt: skip
+
+
+def created_secrets() -> dict[str, dict[str, str]]:
+    """{Secret: {key: file}} of the README's `kubectl create secret generic` commands."""
+    created: dict[str, dict[str, str]] = {}
+    for _, words in readme_commands():
+        if words[:4] == ["kubectl", "create", "secret", "generic"]:
+            files = dict(
+                w.split("=", 1)[1].split("=", 1) for w in words if w.startswith("--from-file=")
+            )
+            assert created.setdefault(words[4], files) == files, f"{words[4]} made two ways"
+    return created
+
+
+def is_tierps(words: list[str]) -> list[str] | None:
+    """The `tierps ...` words of a command that runs tierps (on the host, in a compose
+    service or in a pod); None for any other."""
+    if words[0] == "tierps":
+        return words
+    if words[:5] == ["docker", "compose", "-f", "deploy/compose.yaml", "exec"]:
+        return words[6:]
+    if words[:2] == ["kubectl", "exec"] and "--" in words:
+        return words[words.index("--") + 1 :]
+    return None
+
+
+def documented_addresses(words: list[str]) -> tuple[str, list[str]]:
+    """(where the command runs: "host", "compose" or "k8s", the documented addresses)."""
+    addresses = flag(words, "--addresses").split(",")
+    where = "host" if words[0] == "tierps" else "compose" if words[0] == "docker" else "k8s"
+    return where, addresses
+
+
+def expected_addresses(where: str, count: int) -> list[str]:
+    """The addresses of shards 0..count-1 as each place reaches them."""
+    if where == "compose":
+        services = shard_services()
+        return [f"shard-{i}:{flag(services[f'shard-{i}']['command'], '--port')}"
+                for i in range(count)]  # fmt: skip
+    if where == "host":  # the gRPC port each shard service publishes on loopback
+        published = []
+        for i in range(count):
+            service = shard_services()[f"shard-{i}"]
+            grpc_port = int(flag(service["command"], "--port"))
+            published += [p["published"] for p in service["ports"] if int(p["target"]) == grpc_port]
+        return [f"localhost:{port}" for port in published]
+    sts = k8s_docs()["StatefulSet"]
+    port = flag(shard_container(sts)["args"], "--port")
+    return [
+        f"{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}:{port}" for i in range(count)
+    ]
+
+
+def secret_file(where: str, words: list[str], path: str) -> Path:
+    """The file under the repository root a documented client path reads, through the
+    compose secrets or the admin pod's Secret (checked to be mounted where the command runs)."""
+    if where == "host":
+        return Path(path)
+    if where == "compose":
+        service = shard_services()[words[5]]
+        name = Path(path).name
+        assert Path(path).parent == Path("/run/secrets"), path
+        assert name in service["secrets"], f"{path}: not a secret of {words[5]}"
+        return (DEPLOY / compose()["secrets"][name]["file"]).resolve().relative_to(ROOT)
+    pod = admin_pod()
+    assert words[2] == pod["metadata"]["name"], f"`tierps admin` runs in {words[2]}"
+    secret = secret_mounts(pod["spec"])[str(Path(path).parent)]
+    return Path(created_secrets()[secret][Path(path).name])
+
+
+def check_docker(words: list[str]) -> None:
+    if words[1] == "build":
+        assert (ROOT / flag(words, "-f")).is_file() and words[-1] == ".", words
+    elif words[1] == "run":
+        with pytest.raises(SystemExit) as done:
+            cli.main(words[words.index("tierps") + 1 :])
+        assert done.value.code == 0, words
+    else:
+        assert words[:4] == ["docker", "compose", "-f", "deploy/compose.yaml"], words
+        assert words[4] in {"up", "ps", "exec", "down"}, words
+        if words[4] == "exec":
+            assert words[5] in shard_services(), words
+
+
+def check_kubectl(words: list[str]) -> None:
+    sts = k8s_docs()["StatefulSet"]
+    name, replicas = sts["metadata"]["name"], sts["spec"]["replicas"]
+    verb = words[1]
+    if verb == "create":
+        mounted = secret_mounts(sts["spec"]["template"]["spec"]) | secret_mounts(
+            admin_pod()["spec"]
+        )
+        files = created_secrets()[words[4]]
+        assert words[4] in mounted.values(), f"Secret {words[4]} is mounted nowhere"
+        assert all(Path(f).parent == SECRETS.relative_to(ROOT) for f in files.values()), files
+        # what the shard flags read from each Secret's mount is among its keys
+        for option in ("--tls-cert", "--tls-key", "--tls-client-ca", "--tokens-file"):
+            path = Path(flag(shard_container(sts)["args"], option))
+            if mounted[str(path.parent)] == words[4]:
+                assert path.name in files, f"{option} {path}: no key {path.name} in {words[4]}"
+    elif verb == "apply":
+        target = words[words.index("-k") + 1] if "-k" in words else words[words.index("-f") + 1]
+        assert target == "-" or (ROOT / target).exists(), words
+    elif verb == "rollout":
+        assert words[2:] == ["status", f"statefulset/{name}"], words
+    elif verb == "wait":
+        assert words[-1] == f"pod/{admin_pod()['metadata']['name']}", words
+    elif verb == "delete":
+        if words[2] == "statefulset":
+            assert words[3:] == [name], words
+        else:
+            template = sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"]
+            assert words[2] == "pvc" and words[3:] == [
+                f"{template}-{name}-{i}" for i in range(replicas)
+            ]
+    elif verb == "logs":
+        assert words[2] == f"{name}-0", words
+    else:
+        assert verb == "exec" and is_tierps(words), words
+
+
+def test_every_readme_command_is_run_or_checked_here() -> None:
+    """Every command of deploy/README.md is one these tests run (make-secrets.sh, tierps,
+    the rotation's shell steps) or, for docker and kubectl, agrees with the files it acts on."""
+    rotation = rotation_lines()
+    kinds: dict[str, int] = {}
+    for text, words in readme_commands():
+        tierps = is_tierps(words)
+        if tierps is not None:
+            kind = "tierps"
+            assert tierps[:2] == ["tierps", "admin"], text
+            where, addresses = documented_addresses(words)
+            assert addresses == expected_addresses(where, len(addresses)), text
+            for option in CLIENT_FLAGS:  # the manifests require TLS (mutual) and tokens
+                assert (ROOT / secret_file(where, words, flag(tierps, option))).parent == SECRETS
+        elif words[-2:] == ["deploy/make-secrets.sh", "deploy/secrets"]:
+            kind = "make-secrets"
+        elif words[0] == "docker":
+            kind = "docker"
+            check_docker(words)
+        elif words[0] == "kubectl":
+            kind = "kubectl"
+            check_kubectl(words)
+        elif words == ["grep", "tokens file"]:  # after `kubectl logs`: the rotation test
+            kind = "grep"
+        else:
+            kind = "rotation"
+            assert any(text in line for line in rotation), f"not run by any test: {text}"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    assert set(kinds) == {"tierps", "make-secrets", "docker", "kubectl", "grep", "rotation"}
+
+
+def test_one_secrets_directory_everywhere_and_git_ignores_it() -> None:
+    documented = set(re.findall(r"[\w./-]*secrets/[\w.]+", README.read_text()))
+    documented |= set(re.findall(r"[\w./-]*secrets/[\w.]+", (ROOT / "README.md").read_text()))
+    documented -= {p for p in documented if p.startswith(("/run/secrets/", "/etc/"))}
+    assert documented and {str(Path(p).parent) for p in documented} == {"deploy/secrets"}, (
+        documented
+    )
+    for name, secret in compose()["secrets"].items():
+        assert (DEPLOY / secret["file"]).resolve().parent == SECRETS, name
+    for _, words in readme_commands():
+        if "deploy/make-secrets.sh" in words:
+            assert words[words.index("deploy/make-secrets.sh") + 1] == "deploy/secrets", words
+    if shutil.which("git") and (ROOT / ".git").exists():
+        for path in ("deploy/secrets/tokens", "deploy/secrets/ca.key", "deploy/.env"):
+            ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", path])
+            assert ignored.returncode == 0, f"git does not ignore {path}"
+    for service in shard_services().values():  # the group make-secrets.sh writes, joined
+        assert service["group_add"] == [
+            "${TIERPS_SECRETS_GID:?is not set: run deploy/make-secrets.sh deploy/secrets, "
+            "which writes it to deploy/.env}"
+        ]
+
+
+# -- running them ----------------------------------------------------------------------------
+
+
+def as_user(argv: list[str], uid: int = NOBODY, groups: tuple[int, ...] = ()) -> list[str]:
+    """argv run as a non-root user: `uid` (with `groups`) where the tests run as root."""
+    if os.geteuid() != 0:
+        return argv
+    joined = ["--groups", ",".join(map(str, groups))] if groups else ["--clear-groups"]
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", *joined, *argv]
+
+
+@pytest.fixture
+def checkout() -> Iterator[Path]:
+    """A directory standing for the repository root, owned by the user the documented
+    steps run as, with deploy/ copied in (no secrets), and its secrets made by the README's
+    own make-secrets.sh command."""
+    root = Path(tempfile.mkdtemp(prefix="tierps-deploy-", dir="/tmp"))
+    try:
+        shutil.copytree(DEPLOY, root / "deploy", ignore=shutil.ignore_patterns("secrets", ".env"))
+        if os.geteuid() == 0:
+            for path in [root, *root.rglob("*")]:
+                os.chown(path, NOBODY, NOBODY)
+        root.chmod(0o755)
+        (command,) = {t for t, w in readme_commands() if "deploy/make-secrets.sh" in w} - {
+            t for t, w in readme_commands() if w[0].startswith("NAMESPACE=")
+        }
+        made = subprocess.run(
+            as_user(["bash", "-c", command]),
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "HOME": str(root)},
+        )
+        assert made.returncode == 0, made.stderr
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@needs_openssl
+def test_make_secrets_writes_keys_and_tokens_for_their_owner_and_group(checkout: Path) -> None:
+    secrets = checkout / "deploy" / "secrets"
+    assert mode(secrets) == 0o750
+    assert mode(secrets / "ca.key") == 0o600
+    shared = ["tls.key", "client.key", "tokens", "admin_token", "trainer_token", "reader_token"]
+    for name in shared:
+        assert mode(secrets / name) == 0o640, name
+    for name in ("ca.crt", "tls.crt", "client.crt"):
+        assert mode(secrets / name) == 0o644, name
+    gid = (secrets / "tokens").stat().st_gid
+    assert (checkout / "deploy" / ".env").read_text() == f"TIERPS_SECRETS_GID={gid}\n"
+    # the image's user reads what compose mounts once it joins that group (group_add), and
+    # nothing without it
+    mounted = [secrets / Path(s["file"]).name for s in compose()["secrets"].values()]
+    if os.geteuid() == 0:
+        for groups in ((gid,), ()):
+            read = subprocess.run(as_user(["cat", *map(str, mounted)], CONTAINER_UID, groups),
+                                  capture_output=True, timeout=10)  # fmt: skip
+            assert (read.returncode == 0) == bool(groups), (groups, read.stderr)
+    # a second run keeps every file, and takes back modes an older run left
+    tokens = (secrets / "tokens").read_text()
+    (secrets / "tokens").chmod(0o444)
+    again = subprocess.run(as_user(["bash", "deploy/make-secrets.sh", "deploy/secrets"]),
+                           cwd=checkout, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert (secrets / "tokens").read_text() == tokens and mode(secrets / "tokens") == 0o640
+    # a directory git would commit is refused, and left as it was
+    if shutil.which("git"):
+        subprocess.run(as_user(["git", "init", "-q", "."]), cwd=checkout, check=True,
+                       env={**os.environ, "HOME": str(checkout)})  # fmt: skip
+        shutil.copy(ROOT / ".gitignore", checkout / ".gitignore")
+        refused = subprocess.run(as_user(["bash", "deploy/make-secrets.sh", "./secrets"]),
+                                 cwd=checkout, capture_output=True, text=True, timeout=60,
+                                 env={**os.environ, "HOME": str(checkout)})  # fmt: skip
+        assert refused.returncode == 2, refused.stderr
+        assert "expected a directory git ignores" in refused.stderr
+        assert "and not ignored" in refused.stderr and not (checkout / "secrets").exists()
+
+
+def secured_config(root: Path, data_dir: Path, **fields: Any) -> ServerConfig:
+    secrets = root / "deploy" / "secrets"
+    return ServerConfig(
+        data_dir=data_dir, tls_cert=secrets / "tls.crt", tls_key=secrets / "tls.key",
+        tls_client_ca=secrets / "ca.crt", tokens_file=secrets / "tokens", grace_s=1.0, **fields,
+    )  # fmt: skip
+
+
+def client_security(root: Path, token_file: str) -> Any:
+    from tierps.client import ChannelSecurity
+
+    secrets = root / "deploy" / "secrets"
+    return ChannelSecurity(
+        ca_file=secrets / "ca.crt", cert_file=secrets / "client.crt",
+        key_file=secrets / "client.key", token=(secrets / token_file).read_text().strip(),
+    )  # fmt: skip
+
+
+@needs_openssl
+def test_readme_tierps_commands_run_with_tls_and_tokens_against_real_shards(
+    checkout: Path,
+) -> None:
+    """Each documented `tierps admin` (from the host, in a compose service, in the admin
+    pod) runs as written but for its addresses (local shards, in the same order) and its
+    mounted paths (the files they are mounted from): the reshard's save on two shards and
+    its load on four keep every row."""
     import numpy as np
 
-    from tierps.client import ChannelSecurity, EmbeddingClient, ShardError, TableConfig
+    from tierps.client import EmbeddingClient, TableConfig
     from tierps.server.daemon import create_server
 
-    secrets = tmp_path / "secrets"
-    subprocess.run(["bash", str(DEPLOY / "make-secrets.sh"), str(secrets)], check=True,
-                   capture_output=True)  # fmt: skip
-    config = ServerConfig(
-        shard_id=0, num_shards=1, data_dir=tmp_path / "data", tls_cert=secrets / "tls.crt",
-        tls_key=secrets / "tls.key", tls_client_ca=secrets / "ca.crt",
-        tokens_file=secrets / "tokens",
-    )  # fmt: skip
+    clusters: dict[int, list[Any]] = {}
+
+    def addresses(count: int) -> list[str]:
+        if count not in clusters:
+            clusters[count] = []
+            for shard_id in range(count):
+                config = secured_config(
+                    checkout, checkout / f"data-{count}-{shard_id}", shard_id=shard_id,
+                    num_shards=count, snapshot_dir=checkout / "snapshots",
+                )  # fmt: skip
+                server, _ = create_server(config)
+                server.start()
+                clusters[count].append(server)
+        return [f"localhost:{server.port}" for server in clusters[count]]
+
+    keys = np.arange(200)
+    values = np.repeat(keys[:, None], 4, axis=1).astype(np.float32)
+    admin = client_security(checkout, "admin_token")
+    try:
+        with EmbeddingClient(addresses(2), timeout_s=10, security=admin) as client:
+            client.create_table(TableConfig(name="t", dim=4))
+            client.assign("t", keys, values)
+        ran = []
+        for text, words in readme_commands():
+            tierps = is_tierps(words)
+            if tierps is None:
+                continue
+            where, documented = documented_addresses(words)
+            local = list(tierps)
+            local[local.index("--addresses") + 1] = ",".join(addresses(len(documented)))
+            for option in CLIENT_FLAGS:
+                index = local.index(option) + 1
+                local[index] = str(secret_file(where, words, local[index]))
+            done = subprocess.run(
+                [sys.executable, "-m", "tierps.server.cli", *local[1:]],
+                cwd=checkout,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert done.returncode == 0, f"{text}\n{done.stdout}\n{done.stderr}"
+            ran.append(local[-1])
+        assert ran.count("stats") >= 3 and "reshard-1" in ran, ran
+        with EmbeddingClient(addresses(4), timeout_s=10, security=admin) as client:
+            np.testing.assert_array_equal(client.lookup("t", keys, create=False), values)
+    finally:
+        for servers in clusters.values():
+            for server in servers:
+                server.stop()
+
+
+@needs_openssl
+def test_readme_token_rotation_runs_as_a_non_root_user_against_a_running_shard(
+    checkout: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The rotation steps, as written but for the kubectl lines (checked against the
+    manifests elsewhere), run by the secrets' owner against a shard reading the tokens
+    file: the new token works after step 1, the old one is refused after step 3, and every
+    file keeps its inode and mode."""
+    import logging
+
+    import grpc
+
+    from tierps.client import ChannelSecurity
+    from tierps.proto import tierps_service_pb2 as pb
+    from tierps.proto import tierps_service_pb2_grpc as pb_grpc
+    from tierps.server import security
+    from tierps.server.daemon import create_server
+
+    secrets = checkout / "deploy" / "secrets"
+    config = secured_config(checkout, checkout / "data", shard_id=0, num_shards=1)
     server, port = create_server(config)
-    client_files = {"ca_file": secrets / "ca.crt", "cert_file": secrets / "client.crt",
-                    "key_file": secrets / "client.key"}  # fmt: skip
+    server.start()
+    channel = ChannelSecurity(
+        ca_file=secrets / "ca.crt", cert_file=secrets / "client.crt",
+        key_file=secrets / "client.key",
+    ).channel(f"localhost:{port}")  # fmt: skip
+    stub = pb_grpc.AdminServiceStub(channel)
 
-    def client(role: str) -> EmbeddingClient:
-        token = (secrets / f"{role}_token").read_text().strip()
-        security = ChannelSecurity(**client_files, token=token)
-        return EmbeddingClient([f"localhost:{port}"], timeout_s=10, security=security)
+    def code(token: str) -> grpc.StatusCode:
+        try:
+            stub.Stats(
+                pb.StatsRequest(), timeout=5, metadata=[("authorization", f"Bearer {token}")]
+            )
+        except grpc.RpcError as error:
+            return error.code()
+        return grpc.StatusCode.OK
 
-    with server:
-        with client("admin") as admin:
-            admin.create_table(TableConfig(name="t", dim=4))
-        with client("trainer") as trainer:
-            assert trainer.lookup("t", np.arange(3)).shape == (3, 4)
-        with client("reader") as reader, pytest.raises(ShardError) as refused:
-            reader.drop_table("t")
-        assert refused.value.code is grpc.StatusCode.PERMISSION_DENIED
+    def settles(token: str, expected: grpc.StatusCode) -> None:
+        deadline = time.monotonic() + 10 * security.RELOAD_CHECK_S
+        while code(token) is not expected:
+            assert time.monotonic() < deadline, f"the tokens file change was not taken: {expected}"
+            time.sleep(0.1)
+
+    (block,) = [b for b in readme_blocks() if ROTATION_MARK in b]
+    steps: dict[int, list[str]] = {}
+    step = 0
+    for line in block.splitlines():
+        marked = re.match(r"# (\d)\. ", line)
+        step = int(marked.group(1)) if marked else step
+        if shlex.split(line, comments=True) and not line.startswith("kubectl"):
+            steps.setdefault(step, []).append(line)
+    assert sorted(steps) == [1, 3], steps
+
+    def run(step: int) -> None:
+        script = "set -euo pipefail\n" + "\n".join(steps[step])
+        done = subprocess.run(as_user(["bash", "-c", script]), cwd=checkout,
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert done.returncode == 0, f"step {step}: {done.stderr}"
+
+    old = (secrets / "trainer_token").read_text().strip()
+    inodes = {name: (secrets / name).stat().st_ino for name in ("tokens", "trainer_token")}
+    try:
+        with caplog.at_level(logging.WARNING, logger="tierps.server"):
+            assert code(old) is grpc.StatusCode.OK
+            run(1)
+            new = (secrets / ROTATION_MARK).read_text().strip()
+            assert new != old and mode(secrets / ROTATION_MARK) == 0o600
+            settles(new, grpc.StatusCode.OK)
+            assert code(old) is grpc.StatusCode.OK
+            assert "tokens file" in caplog.text and "changed: 4 tokens now" in caplog.text
+            run(3)
+            settles(old, grpc.StatusCode.UNAUTHENTICATED)
+            assert code(new) is grpc.StatusCode.OK
+    finally:
+        channel.close()
+        server.stop()
+    assert (secrets / "trainer_token").read_text().strip() == new
+    assert not (secrets / ROTATION_MARK).exists()
+    for name, inode in inodes.items():  # in place: what compose's bind mount sees
+        assert (secrets / name).stat().st_ino == inode and mode(secrets / name) == 0o640, name
+    assert len((secrets / "tokens").read_text().split()) == 3
+    assert old not in caplog.text and new not in caplog.text

@@ -196,7 +196,6 @@ def _torchrec() -> SimpleNamespace | None:
     try:
         from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
         from torchrec.sparse.jagged_tensor import KeyedTensor
-        from torchrec.types import DataType
     except ModuleNotFoundError as error:
         if (error.name or "").split(".")[0] == "torchrec":
             return None
@@ -205,7 +204,6 @@ def _torchrec() -> SimpleNamespace | None:
         KeyedTensor=KeyedTensor,
         EmbeddingBagConfig=EmbeddingBagConfig,
         PoolingType=PoolingType,
-        DataType=DataType,
     )
 
 

@@ -60,7 +60,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from types import TracebackType
+from types import SimpleNamespace, TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -76,11 +76,19 @@ from tierps.client.embedding import (
     _PreparedHost,
     _PreparedPooling,
 )
+from tierps.client.initial_rows import InitialRows
 from tierps.client.pooling import Combiner
+from tierps.storage import TableConfig, init, optim
 
 if TYPE_CHECKING:
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
     from tierps.client.distributed import TrainerGroup
 
+# embedding_bag_configs()' num_embeddings of a hashed table, which takes any key >= 0: the
+# largest int64 (the key count, 2**63, does not fit the int64 TorchRec may store it in).
+HASHED_NUM_EMBEDDINGS = 2**63 - 1
 MAX_PREFETCHED = 4  # prefetched batches kept for their forward; older ones are dropped
 STALENESS = (0, 1)  # the schedules a module offers (see the module docstring)
 
@@ -179,6 +187,41 @@ _PIPELINED: weakref.WeakKeyDictionary[EmbeddingClient, weakref.WeakValueDictiona
 _PIPELINED_LOCK = threading.Lock()
 
 
+@functools.cache
+def _torchrec() -> SimpleNamespace | None:
+    """The TorchRec classes this module uses, or None where torchrec is not installed.
+    Imported on first use (a KeyedJaggedTensor batch, a TorchRec config), so that neither
+    `import tierps.client` nor this module imports it; a torchrec that is installed but
+    fails to import raises."""
+    try:
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+        from torchrec.sparse.jagged_tensor import KeyedTensor
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] == "torchrec":
+            return None
+        raise
+    return SimpleNamespace(
+        KeyedTensor=KeyedTensor,
+        EmbeddingBagConfig=EmbeddingBagConfig,
+        PoolingType=PoolingType,
+    )
+
+
+def _require_torchrec(what: str) -> SimpleNamespace:
+    torchrec = _torchrec()
+    if torchrec is None:
+        raise ImportError(
+            f"EmbeddingBagCollection.{what} expected torchrec to be installed, but it is not "
+            f"(pip install --no-deps torchrec fbgemm-gpu-cpu; see .ci/run for the pins)"
+        )
+    return torchrec
+
+
+# TorchRec's pooling (PoolingType's value) <-> tierps' combiner; TorchRec has no sqrtn.
+_COMBINER_OF_POOLING = {"SUM": Combiner.SUM, "MEAN": Combiner.MEAN}
+_POOLING_OF_COMBINER = {combiner: pooling for pooling, combiner in _COMBINER_OF_POOLING.items()}
+
+
 def jagged_features(
     batch: Mapping[str, FeatureBatch] | Any, include_last_offset: bool = False
 ) -> Mapping[str, FeatureBatch]:
@@ -222,10 +265,12 @@ def jagged_features(
 
 
 class KeyedPooled:
-    """Pooled rows of several features in torchrec's KeyedTensor conventions: values() is
-    one tensor [B, sum of the features' dims], the features side by side in keys() order;
-    to_dict() (and [key]) give each feature's [B, dim] slice of it. Code written against
-    torchrec.EmbeddingBagCollection's output runs on it unchanged."""
+    """Pooled rows of several features in torchrec's KeyedTensor conventions, the output of
+    a KeyedJaggedTensor batch where torchrec is not installed (where it is, the output is
+    torchrec's own KeyedTensor): values() is one tensor [B, sum of the features' dims], the
+    features side by side in keys() order; to_dict() (and [key]) give each feature's
+    [B, dim] slice of it. KeyedTensor's other methods (regroup, to, record_stream, ...) are
+    torchrec's alone."""
 
     def __init__(self, keys: list[str], outputs: list[torch.Tensor]) -> None:
         self._keys = list(keys)
@@ -259,16 +304,31 @@ class KeyedPooled:
         return f"KeyedPooled(keys={self._keys}, dims={self._length_per_key}, values {shape})"
 
 
+def _keyed(keys: list[str], outputs: list[torch.Tensor]) -> KeyedTensor | KeyedPooled:
+    """The outputs side by side as torchrec's KeyedTensor, or a KeyedPooled where torchrec
+    is not installed."""
+    torchrec = _torchrec()
+    if torchrec is None:
+        return KeyedPooled(keys, outputs)
+    values = torch.cat(outputs, dim=1) if outputs else torch.empty(0, 0)
+    lengths = [int(output.shape[1]) for output in outputs]
+    return torchrec.KeyedTensor(keys=list(keys), length_per_key=lengths, values=values)
+
+
 class EmbeddingBagCollection(nn.Module):
     """Pooled embeddings of several features, each bound to a table of the cluster.
 
     forward(batch) takes a dict feature name -> that feature's bags (a dense -1-padded
     tensor [..., nnz], (values, offsets), (values, offsets, per_sample_weights), or a COO;
     tensors or numpy arrays) and returns a dict feature name -> pooled tensor; or a torchrec
-    KeyedJaggedTensor (read through its public methods: torchrec need not be installed),
-    and then returns a KeyedPooled, torchrec's KeyedTensor conventions (keys(), values(),
-    to_dict()), so that code written for torchrec.EmbeddingBagCollection runs on this one
-    with only its import changed.
+    KeyedJaggedTensor, and then returns torchrec's KeyedTensor of the features, in
+    `features` order (a KeyedPooled, its conventions, where torchrec is not installed).
+
+    A drop-in for torchrec.EmbeddingBagCollection: from_torchrec(client, tables, ...) makes
+    the module, and its tables on the cluster, from TorchRec's EmbeddingBagConfigs, and
+    embedding_bag_configs() describes its tables as those, so that TorchRec's models (DLRM,
+    SparseArch) take it in place of theirs. torchrec stays optional: it is imported on first
+    use, never by `import tierps.client`.
 
     staleness: 0 (synchronous, the default) or 1 (a prefetched lookup may miss the one push
     before it); see the module docstring. pipeline(loader) yields the loader's batches,
@@ -332,6 +392,130 @@ class EmbeddingBagCollection(nn.Module):
     @_held.setter
     def _held(self, held: tuple[dict[str, Any], int | None] | None) -> None:
         self._held_slot[0] = held
+
+    # -- TorchRec's configs --------------------------------------------------------------------
+
+    @classmethod
+    def from_torchrec(
+        cls,
+        client: EmbeddingClient,
+        tables: Sequence[EmbeddingBagConfig],
+        *,
+        optimizer: optim.Optimizer,
+        initializer: init.Initializer | None = None,
+        initial: Mapping[str, InitialRows | torch.Tensor | np.ndarray] | None = None,
+        table_options: Mapping[str, Any] | None = None,
+        include_last_offset: bool = False,
+        device: str | torch.device | None = None,
+        staleness: int = 0,
+    ) -> EmbeddingBagCollection:
+        """The module of TorchRec's EmbeddingBagCollection(tables=tables), its tables made on
+        the cluster: one tierps table per config (its name and embedding_dim; created if
+        missing, kept if there with the same config), one feature per name of its
+        feature_names (the table's name where none, as TorchRec does), pooled as its pooling
+        says (SUM or MEAN).
+
+        optimizer: every table's (the shards apply it at backward). initializer: every
+        table's; None gives each table TorchRec's default, uniform in [weight_init_min,
+        weight_init_max] (+-sqrt(1 / num_embeddings) where not set; a config's init_fn is
+        not read). initial: table name -> its first rows, (keys, values) or a file as
+        EmbeddingClient.create_table takes, or a matrix [n, dim] whose row i is key i's (a
+        TorchRec table's weight). table_options: more TableConfig fields for every table
+        (host_cache_bytes, use_hashtable, ...). The other arguments are the constructor's.
+
+        The tables are hashed (unless table_options say otherwise): they take any key >= 0,
+        not only those below num_embeddings."""
+        given = list(tables)
+        rows = dict(initial or {})
+        names = [config.name for config in given]
+        unknown = sorted(set(rows) - set(names))
+        if unknown:
+            raise ValueError(
+                f"EmbeddingBagCollection.from_torchrec: initial expected rows of the tables "
+                f"{names}, got rows of {unknown} too"
+            )
+        features: list[Feature] = []
+        table_of: dict[str, str] = {}
+        made: list[tuple[TableConfig, Any]] = []
+        for config in given:
+            where = f"EmbeddingBagCollection.from_torchrec: table {config.name!r}"
+            pooling, data_type = _enum_value(config.pooling), _enum_value(config.data_type)
+            if pooling not in _COMBINER_OF_POOLING:
+                raise ValueError(
+                    f"{where}: pooling expected PoolingType.SUM or PoolingType.MEAN, got "
+                    f"PoolingType.{pooling} (unpooled rows are TorchRec's EmbeddingCollection, "
+                    f"not this module)"
+                )
+            if data_type != "FP32":
+                raise ValueError(
+                    f"{where}: data_type expected DataType.FP32 (tierps trains float32 rows), "
+                    f"got DataType.{data_type}"
+                )
+            for name in config.feature_names or [config.name]:
+                if name in table_of:
+                    raise ValueError(
+                        f"{where}: feature {name!r} expected in one table, got it in "
+                        f"{table_of[name]!r} too (tierps names a feature's output by the "
+                        f"feature alone)"
+                    )
+                table_of[name] = config.name
+                features.append(Feature(name, config.name, _COMBINER_OF_POOLING[pooling]))
+            table_init = initializer
+            if table_init is None:
+                low, high = config.get_weight_init_min(), config.get_weight_init_max()
+                table_init = init.Uniform(low, high)
+            table = TableConfig(
+                config.name,
+                config.embedding_dim,
+                initializer=table_init,
+                optimizer=optimizer,
+                **dict(table_options or {}),
+            )
+            made.append((table, _initial_rows(rows.get(config.name))))
+        for table, first_rows in made:  # every config checked before any table is made
+            client.create_table(table, initial=first_rows)
+        return cls(
+            client,
+            features,
+            include_last_offset=include_last_offset,
+            device=device,
+            staleness=staleness,
+        )
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        """The module's tables as TorchRec's EmbeddingBagConfigs, as TorchRec's models read
+        them: one per table, in the order `features` first names them, with its name and
+        embedding_dim, its features' names (feature_names) and their pooling (SUM or MEAN).
+        num_embeddings: a table of use_hashtable=False, its capacity; a hashed table takes
+        any key >= 0, so HASHED_NUM_EMBEDDINGS (the largest int64). A table whose features
+        pool with sqrtn, or with different combiners, has no config and is refused."""
+        torchrec = _require_torchrec("embedding_bag_configs()")
+        by_table: dict[str, list[Feature]] = {}
+        for feature in self.features:
+            by_table.setdefault(feature.table, []).append(feature)
+        configs = []
+        for table, features in by_table.items():
+            combiners = sorted({str(feature.combiner) for feature in features})
+            pooling = _POOLING_OF_COMBINER.get(features[0].combiner)
+            if len(combiners) > 1 or pooling is None:
+                named = {feature.name: str(feature.combiner) for feature in features}
+                raise ValueError(
+                    f"EmbeddingBagCollection.embedding_bag_configs(): table {table!r} expected "
+                    f"its features to pool with one combiner, sum or mean (TorchRec's "
+                    f"PoolingType.SUM / MEAN), got {named}"
+                )
+            config = self.client.table_config(table)
+            hashed = config.use_hashtable
+            configs.append(
+                torchrec.EmbeddingBagConfig(
+                    num_embeddings=HASHED_NUM_EMBEDDINGS if hashed else config.capacity,
+                    embedding_dim=config.dim,
+                    name=table,
+                    feature_names=[feature.name for feature in features],
+                    pooling=torchrec.PoolingType(pooling),
+                )
+            )
+        return configs
 
     # -- the background thread ---------------------------------------------------------------
 
@@ -576,15 +760,15 @@ class EmbeddingBagCollection(nn.Module):
 
     def forward(
         self, batch: Mapping[str, FeatureBatch] | Any
-    ) -> dict[str, torch.Tensor] | KeyedPooled:
+    ) -> dict[str, torch.Tensor] | KeyedTensor | KeyedPooled:
         """The pooled rows of each feature of the batch: a dict feature name -> tensor for a
-        dict batch; for a torchrec KeyedJaggedTensor, a KeyedPooled (torchrec's KeyedTensor
-        conventions: keys(), values() [B, sum of dims], to_dict()), as
-        torchrec.EmbeddingBagCollection returns."""
+        dict batch; for a torchrec KeyedJaggedTensor, torchrec's KeyedTensor (keys() in
+        `features` order, values() [B, sum of dims]), as torchrec.EmbeddingBagCollection
+        returns; a KeyedPooled, with its conventions, where torchrec is not installed."""
         pooled = self._forward((batch,), batch)
         if isinstance(batch, Mapping):
             return pooled
-        return KeyedPooled(self._names, [pooled[name] for name in self._names])
+        return _keyed(self._names, [pooled[name] for name in self._names])
 
     def _forward(
         self, key: tuple[Any, ...], batch: Mapping[str, FeatureBatch]
@@ -751,6 +935,21 @@ def pipeline(
             _collection(module)._wait_for_pushes()
     for module, _ in modules:
         module.flush()
+
+
+def _enum_value(value: Any) -> str:
+    """An enum member's value (TorchRec's PoolingType, DataType), or the value given."""
+    return str(getattr(value, "value", value))
+
+
+def _initial_rows(rows: InitialRows | torch.Tensor | np.ndarray | None) -> InitialRows | None:
+    """from_torchrec's initial rows as create_table takes them: a matrix [n, dim] (a
+    TorchRec table's weight) is the rows of keys 0..n-1."""
+    if isinstance(rows, torch.Tensor):
+        rows = rows.detach().cpu().numpy()
+    if isinstance(rows, np.ndarray):
+        return np.arange(rows.shape[0] if rows.ndim else 0), rows
+    return rows
 
 
 def _collection(module: PipelinedModule) -> EmbeddingBagCollection:

@@ -1,14 +1,12 @@
-"""EmbeddingBagCollection with torchrec's conventions: a KeyedJaggedTensor in, a
-KeyedTensor-like (KeyedPooled) out, against torch.nn.functional.embedding_bag and a torch
-SGD step as the oracle, on two real in-process shards.
-
-torchrec does not install here without CUDA wheels (torchrec 1.9.2 requires fbgemm-gpu, the
-CUDA build), so the KeyedJaggedTensor is torchrec's own class where torchrec imports, else
-the stand-in tests/integration/torchrec_standin.py, which reproduces the public methods the
-module reads."""
+"""EmbeddingBagCollection with torchrec's conventions: torchrec's KeyedJaggedTensor in, its
+KeyedTensor out, against torch.nn.functional.embedding_bag and a torch SGD step as the
+oracle, on two real in-process shards; and the lighter KeyedPooled output where torchrec is
+not installed."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -16,17 +14,12 @@ import pytest
 import torch
 
 from tierps.client import EmbeddingClient, Feature, TableConfig, optim
+from tierps.client import torch as tierps_torch
 from tierps.client.torch import EmbeddingBagCollection, KeyedPooled
 from tierps.server.daemon import ShardServer
 
-try:
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    KJT_SOURCE = "torchrec"
-except ImportError:
-    from tests.integration.torchrec_standin import KeyedJaggedTensor
-
-    KJT_SOURCE = "stand-in"
+pytest.importorskip("torchrec", reason="the batches are torchrec's KeyedJaggedTensors")
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor  # noqa: E402
 
 DIMS = {"users": 4, "genres": 3}
 ROWS = 10
@@ -52,7 +45,7 @@ def test_kjt_in_keyed_tensor_out_matches_torch(
             client, [Feature("user", "users"), Feature("genres", "genres")]
         )
         out = ebc(kjt)
-        assert isinstance(out, KeyedPooled), KJT_SOURCE
+        assert isinstance(out, KeyedTensor)
         assert out.keys() == ["user", "genres"] and out.length_per_key() == [4, 3]
         assert out.offset_per_key() == [0, 4, 7] and out.key_dim() == 1
 
@@ -83,6 +76,15 @@ def test_kjt_in_keyed_tensor_out_matches_torch(
             got = client.lookup(table, np.arange(ROWS), create=False)
             np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5, err_msg=table)
 
+        # KeyedTensor's own methods: a key in two groups, a move, the size
+        with torch.no_grad():
+            kept = ebc(kjt)
+        groups = KeyedTensor.regroup([kept], [["user", "genres"], ["genres"]])
+        torch.testing.assert_close(groups[1], kept["genres"], rtol=0, atol=0)
+        torch.testing.assert_close(groups[0], kept.values(), rtol=0, atol=0)
+        assert kept.to(torch.device("cpu")).device() == kept.device() == torch.device("cpu")
+        assert kept.size_in_bytes() == kept.values().numel() * 4
+
         # made from offsets instead of lengths: the same bags; no grad: nothing pushed
         again = KeyedJaggedTensor(["user", "genres"], values, weights, offsets=kjt.offsets())
         with torch.no_grad():
@@ -102,3 +104,41 @@ def test_a_kjt_with_a_key_not_a_feature_or_the_wrong_offsets_is_refused(
             ebc(stray)
         with pytest.raises(TypeError, match="KeyedJaggedTensor"):
             ebc([torch.tensor([1])])
+
+
+def test_without_torchrec_a_kjt_gives_a_keyed_pooled(
+    shard_server: Callable[..., ShardServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrec made unimportable (None for its modules in sys.modules: importing them then
+    raises ModuleNotFoundError, as where it is not installed): the output is a KeyedPooled, and
+    asking for TorchRec's configs says torchrec is missing."""
+    server = shard_server()
+    kjt = KeyedJaggedTensor(["user"], torch.tensor([3, 1, 2]), lengths=torch.tensor([2, 1]))
+    with EmbeddingClient([f"127.0.0.1:{server.port}"]) as client:
+        client.create_table(TableConfig("users", 4))
+        ebc = EmbeddingBagCollection(client, [Feature("user", "users", "mean")])
+        with torch.no_grad():
+            want = ebc(kjt)
+        for name in [name for name in sys.modules if name.split(".")[0] == "torchrec"]:
+            monkeypatch.setitem(sys.modules, name, None)
+        tierps_torch._torchrec.cache_clear()
+        try:
+            with torch.no_grad():
+                out = ebc(kjt)
+            with pytest.raises(ImportError, match="expected torchrec to be installed"):
+                ebc.embedding_bag_configs()
+        finally:
+            monkeypatch.undo()
+            tierps_torch._torchrec.cache_clear()
+        assert isinstance(out, KeyedPooled) and out.keys() == ["user"]
+        assert out.length_per_key() == [4] and out.offset_per_key() == [0, 4]
+        torch.testing.assert_close(out.values(), want.values(), rtol=0, atol=0)
+        torch.testing.assert_close(out["user"], want["user"], rtol=0, atol=0)
+
+
+def test_importing_the_client_does_not_import_torchrec() -> None:
+    code = (
+        "import sys, tierps.client, tierps.client.torch; "
+        "assert 'torchrec' not in sys.modules, 'torchrec imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -251,6 +251,16 @@ class LocalCluster:
             self._logs[shard_id] = None
         return process.returncode
 
+    def exited(self) -> list[tuple[int, int, int, Path]]:
+        """The shards whose daemon exited on its own since it started (a crash, kill -9):
+        (shard id, pid, exit code - negative: the signal that ended it -, log file). Polling
+        reaps them; stop_shard or stop still forgets them."""
+        found = []
+        for shard_id, process in enumerate(self._processes):
+            if process is not None and process.poll() is not None:
+                found.append((shard_id, process.pid, process.returncode, self._paths(shard_id)[2]))
+        return found
+
     def start(self) -> LocalCluster:
         """Start every shard at once (nothing is started if any data dir is in use) and wait
         until each serves; on a failure, stop them all."""

@@ -484,23 +484,27 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"tierps demo: {problem}", file=sys.stderr)
         return 2
-    try:
-        import torch  # the demo's one extra requirement
-    except ImportError:
-        print(f"tierps demo needs torch (the `torch` extra): {TORCH_INSTALL}", file=sys.stderr)
-        return 1
-    # Two intra-op threads on a core the shards also want stall torch's parallel regions
-    # (a 2-core machine ran an epoch ~40x slower): leave the shards their cores.
-    torch.set_num_threads(args.torch_threads or default_torch_threads(args.shards))
     from tierps.client.admin import ShardError
-    from tierps.demo.data import DatasetUnavailableError, load_dataset
 
     with _on_interrupt():
         try:
-            problem = _check_given_cluster(args)  # before the dataset's seconds of loading
+            problem = _check_given_cluster(args)  # before the seconds torch and the data take
             if problem:
                 print(f"tierps demo: {problem}", file=sys.stderr)
                 return 1
+            try:
+                import torch  # the demo's one extra requirement
+            except ImportError:
+                print(
+                    f"tierps demo needs torch (the `torch` extra): {TORCH_INSTALL}",
+                    file=sys.stderr,
+                )
+                return 1
+            # Two intra-op threads on a core the shards also want stall torch's parallel
+            # regions (a 2-core machine ran an epoch ~40x slower): leave the shards their cores.
+            torch.set_num_threads(args.torch_threads or default_torch_threads(args.shards))
+            from tierps.demo.data import DatasetUnavailableError, load_dataset
+
             started = time.perf_counter()
             try:
                 dataset = load_dataset(args.dataset, seed=args.seed, samples=args.samples)
@@ -583,7 +587,7 @@ def _check_given_cluster(args: argparse.Namespace) -> str | None:
     try:  # None: ClusterAdmin reads $TIERPS_ADDRESSES itself, and names it in its errors
         admin = ClusterAdmin(args.addresses or None, security=security.from_args(args))
     except ValueError as error:
-        return str(error)
+        return str(error).removeprefix("ClusterAdmin: ")  # the demo names itself
     with admin:
         admin.list_tables()
     return None

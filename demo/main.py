@@ -770,6 +770,10 @@ def _train_with_client(
         client, dataset, dim=args.dim, seed=args.seed, optimizer=optimizer,
         host_cache_bytes=host_mb << 20, drop_others=cluster is not None,
     )  # fmt: skip
+    if cluster is not None:  # its own snapshot dir, no save running: what a crash left
+        left = client.gc_snapshots()
+        if left:
+            print(f"removed {len(left)} incomplete snapshot path(s) an earlier run left")
     work.snapshots_before = {snapshot["name"] for snapshot in client.list_snapshots()}
     # Snapshots are pruned on either cluster: in the demo's own snapshot dir, or through the
     # calls of a running cluster's shards (only the demo's own names are ever deleted).

@@ -98,6 +98,22 @@ def test_on_a_running_cluster_replace_trains_and_its_snapshots_are_pruned(
     assert not (tmp_path / "data" / "demo-cluster-2").exists()  # no cluster of its own
 
 
+def test_on_a_running_cluster_job_checkpoints_are_pruned_there(
+    tmp_path: Path, shard_server: Callable[..., ShardServer]
+) -> None:
+    servers = [shard_server(i, 2, snapshot_dir=tmp_path / "theirs") for i in range(2)]
+    addresses = ",".join(f"127.0.0.1:{server.port}" for server in servers)
+    data_dir = tmp_path / "data"
+    for run in (1, 2):  # 2 checkpoints a job (its start, its epoch); 1 kept after each
+        result = run_demo(*TINY, "--trainers", "1", "--replace", "--data-dir", str(data_dir),
+                          cwd=tmp_path, addresses=addresses)  # fmt: skip
+        assert result.returncode == 0, f"run {run}:\n{result.stdout}\n{result.stderr}"
+    assert "deleted 2 older job checkpoint(s) (--keep-snapshots 1)" in result.stdout
+    (kept,) = data_dir.glob("checkpoints/*/*.pt")
+    with EmbeddingClient(addresses.split(",")) as client:
+        assert [s["name"] for s in client.list_snapshots()] == [kept.stem]
+
+
 def test_stale_addresses_fail_fast_with_a_hint(tmp_path: Path) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -121,8 +137,12 @@ def test_the_demo_cluster_keeps_only_the_tables_of_the_dataset_it_trains(tmp_pat
     ):  # an earlier run's table of the other dataset
         client.create_table(TableConfig(data.MOVIELENS_TABLE, 17))
         client.lookup(data.MOVIELENS_TABLE, np.arange(5000))
+    crashed = data_dir / "snapshots" / "ckpt-step0000000063-0123abcd" / "0123abcd"
+    crashed.mkdir(parents=True)  # a save a killed run left: no manifest
+    (crashed / "part-00000-of-00002.json").write_text("{}")
     result = run_demo(*TINY, "--data-dir", str(data_dir), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "removed 1 incomplete snapshot path(s) an earlier run left" in result.stdout
     (snapshot,) = (data_dir / "snapshots").iterdir()
     with (
         LocalCluster(2, data_dir / "demo-cluster-2", data_dir / "snapshots") as cluster,

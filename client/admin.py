@@ -25,12 +25,34 @@ T = TypeVar("T")
 Progress = Callable[[int, int], None]  # (rows done, rows in all) across the cluster
 
 
+def connect_hint(code: grpc.StatusCode, details: str) -> str:
+    """What to check when a call could not connect (gRPC's UNAVAILABLE details say only how
+    the connection failed), or "" for any other failure."""
+    if code is not grpc.StatusCode.UNAVAILABLE:
+        return ""
+    if "Socket closed" in details or "handshake" in details.lower():
+        return (
+            "the shard closed the connection while it was being set up: does it serve TLS? "
+            "Then give the client its CA (--tls-ca or $TIERPS_TLS_CA, and with mutual TLS "
+            "--tls-client-cert/--tls-client-key); else check that a tierps shard listens there"
+        )
+    if "Connection refused" in details or "failed to connect" in details:
+        return (
+            "nothing accepts connections at this address: is the shard running? A cluster "
+            "restarted since has new ports: take its addresses again from its data dir's "
+            "`addresses` file or the export line `tierps cluster` prints"
+        )
+    return ""
+
+
 class ShardError(RuntimeError):
     """A shard refused a call or could not be reached; names the shard and its address.
     `code` is the gRPC status code."""
 
     def __init__(self, shard_id: int, address: str, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"shard {shard_id} at {address}: {code.name}: {details}")
+        hint = connect_hint(code, details)
+        told = f"shard {shard_id} at {address}: {code.name}: {details}"
+        super().__init__(f"{told} ({hint})" if hint else told)
         self.shard_id = shard_id
         self.address = address
         self.code = code

@@ -122,6 +122,11 @@ def _bytes(n: float) -> str:
     return f"{n / 2**10:,.1f} KiB" if n < 2**20 else _mb(int(n))
 
 
+def _hit_rate(tier: dict[str, Any]) -> str:
+    """A tier's hit rate, or "-" before any lookup reached it (as `top` shows it)."""
+    return f"{tier['hit_rate']:.1%}" if tier["hits"] + tier["misses"] else "-"
+
+
 def _count(name: str) -> Callable[[dict[str, float]], str]:
     return lambda figures: f"{figures[name]:,.0f}"
 
@@ -300,7 +305,9 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
             if not args.json:
                 verb = "created" if created else "exists already, with this config,"
                 rows = f", initial rows from {args.init}" if args.init is not None else ""
-                print(f"table {config.name!r} {verb} on {len(admin.addresses)} shards{rows}")
+                shards = len(admin.addresses)
+                where = f"{shards} shard" + ("" if shards == 1 else "s")
+                print(f"table {config.name!r} {verb} on {where}{rows}")
         return results[0] if len(results) == 1 else results
     if args.action == "tables":
         configs = [c.to_dict() for c in admin.list_tables()]
@@ -329,7 +336,7 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
                 [
                     [s["shard_id"], t["name"], f"{t['rows']:,}", _mb(t["bytes"]),
                      _mb(t["scratch_bytes"]), f"{t['hits']:,}", f"{t['misses']:,}",
-                     f"{t['hit_rate']:.1%}"]
+                     _hit_rate(t)]
                     for s in shards for t in s["tiers"]
                 ],
             )  # fmt: skip
@@ -353,7 +360,7 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
                 [
                     [s["shard_id"], t["config"]["name"], tier["name"], f"{tier['rows']:,}",
                      _mb(tier["bytes"]), f"{tier['hits']:,}", f"{tier['misses']:,}",
-                     f"{tier['hit_rate']:.1%}"]
+                     _hit_rate(tier)]
                     for s in shards for t in s["tables"] for tier in t["tiers"]
                 ],
             )  # fmt: skip

@@ -7,8 +7,9 @@ local cluster, and report what happened.
                 [--trainers N [--mode sync|async] [--staleness K]]
 
 It starts a LocalCluster (shards under <data-dir>/demo-cluster-<shards>, snapshots under
-<data-dir>/snapshots), drops the demo's tables left by an earlier run and creates them
-afresh, trains with a progress bar, prints per epoch the train and test logloss and AUC,
+<data-dir>/snapshots), drops the tables left by an earlier run (any dataset's) and creates
+this dataset's afresh (on a running cluster given instead, it drops its own tables only
+with --replace), trains with a progress bar, prints per epoch the train and test logloss and AUC,
 samples/s and each tier's hit rate, saves a snapshot, and stops the cluster. With --trainers
 N, N data-parallel trainers under torchrun train instead (tierps.demo.trainers), each on its
 share of every batch, saving a job checkpoint after each epoch.
@@ -26,8 +27,9 @@ import contextlib
 import itertools
 import os
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -131,9 +133,12 @@ def create_tables(
     seed: int = 0,
     optimizer: SparseOptimizer | None = None,
     host_cache_bytes: int = 64 << 20,
+    drop_others: bool = False,
 ) -> list[str]:
     """Create the dataset's tables on the cluster, dropping any left by an earlier run
-    (whatever their config). Returns their names."""
+    (whatever their config). drop_others: drop every other table too (the demo's own
+    cluster: a table of another dataset's run would fill every snapshot). Returns their
+    names."""
     from tierps.demo.deepfm import SparseOptimizer, TierpsEmbeddings
 
     optimizer = optimizer or SparseOptimizer(lr=DEFAULT_LR)
@@ -141,11 +146,14 @@ def create_tables(
         dataset.features, dim, optimizer, seed=seed, host_cache_bytes=host_cache_bytes
     )
     existing = {config.name for config in client.list_tables()}
+    names = [config.name for config in configs]
+    for name in sorted(existing - set(names)) if drop_others else ():
+        client.drop_table(name)
     for config in configs:
         if config.name in existing:
             client.drop_table(config.name)
         client.create_table(config)
-    return [config.name for config in configs]
+    return names
 
 
 def build_tierps_model(
@@ -419,14 +427,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     security.add_arguments(parser)
     parser.add_argument(
         "--keep-snapshots", type=int, default=1,
-        help="after saving, keep this many of the dataset's newest demo snapshots in "
-        "<data-dir>/snapshots and delete the older ones; with --trainers, of the newest job "
-        "checkpoints in <data-dir>/checkpoints, each with its snapshot (0: keep all)",
+        help="after saving, keep this many of the dataset's newest demo snapshots on the "
+        "cluster (<data-dir>/snapshots on the demo's own) and delete the older ones; with "
+        "--trainers, of the newest job checkpoints in <data-dir>/checkpoints made on this "
+        "cluster, each with its snapshot (0: keep all)",
     )  # fmt: skip
     parser.add_argument(
         "--addresses",
         help="train on this running cluster (host:port, comma-separated, shard order) instead "
         "of starting one; default: $TIERPS_ADDRESSES when set",
+    )  # fmt: skip
+    parser.add_argument(
+        "--replace", action="store_true",
+        help="on a running cluster (--addresses, $TIERPS_ADDRESSES): drop the dataset's "
+        "tables there (movielens, synthetic.criteo) and create them afresh; without it the "
+        "demo refuses to touch a table it did not create",
     )  # fmt: skip
 
 
@@ -469,24 +484,131 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"tierps demo: {problem}", file=sys.stderr)
         return 2
-    try:
-        import torch  # the demo's one extra requirement
-    except ImportError:
-        print(f"tierps demo needs torch (the `torch` extra): {TORCH_INSTALL}", file=sys.stderr)
-        return 1
-    # Two intra-op threads on a core the shards also want stall torch's parallel regions
-    # (a 2-core machine ran an epoch ~40x slower): leave the shards their cores.
-    torch.set_num_threads(args.torch_threads or default_torch_threads(args.shards))
-    from tierps.demo.data import DatasetUnavailableError, load_dataset
+    from tierps.client.admin import ShardError
 
-    started = time.perf_counter()
+    with _on_interrupt():
+        try:
+            problem = _check_given_cluster(args)  # before the seconds torch and the data take
+            if problem:
+                print(f"tierps demo: {problem}", file=sys.stderr)
+                return 1
+            try:
+                import torch  # the demo's one extra requirement
+            except ImportError:
+                print(
+                    f"tierps demo needs torch (the `torch` extra): {TORCH_INSTALL}",
+                    file=sys.stderr,
+                )
+                return 1
+            # Two intra-op threads on a core the shards also want stall torch's parallel
+            # regions (a 2-core machine ran an epoch ~40x slower): leave the shards their cores.
+            torch.set_num_threads(args.torch_threads or default_torch_threads(args.shards))
+            from tierps.demo.data import DatasetUnavailableError, load_dataset
+
+            started = time.perf_counter()
+            try:
+                dataset = load_dataset(args.dataset, seed=args.seed, samples=args.samples)
+            except DatasetUnavailableError as error:
+                print(f"tierps demo: {error}", file=sys.stderr)
+                return 1
+            print(f"{dataset.describe()} (loaded in {time.perf_counter() - started:.1f} s)")
+            return _train_on_cluster(args, dataset, started)
+        except Interrupted as interrupted:
+            print(f"tierps demo: interrupted: {interrupted}", file=sys.stderr, flush=True)
+            return 130  # as a shell reports a process ended by SIGINT
+        except BaseException as error:
+            if INTERRUPTED.is_set():  # before a cluster was there to stop
+                print("tierps demo: interrupted", file=sys.stderr, flush=True)
+                return 130
+            if isinstance(error, (ShardError, ValueError)):
+                print(f"tierps demo: {error}", file=sys.stderr)
+                return 1
+            raise
+
+
+class Interrupted(Exception):
+    """Ctrl-C, after the demo cleaned up; the message says what it did."""
+
+
+# Set by the first SIGINT while `tierps demo` runs (_on_interrupt): any failure after it
+# (a pipeline whose shards stopped) is the interrupt's doing.
+INTERRUPTED = threading.Event()
+
+
+@contextlib.contextmanager
+def _on_interrupt() -> Iterator[None]:
+    """The first SIGINT raises KeyboardInterrupt; later ones are ignored, so the clean-up
+    it starts (stopping the cluster, removing a partial snapshot) runs to its end. Threads
+    failing meanwhile (a pipeline whose shards stopped) say nothing: the one line the demo
+    prints says what happened."""
+    import signal
+
+    INTERRUPTED.clear()
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread (a test calling run())
+        return
+
+    def handler(number: int, frame: Any) -> None:
+        if INTERRUPTED.is_set():
+            return
+        INTERRUPTED.set()
+        raise KeyboardInterrupt
+
+    def quiet(hook_args: threading.ExceptHookArgs) -> None:
+        if not INTERRUPTED.is_set():
+            previous_hook(hook_args)
+
+    previous, previous_hook = signal.signal(signal.SIGINT, handler), threading.excepthook
+    threading.excepthook = quiet
     try:
-        dataset = load_dataset(args.dataset, seed=args.seed, samples=args.samples)
-    except DatasetUnavailableError as error:
-        print(f"tierps demo: {error}", file=sys.stderr)
-        return 1
-    print(f"{dataset.describe()} (loaded in {time.perf_counter() - started:.1f} s)")
-    return _train_on_cluster(args, dataset, started)
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        threading.excepthook = previous_hook
+
+
+def _given_addresses(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The running cluster's addresses the demo was given, if any, and where they came
+    from (for messages)."""
+    from tierps.client.addresses import ADDRESSES_ENV
+
+    if args.addresses:
+        return args.addresses, "--addresses"
+    return os.environ.get(ADDRESSES_ENV) or None, f"${ADDRESSES_ENV}"
+
+
+def _check_given_cluster(args: argparse.Namespace) -> str | None:
+    """A running cluster given: reachable (one call, failing in a second or two), or what is
+    wrong with it. None without one."""
+    from tierps.client import ClusterAdmin, security
+
+    if _given_addresses(args)[0] is None:
+        return None
+    try:  # None: ClusterAdmin reads $TIERPS_ADDRESSES itself, and names it in its errors
+        admin = ClusterAdmin(args.addresses or None, security=security.from_args(args))
+    except ValueError as error:
+        return str(error).removeprefix("ClusterAdmin: ")  # the demo names itself
+    with admin:
+        admin.list_tables()
+    return None
+
+
+def _refuse_to_replace(
+    client: EmbeddingClient, dataset: CTRDataset, addresses: str, source: str
+) -> str | None:
+    """On a running cluster: the refusal to drop tables the demo did not create, or None."""
+    from tierps.demo.deepfm import _table_names
+
+    ours = _table_names(dataset.features)
+    there = sorted({config.name for config in client.list_tables()} & set(ours))
+    if not there:
+        return None
+    return (
+        f"the cluster at {addresses} (from {source}) has table(s) "
+        f"{', '.join(repr(name) for name in there)}: the demo would drop and create them "
+        f"afresh, losing their rows. Give --replace to let it, or train on the demo's own "
+        f"cluster (no --addresses, TIERPS_ADDRESSES unset)"
+    )
 
 
 def default_torch_threads(shards: int) -> int:
@@ -500,7 +622,6 @@ def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: fl
     import torch
 
     from tierps.client import EmbeddingClient, security
-    from tierps.client.addresses import ADDRESSES_ENV
     from tierps.demo.deepfm import SparseOptimizer
     from tierps.server.cluster import LocalCluster, server_security_args
 
@@ -516,7 +637,7 @@ def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: fl
     trainers = (
         f"{args.trainers} trainer(s) under torchrun, {args.mode}" if args.trainers else "1 trainer"
     )
-    addresses = args.addresses or os.environ.get(ADDRESSES_ENV) or None
+    addresses, source = _given_addresses(args)
     print(
         f"DeepFM dim {args.dim}, batch {batch_size}, {epochs} epoch(s), Adam lr {args.lr} "
         f"({trainers}; tables: on the shards, staleness {staleness}; dense: torch, "
@@ -528,63 +649,167 @@ def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: fl
     gpu_flags = ("--gpu-cache-mb", str(args.gpu_cache_mb)) if args.gpu_cache_mb else ()
     channel_security = security.from_args(args)
     server_flags = gpu_flags + server_security_args(args)
-    with (
-        (
-            contextlib.nullcontext(None)
-            if addresses
-            else LocalCluster(
-                args.shards,
-                cluster_dir,
-                snapshot_dir,
-                extra_args=server_flags,
-                security=channel_security,
-            )
-        ) as cluster,
-        EmbeddingClient(addresses or cluster.addresses, security=channel_security) as client,
-    ):
-        print(
-            ("the running cluster at " if cluster is None else "cluster serving at ")
-            + f"{', '.join(client.addresses)}; hit rates below count since "
-            f"the cluster started, evaluation lookups included: each tier's share of the keys "
-            f"the tier above missed (the last tier's misses are new rows)"
-        )
-        tables = create_tables(
-            client, dataset, dim=args.dim, seed=args.seed, optimizer=optimizer,
-            host_cache_bytes=host_mb << 20,
-        )  # fmt: skip
-        if args.trainers is not None:
-            ours = snapshot_dir if cluster is not None else None  # a running cluster's: not ours
-            return _train_with_torchrun(args, client, tables, epochs, batch_size, started, ours)
-        model = build_tierps_model(
-            client, dataset, dim=args.dim, seed=args.seed, staleness=staleness
-        )
+    # What an interrupt leaves to clean: the snapshots this run began (names), the job dir.
+    work = _Work()
+    try:
+        with (
+            (
+                contextlib.nullcontext(None)
+                if addresses
+                else LocalCluster(
+                    args.shards,
+                    cluster_dir,
+                    snapshot_dir,
+                    extra_args=server_flags,
+                    security=channel_security,
+                    own_session=True,  # Ctrl-C: the trainers stop first, then the shards
+                )
+            ) as cluster,
+            EmbeddingClient(addresses or cluster.addresses, security=channel_security) as client,
+        ):
+            try:
+                return _train_with_client(
+                    args, dataset, started, client, cluster, work,
+                    epochs=epochs, batch_size=batch_size, host_mb=host_mb, optimizer=optimizer,
+                    staleness=staleness, addresses=addresses, source=source,
+                )  # fmt: skip
+            except BaseException:
+                if not INTERRUPTED.is_set():
+                    raise
+                if cluster is None:  # the user's cluster runs on: remove what this run began
+                    removed = work.remove_partial_snapshots(client)
+                    raise Interrupted(
+                        f"the cluster at {addresses} is left running; " + _removed(removed)
+                    ) from None
+                raise
+    except Interrupted:
+        raise
+    except BaseException:  # the demo's own cluster, stopped: its snapshot dir is ours
+        if not INTERRUPTED.is_set():
+            raise  # a failure while the pipeline or the shards stopped is Ctrl-C's
+        from tierps.storage.snapshot import gc
 
-        def report(result: EpochResult) -> None:
-            print(
-                f"epoch {result.epoch}: train logloss {result.train_logloss:.4f} AUC "
-                f"{result.train_auc:.4f} | test logloss {result.test_logloss:.4f} AUC "
-                f"{result.test_auc:.4f} | {result.samples_per_s:,.0f} samples/s "
-                f"({result.train_seconds:.1f} s)",
-                flush=True,
-            )
-            print(f"  hit rates: {format_hit_rates(tier_hit_rates(client, tables))}", flush=True)
+        removed = [Path(path).name for path in gc(snapshot_dir)] if snapshot_dir.exists() else []
+        work.remove_empty_job_dir()
+        raise Interrupted("the demo's cluster stopped; " + _removed(removed)) from None
 
+
+def _removed(names: list[str]) -> str:
+    if not names:
+        return "no partial snapshot left"
+    return f"partial snapshot{'s' if len(names) > 1 else ''} removed: {', '.join(names)}"
+
+
+@dataclass
+class _Work:
+    """What a run began that an interrupt may leave half done."""
+
+    snapshots_before: set[str] | None = None  # the cluster's snapshots when training began
+    job_dir: Path | None = None  # --trainers: the job's checkpoint directory
+
+    def remove_partial_snapshots(self, client: EmbeddingClient) -> list[str]:
+        """Delete the incomplete snapshots of this run's names begun since training began
+        (best effort: a shard that cannot be reached keeps them for `snapshot gc`)."""
+        from tierps.client.admin import ShardError
+        from tierps.client.distributed import CHECKPOINT_PREFIX
+
+        if self.snapshots_before is None:
+            return []
+        removed = []
         try:
-            results = train(
-                model, dataset, epochs=epochs, batch_size=batch_size, lr=args.lr,
-                seed=args.seed, progress="train", on_epoch=report,
-            )  # fmt: skip
-        finally:
-            model.embeddings.close()  # its pushes are in before the snapshot
-        name = _snapshot_name(client, args.dataset)
-        saved = client.save_snapshot(name)
-        print(f"snapshot {saved['name']!r}: {saved['rows']:,} rows in {saved['path']}")
-        if cluster is not None and args.keep_snapshots:  # the cluster's own dir is not ours
-            pruned = prune_demo_snapshots(snapshot_dir, args.dataset, args.keep_snapshots)
-            if pruned:
-                print(f"deleted {len(pruned)} older demo snapshot(s) (--keep-snapshots "
-                      f"{args.keep_snapshots}): {', '.join(pruned)}")  # fmt: skip
-        rates = tier_hit_rates(client, tables)
+            for info in client.list_snapshots():
+                name = info["name"]
+                ours = name.startswith(("deepfm-", CHECKPOINT_PREFIX))
+                if not info["complete"] and ours and name not in self.snapshots_before:
+                    client.delete_snapshot(name)
+                    removed.append(name)
+        except ShardError:
+            pass
+        self.remove_empty_job_dir()
+        return removed
+
+    def remove_empty_job_dir(self) -> None:
+        """A job interrupted before its first checkpoint was written leaves an empty dir."""
+        import shutil
+
+        from tierps.client.distributed import CHECKPOINT_PREFIX
+
+        job = self.job_dir
+        if job is not None and job.is_dir() and not any(job.glob(f"{CHECKPOINT_PREFIX}*.pt")):
+            shutil.rmtree(job)
+
+
+def _train_with_client(
+    args: argparse.Namespace,
+    dataset: CTRDataset,
+    started: float,
+    client: EmbeddingClient,
+    cluster: Any,
+    work: _Work,
+    *,
+    epochs: int,
+    batch_size: int,
+    host_mb: int,
+    optimizer: SparseOptimizer,
+    staleness: int,
+    addresses: str | None,
+    source: str,
+) -> int:
+    print(
+        ("the running cluster at " if cluster is None else "cluster serving at ")
+        + f"{', '.join(client.addresses)}; hit rates below count since "
+        f"the cluster started, evaluation lookups included: each tier's share of the keys "
+        f"the tier above missed (the last tier's misses are new rows)"
+    )
+    if cluster is None and not args.replace:
+        refusal = _refuse_to_replace(client, dataset, str(addresses), source)
+        if refusal:
+            print(f"tierps demo: {refusal}", file=sys.stderr)
+            return 1
+    tables = create_tables(
+        client, dataset, dim=args.dim, seed=args.seed, optimizer=optimizer,
+        host_cache_bytes=host_mb << 20, drop_others=cluster is not None,
+    )  # fmt: skip
+    if cluster is not None:  # its own snapshot dir, no save running: what a crash left
+        left = client.gc_snapshots()
+        if left:
+            print(f"removed {len(left)} incomplete snapshot path(s) an earlier run left")
+    work.snapshots_before = {snapshot["name"] for snapshot in client.list_snapshots()}
+    # Snapshots are pruned on either cluster: in the demo's own snapshot dir, or through the
+    # calls of a running cluster's shards (only the demo's own names are ever deleted).
+    snapshots: Path | EmbeddingClient = client if cluster is None else cluster.snapshot_dir
+    if args.trainers is not None:
+        return _train_with_torchrun(
+            args, client, tables, epochs, batch_size, started, snapshots, work
+        )
+    model = build_tierps_model(client, dataset, dim=args.dim, seed=args.seed, staleness=staleness)
+
+    def report(result: EpochResult) -> None:
+        print(
+            f"epoch {result.epoch}: train logloss {result.train_logloss:.4f} AUC "
+            f"{result.train_auc:.4f} | test logloss {result.test_logloss:.4f} AUC "
+            f"{result.test_auc:.4f} | {result.samples_per_s:,.0f} samples/s "
+            f"({result.train_seconds:.1f} s)",
+            flush=True,
+        )
+        print(f"  hit rates: {format_hit_rates(tier_hit_rates(client, tables))}", flush=True)
+
+    try:
+        results = train(
+            model, dataset, epochs=epochs, batch_size=batch_size, lr=args.lr,
+            seed=args.seed, progress="train", on_epoch=report,
+        )  # fmt: skip
+    finally:
+        model.embeddings.close()  # its pushes are in before the snapshot
+    name = _snapshot_name(client, args.dataset)
+    saved = client.save_snapshot(name)
+    print(f"snapshot {saved['name']!r}: {saved['rows']:,} rows in {saved['path']}")
+    if args.keep_snapshots:
+        pruned = prune_demo_snapshots(snapshots, args.dataset, args.keep_snapshots)
+        if pruned:
+            print(f"deleted {len(pruned)} older demo snapshot(s) (--keep-snapshots "
+                  f"{args.keep_snapshots}): {', '.join(pruned)}")  # fmt: skip
+    rates = tier_hit_rates(client, tables)
     print(
         f"done in {time.perf_counter() - started:.1f} s: test AUC {results[-1].test_auc:.4f}, "
         f"{results[-1].samples_per_s:,.0f} samples/s; hit rates: {format_hit_rates(rates)}"
@@ -599,17 +824,19 @@ def _train_with_torchrun(
     epochs: int,
     batch_size: int,
     started: float,
-    snapshot_dir: Path | None,
+    snapshots: Path | EmbeddingClient,
+    work: _Work,
 ) -> int:
     """--trainers N: the ranks train (tierps.demo.trainers), checkpointing each epoch; then
-    all but the --keep-snapshots newest job checkpoints are deleted, with their snapshots in
-    snapshot_dir (None: the cluster's snapshots are not the demo's, nothing is deleted)."""
+    all but the --keep-snapshots newest job checkpoints made on this cluster are deleted,
+    with their snapshots (prune_job_checkpoints)."""
     import torch
 
     from tierps.demo.trainers import launch
 
     job = time.strftime(f"{job_prefix(args.dataset)}%Y%m%d-%H%M%S")
     checkpoint_dir = args.data_dir / "checkpoints" / job
+    work.job_dir = checkpoint_dir
     code = launch(
         args, client.addresses, epochs=epochs, batch_size=batch_size,
         staleness=staleness_of(args), checkpoint_dir=checkpoint_dir,
@@ -618,9 +845,9 @@ def _train_with_torchrun(
     if code != 0:
         print(f"tierps demo: the trainers failed (torchrun exit code {code})", file=sys.stderr)
         return 1
-    if snapshot_dir is not None and args.keep_snapshots:
+    if args.keep_snapshots:
         pruned = prune_job_checkpoints(
-            checkpoint_dir.parent, snapshot_dir, args.dataset, args.keep_snapshots
+            checkpoint_dir.parent, snapshots, args.dataset, args.keep_snapshots
         )
         if pruned:
             print(f"deleted {len(pruned)} older job checkpoint(s) (--keep-snapshots "
@@ -643,13 +870,28 @@ def prune_oldest(paths: Iterable[Path], keep: int, delete: Callable[[Path], Any]
     return [path.name for path in old]
 
 
-def prune_demo_snapshots(snapshot_dir: Path, dataset: str, keep: int) -> list[str]:
-    """Delete all but the `keep` newest of the dataset's demo snapshots (deepfm-<dataset>-*)
-    in snapshot_dir; the names deleted, oldest first."""
+def prune_demo_snapshots(snapshots: Path | EmbeddingClient, dataset: str, keep: int) -> list[str]:
+    """Delete all but the `keep` newest of the dataset's demo snapshots
+    (deepfm-<dataset>-<date>-<time>[-n]): in a snapshot dir (the demo's own cluster's), or
+    through a running cluster's snapshot calls (its complete ones, newest by commit time).
+    The names deleted, oldest first."""
+    import re
     import shutil
 
-    demo_snapshots = (p for p in snapshot_dir.glob(f"deepfm-{dataset}-*") if p.is_dir())
-    return prune_oldest(demo_snapshots, keep, shutil.rmtree)
+    demo_name = re.compile(rf"deepfm-{re.escape(dataset)}-\d{{8}}-\d{{6}}(?:-\d+)?")
+    if isinstance(snapshots, Path):
+        demo_snapshots = (p for p in snapshots.glob(f"deepfm-{dataset}-*") if p.is_dir())
+        return prune_oldest(demo_snapshots, keep, shutil.rmtree)
+    listed = [
+        info
+        for info in snapshots.list_snapshots()
+        if info["complete"] and demo_name.fullmatch(info["name"])
+    ]
+    newest_last = sorted(listed, key=lambda info: (info["created_unix"], info["name"]))
+    old = [info["name"] for info in newest_last[: max(0, len(newest_last) - keep)]]
+    for name in old:
+        snapshots.delete_snapshot(name)
+    return old
 
 
 def job_prefix(dataset: str) -> str:
@@ -658,27 +900,36 @@ def job_prefix(dataset: str) -> str:
 
 
 def prune_job_checkpoints(
-    checkpoints_dir: Path, snapshot_dir: Path, dataset: str, keep: int
+    checkpoints_dir: Path, snapshots: Path | EmbeddingClient, dataset: str, keep: int
 ) -> list[str]:
     """Delete all but the `keep` newest of the dataset's --trainers job checkpoints made on
-    this demo's own cluster: each <checkpoints_dir>/<job>/<id>.pt (written by
-    TrainerGroup.save_checkpoint) whose snapshot <snapshot_dir>/<id> is here. A checkpoint
-    whose snapshot is elsewhere (a cluster given with --addresses) is never counted nor
-    deleted. The .pt goes first, then its snapshot: a .pt always has its snapshot, even if
-    this stops halfway. A job directory of a deleted checkpoint left without any is removed
-    (its latest.json names a deleted one). Returns the ids deleted, oldest first."""
+    this cluster: each <checkpoints_dir>/<job>/<id>.pt (written by
+    TrainerGroup.save_checkpoint) whose snapshot <id> is on it - in `snapshots`, the demo's
+    own snapshot dir, or a running cluster's client. A checkpoint whose snapshot is
+    elsewhere (another cluster) is never counted nor deleted. The .pt goes first, then its
+    snapshot: a .pt always has its snapshot, even if this stops halfway. A job directory of
+    a deleted checkpoint left without any is removed (its latest.json names a deleted one).
+    Returns the ids deleted, oldest first."""
     import shutil
 
     from tierps.client.distributed import CHECKPOINT_PREFIX
 
+    if isinstance(snapshots, Path):
+        directory = snapshots
+        has_snapshot: Callable[[str], bool] = lambda name: (directory / name).is_dir()  # noqa: E731
+        delete_snapshot: Callable[[str], Any] = lambda name: shutil.rmtree(directory / name)  # noqa: E731
+    else:
+        names = {info["name"] for info in snapshots.list_snapshots() if info["complete"]}
+        has_snapshot, delete_snapshot = names.__contains__, snapshots.delete_snapshot
+
     def delete(checkpoint: Path) -> None:
         checkpoint.unlink()
-        shutil.rmtree(snapshot_dir / checkpoint.stem)
+        delete_snapshot(checkpoint.stem)
 
     checkpoints = [
         path
         for path in checkpoints_dir.glob(f"{job_prefix(dataset)}*/{CHECKPOINT_PREFIX}*.pt")
-        if (snapshot_dir / path.stem).is_dir()
+        if has_snapshot(path.stem)
     ]
     pruned = prune_oldest(checkpoints, keep, delete)
     emptied = {path.parent for path in checkpoints if not path.exists()}

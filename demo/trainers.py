@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +94,44 @@ def launch(
         threads=torch_threads,
         max_restarts=MAX_RESTARTS,
     )
-    return subprocess.run(command, env=environment, check=False).returncode
+    # Its own session: a Ctrl-C on the terminal reaches the demo, which ends the job
+    # (stop_job) instead of torchrun and each rank printing their tracebacks.
+    job = subprocess.Popen(command, env=environment, start_new_session=True)
+    try:
+        return job.wait()
+    except BaseException:
+        stop_job(job)
+        raise
+
+
+def stop_job(job: subprocess.Popen[bytes]) -> None:
+    """End a torchrun job at once, its ranks first (torchrun starts each in a session of
+    its own): torchrun is paused so it starts no rank meanwhile, then killed."""
+    if job.poll() is not None:
+        return
+    os.kill(job.pid, signal.SIGSTOP)
+    children: list[int] = []
+    for task in Path(f"/proc/{job.pid}/task").glob("*/children"):
+        try:
+            children += [int(pid) for pid in task.read_text().split()]
+        except OSError:
+            pass  # a thread that ended meanwhile
+    for pid in children:
+        for kill in (os.killpg, os.kill):  # its session's group; or it alone
+            try:
+                kill(pid, signal.SIGKILL)
+                break
+            except (ProcessLookupError, PermissionError):
+                continue
+    job.kill()
+    job.wait()
+    for pid in children:  # reaped by no one else once torchrun is gone: wait until gone
+        for _ in range(100):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
 
 
 def _parser() -> argparse.ArgumentParser:

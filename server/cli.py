@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -255,7 +256,11 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
     cluster = commands.add_parser(
         "cluster", help="run N shards on this machine until Ctrl-C",
         description="Start N shard daemons as subprocesses, wait until each is SERVING, print "
-        "their addresses, and stop them all gracefully on Ctrl-C or SIGTERM.",
+        "their addresses, and stop them all gracefully on Ctrl-C or SIGTERM. If a shard exits "
+        "on its own (a crash, kill -9), the cluster prints which (its pid, exit code or "
+        "signal, and log file), stops the other shards and exits with status 1: no shard "
+        "serves another's keys, so a cluster missing one is not left running; start it again "
+        "on the same --data-dir.",
     )  # fmt: skip
     cluster.add_argument("--shards", type=int, required=True, help="number of shards")
     cluster.add_argument(
@@ -315,6 +320,16 @@ def _cluster(args: argparse.Namespace) -> int:
         print(f"# also in {addresses_file}; for the client and tierps admin, in a shell:")
         print(f"export {ADDRESSES_ENV}={joined}", flush=True)
         while not stop:
+            died = cluster.exited()
+            if died:
+                for shard_id, pid, code, log_file in died:
+                    how = f"killed by {_signal_name(-code)}" if code < 0 else f"exit code {code}"
+                    print(
+                        f"tierps cluster: shard {shard_id} (pid {pid}) exited on its own "
+                        f"({how}); its log: {log_file}; stopping the other shards",
+                        file=sys.stderr, flush=True,
+                    )  # fmt: skip
+                return 1
             time.sleep(0.2)
         print("stopping...", flush=True)
     finally:
@@ -322,6 +337,13 @@ def _cluster(args: argparse.Namespace) -> int:
         if addresses_file.exists() and addresses_file.read_text().strip() == joined:
             addresses_file.unlink()  # only ours: a cluster stopped leaves no stale addresses
     return 0
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _add_storage_demo(commands: argparse._SubParsersAction) -> None:

@@ -100,6 +100,8 @@ class LocalCluster:
     server_security_args); `security` is what this process needs to check their health.
     base_port None binds free ports; otherwise shard i binds base_port + i. The daemons exit
     with the thread that started them (Linux), so none outlives a crashed parent.
+    own_session: the daemons run in sessions of their own, so a terminal's Ctrl-C reaches
+    only this process, which stops them when it chooses (after what still uses them).
     """
 
     def __init__(
@@ -115,6 +117,7 @@ class LocalCluster:
         stop_timeout_s: float = 30.0,
         extra_args: tuple[str, ...] = (),
         security: ChannelSecurity | None = None,
+        own_session: bool = False,
     ) -> None:
         if not isinstance(num_shards, int) or num_shards < 1:
             raise ValueError(f"LocalCluster: num_shards expected an int >= 1, got {num_shards!r}")
@@ -128,6 +131,7 @@ class LocalCluster:
         self.stop_timeout_s = stop_timeout_s
         self.extra_args = extra_args
         self.security = security  # how this process checks the shards' health (TLS)
+        self.own_session = own_session
         self.addresses: list[str] = []
         self.metrics_ports: list[int | None] = []
         self._processes: list[subprocess.Popen[bytes] | None] = [None] * num_shards
@@ -188,6 +192,7 @@ class LocalCluster:
                 stdout=log,
                 stderr=log,
                 env={**os.environ, PARENT_PID_ENV: str(os.getpid())},
+                start_new_session=self.own_session,
             )
         except BaseException:
             log.close()
@@ -250,6 +255,16 @@ class LocalCluster:
             log.close()
             self._logs[shard_id] = None
         return process.returncode
+
+    def exited(self) -> list[tuple[int, int, int, Path]]:
+        """The shards whose daemon exited on its own since it started (a crash, kill -9):
+        (shard id, pid, exit code - negative: the signal that ended it -, log file). Polling
+        reaps them; stop_shard or stop still forgets them."""
+        found = []
+        for shard_id, process in enumerate(self._processes):
+            if process is not None and process.poll() is not None:
+                found.append((shard_id, process.pid, process.returncode, self._paths(shard_id)[2]))
+        return found
 
     def start(self) -> LocalCluster:
         """Start every shard at once (nothing is started if any data dir is in use) and wait

@@ -249,7 +249,9 @@ class ShardServer:
                 "tls": self.config.tls_cert is not None,
                 "mutual_tls": self.config.tls_client_ca is not None,
                 "data_dir": str(self.config.data_dir),
-                "snapshot_dir": str(self.config.snapshot_dir),
+                "snapshot_dir": (  # JSON null when there is none, not "None"
+                    None if self.config.snapshot_dir is None else str(self.config.snapshot_dir)
+                ),
                 "tables": [c.name for c in self.shard.list_tables()],
             },
         )

@@ -79,6 +79,19 @@ def test_every_block_is_run_or_says_why_not() -> None:
             )
 
 
+def test_the_venv_is_activated_before_a_block_runs_bare_tierps_or_python() -> None:
+    """The first block makes .venv and calls .venv/bin/tierps; the later blocks call bare
+    `tierps` and `python`, found only in an activated venv: the text between says so."""
+    text = README.read_text()
+    blocks = list(BLOCK.finditer(text))
+    (setup,) = [m for m in blocks if "python3 -m venv .venv" in m["code"]]
+    bare = re.compile(r"^(?:tierps|python) ", re.M)
+    later = next(m for m in blocks if m.start() > setup.end() and (
+        m["lang"] == "python" or bare.search(m["code"])))  # fmt: skip
+    between = text[setup.end() : later.start()]
+    assert "source .venv/bin/activate" in between, between
+
+
 class Background:
     """A command started by a `background until` block: its output is read until it shows
     TEXT; stop() sends SIGINT (Ctrl-C) and returns its exit status."""

@@ -18,6 +18,8 @@ A block of any other language, or with an unknown marker, fails the test.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import selectors
@@ -150,7 +152,13 @@ def test_every_block_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyP
                     env["TIERPS_ADDRESSES"] = exported.group(1)
                     monkeypatch.setenv("TIERPS_ADDRESSES", exported.group(1))
             elif block.lang == "python":
-                exec(compile(block.code, block.where, "exec"), {"__name__": "__readme__"})
+                printed = io.StringIO()
+                with contextlib.redirect_stdout(printed):
+                    exec(compile(block.code, block.where, "exec"), {"__name__": "__readme__"})
+                assert printed.getvalue().strip(), (
+                    f"{block.where}: expected the block to print what it did (a reader cannot "
+                    f"tell it worked otherwise), got no output"
+                )
             else:
                 result = subprocess.run(
                     ["bash", "-e", "-o", "pipefail", "-c", block.code], cwd=tmp_path, env=env,

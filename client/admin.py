@@ -231,6 +231,9 @@ class ClusterAdmin:
         # the life, from Stats); its pushes carry them, and a shard refuses (ABORTED) a push
         # made against rows a snapshot load replaced since.
         self._generations: list[dict[str, int]] = [{} for _ in addresses]
+        # shards that refused this client Stats (a reader, on a shard older than readers'
+        # Stats): its calls go without a life there
+        self._life_denied: set[int] = set()
         # Channels without the interceptor, for the hot data calls: they pass what it adds
         # themselves (_metadata), as gRPC's interceptor machinery costs about 0.1-0.2 ms a call.
         self._plain_channels = [self.security.channel(address, options) for address in addresses]
@@ -264,11 +267,19 @@ class ClusterAdmin:
         """Learn the life of each of these shards not yet known (one Stats call each; every
         role may call it, a reader being answered the life and little else)."""
         for shard_id in shards:
-            if self._lives[shard_id] is None:
-                reply = self._on(
-                    shard_id,
-                    lambda i, stub: stub.Stats(pb.StatsRequest(), timeout=self.timeout_s),
-                )
+            if self._lives[shard_id] is None and shard_id not in self._life_denied:
+                try:
+                    reply = self._on(
+                        shard_id,
+                        lambda i, stub: stub.Stats(pb.StatsRequest(), timeout=self.timeout_s),
+                    )
+                except ShardError as error:
+                    if error.code is not grpc.StatusCode.PERMISSION_DENIED:
+                        raise
+                    # a reader on a shard older than readers' Stats: it looks up without a
+                    # life, as before, rather than not at all
+                    self._life_denied.add(shard_id)
+                    continue
                 self._learned(shard_id, reply)
 
     def _learned(self, shard_id: int, reply: pb.StatsResponse) -> None:

@@ -846,11 +846,14 @@ class EmbeddingClient(ClusterAdmin):
         table's first lookup, so that a load between that lookup and its push is told."""
         known = self._generations[shard]
         if any(table not in known for table in tables):
-            try:
-                self._relearn_generations(shard)
-            except ShardError:
-                pass  # the data call itself says what is wrong with the shard
+            if shard not in self._life_denied:
+                try:
+                    self._relearn_generations(shard)
+                except ShardError:
+                    pass  # the data call itself says what is wrong with the shard
             known = self._generations[shard]
+            for table in tables:  # not told (a reader's Stats, no such table): 0, unchecked,
+                known.setdefault(table, 0)  # and not asked again at every call
         return known
 
     def _push_identity(self, shard: int, tables: list[str]) -> tuple[tuple[str, str], ...]:

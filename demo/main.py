@@ -537,10 +537,10 @@ INTERRUPTED = threading.Event()
 
 @contextlib.contextmanager
 def _on_interrupt() -> Iterator[None]:
-    """The first SIGINT raises KeyboardInterrupt; later ones are ignored, so the clean-up
-    it starts (stopping the cluster, removing a partial snapshot) runs to its end. Threads
-    failing meanwhile (a pipeline whose shards stopped) say nothing: the one line the demo
-    prints says what happened."""
+    """The first SIGINT, SIGTERM or SIGHUP raises KeyboardInterrupt; later ones are ignored,
+    so the clean-up it starts (stopping the cluster, removing a partial snapshot) runs to its
+    end. Threads failing meanwhile (a pipeline whose shards stopped) say nothing: the one line
+    the demo prints says what happened."""
     import signal
 
     INTERRUPTED.clear()
@@ -558,12 +558,17 @@ def _on_interrupt() -> Iterator[None]:
         if not INTERRUPTED.is_set():
             previous_hook(hook_args)
 
-    previous, previous_hook = signal.signal(signal.SIGINT, handler), threading.excepthook
+    # SIGTERM and SIGHUP (a closed terminal) too: torchrun runs in a session of its own and
+    # would not hear them, so the demo stops it as for a Ctrl-C
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {number: signal.signal(number, handler) for number in stops}
+    previous_hook = threading.excepthook
     threading.excepthook = quiet
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for number, old in previous.items():
+            signal.signal(number, old)
         threading.excepthook = previous_hook
 
 

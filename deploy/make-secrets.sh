@@ -79,8 +79,9 @@ gid=$(stat -c %g tokens 2> /dev/null || stat -f %g tokens)  # GNU, else BSD stat
 if [[ $dir == "$here/secrets" ]]; then  # compose's secrets: tell it the group to join
   env_file="$here/.env"
   kept=$(grep -v '^TIERPS_SECRETS_GID=' "$env_file" 2> /dev/null || true)
+  new_env=$([[ -f $env_file ]] || echo yes)
   printf '%s%sTIERPS_SECRETS_GID=%s\n' "$kept" "${kept:+$'\n'}" "$gid" > "$env_file"
-  chmod 0644 "$env_file"
+  [[ -z $new_env ]] || chmod 0644 "$env_file"  # a .env there keeps its mode (it may hold secrets)
 fi
 echo "secrets in $dir: ca.crt tls.crt tls.key client.crt client.key tokens *_token" \
   "(keys and tokens 0640, group $gid; ca.key 0600: keep it offline)"

@@ -1095,3 +1095,21 @@ def test_pushing_the_gradients_of_some_features_moves_only_their_keys(
     after = client.lookup("t", np.arange(10), create=False)
     moved = sorted(int(k) for k in np.flatnonzero((after != before).any(axis=1)))
     assert moved == [1, 2, 3], moved
+
+
+def test_a_client_refused_stats_still_looks_up_and_asks_once(
+    faulty_shard: Callable[..., FaultyShard], make_client: Callable[..., EmbeddingClient]
+) -> None:
+    """A reader on a shard that refuses it Stats (a shard older than readers' Stats) looks up
+    without a life rather than not at all; and a client that learns no generation for a
+    table (a reader's Stats names no tables) does not ask again at every call."""
+    denied = [Fault(CODE.PERMISSION_DENIED)] * 50
+    shard = faulty_shard(faults={"Stats": denied})
+    client = make_client([shard.address], timeout_s=5.0)
+    client.create_table(config())
+    keys = np.array([3, 1, 4])
+    for _ in range(5):
+        client.lookup("t", keys, create=False)
+    assert shard.interceptor.calls["Stats"] == 1  # asked once, refused, not again
+    assert client._life_denied == {0} and client._lives[0] is None
+    assert client._generations[0] == {"t": 0}

@@ -168,10 +168,17 @@ def _processes_naming(text: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("trainers", [None, 2], ids=["one-trainer", "two-trainers"])
-def test_ctrl_c_stops_the_demo_with_one_line(tmp_path: Path, trainers: int | None) -> None:
+@pytest.mark.parametrize(
+    ("trainers", "stop"),
+    [(None, "ctrl-c"), (2, "ctrl-c"), (2, "sigterm")],
+    ids=["one-trainer", "two-trainers", "two-trainers-sigterm"],
+)
+def test_ctrl_c_stops_the_demo_with_one_line(
+    tmp_path: Path, trainers: int | None, stop: str
+) -> None:
     """SIGINT to the demo's process group, as a terminal's Ctrl-C sends it, mid-training
-    (at a snapshot being written, if one is seen first)."""
+    (at a snapshot being written, if one is seen first); or SIGTERM to the demo alone, as
+    `kill PID` sends it, which its torchrun (in a session of its own) does not hear."""
     data_dir = tmp_path / "data"
     args = ["--dataset", "synthetic", "--samples", "20000", "--epochs", "30",
             "--batch-size", "256", "--data-dir", str(data_dir)]  # fmt: skip
@@ -185,7 +192,10 @@ def test_ctrl_c_stops_the_demo_with_one_line(tmp_path: Path, trainers: int | Non
     )  # fmt: skip
     try:
         out = _until_training(process, data_dir / "snapshots")
-        os.killpg(process.pid, signal.SIGINT)
+        if stop == "ctrl-c":
+            os.killpg(process.pid, signal.SIGINT)
+        else:
+            os.kill(process.pid, signal.SIGTERM)
         started = time.monotonic()
         code = process.wait(STOP_S)
         seconds = time.monotonic() - started

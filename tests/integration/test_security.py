@@ -308,10 +308,14 @@ def test_a_reader_serves_over_tls_without_a_refusal_and_learns_the_life(
     before = _refusals(server)
     caplog.clear()
     with caplog.at_level(logging.INFO), client("reader") as reader:
+        asked = []
+        relearn = reader._relearn_generations
+        reader._relearn_generations = lambda shard: (asked.append(shard), relearn(shard))
         for _ in range(3):  # the first lookup learns the life; the others carry it
             np.testing.assert_array_equal(
                 reader.lookup("t", keys, create=False), np.full((8, DIM), 3.0, np.float32)
             )
+        assert len(asked) <= 1, "a reader asked the shard's Stats again at every lookup"
         assert reader.list_tables()[0].name == "t"
         assert reader._lives == [server.shard.lives.header()]  # "<data id>/<life>"
         (stats,) = reader.stats()

@@ -706,13 +706,19 @@ def test_make_secrets_writes_keys_and_tokens_for_their_owner_and_group(checkout:
             read = subprocess.run(as_user(["cat", *map(str, mounted)], CONTAINER_UID, groups),
                                   capture_output=True, timeout=10)  # fmt: skip
             assert (read.returncode == 0) == bool(groups), (groups, read.stderr)
-    # a second run keeps every file, and takes back modes an older run left
+    # a second run keeps every file, and takes back modes an older run left; a .env there
+    # keeps its own lines and mode (it may hold other secrets)
     tokens = (secrets / "tokens").read_text()
     (secrets / "tokens").chmod(0o444)
+    env_file = checkout / "deploy" / ".env"
+    env_file.write_text("REGISTRY_PASSWORD=hunter2\n" + env_file.read_text())
+    env_file.chmod(0o600)
     again = subprocess.run(as_user(["bash", "deploy/make-secrets.sh", "deploy/secrets"]),
                            cwd=checkout, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert again.returncode == 0, again.stderr
     assert (secrets / "tokens").read_text() == tokens and mode(secrets / "tokens") == 0o640
+    assert mode(env_file) == 0o600
+    assert env_file.read_text() == f"REGISTRY_PASSWORD=hunter2\nTIERPS_SECRETS_GID={gid}\n"
     # a directory git would commit is refused, and left as it was
     if shutil.which("git"):
         subprocess.run(as_user(["git", "init", "-q", "."]), cwd=checkout, check=True,

@@ -9,7 +9,12 @@ from collections.abc import Sequence
 ADDRESSES_ENV = "TIERPS_ADDRESSES"
 # host:port, or [IPv6 literal]:port; gRPC's own targets (dns:///..., unix:...) pass as given
 _HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.%\w]+\]|[^\s:\[\]/]+):(?P<port>\d{1,5})")
-_GRPC_TARGET = re.compile(r"^(?:[a-z][a-z0-9+.-]*:///|unix:|unix-abstract:)")
+# gRPC's name schemes (its resolvers'), with or without "//authority/"; a name without one
+# of them is host:port (gRPC itself would take "127.0.0.1" for dns with port 443)
+_GRPC_TARGET = re.compile(
+    r"^(?:[a-z][a-z0-9+.-]*:///|(?:dns|unix|unix-abstract|ipv4|ipv6|vsock|xds|google-c2p):)",
+    re.IGNORECASE,
+)
 
 
 def check_address(address: str, source: str) -> str:

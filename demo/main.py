@@ -713,10 +713,11 @@ class _Work:
     job_dir: Path | None = None  # --trainers: the job's checkpoint directory
 
     def remove_partial_snapshots(self, client: EmbeddingClient) -> list[str]:
-        """Delete the incomplete snapshots of this run's names begun since training began
-        (best effort: a shard that cannot be reached keeps them for `snapshot gc`)."""
+        """Delete the incomplete demo snapshots (named deepfm-...) begun since training began
+        on a user's cluster (best effort: a shard that cannot be reached keeps them for
+        `snapshot gc`). Job checkpoints (ckpt-step...) are every TrainerGroup's names, another
+        job's among them: an incomplete one is left to `tierps admin snapshot gc`."""
         from tierps.client.admin import ShardError
-        from tierps.client.distributed import CHECKPOINT_PREFIX
 
         if self.snapshots_before is None:
             return []
@@ -724,7 +725,7 @@ class _Work:
         try:
             for info in client.list_snapshots():
                 name = info["name"]
-                ours = name.startswith(("deepfm-", CHECKPOINT_PREFIX))
+                ours = name.startswith("deepfm-")
                 if not info["complete"] and ours and name not in self.snapshots_before:
                     client.delete_snapshot(name)
                     removed.append(name)

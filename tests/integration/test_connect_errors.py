@@ -14,6 +14,7 @@ import pytest
 
 from tests.certs import make_certs
 from tierps.client import EmbeddingClient
+from tierps.client.addresses import resolve_addresses
 from tierps.client.admin import ShardError
 from tierps.server import cli
 from tierps.server.daemon import ShardServer
@@ -73,3 +74,19 @@ def test_an_address_without_a_port_is_refused_before_any_call(
     assert time.monotonic() - started < 1.0  # refused, not tried on port 443
     err = capsys.readouterr().err
     assert "address '127.0.0.1' (from the addresses given) expected host:port" in err, err
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["127.0.0.1:50051", "[::1]:50051", "[fe80::1%eth0]:50051", "shard-0.tierps:50051",
+     "dns:///shard-0:50051", "dns:shard-0:50051", "DNS:shard-0:50051", "ipv4:127.0.0.1:50051",
+     "ipv6:[::1]:50051", "unix:/tmp/tierps.sock", "unix-abstract:tierps", "xds:///tierps"],
+)  # fmt: skip
+def test_every_form_of_address_grpc_takes_is_accepted(address: str) -> None:
+    assert resolve_addresses([address], "EmbeddingClient") == [address]
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "shard-0", "[::1]", "host:0", "host:70000"])
+def test_a_host_without_a_valid_port_is_refused(address: str) -> None:
+    with pytest.raises(ValueError, match="expected host:port with a port 1..65535"):
+        resolve_addresses([address], "EmbeddingClient")

@@ -307,6 +307,11 @@ def test_declared_calls_reserve_the_budget_and_one_past_it_is_refused(
             calls.append(stub.PushGradients.future(
                 stream, timeout=30, metadata=wire.declared(declared)))  # fmt: skip
         assert all(event.wait(10) for event in started)
+        # a stream's first message is on its way once its generator is asked for the second:
+        # the shard admits the call (and reserves its bytes) a moment later
+        deadline = time.monotonic() + 10
+        while server.limits.inflight_bytes < 2 * declared and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert server.limits.inflight_bytes == 2 * declared  # reserved, not yet all received
         third = held_push(dim, np.arange(2 * n, 3 * n), 3, threading.Event(), go)
         with pytest.raises(grpc.RpcError) as refused:

@@ -365,6 +365,16 @@ class EmbeddingBagCollection(nn.Module):
         for feature in self.features:
             client.table_config(feature.table)  # an unknown table fails here, not mid-step
         self._names = [feature.name for feature in self.features]
+        # A KeyedTensor's keys as TorchRec orders them: by table (in the order the features
+        # first name them), then the table's features; the features' order where no two
+        # tables interleave
+        tables = list(dict.fromkeys(feature.table for feature in self.features))
+        self._keyed_names = [
+            feature.name
+            for table in tables
+            for feature in self.features
+            if feature.table == table
+        ]
         # The background thread, started by the first task: the prefetched lookups and
         # (staleness 1) the pushes, in the order given, so that a lookup sees exactly the
         # pushes handed over before it.
@@ -762,13 +772,14 @@ class EmbeddingBagCollection(nn.Module):
         self, batch: Mapping[str, FeatureBatch] | Any
     ) -> dict[str, torch.Tensor] | KeyedTensor | KeyedPooled:
         """The pooled rows of each feature of the batch: a dict feature name -> tensor for a
-        dict batch; for a torchrec KeyedJaggedTensor, torchrec's KeyedTensor (keys() in
-        `features` order, values() [B, sum of dims]), as torchrec.EmbeddingBagCollection
-        returns; a KeyedPooled, with its conventions, where torchrec is not installed."""
+        dict batch; for a torchrec KeyedJaggedTensor, torchrec's KeyedTensor (keys() in the
+        order of embedding_bag_configs()' tables and their features, values() [B, sum of
+        dims]), as torchrec.EmbeddingBagCollection returns; a KeyedPooled, with its
+        conventions, where torchrec is not installed."""
         pooled = self._forward((batch,), batch)
         if isinstance(batch, Mapping):
             return pooled
-        return _keyed(self._names, [pooled[name] for name in self._names])
+        return _keyed(self._keyed_names, [pooled[name] for name in self._keyed_names])
 
     def _forward(
         self, key: tuple[Any, ...], batch: Mapping[str, FeatureBatch]

@@ -192,3 +192,34 @@ def test_configs_tierps_cannot_train_are_refused_before_any_table_is_made(
                 client, [good], optimizer=sgd, initial={"goods": np.zeros((4, 2))}
             )
         assert client.list_tables() == []
+
+
+def test_features_whose_tables_interleave_come_out_in_torchrecs_order(
+    shard_server: Callable[..., ShardServer],
+) -> None:
+    """TorchRec's module outputs its tables' features table by table: tierps' module, given
+    features whose tables interleave, gives the KeyedTensor keys and values in that order,
+    the order of its embedding_bag_configs()."""
+    server = shard_server()
+    with EmbeddingClient([f"127.0.0.1:{server.port}"]) as client:
+        for name in ("a", "c"):
+            client.create_table(TableConfig(name, DIM, initializer=init.Normal(0, 0.1)))
+        features = [Feature("x", "a"), Feature("y", "c"), Feature("z", "a")]
+        ebc = EmbeddingBagCollection(client, features)
+        configs = [  # the same tables, with rows TorchRec can allocate
+            EmbeddingBagConfig(num_embeddings=10, embedding_dim=c.embedding_dim, name=c.name,
+                               feature_names=c.feature_names, pooling=c.pooling)
+            for c in ebc.embedding_bag_configs()
+        ]  # fmt: skip
+        reference = torchrec.EmbeddingBagCollection(tables=configs)
+        kjt = KeyedJaggedTensor(
+            keys=["x", "y", "z"], values=torch.tensor([1, 2, 3, 4, 5, 6]),
+            lengths=torch.tensor([1, 1, 1, 1, 1, 1]),
+        )  # fmt: skip
+        with torch.no_grad():
+            ours, theirs = ebc(kjt), reference(kjt)
+        assert isinstance(ours, KeyedTensor)
+        assert ours.keys() == theirs.keys() == ["x", "z", "y"]
+        rows = client.lookup("a", np.array([1, 2, 5, 6]), create=False)
+        np.testing.assert_allclose(ours["z"].numpy(), rows[2:], atol=0)  # z: keys 5, 6
+        assert ours.values().shape == theirs.values().shape == (2, 3 * DIM)

@@ -344,6 +344,16 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
         return shards
     if args.action == "stats":
         shards = admin.stats()
+        if not args.json and all(not s["uptime_s"] and not s["rss_bytes"] for s in shards):
+            # a reader's token is answered each shard's identity, life and data id only
+            _print_rows(
+                ["shard", "address", "life", "data id"],
+                [[s["shard_id"], address, s["life"], s["data_id"]]
+                 for s, address in zip(shards, admin.addresses, strict=True)],
+            )  # fmt: skip
+            print("(this token's role is answered each shard's identity, life and data id "
+                  "only: its tables, memory and uptime need a trainer or admin token)")
+            return shards
         if not args.json:
             _print_rows(
                 ["shard", "address", "tables", "rows (durable)", "rss", "peak rss", "uptime"],

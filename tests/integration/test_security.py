@@ -26,7 +26,7 @@ from tierps.client import ChannelSecurity, EmbeddingClient, ShardError, TableCon
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
-from tierps.server import security
+from tierps.server import cli, security
 from tierps.server.cluster import wait_until_serving
 from tierps.server.daemon import ShardServer, host_port
 
@@ -287,6 +287,8 @@ def test_a_reader_serves_over_tls_without_a_refusal_and_learns_the_life(
     tmp_path: Path,
     certs: Certs,
     caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A reader's client learns each shard's life from Stats like any client (the reader is
     answered the shard's identity and life only), so serving makes no refusal: nothing
@@ -327,6 +329,16 @@ def test_a_reader_serves_over_tls_without_a_refusal_and_learns_the_life(
     assert not any(hidden.values()), f"a reader was answered {hidden}"
     assert (stats["shard_id"], stats["num_shards"]) == (0, 1)
     assert f"{stats['data_id']}/{stats['life']}" == server.shard.lives.header()
+    # `tierps admin stats` with a reader's token shows what it is answered, and says so
+    for name, value in (("TIERPS_TLS_CA", certs.ca), ("TIERPS_TLS_CERT", certs.client_cert),
+                        ("TIERPS_TLS_KEY", certs.client_key),
+                        ("TIERPS_TOKEN", TOKENS["reader"])):  # fmt: skip
+        monkeypatch.setenv(name, str(value))
+    capsys.readouterr()
+    assert cli.main(["admin", "--addresses", server.address, "stats"]) == 0
+    shown = capsys.readouterr().out
+    assert server.shard.data_id in shown and "identity, life and data id only" in shown
+    assert "rss" not in shown and TOKENS["reader"] not in shown
     with client("reader") as reader:
         for refused_call in (
             lambda: reader.push_gradients("t", keys, np.ones((8, DIM), np.float32)),

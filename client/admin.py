@@ -269,10 +269,7 @@ class ClusterAdmin:
         for shard_id in shards:
             if self._lives[shard_id] is None and shard_id not in self._life_denied:
                 try:
-                    reply = self._on(
-                        shard_id,
-                        lambda i, stub: stub.Stats(pb.StatsRequest(), timeout=self.timeout_s),
-                    )
+                    reply = self._ask_stats(shard_id)
                 except ShardError as error:
                     if error.code is not grpc.StatusCode.PERMISSION_DENIED:
                         raise
@@ -282,6 +279,11 @@ class ClusterAdmin:
                     continue
                 self._learned(shard_id, reply)
 
+    def _ask_stats(self, shard_id: int) -> pb.StatsResponse:
+        return self._on(
+            shard_id, lambda i, stub: stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
+        )
+
     def _learned(self, shard_id: int, reply: pb.StatsResponse) -> None:
         """Take a shard's life, data dir and table generations from its Stats."""
         life = f"{reply.data_id}/{reply.life}" if reply.data_id else str(reply.life)
@@ -289,10 +291,13 @@ class ClusterAdmin:
         self._lives[shard_id] = life
 
     def _relearn_generations(self, shard_id: int) -> None:
-        """Learn a shard's table generations again (after it said rows were replaced)."""
-        reply = self._on(
-            shard_id, lambda i, stub: stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
-        )
+        """Learn a shard's table generations again (a table new to this client, or rows
+        replaced under it). Best effort: a shard that does not answer keeps what was known,
+        and the data call itself says what is wrong with it."""
+        try:
+            reply = self._ask_stats(shard_id)
+        except ShardError:
+            return
         self._generations[shard_id] = {t.config.name: t.generation for t in reply.tables}
 
     def accept_restart(self, shards: list[int] | None = None) -> None:

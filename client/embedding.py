@@ -847,10 +847,7 @@ class EmbeddingClient(ClusterAdmin):
         known = self._generations[shard]
         if any(table not in known for table in tables):
             if shard not in self._life_denied:
-                try:
-                    self._relearn_generations(shard)
-                except ShardError:
-                    pass  # the data call itself says what is wrong with the shard
+                self._relearn_generations(shard)
             known = self._generations[shard]
             for table in tables:  # not told (a reader's Stats, no such table): 0, unchecked,
                 known.setdefault(table, 0)  # and not asked again at every call
@@ -876,10 +873,7 @@ class EmbeddingClient(ClusterAdmin):
         learn the tables' generations again: the next push goes on the new rows."""
         if error.code is grpc.StatusCode.ABORTED:
             for shard in range(self.num_shards):
-                try:
-                    self._relearn_generations(shard)
-                except ShardError:
-                    pass
+                self._relearn_generations(shard)
         if not error.succeeded and not error.applied_tables:
             if step is None:
                 self._release_steps(steps)

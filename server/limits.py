@@ -98,6 +98,9 @@ def _declared_bytes(value: str) -> int | None:
     return int(value) if value.isascii() and value.isdigit() and len(value) <= 20 else None
 
 
+_END = object()  # _next_message's answer where a request stream ended whole
+
+
 class _Expired(grpc.RpcError):
     """The request stream of a call the watchdog cancelled: never taken as a whole request."""
 
@@ -288,43 +291,40 @@ class CallLimits(grpc.ServerInterceptor):
 
     # -- the request -----------------------------------------------------------------------
 
+    @staticmethod
+    def _next_message(call: _Call, requests: Iterator[Any]) -> Any:
+        """The call's next request message, or _END where its stream ended whole; _Expired
+        where the call ended first (the watchdog cancelled it, the client broke it, or
+        gRPC's receive limit refused the message: gRPC has told the client)."""
+        call.waiting_since = time.monotonic()
+        try:
+            return next(requests)
+        except StopIteration:
+            if call.expired is not None or not call.context.is_active():
+                raise _Expired() from None
+            return _END
+        except grpc.RpcError:
+            raise _Expired() from None
+        finally:
+            call.waiting_since = None
+
     def _messages(self, call: _Call, requests: Iterator[Any]) -> Iterator[Any]:
         """The request stream, each message's bytes counted as it arrives; its receiving
         slot given back at its end. A stream the watchdog cancelled (or the client broke)
         raises instead of ending: a partial request is never taken for a whole one."""
-        while True:
-            call.waiting_since = time.monotonic()
-            try:
-                message = next(requests)
-            except StopIteration:
-                if call.expired is not None or not call.context.is_active():
-                    raise _Expired() from None
-                break
-            except grpc.RpcError:
-                raise _Expired() from None
-            finally:
-                call.waiting_since = None
+        while (message := self._next_message(call, requests)) is not _END:
             self._take_bytes(call, call.size)
             yield message
         self._end_receiving(call)
 
     def _one_message(self, call: _Call, requests: Iterator[Any]) -> Any:
         """A one-message call's request, read now that the call is admitted (gRPC asks the
-        client for it only here), its bytes counted; aborts where they are over a limit.
-        _Expired where the call ended first (the watchdog, the client, or gRPC's receive
-        limit: gRPC has told the client)."""
-        call.waiting_since = time.monotonic()
-        try:
-            message = next(requests)
-        except StopIteration:
-            if call.expired is not None or not call.context.is_active():
-                raise _Expired() from None
+        client for it only here), its bytes counted; aborts where they are over a limit or
+        none came."""
+        message = self._next_message(call, requests)
+        if message is _END:
             why = f"{call.method} expected one request message, got none"
             call.context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.where}: {why}")
-        except grpc.RpcError:
-            raise _Expired() from None
-        finally:
-            call.waiting_since = None
         try:
             self._take_bytes(call, call.size)
         except ResourceExhaustedError as error:

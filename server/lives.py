@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from tierps.storage.errors import DataLossError, InvalidArgumentError, quoted
+from tierps.storage.snapshot import write_json_atomic
 
 LIFE_HEADER = "tierps-life"  # gRPC metadata: the shard life a client last talked to
 LIVES_FILE = "LIVES.json"
@@ -86,13 +86,8 @@ class Lives:
             "last_flush": self.last_flush,
             "unclean": {str(life): flushed for life, flushed in sorted(self.unclean.items())},
         }
-        with self._lock:
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            with open(tmp, "w") as out:
-                json.dump(record, out)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, self.path)
+        with self._lock:  # one write at a time, in order
+            write_json_atomic(self.path, record)
 
     def header(self) -> str:
         """The LIFE_HEADER value of a client that talks to this life now."""

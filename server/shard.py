@@ -259,7 +259,7 @@ class Shard:
             )
         if "data_id" not in stored:  # a new dir, or one made before dirs had an id
             stored = {**identity, "data_id": uuid.uuid4().hex, "created": time.time()}
-            _write_durably(identity_file, json.dumps(stored))
+            snapshot.write_json_atomic(identity_file, stored)
         return str(stored["data_id"]), float(stored["created"]), new
 
     # -- checks ------------------------------------------------------------------------------
@@ -494,26 +494,24 @@ class Shard:
         outcomes = self._each_outcome(lambda store: store(), stores, self._push_threads)
         errors = {i: o for i, o in enumerate(outcomes) if isinstance(o, BaseException)}
         _end_pushes(tables, {i: errors.get(i) for i in begun}, begun)
-        for index, outcome in enumerate(outcomes):
-            if index not in errors:
-                applied[tables[index].config.name] = outcome
+        stored = {tables[i].config.name: n for i, n in enumerate(outcomes) if i not in errors}
+        applied.update(stored)
         if not errors:
             return
         failure = errors[min(errors)]
-        stored = sorted(name for name in applied if name in {t.config.name for t in tables})
         if not stored:
             raise failure
-        missing = sorted(t.config.name for t in tables if t.config.name not in applied)
+        missing = sorted(tables[i].config.name for i in errors)
         message = (
-            f"{failure} (on {self.where}, this push's tables {stored} were applied and "
-            f"{missing} were not; the same call sent again applies only those)"
+            f"{failure} (on {self.where}, this push's tables {sorted(stored)} were applied "
+            f"and {missing} were not; the same call sent again applies only those)"
         )
         try:
             partial = type(failure)(message)
         except TypeError:  # an error made of other arguments (numpy's, cupy's out of memory)
             kind = ResourceExhaustedError if isinstance(failure, MemoryError) else BackendError
             partial = kind(message)
-        partial.applied_tables = stored  # type: ignore[attr-defined]  # the servicer tells
+        partial.applied_tables = sorted(stored)  # type: ignore[attr-defined]  # told in trailers
         raise partial from failure
 
     def push_then_lookup(
@@ -914,15 +912,6 @@ def _proc_status_bytes(field: str) -> int:
         pass
     return 0
 
-
-def _write_durably(path: Path, text: str) -> None:
-    """Replace a small file whole (a temporary file, fsynced, renamed over it)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as out:
-        out.write(text)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
 
 
 def _end_pushes(

@@ -223,9 +223,10 @@ def manifest_checksum(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _write_json_atomic(path: Path, data: dict[str, Any], *, exclusive: bool = False) -> None:
+def write_json_atomic(path: Path, data: dict[str, Any], *, exclusive: bool = False) -> None:
     """Write to a temporary file, fsync, then rename (or, exclusive, hard-link, which fails
-    if `path` exists): readers see the whole file or none."""
+    if `path` exists): readers see the whole file or none. The shard's own small records
+    (SHARD.json, LIVES.json) are written so too."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
     with open(tmp, "w") as out:
         json.dump(data, out, indent=1, sort_keys=True)
@@ -525,7 +526,7 @@ def _write_part(
         "num_shards": num_shards,
         "tables": tables,
     }
-    _write_json_atomic(staging / f"{part}.json", header)
+    write_json_atomic(staging / f"{part}.json", header)
     yield Progress(done, done, str(part_dir), done=True)
 
 
@@ -676,7 +677,7 @@ def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
     }
     manifest[CHECKSUM] = manifest_checksum(manifest)
     try:
-        _write_json_atomic(snapshot / MANIFEST, manifest, exclusive=True)
+        write_json_atomic(snapshot / MANIFEST, manifest, exclusive=True)
     except FileExistsError:
         raise FailedPreconditionError(f"snapshot {name!r} already exists in {root}") from None
     except OSError as error:

@@ -279,11 +279,8 @@ class EmbeddingStore:
             self._usable_gpu(
                 f"shard {shard_id} asks for a GPU cache of {gpu_cache_bytes} bytes per table"
             )
-        configs = []
-        for key, raw in list(self._db.items(from_key=_CONFIG_PREFIX)):
-            if not key.startswith(_CONFIG_PREFIX):
-                break
-            configs.append(TableConfig.from_dict(json.loads(raw)))
+        stored = self.metadata(_CONFIG_PREFIX)
+        configs = [TableConfig.from_dict(json.loads(raw)) for _, raw in stored]
         self.orphans_dropped = self._drop_orphan_families(configs)
         for config in configs:
             self._open_table(config)

@@ -191,16 +191,19 @@ def test_ctrl_c_stops_the_demo_with_one_line(
         start_new_session=True,
     )  # fmt: skip
     try:
-        out = _until_training(process, data_dir / "snapshots")
+        out, err = _until_training(process, data_dir / "snapshots")
         if stop == "ctrl-c":
             os.killpg(process.pid, signal.SIGINT)
         else:
             os.kill(process.pid, signal.SIGTERM)
         started = time.monotonic()
-        code = process.wait(STOP_S)
+        # communicate drains both pipes while it waits: a demo blocked writing to a full
+        # stderr pipe (tqdm's progress) could not exit, whatever its signal handling.
+        rest_out, rest_err = process.communicate(timeout=STOP_S)
+        code = process.returncode
         seconds = time.monotonic() - started
-        err = process.stderr.read().decode()
-        out += process.stdout.read().decode()
+        err += rest_err.decode()
+        out += rest_out.decode()
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -220,18 +223,22 @@ def test_ctrl_c_stops_the_demo_with_one_line(
     assert not partial, (partial, messages[0])
 
 
-def _until_training(process: subprocess.Popen, snapshots: Path) -> str:
+def _until_training(process: subprocess.Popen, snapshots: Path) -> tuple[str, str]:
     """Read the demo's output until it trains (an epoch's first lines, or a snapshot being
-    written); what it printed."""
+    written); what it printed to stdout and stderr. Both pipes are read: one left unread
+    fills and blocks the demo."""
     selector = selectors.DefaultSelector()
-    selector.register(process.stdout, selectors.EVENT_READ)
-    out, deadline = "", time.monotonic() + TIMEOUT_S
+    selector.register(process.stdout, selectors.EVENT_READ, "out")
+    selector.register(process.stderr, selectors.EVENT_READ, "err")
+    printed = {"out": "", "err": ""}
+    deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
-        assert process.poll() is None, f"the demo ended early:\n{out}"
+        assert process.poll() is None, f"the demo ended early:\n{printed['out']}"
         if snapshots.is_dir() and any(not (p / MANIFEST).exists() for p in snapshots.iterdir()):
-            return out  # a save under way: the worst moment
-        if selector.select(timeout=0.01):
-            out += os.read(process.stdout.fileno(), 1 << 16).decode(errors="replace")
-        if "\nepoch 1: " in out:  # epoch 2 trains now
-            return out
-    pytest.fail(f"the demo did not start training in {TIMEOUT_S:.0f} s:\n{out}")
+            return printed["out"], printed["err"]  # a save under way: the worst moment
+        for ready, _ in selector.select(timeout=0.01):
+            chunk = os.read(ready.fileobj.fileno(), 1 << 16)
+            printed[ready.data] += chunk.decode(errors="replace")
+        if "\nepoch 1: " in printed["out"]:  # epoch 2 trains now
+            return printed["out"], printed["err"]
+    pytest.fail(f"the demo did not start training in {TIMEOUT_S:.0f} s:\n{printed['out']}")

@@ -692,7 +692,7 @@ def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: fl
     except BaseException:  # the demo's own cluster, stopped: its snapshot dir is ours
         if not INTERRUPTED.is_set():
             raise  # a failure while the pipeline or the shards stopped is Ctrl-C's
-        from tierps.storage.snapshot import gc
+        from tierps.storage.snapshot_catalog import gc
 
         removed = [Path(path).name for path in gc(snapshot_dir)] if snapshot_dir.exists() else []
         work.remove_empty_job_dir()

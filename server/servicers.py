@@ -29,7 +29,7 @@ from tierps.storage import InvalidArgumentError, ResourceExhaustedError, TableCo
 from tierps.storage.codec import WIRE_DTYPE, wire_row_bytes
 from tierps.storage.config import MAX_DIM
 from tierps.storage.errors import quoted
-from tierps.storage.snapshot import Progress
+from tierps.storage.snapshot_format import Progress
 
 # Table batches one data call may carry: far more tables than a model has, and a bound on
 # the work a call makes before its tables are looked up.

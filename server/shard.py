@@ -32,11 +32,15 @@ from tierps.storage import (
     InvalidArgumentError,
     ResourceExhaustedError,
     TableConfig,
-    snapshot,
+    snapshot_catalog,
+    snapshot_format,
+    snapshot_writer,
 )
 from tierps.storage.config import Placement, WritePolicy, key_shards, owner_shard
 from tierps.storage.errors import TableReplacedError, UnavailableError
-from tierps.storage.snapshot import Progress
+from tierps.storage.snapshot_format import Progress
+from tierps.storage.snapshot_reader import Snapshot
+from tierps.storage.snapshot_writing_marker import collect_abandoned_parts
 from tierps.storage.table import FLUSH_CHUNK_BYTES, EmbeddingTable
 from tierps.storage.xp import gpu_arrays
 
@@ -183,7 +187,7 @@ class Shard:
             sync_writes=config.sync_writes,
             max_step_leap=config.max_step_leap,
         )
-        snapshot.collect_abandoned_parts(config.snapshot_dir, self.shard_id, self.num_shards)
+        collect_abandoned_parts(config.snapshot_dir, self.shard_id, self.num_shards)
         self._gate = Gate()
         self._table_threads = ThreadPoolExecutor(
             TABLE_THREADS, thread_name_prefix=f"tierps-tables-{self.shard_id}"
@@ -259,7 +263,7 @@ class Shard:
             )
         if "data_id" not in stored:  # a new dir, or one made before dirs had an id
             stored = {**identity, "data_id": uuid.uuid4().hex, "created": time.time()}
-            snapshot.write_json_atomic(identity_file, stored)
+            snapshot_format.write_json_atomic(identity_file, stored)
         return str(stored["data_id"]), float(stored["created"]), new
 
     # -- checks ------------------------------------------------------------------------------
@@ -663,10 +667,10 @@ class Shard:
         evict_before_snapshot are evicted first, inside the cut; every Progress says how many
         rows that removed (rows_evicted), and so does the log."""
         root = self._snapshot_root()
-        snapshot.check_name(name)
-        snapshot.check_save_id(save_id)
+        snapshot_format.check_name(name)
+        snapshot_format.check_save_id(save_id)
         with self._admin:
-            snapshot.check_new(root, name)  # a refused save must not have evicted anything
+            snapshot_writer.check_new(root, name)  # a refused save must not have evicted anything
             with self._gate.exclusive():
                 tables = [self.store.table(config.name) for config in self.list_tables()]
                 evicted = 0
@@ -682,7 +686,7 @@ class Shard:
                     for t in tables
                 ]
             estimate = sum(t.durable.stats()["rows"] for t in tables)
-            for progress in snapshot.write_part(
+            for progress in snapshot_writer.write_part(
                 root, name, save_id, self.shard_id, self.num_shards, exports, estimate
             ):
                 yield dataclasses.replace(progress, rows_evicted=evicted)
@@ -690,7 +694,7 @@ class Shard:
     def commit_snapshot(self, name: str, save_id: str) -> Iterator[Progress]:
         root = self._snapshot_root()
         try:
-            manifest = snapshot.commit(root, name, save_id)
+            manifest = snapshot_writer.commit(root, name, save_id)
         except ResourceExhaustedError as error:
             raise ResourceExhaustedError(f"{self.where} committing: {error}") from None
         rows = sum(entry["rows"] for entry in manifest["tables"].values())
@@ -698,7 +702,7 @@ class Shard:
 
     def load_snapshot(self, name: str) -> Iterator[Progress]:
         """Replace the snapshot's tables with its rows of this shard's keys, all of them or
-        none. The whole snapshot is checked (snapshot.Snapshot: manifest, part headers,
+        none. The whole snapshot is checked (Snapshot: manifest, part headers,
         every file's content), every part read, checked and this shard's rows written to
         staged column families while the live tables serve lookups on unchanged (pushes
         and assigns to them are refused with UNAVAILABLE from before the first row is
@@ -707,7 +711,7 @@ class Shard:
         tables in, each with a new generation naming the snapshot. A refused or failed load
         leaves every live row as it was and drops what it staged."""
         root = self._snapshot_root()
-        opened = snapshot.Snapshot(root, name)
+        opened = Snapshot(root, name)
         for config in opened.configs.values():
             try:
                 self.owner(config)
@@ -720,7 +724,7 @@ class Shard:
         opened.check_files()
         opened.check_headers()
         # every part's state files read and checked (the other shards' too) before any
-        # row is staged; this shard's share resolved (see snapshot.CARRIES for a reshard)
+        # row is staged; this shard's share resolved (see snapshot_format.CARRIES for a reshard)
         states = {
             table_name: opened.state_for_shard(table_name, self.shard_id, self.num_shards)
             for table_name in opened.configs
@@ -764,11 +768,12 @@ class Shard:
         yield Progress(done, total, str(opened.path), rows_kept=kept, done=True)
 
     def list_snapshots(self) -> list[dict[str, Any]]:
-        return snapshot.list_snapshots(self._snapshot_root())
+        return snapshot_catalog.list_snapshots(self._snapshot_root())
 
     def delete_snapshot(self, name: str, save_id: str, incomplete_only: bool) -> list[str]:
         """Remove a snapshot, one save's files of it, or (no name, incomplete_only) every
-        failed save's leftovers (snapshot.delete, snapshot.gc); the paths removed."""
+        failed save's leftovers (snapshot_catalog.delete, snapshot_catalog.gc); the paths
+        removed."""
         root = self._snapshot_root()
         with self._admin:  # not while this shard saves or loads
             if not name:
@@ -777,9 +782,9 @@ class Shard:
                         "DeleteSnapshot: field 'name' expected a snapshot name, or empty with "
                         "incomplete_only=true (every failed save's leftovers), got neither"
                     )
-                removed = snapshot.gc(root)
+                removed = snapshot_catalog.gc(root)
             else:
-                removed = snapshot.delete(
+                removed = snapshot_catalog.delete(
                     root, name, save_id=save_id, incomplete_only=incomplete_only
                 )
         log.info("removed %d snapshot paths", len(removed),

@@ -27,7 +27,7 @@ initializer at seed `bucket_seed(config)` - a stream of its own, derived from th
 and a salt, so bucket b's initial row is not key b's. Snapshots (format 3) carry each
 shard's bucket rows: a load into the same shard count gives shard i part i's; bucket rows
 cannot be split by key, so a load into another shard count gives every shard the mean of the
-parts' bucket rows (weights and optimizer state; storage/snapshot.py CARRIES).
+parts' bucket rows (weights and optimizer state; storage/snapshot_format.py CARRIES).
 """
 
 from __future__ import annotations

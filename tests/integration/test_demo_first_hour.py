@@ -26,7 +26,7 @@ from tierps.client import EmbeddingClient, TableConfig  # noqa: E402
 from tierps.demo import data  # noqa: E402
 from tierps.server.cluster import LocalCluster  # noqa: E402
 from tierps.server.daemon import ShardServer  # noqa: E402
-from tierps.storage.snapshot import MANIFEST  # noqa: E402
+from tierps.storage.snapshot_format import MANIFEST  # noqa: E402
 
 pytestmark = pytest.mark.slow  # demo subprocesses that train, and are interrupted
 

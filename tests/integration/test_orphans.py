@@ -22,7 +22,9 @@ from rocksdict import Rdict
 from tierps.server.config import ServerConfig
 from tierps.server.shard import Shard
 from tierps.storage import TableConfig, init, optim
-from tierps.storage import snapshot as fmt
+from tierps.storage.snapshot_format import MANIFEST, part_name
+from tierps.storage.snapshot_reader import Snapshot
+from tierps.storage.snapshot_writer import commit, write_part
 from tierps.storage.store import EmbeddingStore
 
 DIM = 32
@@ -75,7 +77,8 @@ store.install_staged([staged])
 WRITE_PART = """
 import sys, time
 import numpy as np
-from tierps.storage import TableConfig, snapshot
+from tierps.storage import TableConfig
+from tierps.storage.snapshot_writer import write_part
 root, name, save_id, shard, shards = sys.argv[1:6]
 config = TableConfig("t", 32)
 
@@ -86,7 +89,7 @@ def chunks():
         print("writing", flush=True)
         time.sleep(600)
 
-for _ in snapshot.write_part(root, name, save_id, int(shard), int(shards), [(config, chunks())], 0):
+for _ in write_part(root, name, save_id, int(shard), int(shards), [(config, chunks())], 0):
     pass
 """
 
@@ -239,8 +242,8 @@ def test_a_part_whose_writer_was_killed_is_removed_at_the_shards_start_and_nothi
     wait_for(killed, "writing")
     wait_for(live, "writing")
     kill_9(killed)
-    abandoned = root / "daily" / "killedsave" / fmt.part_name(0, 2)
-    writing = root / "daily" / "livesave" / fmt.part_name(0, 2)
+    abandoned = root / "daily" / "killedsave" / part_name(0, 2)
+    writing = root / "daily" / "livesave" / part_name(0, 2)
     assert (abandoned / "t.keys").stat().st_size == 80_000  # the first chunk's keys
     abandoned_bytes = tree_bytes(abandoned) + (abandoned.parent / f".{abandoned.name}.writing"
                                                ).stat().st_size  # fmt: skip
@@ -250,11 +253,11 @@ def test_a_part_whose_writer_was_killed_is_removed_at_the_shards_start_and_nothi
     def whole_part(name: str, save_id: str, shard: int) -> None:
         keys = np.arange(shard, 200, 2, dtype=np.int64)
         rows = np.ones((keys.size, config.row_width), np.float32)
-        list(fmt.write_part(root, name, save_id, shard, 2, [(config, iter([(keys, rows)]))], 0))
+        list(write_part(root, name, save_id, shard, 2, [(config, iter([(keys, rows)]))], 0))
 
     whole_part("committed", "done", 0)
     whole_part("committed", "done", 1)
-    fmt.commit(root, "committed", "done")
+    commit(root, "committed", "done")
     whole_part("uncommitted", "waiting", 0)
     kept = {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and p != abandoned}
     kept = {p: data for p, data in kept.items() if abandoned not in p.parents}
@@ -271,12 +274,12 @@ def test_a_part_whose_writer_was_killed_is_removed_at_the_shards_start_and_nothi
     for path, data in kept.items():  # the live writer's files, the committed and whole parts
         assert path.read_bytes() == data, path
     assert (writing / "t.keys").exists()
-    fmt.Snapshot(root, "committed").verify()
+    Snapshot(root, "committed").verify()
 
     kill_9(live)  # now that writer is dead too: the next start removes its part
     shard = Shard(ServerConfig(shard_id=0, num_shards=2, data_dir=tmp_path / "d0",
                                snapshot_dir=root))  # fmt: skip
     shard.close()
     assert not writing.exists()
-    assert (root / "uncommitted" / "waiting" / f"{fmt.part_name(0, 2)}.json").exists()
-    assert json.loads((root / "committed" / fmt.MANIFEST).read_text())["save_id"] == "done"
+    assert (root / "uncommitted" / "waiting" / f"{part_name(0, 2)}.json").exists()
+    assert json.loads((root / "committed" / MANIFEST).read_text())["save_id"] == "done"

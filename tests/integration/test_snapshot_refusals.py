@@ -26,8 +26,15 @@ from tierps.client.admin import ClusterAdmin, ShardError
 from tierps.server.config import ServerConfig
 from tierps.server.shard import LookupBatch, PushBatch, Shard
 from tierps.storage import FailedPreconditionError, TableConfig, optim
-from tierps.storage import snapshot as fmt
 from tierps.storage.errors import BackendError
+from tierps.storage.snapshot_format import (
+    CHECKSUM,
+    MANIFEST,
+    SnapshotRefusedError,
+    manifest_checksum,
+    part_name,
+)
+from tierps.storage.snapshot_reader import Snapshot
 from tierps.storage.store import EmbeddingStore
 
 SHARDS = 2
@@ -142,7 +149,7 @@ def sha(path: Path) -> dict[str, Any]:
 def reseal(snapshot: Path, *, headers: bool = True) -> None:
     """Recompute every checksum as an attacker would: each file's size and SHA-256 in the
     part headers (headers=True) and in the manifest, then the manifest's own checksum."""
-    manifest = json.loads((snapshot / fmt.MANIFEST).read_text())
+    manifest = json.loads((snapshot / MANIFEST).read_text())
     if headers:
         for header_path in (snapshot / manifest["save_id"]).glob("part-*.json"):
             header = json.loads(header_path.read_text())
@@ -157,19 +164,19 @@ def reseal(snapshot: Path, *, headers: bool = True) -> None:
                 target = snapshot / file["path"] if key.endswith("_file") else None
                 if target is not None and target.exists() and target.is_relative_to(snapshot):
                     file.update(sha(target))
-    manifest[fmt.CHECKSUM] = fmt.manifest_checksum(manifest)
-    (snapshot / fmt.MANIFEST).write_text(json.dumps(manifest))
+    manifest[CHECKSUM] = manifest_checksum(manifest)
+    (snapshot / MANIFEST).write_text(json.dumps(manifest))
 
 
 def part_file(snapshot: Path, shard: int, table: str, kind: str) -> Path:
-    manifest = json.loads((snapshot / fmt.MANIFEST).read_text())
-    return snapshot / manifest["save_id"] / fmt.part_name(shard, SHARDS) / f"{table}.{kind}"
+    manifest = json.loads((snapshot / MANIFEST).read_text())
+    return snapshot / manifest["save_id"] / part_name(shard, SHARDS) / f"{table}.{kind}"
 
 
 def edit_manifest(snapshot: Path, change: Callable[[dict[str, Any]], None]) -> None:
-    manifest = json.loads((snapshot / fmt.MANIFEST).read_text())
+    manifest = json.loads((snapshot / MANIFEST).read_text())
     change(manifest)
-    (snapshot / fmt.MANIFEST).write_text(json.dumps(manifest))
+    (snapshot / MANIFEST).write_text(json.dumps(manifest))
 
 
 def edit_array(path: Path, dtype: str, change: Callable[[np.ndarray], None]) -> None:
@@ -338,7 +345,7 @@ CASES: dict[str, tuple[Callable[[Path], None], list[str]]] = {
     ),
     "manifest edited, its checksum not recomputed": (
         manifest_edited,
-        ["MANIFEST.json", "altered", fmt.CHECKSUM],
+        ["MANIFEST.json", "altered", CHECKSUM],
     ),
     "truncated part": (truncated_part, ["'ada'", "ada.rows", "expected", "bytes, got"]),
     "part header edited": (header_edited, ["part-00001-of-00002", "header file", "corrupted"]),
@@ -366,13 +373,13 @@ def retyped(change: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
     """A craft that edits the manifest and recomputes its checksum, as an attacker would."""
 
     def craft(snapshot: Path) -> None:
-        manifest = json.loads((snapshot / fmt.MANIFEST).read_text())
+        manifest = json.loads((snapshot / MANIFEST).read_text())
         change(manifest)
         try:
-            manifest[fmt.CHECKSUM] = fmt.manifest_checksum(manifest)
+            manifest[CHECKSUM] = manifest_checksum(manifest)
         except ValueError:  # NaN or Infinity: canonical JSON has none, so neither a checksum
             pass
-        (snapshot / fmt.MANIFEST).write_text(json.dumps(manifest))
+        (snapshot / MANIFEST).write_text(json.dumps(manifest))
 
     return craft
 
@@ -477,7 +484,7 @@ def test_a_manifest_field_of_the_wrong_type_is_refused_naming_it(
     before = state(shards)
     families_before = sorted(families(shards))
     for shard in shards:
-        with pytest.raises(fmt.SnapshotRefusedError) as raised:
+        with pytest.raises(SnapshotRefusedError) as raised:
             list(shard.load_snapshot("bad"))
         for needle in ["'bad'", "MANIFEST.json", *needles]:
             assert needle in str(raised.value), (needle, str(raised.value))
@@ -502,16 +509,16 @@ def families(shards: list[Shard]) -> list[str]:
 
 def test_the_good_snapshot_round_trips_bit_exactly(clusters: tuple[list[Shard], Path]) -> None:
     shards, root = clusters
-    fmt.Snapshot(root, "good").verify()
+    Snapshot(root, "good").verify()
     # a second cluster loads it, and saves it again: the same bits
     for shard in shards:
         list(shard.load_snapshot("good"))
     loaded = state(shards)
     save(shards, "again")
     for name in ("good", "again"):
-        manifest = json.loads((root / name / fmt.MANIFEST).read_text())
+        manifest = json.loads((root / name / MANIFEST).read_text())
         assert manifest["format_version"] == 3
-        assert manifest[fmt.CHECKSUM] == fmt.manifest_checksum(manifest)
+        assert manifest[CHECKSUM] == manifest_checksum(manifest)
     for config in TABLES:
         for shard in range(SHARDS):
             for kind in ("keys", "rows"):
@@ -573,7 +580,7 @@ def test_save_refuses_a_non_finite_row(tmp_path: Path) -> None:
             assert needle in message, (needle, message)
         with pytest.raises(FailedPreconditionError, match="incomplete"):
             list(shards[0].commit_snapshot("x", "sid"))
-        assert not (tmp_path / "snapshots" / "x" / fmt.MANIFEST).exists()
+        assert not (tmp_path / "snapshots" / "x" / MANIFEST).exists()
     finally:
         for shard in shards:
             shard.close()

@@ -23,8 +23,9 @@ import pytest
 from tierps.server.config import ServerConfig
 from tierps.server.shard import LookupBatch, PushBatch, Shard
 from tierps.storage import TableConfig, optim
-from tierps.storage import snapshot as fmt
 from tierps.storage.config import Admission
+from tierps.storage.snapshot_format import CARRIES, CHECKSUM, MANIFEST, manifest_checksum
+from tierps.storage.snapshot_reader import Snapshot
 
 DIM = 4
 TABLES = (
@@ -149,12 +150,12 @@ def clusters(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def test_the_manifest_says_what_it_carries(clusters: dict[str, Any]) -> None:
-    manifest = json.loads((clusters["root"] / "snapshots" / "s" / fmt.MANIFEST).read_text())
+    manifest = json.loads((clusters["root"] / "snapshots" / "s" / MANIFEST).read_text())
     assert manifest["format_version"] == 3
-    assert manifest["carries"] == fmt.CARRIES
+    assert manifest["carries"] == CARRIES
     for piece in ("step_clock", "admission_bloom", "bucket_rows", "not_carried"):
         assert piece in manifest["carries"]
-    fmt.Snapshot(clusters["root"] / "snapshots", "s").verify()
+    Snapshot(clusters["root"] / "snapshots", "s").verify()
 
 
 @pytest.mark.parametrize("target", ["b", "c", "e"])  # 2 -> 2, 2 -> 3, 2 -> 1
@@ -253,7 +254,7 @@ def as_version_2(snapshot: Path) -> None:
         return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
     state_files = ("steps_file", "buckets_file", "promotion_file", "admission_file")
-    manifest = json.loads((snapshot / fmt.MANIFEST).read_text())
+    manifest = json.loads((snapshot / MANIFEST).read_text())
     for header_path in (snapshot / manifest["save_id"]).glob("part-*.json"):
         header = json.loads(header_path.read_text())
         header["format_version"] = 2
@@ -271,8 +272,8 @@ def as_version_2(snapshot: Path) -> None:
             for field in state_files:
                 part.pop(field, None)
             part["header_file"].update(entry(snapshot / part["header_file"]["path"]))
-    manifest[fmt.CHECKSUM] = fmt.manifest_checksum(manifest)
-    (snapshot / fmt.MANIFEST).write_text(json.dumps(manifest))
+    manifest[CHECKSUM] = manifest_checksum(manifest)
+    (snapshot / MANIFEST).write_text(json.dumps(manifest))
 
 
 def test_a_version_2_snapshot_still_loads_with_rows_only(clusters: dict[str, Any]) -> None:
@@ -285,7 +286,7 @@ def test_a_version_2_snapshot_still_loads_with_rows_only(clusters: dict[str, Any
     root = clusters["root"] / "snapshots"
     shutil.copytree(root / "s", root / "old")
     as_version_2(root / "old")
-    opened = fmt.Snapshot(root, "old")
+    opened = Snapshot(root, "old")
     assert opened.version == 2
     opened.verify()
     shards = cluster(clusters["root"], "d", 2)

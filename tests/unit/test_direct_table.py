@@ -21,8 +21,9 @@ from tierps.storage import (
     TableConfig,
     init,
     optim,
-    snapshot,
 )
+from tierps.storage.snapshot_reader import Snapshot
+from tierps.storage.snapshot_writer import commit, write_part
 from tierps.storage.store import check_direct_size
 
 DIM = 4
@@ -221,7 +222,7 @@ def test_export_and_restore_round_trip(tmp_path: Path) -> None:
 
 
 def test_snapshot_save_and_load_into_two_shards(tmp_path: Path) -> None:
-    """storage/snapshot.py's save (export) and load (rows_for_shard + restore) as a shard
+    """A snapshot's save (export) and load (rows_for_shard + restore) as a shard
     does them, resharding one part into two: shard i keeps keys k % 2 == i."""
     config = direct_config()
     with EmbeddingStore(tmp_path / "db") as store:
@@ -229,9 +230,9 @@ def test_snapshot_save_and_load_into_two_shards(tmp_path: Path) -> None:
         table.apply_gradients(np.arange(CAPACITY, dtype=np.int64), ones(CAPACITY), step=1)
         expected = export_dict(table)
         exports = [(config, table.export(4))]
-        list(snapshot.write_part(tmp_path / "snaps", "s", "save1", 0, 1, exports, CAPACITY))
-    snapshot.commit(tmp_path / "snaps", "s", "save1")
-    opened = snapshot.Snapshot(tmp_path / "snaps", "s")
+        list(write_part(tmp_path / "snaps", "s", "save1", 0, 1, exports, CAPACITY))
+    commit(tmp_path / "snaps", "s", "save1")
+    opened = Snapshot(tmp_path / "snaps", "s")
     opened.verify()
     assert opened.configs["items"] == config
     for shard_id in (0, 1):

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from tierps.storage import InvalidArgumentError, TableConfig, optim
-from tierps.storage import snapshot as fmt
 from tierps.storage.config import key_shards, owner_shard, single_shard
+from tierps.storage.snapshot_reader import Snapshot
+from tierps.storage.snapshot_writer import commit, write_part
 
 MASK = 2**64 - 1
 NAMES = [f"feature_{i}" for i in range(12)] + ["items", "users", "ads", "country"]
@@ -111,8 +112,8 @@ def write_snapshot(root: Path, config: TableConfig, parts: list[np.ndarray]) -> 
     for shard, keys in enumerate(parts):
         rows = keys[:, None] + np.arange(config.row_width)[None, :] / 10
         chunks = iter([(keys, rows.astype(np.float32))] if keys.size else [])
-        list(fmt.write_part(root, "snap", "A", shard, len(parts), [(config, chunks)], keys.size))
-    fmt.commit(root, "snap", "A")
+        list(write_part(root, "snap", "A", shard, len(parts), [(config, chunks)], keys.size))
+    commit(root, "snap", "A")
     keys = np.concatenate(parts)
     return (keys[:, None] + np.arange(config.row_width)[None, :] / 10).astype(np.float32)
 
@@ -125,7 +126,7 @@ def test_rows_for_shard_gives_a_placed_table_whole_to_its_new_owner(
     # Rows in both parts, as a loader must take them from wherever they were written.
     parts = [np.arange(0, 300, 3, dtype=np.int64), np.arange(1000, 1250, dtype=np.int64)]
     rows = write_snapshot(tmp_path, config, parts)
-    opened = fmt.Snapshot(tmp_path, "snap")
+    opened = Snapshot(tmp_path, "snap")
     owner = owner_shard(config, target_shards)
     for shard in range(target_shards):
         chunks = list(opened.rows_for_shard("ads", shard, target_shards, chunk_rows=64))
@@ -143,7 +144,7 @@ def test_rows_for_shard_gives_a_placed_table_whole_to_its_new_owner(
 def test_rows_for_shard_refuses_a_table_shard_outside_the_cluster(tmp_path: Path) -> None:
     config = placed("ads", table_shard=2)
     write_snapshot(tmp_path, config, [np.empty(0, np.int64)] * 2 + [np.arange(10)])
-    opened = fmt.Snapshot(tmp_path, "snap")
+    opened = Snapshot(tmp_path, "snap")
     assert sum(k.size for k, _, _ in opened.rows_for_shard("ads", 2, 3)) == 10
     with pytest.raises(InvalidArgumentError, match=r"'ads'.*'table_shard'.*got 2"):
         list(opened.rows_for_shard("ads", 0, 2))

@@ -1,7 +1,7 @@
-"""How a snapshot's training state goes to the shards of a load (storage/snapshot.py,
-Snapshot.state_for_shard), on real files without shards: by key where state is keyed, by
-the rules in CARRIES where it cannot be split, and whole to its owner for a table placed
-whole."""
+"""How a snapshot's training state goes to the shards of a load
+(storage/snapshot_reader.py, Snapshot.state_for_shard), on real files without shards: by
+key where state is keyed, by the rules in CARRIES where it cannot be split, and whole to
+its owner for a table placed whole."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from pathlib import Path
 import numpy as np
 
 from tierps.storage import TableConfig, optim
-from tierps.storage import snapshot as fmt
+from tierps.storage.admission import bloom_size
 from tierps.storage.config import Admission, Placement
+from tierps.storage.snapshot_reader import Snapshot
+from tierps.storage.snapshot_writer import commit, write_part
 
 ADAPT = TableConfig(
     "a", 2, optimizer=optim.SGD(), hash_bucket_size=3, promote_after=4, steps_to_live=9
@@ -22,13 +24,13 @@ WHOLE = TableConfig(
 )  # fmt: skip
 
 
-def save(root: Path, config: TableConfig, states: list[dict]) -> fmt.Snapshot:
+def save(root: Path, config: TableConfig, states: list[dict]) -> Snapshot:
     for shard, state in enumerate(states):
         empty = iter([(np.empty(0, np.int64), np.empty((0, config.row_width), np.float32))])
         exports = [(config, empty, state)]
-        list(fmt.write_part(root, "s", "sid", shard, len(states), exports, 0))
-    fmt.commit(root, "s", "sid")
-    return fmt.Snapshot(root, "s")
+        list(write_part(root, "s", "sid", shard, len(states), exports, 0))
+    commit(root, "s", "sid")
+    return Snapshot(root, "s")
 
 
 def test_keyed_counts_go_by_key_and_the_rest_by_the_documented_rules(tmp_path: Path) -> None:
@@ -63,7 +65,7 @@ def test_keyed_counts_go_by_key_and_the_rest_by_the_documented_rules(tmp_path: P
 def test_a_table_placed_whole_takes_its_old_owners_state_on_its_new_owner(
     tmp_path: Path,
 ) -> None:
-    size, _ = fmt.bloom_size(WHOLE.max_elements, WHOLE.false_positive_rate)
+    size, _ = bloom_size(WHOLE.max_elements, WHOLE.false_positive_rate)
     counters = np.arange(size, dtype=np.uint8) % 4
     opened = save(tmp_path, WHOLE, [{}, {"admission": counters, "current_step": 5}])
     # table_shard=1: the owner of 2 shards and of 3; the other shards take nothing

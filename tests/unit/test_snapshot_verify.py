@@ -1,5 +1,6 @@
-"""The snapshot format's checks on its own (storage/snapshot.py): what a save refuses to
-write and what a load's verification refuses, on real files, without shards."""
+"""The snapshot format's checks on its own (storage/snapshot_writer.py,
+storage/snapshot_reader.py): what a save refuses to write and what a load's verification
+refuses, on real files, without shards."""
 
 from __future__ import annotations
 
@@ -12,8 +13,17 @@ import numpy as np
 import pytest
 
 from tierps.storage import FailedPreconditionError, TableConfig, optim
-from tierps.storage import snapshot as fmt
 from tierps.storage.config import Placement
+from tierps.storage.snapshot_format import (
+    CHECKSUM,
+    FORMAT_VERSION,
+    MANIFEST,
+    SnapshotRefusedError,
+    manifest_checksum,
+    part_name,
+)
+from tierps.storage.snapshot_reader import Snapshot
+from tierps.storage.snapshot_writer import commit, write_part
 
 ROW = TableConfig("t", 4, optimizer=optim.Adagrad())
 WHOLE = TableConfig("w", 4, optimizer=optim.SGD(), placement=Placement.TABLE, table_shard=0)
@@ -27,8 +37,8 @@ def rows_for(config: TableConfig, keys: np.ndarray) -> np.ndarray:
 def save(root: Path, config: TableConfig, parts: list[np.ndarray], name: str = "s") -> Path:
     for shard, keys in enumerate(parts):
         chunks = iter([(keys, rows_for(config, keys))])
-        list(fmt.write_part(root, name, "sid", shard, len(parts), [(config, chunks)], keys.size))
-    fmt.commit(root, name, "sid")
+        list(write_part(root, name, "sid", shard, len(parts), [(config, chunks)], keys.size))
+    commit(root, name, "sid")
     return root / name
 
 
@@ -46,25 +56,25 @@ def reseal(snapshot: Path) -> None:
                 if key.endswith("_file"):
                     file.update(entry(snapshot / file["path"]))
         header_path.write_text(json.dumps(header))
-    manifest = json.loads((snapshot / fmt.MANIFEST).read_text())
+    manifest = json.loads((snapshot / MANIFEST).read_text())
     for table in manifest["tables"].values():
         for part in table["parts"]:
             for key, file in part.items():
                 if key.endswith("_file"):
                     file.update(entry(snapshot / file["path"]))
-    manifest[fmt.CHECKSUM] = fmt.manifest_checksum(manifest)
-    (snapshot / fmt.MANIFEST).write_text(json.dumps(manifest))
+    manifest[CHECKSUM] = manifest_checksum(manifest)
+    (snapshot / MANIFEST).write_text(json.dumps(manifest))
 
 
 def set_keys(snapshot: Path, table: str, shard: int, parts: int, keys: np.ndarray) -> None:
-    path = snapshot / "sid" / fmt.part_name(shard, parts) / f"{table}.keys"
+    path = snapshot / "sid" / part_name(shard, parts) / f"{table}.keys"
     keys.astype("<i8").tofile(path)
     reseal(snapshot)
 
 
 def refused(snapshot: Path, *needles: str) -> None:
-    opened = fmt.Snapshot(snapshot.parent, snapshot.name)
-    with pytest.raises(fmt.SnapshotRefusedError) as raised:
+    opened = Snapshot(snapshot.parent, snapshot.name)
+    with pytest.raises(SnapshotRefusedError) as raised:
         opened.verify()
     for needle in needles:
         assert needle in str(raised.value), (needle, str(raised.value))
@@ -72,7 +82,7 @@ def refused(snapshot: Path, *needles: str) -> None:
 
 def test_a_whole_table_key_in_two_parts_is_refused(tmp_path: Path) -> None:
     snapshot = save(tmp_path, WHOLE, [np.arange(0, 50), np.arange(60, 90)])
-    fmt.Snapshot(tmp_path, "s").verify()  # rows in two parts are fine, while distinct
+    Snapshot(tmp_path, "s").verify()  # rows in two parts are fine, while distinct
     set_keys(snapshot, "w", 1, 2, np.arange(49, 79))
     refused(snapshot, "'w'", "key 49 in parts part-00000-of-00002 and part-00001", "duplicate")
 
@@ -83,8 +93,8 @@ def test_keys_out_of_order_across_chunks_are_refused(tmp_path: Path) -> None:
     swapped = keys.copy()
     swapped[[63, 64]] = swapped[[64, 63]]  # across the boundary of 64-row chunks
     set_keys(snapshot, "t", 0, 1, swapped)
-    opened = fmt.Snapshot(tmp_path, "s")
-    with pytest.raises(fmt.SnapshotRefusedError, match="key 126 after key 128 .out of order"):
+    opened = Snapshot(tmp_path, "s")
+    with pytest.raises(SnapshotRefusedError, match="key 126 after key 128 .out of order"):
         for part in opened.tables["t"]["parts"]:
             list(opened.read_part("t", part, chunk_rows=64))
 
@@ -103,19 +113,19 @@ def test_a_save_refuses_non_finite_values_and_keys_out_of_order(tmp_path: Path) 
     rows = rows_for(ROW, keys)
     rows[3, 6] = np.nan
     with pytest.raises(FailedPreconditionError, match=r"'t' on shard 0.*nan.*key 3 at column 6"):
-        list(fmt.write_part(tmp_path, "s", "sid", 0, 1, [(ROW, iter([(keys, rows)]))], 5))
-    assert not (tmp_path / "s" / "sid" / fmt.part_name(0, 1)).exists()  # no half part
+        list(write_part(tmp_path, "s", "sid", 0, 1, [(ROW, iter([(keys, rows)]))], 5))
+    assert not (tmp_path / "s" / "sid" / part_name(0, 1)).exists()  # no half part
     backwards = np.array([1, 0, 2])
     chunks = iter([(backwards, rows_for(ROW, backwards))])
     with pytest.raises(FailedPreconditionError, match="strictly ascending.*key 0 after key 1"):
-        list(fmt.write_part(tmp_path, "s", "sid", 0, 1, [(ROW, chunks)], 3))
+        list(write_part(tmp_path, "s", "sid", 0, 1, [(ROW, chunks)], 3))
 
 
 def test_the_manifest_records_layouts_headers_and_its_own_checksum(tmp_path: Path) -> None:
     snapshot = save(tmp_path, ROW, [np.arange(0, 20, 2), np.arange(1, 20, 2)])
-    manifest = json.loads((snapshot / fmt.MANIFEST).read_text())
-    assert manifest["format_version"] == fmt.FORMAT_VERSION == 3
-    assert manifest[fmt.CHECKSUM] == fmt.manifest_checksum(manifest)
+    manifest = json.loads((snapshot / MANIFEST).read_text())
+    assert manifest["format_version"] == FORMAT_VERSION == 3
+    assert manifest[CHECKSUM] == manifest_checksum(manifest)
     layout = manifest["tables"]["t"]["layout"]
     assert layout == {
         "dim": 4, "optimizer": "adagrad", "row_width": 8, "key_dtype": "<i8", "row_dtype": "<f4"

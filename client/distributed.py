@@ -82,7 +82,8 @@ from prometheus_client import Histogram
 
 from tierps.client.admin import ClusterAdmin
 from tierps.client.embedding import EmbeddingClient
-from tierps.client.torch import EmbeddingBagCollection, PipelinedModule, _collection, pipeline
+from tierps.client.group_protocol import GroupMember, KeyGradients
+from tierps.client.torch import PipelinedModule, collection_of, pipeline
 
 MODES = ("sync", "async")
 # The environment torchrun needs for --max-restarts to work: with the rendezvous store shared
@@ -153,22 +154,20 @@ class TrainerGroup:
         self.admin = admin if admin is not None else client
         self.mode = mode
         self.staleness = staleness
-        self.modules = [_collection(module) for module in modules]
+        self.modules: list[GroupMember] = [collection_of(module) for module in modules]
         for module in self.modules:
             if module.client is not client:
                 raise ValueError(
                     "TrainerGroup: every module expected on the group's client, got one "
                     f"on another (features {[f.name for f in module.features]})"
                 )
-            if module._group is not None and module._group is not self:
+            if module.group is not None and module.group is not self:
                 raise ValueError(
                     f"TrainerGroup: module of features {[f.name for f in module.features]} "
                     f"expected in one group, but another group has it"
                 )
         for module in self.modules:  # all checked: now take them
-            module.flush()
-            module.staleness = 0 if mode == "sync" else 1
-            module._group = self
+            module.join_group(self, staleness=0 if mode == "sync" else 1)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         # the group's own collectives: never interleaved with DDP's on the default group
@@ -231,7 +230,7 @@ class TrainerGroup:
             yield from pipeline(items, *modules, before_each=begin_step)
         finally:  # a loop left early: its pushes still finish (a failure: next call)
             for module in self.modules:
-                module._wait_for_pushes()
+                module.wait_for_pushes()
         self.flush()
 
     def flush(self) -> None:
@@ -240,16 +239,14 @@ class TrainerGroup:
             module.flush()
         self._pending.clear()
 
-    # -- pushes (called by the modules' backward) --------------------------------------------
+    # -- pushes (the modules' backward calls them: group_protocol.PushGroup) -------------------
 
-    def _push_together(
-        self, module: EmbeddingBagCollection, pushes: dict[str, tuple[np.ndarray, np.ndarray]]
-    ) -> None:
+    def push_together(self, pushes: KeyGradients) -> None:
         """Sync mode's push of one module at group.step: every rank's per-key gradients
         gathered, summed per key, divided by the world size, and each rank's share of the
         keys pushed; then every rank learns whether all shares were applied."""
         if self.world_size == 1:  # the gradients are the global batch's already
-            module.client._push_unique(pushes, self.step)
+            self.client.push_unique(pushes, self.step)
             return
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, pushes, group=self._collectives)
@@ -268,12 +265,12 @@ class TrainerGroup:
             high = (self.rank + 1) * unique.size // self.world_size
             share[table] = (unique[low:high], summed[low:high])
         self._together(
-            lambda: module.client._push_unique(share, self.step),
+            lambda: self.client.push_unique(share, self.step),
             f"step {self.step}'s push failed, so its update of the failed ranks' share of the "
             f"keys is missing on some shards; resume from the last checkpoint",
         )
 
-    def _track(self, step: int, pushed: Future[Any]) -> None:
+    def track(self, step: int, pushed: Future[Any]) -> None:
         """Async mode: a push of `step` handed to a module's background thread."""
         self._pending.append((step, pushed))
 
@@ -288,12 +285,12 @@ class TrainerGroup:
         # this rank's pushes are applied up to: the step before its oldest one in flight,
         # else every step before the current one (the current step pushes later)
         applied = self._pending[0][0] - 1 if self._pending else self.step - 1
-        failed = any(module._failure is not None for module in self.modules)
+        failed = any(module.push_failed for module in self.modules)
         box = torch.tensor([applied, -int(failed)], dtype=torch.int64)
         dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self._collectives)
         if int(box[1].item()) < 0:
             for module in self.modules:
-                module._raise_failure()  # this rank's own failure, if it is one
+                module.raise_push_failure()  # this rank's own failure, if it is one
             raise TrainerGroupError(
                 f"step {self.step}: another rank's background push failed, so its update is "
                 f"missing on some shards; resume from the last checkpoint"

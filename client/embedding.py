@@ -160,7 +160,7 @@ class PooledLookup:
 
     def _push_keys(self, pushes: dict[str, tuple[np.ndarray, np.ndarray]], step: int | None) -> int:
         """push_gradients' RPCs: the distinct keys' gradients of _key_gradients, pushed."""
-        return self._client._push_unique(pushes, step)
+        return self._client.push_unique(pushes, step)
 
     def _key_gradients(self, grad_outputs: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """push_gradients up to its RPCs: per table, the distinct keys to push and their
@@ -483,11 +483,11 @@ class EmbeddingClient(ClusterAdmin):
         shape = (*keys.shape, dim)
         grads = float_array(where, "grads", grads, shape, "[*keys.shape, dim]").reshape(-1, dim)
         if _distinct_live(flat):  # pushed as given: no sums
-            return self._push_unique({table: (flat, grads)}, step)
+            return self.push_unique({table: (flat, grads)}, step)
         unique, inverse = distinct_keys(flat)
         bags = Bags(flat, np.arange(flat.size + 1, dtype=np.int64), None, (flat.size,))
         matrix = pooling_matrix(bags, inverse, unique.size, Combiner.SUM)
-        return self._push_unique({table: (unique, unpool(matrix, grads))}, step)
+        return self.push_unique({table: (unique, unpool(matrix, grads))}, step)
 
     def assign(self, table: str, keys: Any, values: Any) -> int:
         """Set the weights [*keys.shape, dim] of keys and reset their optimizer state.
@@ -772,11 +772,14 @@ class EmbeddingClient(ClusterAdmin):
                 self._one_message_bytes[shard] = min(limit, bulk - 1)
         return too_large
 
-    def _push_unique(
+    def push_unique(
         self, pushes: dict[str, tuple[np.ndarray, np.ndarray]], step: int | None
     ) -> int:
-        """Push summed gradients [u, dim] of each table's distinct keys >= 0. A table with
-        no keys is not pushed and takes no step."""
+        """Push, per table, gradients already summed per key: pushes maps a table to its
+        distinct keys >= 0 and their gradients [u, dim], as PooledLookup.push_gradients and
+        TrainerGroup compute them (nothing is summed again). A table with no keys is not
+        pushed and takes no step. `step` as in push_gradients. Returns the number of keys
+        updated."""
         pushes = {t: (keys, grads) for t, (keys, grads) in pushes.items() if keys.size}
         steps = self._reserve_steps(list(pushes), step)
         calls = self._route_push(pushes)
@@ -802,7 +805,7 @@ class EmbeddingClient(ClusterAdmin):
         steps: dict[str, int],
         pushes: dict[str, tuple[np.ndarray, np.ndarray]],
     ) -> Any:
-        """One push call of _push_unique's to a shard: its PushGradientsResponse."""
+        """One push call of push_unique's to a shard: its PushGradientsResponse."""
         bulk = sum(_key_and_row_bytes(dim) * keys.size for _, dim, keys, _ in batches)
         identity = self._push_identity(shard, [name for name, *_ in batches])
         if bulk <= self._one_message_bytes[shard]:
@@ -906,14 +909,14 @@ class EmbeddingClient(ClusterAdmin):
         tables: dict[str, tuple[int, np.ndarray]],
         create: bool,
     ) -> dict[str, np.ndarray]:
-        """_push_unique(pushes, step), then _lookup_unique(tables, create) seeing it, in one
+        """push_unique(pushes, step), then _lookup_unique(tables, create) seeing it, in one
         PushThenLookup call per shard where every shard's parts of both are one call each
         and fit in one message each way (or a shard has a part of one of them only, sent
         alone); else those two, as separate calls for all shards (a lookup cut into pieces
         then sends them at once). A shard that refuses the fused call as too large, or does
         not know it, gets its push call, then its lookup call. A push not applied on every
         shard of its calls (refused, or a failure before they ran: table_step, routing,
-        learning a shard's life) raises PushNotApplied with the error _push_unique would
+        learning a shard's life) raises PushNotApplied with the error push_unique would
         raise; a lookup that failed after the push was applied everywhere raises its
         ShardError."""
         pushes = {t: (keys, grads) for t, (keys, grads) in pushes.items() if keys.size}
@@ -931,7 +934,7 @@ class EmbeddingClient(ClusterAdmin):
             parts.setdefault(shard, ([], []))[1].append(batches)
         if not all(self._fuses_parts(shard, *both) for shard, both in parts.items()):
             try:
-                self._push_unique(pushes, step)
+                self.push_unique(pushes, step)
             except ShardError as error:
                 raise PushNotApplied(error) from None
             return self._lookup_unique(tables, create)

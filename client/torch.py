@@ -76,6 +76,7 @@ from tierps.client.embedding import (
     _PreparedHost,
     _PreparedPooling,
 )
+from tierps.client.group_protocol import PushGroup
 from tierps.client.initial_rows import InitialRows
 from tierps.client.pooling import Combiner
 from tierps.storage import TableConfig, init, optim
@@ -83,8 +84,6 @@ from tierps.storage import TableConfig, init, optim
 if TYPE_CHECKING:
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.sparse.jagged_tensor import KeyedTensor
-
-    from tierps.client.distributed import TrainerGroup
 
 # embedding_bag_configs()' num_embeddings of a hashed table, which takes any key >= 0: the
 # largest int64 (the key count, 2**63, does not fit the int64 TorchRec may store it in).
@@ -150,7 +149,7 @@ def _stop(worker: ThreadPoolExecutor, held: list[Any], client: EmbeddingClient) 
     if held[0] is not None:
         (pushes, step), held[0] = held[0], None
         try:
-            worker.submit(client._push_unique, pushes, step)
+            worker.submit(client.push_unique, pushes, step)
         except RuntimeError as error:  # the thread pools are shut: say so, never silent
             sys.stderr.write(
                 f"tierps: a held push of tables {sorted(pushes)} was not applied: {error}\n"
@@ -170,7 +169,7 @@ def _send_held_at_exit() -> None:
     for module in list(_HOLDING):
         if module._held is None:
             continue
-        module._wait_for_pushes()
+        module.wait_for_pushes()
         with module._failure_lock:
             failure = module._failure
         if failure is not None:
@@ -335,7 +334,8 @@ class EmbeddingBagCollection(nn.Module):
     each next one prefetched; prefetch(batch) starts the lookup of a later batch, which the
     forward of that same batch object then uses (a lookup older than `staleness` pushes at
     its forward is made again). flush() waits for background pushes; close() also stops
-    the background thread.
+    the background thread. A TrainerGroup pushes for it through the methods of
+    tierps.client.group_protocol.GroupMember (join_group, wait_for_pushes, ...).
 
     A batch on a GPU is pooled there and gives tensors there; one on the host gives CPU
     tensors. `device` ("cuda:0", "cpu"; None: where the batch is) pools on that torch
@@ -385,8 +385,9 @@ class EmbeddingBagCollection(nn.Module):
         self._last_push: Future[None] | None = None  # the latest background push
         self._failure: BaseException | None = None  # of a background push, not yet raised
         self._failure_lock = threading.Lock()
-        # the TrainerGroup (tierps.client.distributed) that steps and pushes with other ranks
-        self._group: TrainerGroup | None = None
+        # the group (a TrainerGroup, tierps.client.distributed) that steps and pushes with
+        # other ranks: see join_group
+        self._group: PushGroup | None = None
         # Staleness 1 under pipeline(): backward's push of a host batch waits here for the
         # prefetch pipeline() makes next, and goes with its lookup as one call per shard
         # (EmbeddingClient._push_then_lookup); any other call of the module sends it first.
@@ -560,7 +561,7 @@ class EmbeddingBagCollection(nn.Module):
         thread as a push alone."""
         if held is not None:
             pushes, step = held
-            send = functools.partial(self.client._push_unique, pushes)
+            send = functools.partial(self.client.push_unique, pushes)
             self._last_push = self._submit(self._push_in_background, send, step, None)
 
     def _push_then_fetch(
@@ -576,7 +577,13 @@ class EmbeddingBagCollection(nn.Module):
             self._keep_failure(failed.error)
             raise failed.error from None
 
-    def _raise_failure(self) -> None:
+    @property
+    def push_failed(self) -> bool:
+        """Whether a background push failed and its failure is not raised yet."""
+        with self._failure_lock:
+            return self._failure is not None
+
+    def raise_push_failure(self) -> None:
         """Raise a background push's failure, once; prefetched lookups are dropped with it
         (they were made around a push that did not happen)."""
         with self._failure_lock:
@@ -585,7 +592,9 @@ class EmbeddingBagCollection(nn.Module):
             self._prefetched.clear()
             raise failure
 
-    def _wait_for_pushes(self) -> None:
+    def wait_for_pushes(self) -> None:
+        """Wait until the pushes in flight are done (a held push sent first), without
+        raising a failure: the module's next call (or raise_push_failure) raises it."""
         self._send_held()
         if self._last_push is not None:
             wait_for([self._last_push])
@@ -593,8 +602,21 @@ class EmbeddingBagCollection(nn.Module):
     def flush(self) -> None:
         """Wait until every push of this module is applied; raise a background push's
         failure (once). A no-op at staleness 0, where backward applies its push."""
-        self._wait_for_pushes()
-        self._raise_failure()
+        self.wait_for_pushes()
+        self.raise_push_failure()
+
+    @property
+    def group(self) -> PushGroup | None:
+        """The group (a TrainerGroup) this module pushes with, or None: it pushes alone."""
+        return self._group
+
+    def join_group(self, group: PushGroup, *, staleness: int) -> None:
+        """Push with `group` from now on (called by TrainerGroup, which checks that the
+        module is in no other group): this module's pushes so far are applied first, then
+        its pushes carry group.step, and in sync mode backward hands them to the group."""
+        self.flush()
+        self.staleness = staleness
+        self._group = group
 
     def _claim_tables(self) -> None:
         """Make this module the one that pipelines its tables on its client, or refuse."""
@@ -633,7 +655,7 @@ class EmbeddingBagCollection(nn.Module):
             finalizer.detach()
             worker.shutdown(wait=True)  # runs what is queued, then joins the thread
         self._last_push = None
-        self._raise_failure()
+        self.raise_push_failure()
 
     def __enter__(self) -> EmbeddingBagCollection:
         return self
@@ -665,7 +687,7 @@ class EmbeddingBagCollection(nn.Module):
             self._started_worker()  # its finalizer sends the held push if the module is dropped
             _HOLDING.add(self)  # and _send_held_at_exit, if it lives at interpreter exit
         elif group is not None and group.mode == "sync":
-            group._push_together(self, pooled._key_gradients(_gradients(pooled, grads)))
+            group.push_together(pooled._key_gradients(_gradients(pooled, grads)))
         elif self.staleness == 0:
             pooled.push_gradients(_gradients(pooled, grads), step)
         else:
@@ -678,7 +700,7 @@ class EmbeddingBagCollection(nn.Module):
             stream = _current_stream()
             self._last_push = self._submit(self._push_in_background, send, step, stream)
             if group is not None:
-                group._track(step, self._last_push)
+                group.track(step, self._last_push)
         self._pushes += 1
         for entry in self._prefetched:
             if entry.future is None:  # deferred to this push
@@ -729,7 +751,7 @@ class EmbeddingBagCollection(nn.Module):
     def _prefetch(self, key: tuple[Any, ...], batch: Mapping[str, FeatureBatch]) -> None:
         held, self._held = self._held, None
         try:
-            self._raise_failure()
+            self.raise_push_failure()
             create = self._trains()  # grad mode is per thread: read it here
             if create:
                 self._claim_tables()
@@ -785,11 +807,11 @@ class EmbeddingBagCollection(nn.Module):
         self, key: tuple[Any, ...], batch: Mapping[str, FeatureBatch]
     ) -> dict[str, torch.Tensor]:
         self._send_held()
-        self._raise_failure()
+        self.raise_push_failure()
         trains = self._trains()
         pooled = self._take_prefetched(key, trains)
         if pooled is None:
-            self._wait_for_pushes()  # a lookup made now sees every push made before it
+            self.wait_for_pushes()  # a lookup made now sees every push made before it
             pooled = self._prepare(batch).fetch(trains)
         if trains:
             anchor = torch.empty(0, requires_grad=True)  # makes autograd call backward
@@ -808,7 +830,7 @@ class EmbeddingBagCollection(nn.Module):
                 del self._prefetched[: index + 1]
                 if entry.future is not None and self._pushes - entry.pushes <= self.staleness:
                     wait_for([entry.future])
-                    self._raise_failure()  # a push it went with failed: raised once
+                    self.raise_push_failure()  # a push it went with failed: raised once
                     pooled = entry.future.result()  # a failed prefetch raises here
                 break
         self._prefetched = [entry for entry in self._prefetched if entry.create == trains]
@@ -936,14 +958,14 @@ def pipeline(
             for module, inputs in modules:
                 given = inputs(upcoming)
                 module.prefetch(*given) if isinstance(given, tuple) else module.prefetch(given)
-                _collection(module)._hold_pushes = True  # the next prefetch takes the push
+                collection_of(module)._hold_pushes = True  # the next prefetch takes the push
             yield item
             for module, _ in modules:
-                _collection(module)._hold_pushes = False
+                collection_of(module)._hold_pushes = False
     finally:  # also for a loop left early; its failure is raised by the module's next call
         for module, _ in modules:
-            _collection(module)._hold_pushes = False
-            _collection(module)._wait_for_pushes()
+            collection_of(module)._hold_pushes = False
+            collection_of(module).wait_for_pushes()
     for module, _ in modules:
         module.flush()
 
@@ -963,7 +985,9 @@ def _initial_rows(rows: InitialRows | torch.Tensor | np.ndarray | None) -> Initi
     return rows
 
 
-def _collection(module: PipelinedModule) -> EmbeddingBagCollection:
+def collection_of(module: PipelinedModule) -> EmbeddingBagCollection:
+    """The EmbeddingBagCollection that looks up and pushes for `module`: the module
+    itself, or an EmbeddingBag's `bags`."""
     return module.bags if isinstance(module, EmbeddingBag) else module
 
 

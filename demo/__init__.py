@@ -4,7 +4,10 @@
   synthetic set, as batches of CSR bags (numpy only).
 - `tierps.demo.deepfm`: DeepFM in torch with a pluggable embedding layer: tables on the
   cluster (tierps.client.torch) or local torch.nn.EmbeddingBag tables (the baseline).
-- `tierps.demo.main`: the command (`run(args)`) and the reusable training loop.
+- `tierps.demo.training`: the reusable pieces: the models built over either embedding
+  layer, the training loop, evaluation and its metrics.
+- `tierps.demo.main`: the command (`run(args)`).
+- `tierps.demo.trainers`: `tierps demo --trainers N`, its torchrun launch and one rank.
 
 Needs the `torch` extra; the data module needs only numpy.
 """

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tierps.client import security
+from tierps.client.command_line import Parser  # no flag prefixes; usage errors hide secrets
 from tierps.client.distributed import MODES, RESTARTABLE
 
 # The client's TLS and token flags (tierps.client.security) the ranks are given as the demo was.
@@ -135,8 +136,6 @@ def stop_job(job: subprocess.Popen[bytes]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from tierps.server.cli import Parser  # no flag prefixes; usage errors hide secrets
-
     parser = Parser(
         prog="python -m tierps.demo.trainers",
         description="One rank of `tierps demo --trainers N` (run by torchrun).",
@@ -168,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     from tierps.client import EmbeddingClient
     from tierps.client.distributed import TrainerGroup
     from tierps.demo.data import load_dataset
-    from tierps.demo.main import (
+    from tierps.demo.training import (
         auc,
         build_tierps_model,
         dense_optimizer_for,

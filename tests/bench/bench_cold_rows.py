@@ -36,7 +36,8 @@ def run_one(label: str, cold: dict, args: argparse.Namespace, dataset) -> dict:
 
     from tierps.client import EmbeddingClient
     from tierps.demo.deepfm import SparseOptimizer, TierpsEmbeddings
-    from tierps.demo.main import DEFAULT_LR, build_tierps_model, tier_hit_rates, train
+    from tierps.demo.main import tier_hit_rates
+    from tierps.demo.training import DEFAULT_LR, build_tierps_model, train
     from tierps.server.cluster import LocalCluster
     from tierps.storage import EmbeddingStore
 

@@ -44,8 +44,7 @@ from torch import nn
 
 from tierps.client import EmbeddingClient
 from tierps.client import torch as tierps_torch
-from tierps.demo import data
-from tierps.demo import main as demo
+from tierps.demo import data, training
 from tierps.demo.deepfm import DEFAULT_HIDDEN, DeepFM, initial_weights
 from tierps.server import LocalCluster
 
@@ -132,7 +131,7 @@ class Trainer:
 
     def __init__(self, model: DeepFM) -> None:
         self.model = model
-        self.dense = demo.dense_optimizer_for(model)
+        self.dense = training.dense_optimizer_for(model)
         self.sparse = model.embeddings.sparse_optimizer()
 
     def chunk(
@@ -140,7 +139,7 @@ class Trainer:
     ) -> tuple[float, dict[str, float]]:
         """samples/s, and the CPU milliseconds a step took (CPU_PARTS: where they went)."""
         before = _cpu_seconds()
-        _, _, seconds, samples = demo.train_epoch(
+        _, _, seconds, samples = training.train_epoch(
             self.model, dataset, self.dense, self.sparse, batch_size=batch_size,
             shuffle_seed=seed, max_batches=steps,
         )  # fmt: skip
@@ -181,13 +180,13 @@ def trainers(client: EmbeddingClient, case: Case) -> tuple[dict[str, Trainer], d
     else:
         dataset = data.load_movielens(SEED)
         per_feature = data.load_movielens(SEED, shared_table=False)
-    demo.create_tables(client, dataset, dim=DIM, seed=SEED)
+    training.create_tables(client, dataset, dim=DIM, seed=SEED)
     if per_feature is not dataset:
-        demo.create_tables(client, per_feature, dim=DIM, seed=SEED)
+        training.create_tables(client, per_feature, dim=DIM, seed=SEED)
     weights = initial_weights(dataset.tables, DIM, SEED)
-    built = {"local": demo.build_local_model(dataset, dim=DIM, seed=SEED, weights=weights)}
+    built = {"local": training.build_local_model(dataset, dim=DIM, seed=SEED, weights=weights)}
     for staleness in (0, 1):
-        built[f"collection_s{staleness}"] = demo.build_tierps_model(
+        built[f"collection_s{staleness}"] = training.build_tierps_model(
             client, dataset, dim=DIM, seed=SEED, staleness=staleness
         )
         embeddings = PerFeatureEmbeddings(client, per_feature.features, staleness)

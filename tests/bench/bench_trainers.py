@@ -29,8 +29,7 @@ from pathlib import Path
 
 import torch
 
-from tierps.demo import data
-from tierps.demo import main as demo
+from tierps.demo import data, training
 
 EPOCHS = 2
 RUNS = {  # name: demo flags
@@ -68,8 +67,8 @@ def local_run() -> tuple[float, float]:
     """(samples/s, test AUC) of the last epoch of the local torch DeepFM, one thread."""
     torch.set_num_threads(1)
     dataset = data.load_dataset("movielens")
-    model = demo.build_local_model(dataset, dim=demo.DEFAULT_DIM)
-    results = demo.train(model, dataset, epochs=EPOCHS, batch_size=demo.DEFAULT_BATCH_SIZE)
+    model = training.build_local_model(dataset, dim=training.DEFAULT_DIM)
+    results = training.train(model, dataset, epochs=EPOCHS, batch_size=training.DEFAULT_BATCH_SIZE)
     return results[-1].samples_per_s, results[-1].test_auc
 
 
@@ -94,8 +93,8 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "shape": {
             "dataset": "movielens-100k",
-            "batch": demo.DEFAULT_BATCH_SIZE,
-            "dim": demo.DEFAULT_DIM,
+            "batch": training.DEFAULT_BATCH_SIZE,
+            "dim": training.DEFAULT_DIM,
             "epochs": EPOCHS,
             "shards": 2,
         },

@@ -96,14 +96,14 @@ def main() -> None:
         optimizer.load_state_dict(state["optimizer"])
     resumed_at = group.step
 
-    push = client._push_unique
+    push = client.push_unique
     if rank == 1 and args.slow_pushes:
 
         def slow_push(pushes: Any, step: Any) -> int:
             time.sleep(args.slow_pushes)
             return push(pushes, step)
 
-        client._push_unique = slow_push  # type: ignore[method-assign]
+        client.push_unique = slow_push  # type: ignore[method-assign]
     if rank == 1 and args.kill_at and attempt == 0:
 
         def half_push_then_die(pushes: Any, step: Any) -> int:
@@ -117,7 +117,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
             raise AssertionError("unreachable")
 
-        client._push_unique = half_push_then_die  # type: ignore[method-assign]
+        client.push_unique = half_push_then_die  # type: ignore[method-assign]
 
     def batch_of(step: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         ids, labels = rank_share(step, rank, world)

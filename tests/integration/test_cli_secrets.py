@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tierps.client.command_line import Parser
 from tierps.demo import trainers
 from tierps.server import cli
 
@@ -46,7 +47,7 @@ def test_no_parser_matches_a_flag_by_its_prefix() -> None:
     assert len(parsers) > 15  # serve, cluster, admin and its actions, snapshot's verbs, ...
     for parser in parsers:
         assert parser.allow_abbrev is False, parser.prog
-        assert isinstance(parser, cli.Parser), parser.prog
+        assert isinstance(parser, Parser), parser.prog
 
 
 def test_every_argument_parser_of_the_repository_turns_prefixes_off() -> None:
@@ -69,7 +70,7 @@ def test_every_argument_parser_of_the_repository_turns_prefixes_off() -> None:
             value = keywords.get("allow_abbrev")
             assert isinstance(value, ast.Constant) and value.value is False, (
                 f"{path.relative_to(ROOT)}:{node.lineno}: ArgumentParser(...) expected "
-                "allow_abbrev=False (or tierps.server.cli.Parser), got none"
+                "allow_abbrev=False (or tierps.client.command_line.Parser), got none"
             )
     assert calls >= 10
 

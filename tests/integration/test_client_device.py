@@ -196,15 +196,15 @@ def test_mixed_devices_are_refused_before_anything_is_sent(client: EmbeddingClie
 
 
 def count_pushes(client: EmbeddingClient, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A list that grows by one per push the client sends (its _push_unique, still run)."""
+    """A list that grows by one per push the client sends (its push_unique, still run)."""
     pushes: list[int] = []
-    push = client._push_unique
+    push = client.push_unique
 
     def counted(*args: Any, **kwargs: Any) -> int:
         pushes.append(1)
         return push(*args, **kwargs)
 
-    monkeypatch.setattr(client, "_push_unique", counted)
+    monkeypatch.setattr(client, "push_unique", counted)
     return pushes
 
 

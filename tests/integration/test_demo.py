@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 
 from tierps.client import EmbeddingClient  # noqa: E402
 from tierps.client.distributed import CHECKPOINT_PREFIX  # noqa: E402
-from tierps.demo import data  # noqa: E402
+from tierps.demo import data, training  # noqa: E402
 from tierps.demo import main as demo  # noqa: E402
 from tierps.demo.deepfm import initial_weights  # noqa: E402
 from tierps.server.cluster import LocalCluster  # noqa: E402
@@ -59,15 +59,15 @@ def test_deepfm_through_tierps_matches_local_embedding_bags(
     same batches: the same test AUC, and the same trained rows."""
     dataset = movielens.subset(train=PARITY_TRAIN_ROWS)
     weights = initial_weights(dataset.tables, DIM, SEED)
-    local = demo.build_local_model(dataset, dim=DIM, seed=SEED, weights=weights)
-    (local_result,) = demo.train(local, dataset, epochs=1, seed=SEED)
+    local = training.build_local_model(dataset, dim=DIM, seed=SEED, weights=weights)
+    (local_result,) = training.train(local, dataset, epochs=1, seed=SEED)
     with (
         LocalCluster(2, tmp_path / "cluster") as cluster,
         EmbeddingClient(cluster.addresses) as client,
     ):
-        (table,) = demo.create_tables(client, dataset, dim=DIM, seed=SEED)
-        model = demo.build_tierps_model(client, dataset, dim=DIM, seed=SEED, weights=weights)
-        (tierps_result,) = demo.train(model, dataset, epochs=1, seed=SEED)
+        (table,) = training.create_tables(client, dataset, dim=DIM, seed=SEED)
+        model = training.build_tierps_model(client, dataset, dim=DIM, seed=SEED, weights=weights)
+        (tierps_result,) = training.train(model, dataset, epochs=1, seed=SEED)
         keys = dataset.tables[table].keys
         tierps_rows = client.lookup(table, keys, create=False)
     local_rows = local.embeddings.bags["table_" + table].weight.detach().numpy()
@@ -386,9 +386,9 @@ def test_auc_matches_pairwise_counting() -> None:
     wins = (positive[:, None] > negative[None, :]).sum()
     ties = (positive[:, None] == negative[None, :]).sum()
     expected = (wins + 0.5 * ties) / (positive.size * negative.size)
-    assert demo.auc(labels, scores) == pytest.approx(expected, abs=1e-12)
-    assert np.isnan(demo.auc(np.ones(4), np.arange(4.0)))
-    assert demo.logloss(np.array([1.0, 0.0]), np.array([0.0, 0.0])) == pytest.approx(np.log(2))
+    assert training.auc(labels, scores) == pytest.approx(expected, abs=1e-12)
+    assert np.isnan(training.auc(np.ones(4), np.arange(4.0)))
+    assert training.logloss(np.array([1.0, 0.0]), np.array([0.0, 0.0])) == pytest.approx(np.log(2))
 
 
 def test_job_checkpoint_pruning_touches_only_this_datasets_local_checkpoints(

@@ -65,7 +65,7 @@ def test_a_group_refuses_bad_modes(
     ebc = EmbeddingBagCollection(client, [Feature("f", "t")], staleness=1)
     with pytest.raises(ValueError, match=expected):
         TrainerGroup(client, [ebc], mode=mode, staleness=staleness)
-    assert ebc._group is None and ebc.staleness == 1  # a refused group changed nothing
+    assert ebc.group is None and ebc.staleness == 1  # a refused group changed nothing
 
 
 @pytest.mark.usefixtures("one_rank")

@@ -28,10 +28,11 @@ Consistency modes (`mode`):
   keys (one all_gather), sums them per key and divides by the world size (the mean over the
   global batch, as DDP averages the dense gradients), and pushes each key's update once:
   the keys are split among the ranks, each pushing its share. Every rank then waits until
-  all shares are acknowledged (one all_reduce, which also tells every rank of a failed
-  push) before any looks up the next step. Training equals one trainer taking the ranks'
-  batches together as one, up to the order of float summation. Costs: each rank receives
-  every rank's gradients, and the lookups of step t + 1 wait for step t's pushes.
+  all shares are acknowledged (one all_gather of a flag per rank, which also tells every
+  rank of a failed push) before any looks up the next step. Training equals one trainer
+  taking the ranks' batches together as one, up to the order of float summation. Costs: each
+  rank receives every rank's gradients, and the lookups of step t + 1 wait for step t's
+  pushes.
 - "async" with `staleness` k >= 1: each rank pushes its own gradients in the background
   (the modules run at staleness 1), without waiting for the others; the dense part stays
   synchronous under DDP. A lookup for step t sees every rank's pushes of steps <= t - 1 - k

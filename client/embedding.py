@@ -69,8 +69,8 @@ DEFAULT_MAX_CALL_BYTES = 256 << 20  # bulk bytes of one call (request or reply) 
 # A lookup whose reply from one shard is at least 2 * LOOKUP_PIECE_BYTES goes as up to
 # LOOKUP_PIECES calls at once (of LOOKUP_PIECE_BYTES or more each): the shard's storage work
 # on one overlaps the transfer of another. Measured (docs/perf/profile-lookup.md): 16 MiB
-# in 4 pieces 1.1-1.5x faster than in 2, and 2 faster than 1 (round 3); with two pieces to
-# a shard at once, smaller pieces still do not pay (round 6, to within ~20%): 4 MiB in 2
+# in 4 pieces 1.1-1.5x faster than in 2, and 2 faster than 1; with two pieces to
+# a shard at once, smaller pieces still do not pay (to within ~20%): 4 MiB in 2
 # pieces 0.89-1.13x the time of one call, in 4 pieces 1.08-1.67x; 8 MiB in 4 pieces
 # 1.03-1.42x the time of 2 pieces.
 LOOKUP_PIECE_BYTES = 4 << 20

@@ -19,9 +19,9 @@ per_sample_weights):
 An empty bag (no keys, only padding, or weights summing to 0 under mean) pools to zeros.
 
 Kernels: scipy.sparse is the reference and always there. Where torch is installed (a
-trainer's usual case), the forward runs torch's embedding_bag over the same CSR arrays and
-the dedup torch.unique: 2.6x and 1.6x faster here (tests/bench/bench_pooling.py); the
-backward stays scipy's, which beat torch's alternatives. Both give the same results to
+trainer's usual case), the forward runs torch's embedding_bag over the same CSR arrays, 2.6x
+faster here (tests/bench/bench_pooling.py); the dedup stays numpy's sort (distinct_keys) and
+the backward scipy's, which beat torch's alternatives. Both give the same results to
 float rounding and are tested against each other and against a numpy oracle.
 """
 

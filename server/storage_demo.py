@@ -1,8 +1,8 @@
 """The storage demo: a Zipf trace through a table larger than its host budget.
 
-Until the shard service and client land, this is what `tierps demo` runs: it trains nothing,
-but drives the real storage engine (host hash table over RocksDB) the way a trainer would -
-look up a batch, push gradients for it - and reports throughput and hit rates per tier.
+`tierps storage-demo` runs it: it trains nothing, but drives the real storage engine (host
+hash table over RocksDB) the way a trainer would - look up a batch, push gradients for it -
+and reports throughput and hit rates per tier.
 """
 
 from __future__ import annotations

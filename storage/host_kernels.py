@@ -80,7 +80,7 @@ AHEAD = 8  # rows (or slots) a kernel prefetches ahead: random rows cost memory 
 # A probe's slots are prefetched from the key's home slot to home + 2: a quarter of the
 # keys of a table at its usual load (0.25-0.5) lie past their home, and with 24-byte slots
 # home + 2's key is often on the next line. Measured on 1M keys, the kernel without and
-# with it alternated in one process (15-21 rounds, 4 sessions): 0.70-0.76x -> 0.75-0.83x
+# with it alternated in one process (15-21 rounds, 4 runs): 0.70-0.76x -> 0.75-0.83x
 # np.take at dim 64, 0.40-0.45x -> 0.48-0.49x at dim 16; home + 1 gained half as much,
 # a longer lead (slots or rows), group prefetching and a branch-free probe did not gain.
 PROBE_SPAN = 2

@@ -476,7 +476,7 @@ class EmbeddingTable:
         registered on the push's undo. Returns store(), which writes the rows and returns
         the distinct keys updated; until it runs, no stored row has changed.
 
-        The picture: rows a top tier trains where they lie (the GPU tier) are trained there;
+        The picture: rows a top tier trains where they lie (GPU, compiled host) are trained there;
         the rest are gathered, split by origin, updated on copies and stored."""
         where = f"{self.where}: apply_gradients"
         step = push.step
@@ -604,8 +604,8 @@ class EmbeddingTable:
         self, where: str, push: _Push, keys: np.ndarray, grads: np.ndarray, step: int
     ) -> tuple[np.ndarray, np.ndarray, int]:
         """Train the rows of distinct keys held by a top tier that trains in place (the GPU
-        tier's fused optimizer, without moving rows to the host and back; its undo goes to
-        the push). Returns the other keys, their gradients and how many were trained here;
+        or compiled host tier's fused optimizer, rows not moved; its undo goes to the
+        push). Returns the other keys, their gradients and how many were trained here;
         refuses (InvalidArgumentError, rows already put back) a value made non-finite. A
         write-through table does not train in place: each update must reach RocksDB."""
         top = self.tiers[0]

@@ -13,13 +13,13 @@ pipeline (tierps.client.torch.pipeline: the next batch's lookup overlaps the ste
 - collection_s0 / collection_s1: one EmbeddingBagCollection, staleness 0 / 1;
 - per_feature_s0 / per_feature_s1: one tierps EmbeddingBag per feature, staleness 0 / 1.
 
-Cases: the issue's training shape (8 features, one table each of 200,000 ids, 4 ids per bag
+Cases: the target training shape (8 features, one table each of 200,000 ids, 4 ids per bag
 drawn from Zipf(1.2), batch 2,048, dim 16) and the demo's (MovieLens-100k, batch 256, dim
 16; its collection shares one table, its per-feature trainers use a table per feature).
 torch runs one intra-op thread everywhere: on 2 cores the shards need the other.
 Each row also gives the CPU milliseconds a step took in the trainer's main thread, its other
 threads and the shards (medians over the chunks): on 2 cores a step is as fast as their sum
-allows. Targets (issue 13): collection >= 1.0x local, per feature >= 0.6x. Not part of the
+allows. Targets: collection >= 1.0x local, per feature >= 0.6x. Not part of the
 test run.
 """
 
@@ -51,7 +51,7 @@ from tierps.server import LocalCluster
 DIM = 16
 SEED = 0
 SHARDS = 2
-TARGETS = {"collection": 1.0, "per_feature": 0.6}  # x local, issue 13
+TARGETS = {"collection": 1.0, "per_feature": 0.6}  # x local
 ZIPF_FEATURES = 8
 ZIPF_IDS = 200_000
 ZIPF_A = 1.2
@@ -61,7 +61,7 @@ ZIPF_BATCHES = 24  # distinct batches per chunk order; the chunks cycle through 
 
 @dataclass(frozen=True)
 class Case:
-    name: str  # "zipf" (the issue's shape) or "movielens" (the demo's)
+    name: str  # "zipf" (the target shape) or "movielens" (the demo's)
     batch_size: int
     steps: int  # per chunk
 
@@ -71,7 +71,7 @@ QUICK_CASES = (Case("zipf", 2048, 4), Case("movielens", 256, 24))
 
 
 def zipf_dataset(batch_size: int) -> data.CTRDataset:
-    """The issue's shape: ZIPF_FEATURES features, each its own table of ZIPF_IDS ids, bags
+    """The target shape: ZIPF_FEATURES features, each its own table of ZIPF_IDS ids, bags
     of ZIPF_BAG ids drawn from Zipf(ZIPF_A) (rank r -> a scattered id), random labels."""
     rng = np.random.default_rng(SEED)
     samples = ZIPF_BATCHES * batch_size

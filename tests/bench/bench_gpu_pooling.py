@@ -34,7 +34,7 @@ synchronized device to a synchronized device (torch.cuda.synchronize), so a figu
 host's launch work and every sync as well as the kernels; steps of all contenders are
 interleaved, and each figure is the median over the repeats. A ratio is baseline time /
 tierps time: above 1, tierps is faster; a row's "headline" holds the faster torch
-(sparse=True or sparse=False: the issue's target, >= 1.0x) and the faster of those giving
+(sparse=True or sparse=False: the target, >= 1.0x) and the faster of those giving
 per-key gradients (sparse=True + coalesce or sparse=False) against tierps device (with dedup).
 """
 

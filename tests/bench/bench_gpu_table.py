@@ -38,7 +38,7 @@ from tierps.storage.hash_table import HashTable
 REPEATS = 7
 # HierarchicalKV, 1x A100 80GB, 1M keys per call, load factor 0.5 (billion KV/s).
 HKV_A100 = {"find": {32: 2.27e9, 64: 1.98e9}, "insert_or_assign": {32: 0.96e9, 64: 0.83e9}}
-TARGET_FIND_DIM32 = 2.3e9  # issue 6: find >= 2.3 billion keys/s at dim 32 on H100 / H200
+TARGET_FIND_DIM32 = 2.3e9  # target: find >= 2.3 billion keys/s at dim 32 on H100 / H200
 
 
 def find_bytes(dim: int) -> int:

@@ -237,7 +237,7 @@ def sweep(
                      "the echo's process, the same wire): rows in a dense numpy arena indexed "
                      "by key; lookup = np.take into a reused buffer (mode=clip) then .tobytes() "
                      "(faster than np.take(...).tobytes() at 4-16 MiB, equal at 1 MiB: "
-                     "docs/perf/profile-lookup.md round 6); push = arena[keys] -= lr * grads "
+                     "docs/perf/profile-lookup.md, a raw server); push = arena[keys] -= lr * grads "
                      "of views of the request, as np.take into the buffer, rows -= lr * grads, "
                      "arena[keys] = rows (the same bits, about 2x faster); no checks; the "
                      "client neither routes nor reassembles (requests built outside the "

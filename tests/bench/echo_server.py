@@ -68,7 +68,7 @@ class RawNumpy:
         self.lr = 0.0
         # the gather's buffer, one a thread, reused: np.take into it, then one copy into the
         # reply's bytes (gRPC sends bytes only). Faster than np.take(...).tobytes(), whose
-        # fresh array costs page faults at every call (docs/perf/profile-lookup.md, round 6)
+        # fresh array costs page faults at every call (docs/perf/profile-lookup.md, "A raw server")
         self._gathers = threading.local()
 
     def fill(self, request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -87,7 +87,7 @@ class RawNumpy:
         keys = np.frombuffer(request, np.int64, count)
         grads = np.frombuffer(request, np.float32, offset=8 * count).reshape(count, -1)
         # arena[keys] -= lr * grads, the same bits, in half the time (docs/perf/
-        # profile-lookup.md, round 6): numpy's in-place fancy update makes more temporaries
+        # profile-lookup.md, "A raw server"): numpy's in-place fancy update makes more temporaries
         rows = self._gather(keys)
         rows -= self.lr * grads
         self.arena[keys] = rows

@@ -1,4 +1,4 @@
-"""Adaptive embedding (hash_bucket_size, promote_after; issue 5 item 1) through two real
+"""Adaptive embedding (hash_bucket_size, promote_after) through two real
 in-process shard servers (port 0, RocksDB in tmp_path) and EmbeddingClient: keys without a
 row of their own read and train their shard's bucket rows until their promote_after-th
 sighting, then get their own row from the bucket's current weights; DescribeTable,

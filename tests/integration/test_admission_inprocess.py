@@ -1,4 +1,4 @@
-"""Admission filters (admit_after, issue 5 item 2) through two real in-process shard servers
+"""Admission filters (admit_after) through two real in-process shard servers
 (port 0, RocksDB in tmp_path) and EmbeddingClient: keys without a row read default_value and
 their pushes are dropped until their admit_after-th sighting; DescribeTable, ClusterAdmin's
 dicts and `tierps admin describe` (a subprocess) show the filter's figures per shard.

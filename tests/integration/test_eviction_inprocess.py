@@ -1,4 +1,4 @@
-"""Eviction (steps_to_live, min_l2_norm; issue 5 item 3) through two real in-process shard
+"""Eviction (steps_to_live, min_l2_norm) through two real in-process shard
 servers (port 0, RocksDB in tmp_path) and EmbeddingClient: the Evict rpc per shard, summed by
 ClusterAdmin.evict; eviction before a snapshot's cut (evict_before_snapshot); and
 `tierps admin evict` as a subprocess. Oracles: last-update steps and L2 norms in plain Python,

@@ -1,4 +1,4 @@
-"""The GPU tier (issue 6) through real shard servers (in-process on port 0, and `tierps serve`
+"""The GPU tier through real shard servers (in-process on port 0, and `tierps serve`
 subprocesses): every case runs the GPU tier's code on numpy arrays (gpu_arrays="numpy", in
 CI) and on cupy where a GPU is usable, and compares with the same calls against shards
 without a GPU tier (the CPU path) within 1e-6: training, snapshots taken while dirty rows

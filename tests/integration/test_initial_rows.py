@@ -1,4 +1,4 @@
-"""A table created with its initial rows from a matrix (issue 5 item 6, HugeCTR's
+"""A table created with its initial rows from a matrix (HugeCTR's
 init_value): given (keys, values), or a .npy / .npz file read on the admin's side; through
 the client and `tierps admin create`, against real in-process shards."""
 

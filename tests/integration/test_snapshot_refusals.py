@@ -1,4 +1,4 @@
-"""Crafted snapshots are refused before any live row changes (issue 12, item 4).
+"""Crafted snapshots are refused before any live row changes.
 
 Two in-process shards over real RocksDB and real snapshot files. Each case saves a good
 snapshot, trains on (so the live rows differ from it), crafts the snapshot as an attacker or

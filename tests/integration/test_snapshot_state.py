@@ -1,4 +1,4 @@
-"""A snapshot carries all training state (issue 12, item 5): rows with their step stamps,
+"""A snapshot carries all training state: rows with their step stamps,
 the step clock, admission counts (exact counter and Bloom filter), promotion counts and
 adaptive bucket rows. In-process shards over real RocksDB and real snapshot files.
 

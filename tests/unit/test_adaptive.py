@@ -1,4 +1,4 @@
-"""Adaptive embedding (issue 5 item 1, DeepRec's AdaptiveEmbedding).
+"""Adaptive embedding (DeepRec's AdaptiveEmbedding).
 
 Tables with hash_bucket_size and promote_after are checked against a reference model in
 plain numpy and dicts: own rows in a dict, the bucket rows in an array indexed by the bucket

@@ -1,4 +1,4 @@
-"""Admission filters (issue 5 item 2, DeepRec's counter filter and counting Bloom filter).
+"""Admission filters (DeepRec's counter filter and counting Bloom filter).
 
 The filters are checked against a Python dict of counts (the exact counter equals it; the
 Bloom filter never counts below it, and admits keys never sighted enough at about its

@@ -1,4 +1,4 @@
-"""Eviction (issue 5 item 3: DeepRec's global-step and L2-weight eviction, Monolith's expiry).
+"""Eviction (DeepRec's global-step and L2-weight eviction, Monolith's expiry).
 
 Tables are checked against an oracle in plain Python: a dict of each key's last-update step
 (the step of the last push that updated it; the table's current step when a lookup or an

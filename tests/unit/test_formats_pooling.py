@@ -488,7 +488,7 @@ def previous_stacked_pooling_matrix(
     parts: list[tuple[Bags, np.ndarray, Combiner]], num_unique: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(data, indices, indptr) as stacked_pooling_matrix built them before a trainer's
-    prefetch made it cheaper (commit b1b610e): frozen here as the reference that the
+    prefetch made it cheaper: frozen here as the reference that the
     demo's training stays bit for bit the same."""
     inverse = np.concatenate([inverse for _, inverse, _ in parts])
     base, shifted = 0, []

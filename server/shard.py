@@ -20,7 +20,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from tierps.client.wire_kernels import first_foreign_key
+from tierps.core.config import Placement, WritePolicy, key_shards, owner_shard
+from tierps.core.errors import TableReplacedError, UnavailableError
+from tierps.core.ownership import first_foreign_key
+from tierps.core.xp import gpu_arrays
 from tierps.server.config import ServerConfig
 from tierps.server.ledger import KEY_PREFIX as PUSH_RECORDS
 from tierps.server.ledger import PushId, PushLedger
@@ -34,11 +37,8 @@ from tierps.storage import (
     TableConfig,
     snapshot,
 )
-from tierps.storage.config import Placement, WritePolicy, key_shards, owner_shard
-from tierps.storage.errors import TableReplacedError, UnavailableError
 from tierps.storage.snapshot import Progress
 from tierps.storage.table import FLUSH_CHUNK_BYTES, EmbeddingTable
-from tierps.storage.xp import gpu_arrays
 
 SNAPSHOT_CHUNK_ROWS = 65536
 MAINTENANCE_TICK_S = 0.1  # how often the background thread looks at the store

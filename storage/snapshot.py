@@ -70,8 +70,7 @@ from typing import Any
 
 import numpy as np
 
-from tierps.storage.admission import bloom_size, counter_dtype
-from tierps.storage.config import (
+from tierps.core.config import (
     Admission,
     Placement,
     TableConfig,
@@ -79,13 +78,14 @@ from tierps.storage.config import (
     owner_shard,
     single_shard,
 )
-from tierps.storage.errors import (
+from tierps.core.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
 )
-from tierps.storage.validation import MAX_STEP, first_non_finite
+from tierps.core.validation import MAX_STEP, first_non_finite
+from tierps.storage.admission import bloom_size, counter_dtype
 
 log = logging.getLogger("tierps.storage")
 

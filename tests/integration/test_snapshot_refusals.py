@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 
 from tierps.client.admin import ClusterAdmin, ShardError
+from tierps.core.errors import BackendError
 from tierps.server.config import ServerConfig
 from tierps.server.shard import LookupBatch, PushBatch, Shard
 from tierps.storage import FailedPreconditionError, TableConfig, optim
 from tierps.storage import snapshot as fmt
-from tierps.storage.errors import BackendError
 from tierps.storage.store import EmbeddingStore
 
 SHARDS = 2

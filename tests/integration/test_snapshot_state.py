@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tierps.core.config import Admission
 from tierps.server.config import ServerConfig
 from tierps.server.shard import LookupBatch, PushBatch, Shard
 from tierps.storage import TableConfig, optim
 from tierps.storage import snapshot as fmt
-from tierps.storage.config import Admission
 
 DIM = 4
 TABLES = (

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tierps.core.config import key_shards, owner_shard, single_shard
 from tierps.storage import InvalidArgumentError, TableConfig, optim
 from tierps.storage import snapshot as fmt
-from tierps.storage.config import key_shards, owner_shard, single_shard
 
 MASK = 2**64 - 1
 NAMES = [f"feature_{i}" for i in range(12)] + ["items", "users", "ads", "country"]
@@ -52,7 +52,7 @@ def test_name_chosen_owner_depends_on_the_name_only() -> None:
         owners = {owner_shard(base, num_shards) for _ in range(3)}
         assert owners == {owner_shard(other, num_shards)}
     script = (
-        "import json; from tierps.storage.config import TableConfig, owner_shard; "
+        "import json; from tierps.core.config import TableConfig, owner_shard; "
         f"print(json.dumps([[owner_shard(TableConfig(n, 4, placement='table'), m) "
         f"for m in (2, 3, 5)] for n in {NAMES!r}]))"
     )

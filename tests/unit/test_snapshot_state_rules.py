@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tierps.core.config import Admission, Placement
 from tierps.storage import TableConfig, optim
 from tierps.storage import snapshot as fmt
-from tierps.storage.config import Admission, Placement
 
 ADAPT = TableConfig(
     "a", 2, optimizer=optim.SGD(), hash_bucket_size=3, promote_after=4, steps_to_live=9

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tierps.core.config import Placement
 from tierps.storage import FailedPreconditionError, TableConfig, optim
 from tierps.storage import snapshot as fmt
-from tierps.storage.config import Placement
 
 ROW = TableConfig("t", 4, optimizer=optim.Adagrad())
 WHOLE = TableConfig("w", 4, optimizer=optim.SGD(), placement=Placement.TABLE, table_shard=0)

@@ -2,8 +2,8 @@
 
     from tierps.client import EmbeddingClient, TableConfig, optim, init
 
-The table configuration is re-exported from storage, which owns it; the PyTorch modules are
-in tierps.client.torch (the `torch` extra).
+The table configuration is re-exported from tierps.core, which the client and the shards
+share; the PyTorch modules are in tierps.client.torch (the `torch` extra).
 """
 
 from tierps.client.admin import ClusterAdmin, RetryPolicy, ShardError
@@ -11,7 +11,8 @@ from tierps.client.embedding import DevicePooledLookup, EmbeddingClient, Feature
 from tierps.client.formats import COO
 from tierps.client.pooling import Combiner
 from tierps.client.security import ChannelSecurity
-from tierps.storage import Admission, Eviction, Placement, TableConfig, WritePolicy, init, optim
+from tierps.core import init, optim
+from tierps.core.config import Admission, Eviction, Placement, TableConfig, WritePolicy
 
 __all__ = [
     "Admission",

@@ -15,11 +15,11 @@ import grpc
 
 from tierps.client.addresses import resolve_addresses
 from tierps.client.security import NO_SECURITY, ChannelSecurity
+from tierps.core.config import Placement, TableConfig, owner_shard
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto.convert import table_config_to_dict, table_config_to_proto
 from tierps.proto.wire import APPLIED_TABLES_HEADER, channel_options
-from tierps.storage.config import Placement, TableConfig, owner_shard
 
 T = TypeVar("T")
 Progress = Callable[[int, int], None]  # (rows done, rows in all) across the cluster

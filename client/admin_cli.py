@@ -16,8 +16,8 @@ from tierps.client.addresses import ADDRESSES_ENV
 from tierps.client.admin import ShardError
 from tierps.client.embedding import EmbeddingClient
 from tierps.client.top import run_top
-from tierps.storage.config import TableConfig
-from tierps.storage.errors import TierpsError
+from tierps.core.config import TableConfig
+from tierps.core.errors import TierpsError
 
 
 def _connection_flags(parser: argparse.ArgumentParser, *, suppress: bool) -> None:

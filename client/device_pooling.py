@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from tierps.client.formats import COO, Bags, array_device, float_array, to_bags
 from tierps.client.pooling import Combiner
-from tierps.storage.errors import InvalidArgumentError
+from tierps.core.errors import InvalidArgumentError
 
 # Combiner codes in a group's per-bag code tensor.
 _SUM, _MEAN, _SQRTN = 0, 1, 2

@@ -47,18 +47,18 @@ from tierps.client.pooling import (
     unpool,
 )
 from tierps.client.security import ChannelSecurity
-from tierps.client.wire_kernels import group_by_shard
-from tierps.proto import tierps_service_pb2 as pb
-from tierps.proto import tierps_service_pb2_grpc as pb_grpc
-from tierps.proto import wire
-from tierps.storage.config import TableConfig, single_shard
-from tierps.storage.errors import (
+from tierps.core.compiled import all_distinct
+from tierps.core.config import TableConfig, single_shard
+from tierps.core.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     TableNotFoundError,
 )
-from tierps.storage.host_kernels import all_distinct
-from tierps.storage.validation import check_step
+from tierps.core.ownership import group_by_shard
+from tierps.core.validation import check_step
+from tierps.proto import tierps_service_pb2 as pb
+from tierps.proto import tierps_service_pb2_grpc as pb_grpc
+from tierps.proto import wire
 
 if TYPE_CHECKING:  # torch is imported only by a call that pools on a torch device
     import torch
@@ -1289,7 +1289,7 @@ def _as_bags(where: str, value: FeatureBatch, include_last_offset: bool) -> Bags
 def _distinct_live(keys: np.ndarray) -> bool:
     """Whether keys (int64, 1-D) are distinct and none is padding (< 0): then a call sends
     them as given, with no dedup and no reordering. The compiled check decides (a bitmap
-    or a hash set, host_kernels.all_distinct; a sort without the host kernels)."""
+    or a hash set, compiled.all_distinct; a sort without the host kernels)."""
     if keys.size == 0 or keys.min() < 0:
         return False
     distinct = all_distinct(keys)

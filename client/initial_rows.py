@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from tierps.client.formats import as_array, float_array
-from tierps.storage.config import TableConfig
-from tierps.storage.errors import InvalidArgumentError
+from tierps.core.config import TableConfig
+from tierps.core.errors import InvalidArgumentError
 
 InitialRows = tuple[Any, Any] | str | Path  # (keys, values), or a .npy / .npz file
 

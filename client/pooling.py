@@ -37,7 +37,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from tierps.client.formats import Bags
-from tierps.storage.errors import InvalidArgumentError
+from tierps.core.errors import InvalidArgumentError
 
 
 class Combiner(enum.StrEnum):

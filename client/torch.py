@@ -79,7 +79,8 @@ from tierps.client.embedding import (
 from tierps.client.group_protocol import PushGroup
 from tierps.client.initial_rows import InitialRows
 from tierps.client.pooling import Combiner
-from tierps.storage import TableConfig, init, optim
+from tierps.core import init, optim
+from tierps.core.config import TableConfig
 
 if TYPE_CHECKING:
     from torchrec.modules.embedding_configs import EmbeddingBagConfig

@@ -16,8 +16,8 @@ log = logging.getLogger("tierps.server")
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
+    from tierps.core.xp import GPU_ARRAYS
     from tierps.server.config import MAX_INFLIGHT_BYTES
-    from tierps.storage.xp import GPU_ARRAYS
 
     serve = commands.add_parser(
         "serve", help="run one shard daemon",

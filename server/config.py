@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierps.core.validation import DEFAULT_MAX_STEP_LEAP, MAX_STEP, check_int
+from tierps.core.xp import GPU_ARRAYS
 from tierps.proto.wire import CHUNK_BYTES, HEADER_ROOM, MAX_MESSAGE_BYTES, ONE_MESSAGE_BYTES
 from tierps.storage import TableConfig
-from tierps.storage.validation import DEFAULT_MAX_STEP_LEAP, MAX_STEP, check_int
-from tierps.storage.xp import GPU_ARRAYS
 
 # Why the size defaults are what they are: EmbeddingClient sends at most max_call_bytes
 # (DEFAULT_MAX_CALL_BYTES, 256 MiB) of bulk per call and shard, and asks for at most that
@@ -69,7 +69,7 @@ class ServerConfig:
     max_step_leap: one push may move a table's clock (its largest step pushed) forward by at
     most this many steps, or is refused with INVALID_ARGUMENT before anything changes; a
     table's first push (clock 0) may start at any step (DEFAULT_MAX_STEP_LEAP in
-    storage/validation.py says why 10**9). 0: no limit.
+    core/validation.py says why 10**9). 0: no limit.
     """
 
     shard_id: int

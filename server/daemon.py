@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tierps.client import wire_kernels
+from tierps.core.errors import BackendError, DataLossError, InvalidArgumentError
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.server.config import ServerConfig, max_call_request_bytes
@@ -44,8 +44,7 @@ from tierps.server.security import (
 from tierps.server.servicers import AdminServicer, EmbeddingServicer, add_embedding_service
 from tierps.server.shard import Shard
 from tierps.server.status import DecodeCheck
-from tierps.storage import host_kernels
-from tierps.storage.errors import BackendError, DataLossError, InvalidArgumentError
+from tierps.storage.warm_up import warm_up
 
 log = logging.getLogger("tierps.server")
 
@@ -227,8 +226,7 @@ class ShardServer:
 
     def start(self) -> ShardServer:
         # compile (or load from numba's cache) the host kernels now, not in the first RPC
-        host_kernels.warm_up()
-        wire_kernels.warm_up()  # the key check of a shard's data calls
+        warm_up()
         self._server.start()
         if self._health_server is not None:
             self._health_server.start()

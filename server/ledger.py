@@ -24,8 +24,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tierps.core.errors import InvalidArgumentError, quoted
 from tierps.proto.wire import GENERATIONS_HEADER, PUSH_ID_HEADER
-from tierps.storage.errors import InvalidArgumentError, quoted
 
 __all__ = [
     "GENERATIONS_HEADER", "PUSH_ID_HEADER", "PushId", "PushLedger", "parse_generations",

@@ -43,10 +43,10 @@ from typing import Any
 
 import grpc
 
+from tierps.core.errors import ResourceExhaustedError
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto.wire import CHUNK_BYTES, REQUEST_BYTES_HEADER, TOO_LARGE_FOR_ONE_MESSAGE
 from tierps.server.handlers import as_request_stream, with_behavior
-from tierps.storage.errors import ResourceExhaustedError
 
 TRIM_AFTER_BYTES = 16 << 20  # a failed call that held this much gives its memory back
 HEALTH_WORKERS = 4  # threads of the server's pool beyond max_calls: health always has some

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierps.storage.errors import DataLossError, InvalidArgumentError, quoted
+from tierps.core.errors import DataLossError, InvalidArgumentError, quoted
 from tierps.storage.snapshot_format import write_json_atomic
 
 LIFE_HEADER = "tierps-life"  # gRPC metadata: the shard life a client last talked to

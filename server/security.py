@@ -23,9 +23,9 @@ from typing import Any
 
 import grpc
 
+from tierps.core.errors import TierpsError
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.server.handlers import refusal, with_behavior
-from tierps.storage.errors import TierpsError
 
 log = logging.getLogger("tierps.server")
 

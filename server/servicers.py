@@ -12,6 +12,9 @@ from typing import Any
 import grpc
 import numpy as np
 
+from tierps.core.codec import WIRE_DTYPE, wire_row_bytes
+from tierps.core.config import MAX_DIM
+from tierps.core.errors import quoted
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
@@ -26,9 +29,6 @@ from tierps.server.ledger import (
 from tierps.server.shard import AssignBatch, LookupBatch, PushBatch, Shard
 from tierps.server.status import Observe, rpc, run_to_completion
 from tierps.storage import InvalidArgumentError, ResourceExhaustedError, TableConfig
-from tierps.storage.codec import WIRE_DTYPE, wire_row_bytes
-from tierps.storage.config import MAX_DIM
-from tierps.storage.errors import quoted
 from tierps.storage.snapshot_format import Progress
 
 # Table batches one data call may carry: far more tables than a model has, and a bound on

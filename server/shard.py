@@ -20,7 +20,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from tierps.client.wire_kernels import first_foreign_key
+from tierps.core.config import Placement, WritePolicy, key_shards, owner_shard
+from tierps.core.errors import TableReplacedError, UnavailableError
+from tierps.core.ownership import first_foreign_key
+from tierps.core.xp import gpu_arrays
 from tierps.server.config import ServerConfig
 from tierps.server.ledger import KEY_PREFIX as PUSH_RECORDS
 from tierps.server.ledger import PushId, PushLedger
@@ -36,13 +39,10 @@ from tierps.storage import (
     snapshot_format,
     snapshot_writer,
 )
-from tierps.storage.config import Placement, WritePolicy, key_shards, owner_shard
-from tierps.storage.errors import TableReplacedError, UnavailableError
 from tierps.storage.snapshot_format import Progress
 from tierps.storage.snapshot_reader import Snapshot
 from tierps.storage.snapshot_writing_marker import collect_abandoned_parts
 from tierps.storage.table import FLUSH_CHUNK_BYTES, EmbeddingTable
-from tierps.storage.xp import gpu_arrays
 
 SNAPSHOT_CHUNK_ROWS = 65536
 MAINTENANCE_TICK_S = 0.1  # how often the background thread looks at the store

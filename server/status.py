@@ -17,9 +17,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from tierps.server.handlers import with_behavior
-from tierps.server.security import PermissionDeniedError
-from tierps.storage.errors import (
+from tierps.core.errors import (
     QUOTED_CHARS,
     BackendError,
     DataLossError,
@@ -31,6 +29,8 @@ from tierps.storage.errors import (
     TableReplacedError,
     UnavailableError,
 )
+from tierps.server.handlers import with_behavior
+from tierps.server.security import PermissionDeniedError
 
 log = logging.getLogger("tierps.server")
 

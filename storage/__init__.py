@@ -1,8 +1,8 @@
 """tierps.storage: table configs, the tiers, the cascade and the store of one shard."""
 
-from tierps.storage import init, optim
-from tierps.storage.config import Admission, Eviction, Placement, TableConfig, WritePolicy
-from tierps.storage.errors import (
+from tierps.core import init, optim
+from tierps.core.config import Admission, Eviction, Placement, TableConfig, WritePolicy
+from tierps.core.errors import (
     BackendError,
     DataLossError,
     FailedPreconditionError,

@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
+from tierps.core.config import TableConfig
+from tierps.core.hashing import mix64, seed_stream
 from tierps.storage.admission import CounterFilter
-from tierps.storage.config import TableConfig
-from tierps.storage.hashing import mix64, seed_stream
 from tierps.storage.rocksdb_tier import RocksDBTier
 
 BUCKET_SALT = 0x616461707476  # "adaptv": the bucket hash and the bucket rows' initial values

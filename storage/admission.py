@@ -41,9 +41,9 @@ from typing import Protocol
 
 import numpy as np
 
-from tierps.storage.config import Admission, TableConfig
+from tierps.core.config import Admission, TableConfig
+from tierps.core.hashing import counter_bits
 from tierps.storage.hash_table import HashTable
-from tierps.storage.hashing import counter_bits
 
 BLOOM_SALT = 0x61646D6974  # "admit": the Bloom filter's hashes are a stream of their own
 

@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from tierps.core.config import Eviction
+from tierps.core.hashing import hash_keys
 from tierps.storage import host_kernels
 from tierps.storage import kernels as _kernels
-from tierps.storage.config import Eviction
-from tierps.storage.hashing import hash_keys
 
 EMPTY = np.iinfo(np.int64).min  # a slot never used since the last rehash
 TOMBSTONE = EMPTY + 1  # a slot whose key was erased: probing continues past it
@@ -63,14 +63,21 @@ def _slots_for(n: int, max_load: float) -> int:
     return max(_MIN_SLOTS, 1 << max(0, int(np.ceil(n / max_load)) - 1).bit_length())
 
 
+def _launcher_for(xp: ModuleType) -> _kernels.Launcher | None:
+    """The launcher for arrays of module xp: the cupy one for cupy, the compiled host
+    kernels for numpy (storage/host_kernels.py; None where numba is missing or
+    TIERPS_HOST_KERNELS=0: the numpy array code), without importing cupy for numpy."""
+    return host_kernels.host_launcher() if xp is np else _kernels.cupy_launcher()
+
+
 def _pick_kernels(xp: ModuleType, kernels: Any) -> _kernels.Launcher | None:
     """The kernel launcher a table uses, None for the array code (see HashTable)."""
     if kernels is None:
-        return _kernels.launcher_for(xp)
+        return _launcher_for(xp)
     if kernels is False:
         return None
     if kernels is True:
-        found = _kernels.launcher_for(xp)
+        found = _launcher_for(xp)
         if found is None:
             source = host_kernels if xp is np else _kernels
             reason = source.unavailable_reason()

@@ -2,7 +2,7 @@
 numpy arrays, and fused host-only passes (lookup with the eviction touch, training with
 the finiteness check, step stamp and dirty flag, initial rows, a distinct-keys check).
 
-The numpy array code (storage/hash_table.py, storage/optim.py, storage/init.py) stays the
+The numpy array code (storage/hash_table.py, core/optim.py, core/init.py) stays the
 reference: tests/unit/test_host_kernels.py and tests/unit/test_kernels.py run both on the
 same inputs. `host_launcher()` returns a `kernels.Launcher` running these, or None where
 numba is missing or TIERPS_HOST_KERNELS=0 (then the host tier runs the array code).
@@ -21,59 +21,33 @@ contraction or reassociation: results match numpy's to the rounding of sqrt and 
 
 from __future__ import annotations
 
-import logging
-import os
 import platform
-import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-log = logging.getLogger(__name__)
-
-ENV_SWITCH = "TIERPS_HOST_KERNELS"  # "0": the host tier runs the numpy array code
-
-try:  # numba is a dependency; a build without it still runs the array code
-    import numba
-except ImportError:  # pragma: no cover - exercised only without numba
-    numba = None
+from tierps.core import init
+from tierps.core.compiled import (
+    CARRY,
+    EXPONENT,
+    EXPONENT_LOW_BIT,
+    home_slot,
+    jit_kernel,
+    mix64_scalar,
+    numba,
+    unavailable_reason,
+)
+from tierps.core.config import TableConfig
+from tierps.core.hashing import GOLDEN, seed_stream
+from tierps.core.xp import array_module
+from tierps.storage import kernels
 
 _EMPTY = np.int64(np.iinfo(np.int64).min)
 _TOMBSTONE = np.int64(_EMPTY + 1)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31, _S40 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(40)
+_S40 = np.uint64(40)
 _TWO_POW_M24 = 2.0**-24
-_EXPONENT = np.uint32(0x7F800000)  # a float32's exponent bits: all set for inf and NaN
-_EXPONENT_LOW_BIT = np.uint32(0x00800000)  # added to them, carries into bit 31 only then
-_CARRY = np.uint32(0x80000000)
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-
-_cache_warned = False
-
-
-def jit_kernel(fn: Callable) -> Callable:
-    """njit(nogil=True, cache=True), or without the disk cache where numba finds no
-    writable place for it (warned once). error_model="numpy": a float division by zero
-    gives inf or NaN as in numpy (the finiteness check refuses it) instead of a per-element
-    zero test that keeps LLVM from vectorising the loops."""
-    global _cache_warned
-    options = {"nogil": True, "error_model": "numpy"}
-    try:
-        return numba.njit(cache=True, **options)(fn)
-    except RuntimeError as error:  # "cannot cache function ...: no locator available"
-        if not _cache_warned:
-            _cache_warned = True
-            warnings.warn(
-                f"tierps host kernels: no writable numba cache ({error}); compiling at each "
-                f"start instead (set NUMBA_CACHE_DIR to a writable directory to keep them)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return numba.njit(**options)(fn)
 
 
 AHEAD = 8  # rows (or slots) a kernel prefetches ahead: random rows cost memory latency
@@ -268,22 +242,10 @@ if numba is not None:
             _prefetch_for_write(matrix, start + k)
 
     @jit_kernel
-    def _mix64(x):
-        x = x ^ (x >> _S30)
-        x = x * _M1
-        x = x ^ (x >> _S27)
-        x = x * _M2
-        return x ^ (x >> _S31)
-
-    @jit_kernel
-    def _home(key, mask):
-        return np.int64(_mix64(np.uint64(key) + _GOLDEN) & np.uint64(mask))
-
-    @jit_kernel
     def _probe(table, mask, key):
         if key <= _TOMBSTONE:
             return -1
-        pos = _home(key, mask)
+        pos = home_slot(key, mask)
         for _ in range(mask + 1):
             seen = table[pos]
             if seen == key:
@@ -297,7 +259,7 @@ if numba is not None:
     def _claim_one(table, mask, key):
         """(slot, code) as tierps_claim_one: code 2 took an EMPTY slot, 1 a tombstone, 0
         found the key (placed earlier in the batch) or no free slot (slot -1)."""
-        pos = _home(key, mask)
+        pos = home_slot(key, mask)
         for _ in range(mask + 1):
             seen = table[pos]
             if seen <= _TOMBSTONE:
@@ -312,7 +274,7 @@ if numba is not None:
     def k_find(table, mask, keys, n, slots):
         for i in range(n):
             if i + AHEAD < n:
-                home = _home(keys[i + AHEAD], mask)
+                home = home_slot(keys[i + AHEAD], mask)
                 _prefetch(table, _at(table, home))
                 _prefetch(table, _at(table, (home + PROBE_SPAN) & mask))
             slots[i] = _probe(table, mask, keys[i])
@@ -393,7 +355,7 @@ if numba is not None:
         for i in range(-2 * AHEAD, n):
             ahead = i + 2 * AHEAD
             if ahead < n:
-                home = _home(keys[ahead], mask)
+                home = home_slot(keys[ahead], mask)
                 _prefetch(table, _at(table, home))
                 _prefetch(table, _at(table, (home + PROBE_SPAN) & mask))
                 _prefetch_for_write(scores, _at(scores, home))  # its line, if not the key's
@@ -446,60 +408,6 @@ if numba is not None:
                 scores[slots[i]] += 1
             else:
                 scores[slots[i]] = tick
-
-    @jit_kernel
-    def k_first_non_finite(bits):
-        """The index of the first inf or NaN among float32 values given as their uint32
-        bits (all exponent bits set), -1 if none: blocks are tested with an integer OR
-        (LLVM vectorises it; a float test would need fastmath) and only a block holding
-        one is searched. Reads each value once, with no [n] temporary."""
-        n = bits.shape[0]
-        for start in range(0, n, 256):
-            stop = min(start + 256, n)
-            found = np.uint32(0)
-            for k in range(start, stop):
-                found |= (bits[k] & _EXPONENT) + _EXPONENT_LOW_BIT
-            if found & _CARRY:
-                for k in range(start, stop):
-                    if bits[k] & _EXPONENT == _EXPONENT:
-                        return k
-        return -1
-
-    @jit_kernel
-    def k_all_distinct(keys):
-        """Whether no int64 key repeats: an open-addressing set at load <= 0.5."""
-        n = keys.shape[0]
-        size = 16
-        while size < 2 * n:
-            size *= 2
-        mask = size - 1
-        table = np.full(size, _EMPTY, dtype=np.int64)
-        used = np.zeros(size, dtype=np.bool_)  # EMPTY itself is a valid key here
-        for i in range(n):
-            key = keys[i]
-            pos = _home(key, mask)
-            while used[pos]:
-                if table[pos] == key:
-                    return False
-                pos = (pos + 1) & mask
-            used[pos] = True
-            table[pos] = key
-        return True
-
-    @jit_kernel
-    def k_distinct_in_span(keys, low, words):
-        """Whether no key repeats, all keys in [low, low + 64 * words): one bit per key of
-        the span (a bitmap no larger than the hash set's keys where the span is at most 64
-        keys per key, and no hashing or probing)."""
-        seen = np.zeros(words, np.uint64)
-        for i in range(keys.shape[0]):
-            at = np.uint64(keys[i] - low)
-            word = at >> np.uint64(6)
-            bit = np.uint64(1) << (at & np.uint64(63))
-            if seen[word] & bit:
-                return False
-            seen[word] |= bit
-        return True
 
     # ---------------------------------------------------------------- optimizers
     # kind: 0 SGD, 1 momentum, 2 Nesterov, 3 Adagrad, 4 Adam, 5 FTRL (p: see kernels.py
@@ -594,8 +502,8 @@ if numba is not None:
             if refuse:
                 carry = np.uint32(0)  # bit 31 set by a value whose exponent bits are all set
                 for c in range(width):
-                    carry |= (new_bits[c] & _EXPONENT) + _EXPONENT_LOW_BIT
-                if carry & _CARRY:  # inf or NaN; a thread reads its own streamed stores
+                    carry |= (new_bits[c] & EXPONENT) + EXPONENT_LOW_BIT
+                if carry & CARRY:  # inf or NaN; a thread reads its own streamed stores
                     for j in range(i):
                         for c in range(saved):
                             arena[ids[j], c] = backup[j, c]
@@ -623,9 +531,9 @@ if numba is not None:
         counter_bits, top 24 bits, low + span * u in float64, rounded to float32, capped
         below high) and each state slot k filled with fills[k]."""
         for i in range(keys.shape[0]):
-            base = _mix64(np.uint64(keys[i]) ^ stream)
+            base = mix64_scalar(np.uint64(keys[i]) ^ stream)
             for c in range(dim):
-                bits = _mix64(base + np.uint64(c + 1) * _GOLDEN)
+                bits = mix64_scalar(base + np.uint64(c + 1) * GOLDEN)
                 u = np.float64(np.int32(bits >> _S40)) * _TWO_POW_M24  # < 2**24: exact
                 value = np.float32(low + span * u)
                 out[i, c] = value if value < below_high else below_high
@@ -697,8 +605,6 @@ def optimizer_slots(kind: int) -> int:
 def optimizer_kind(optimizer: Any, step: int) -> tuple[int, np.ndarray] | None:
     """(kind, float32 hyper-parameters) for k_train, the same values the CUDA kernels get
     (kernels.optimizer_args), or None where there is no fused update."""
-    from tierps.storage import kernels
-
     found = kernels.optimizer_args(optimizer, step)
     if found is None:
         return None
@@ -711,108 +617,32 @@ def optimizer_kind(optimizer: Any, step: int) -> tuple[int, np.ndarray] | None:
 
 
 _launcher: NumbaLauncher | None = None
-_failure: str | None = None
 
 
 def host_launcher() -> NumbaLauncher | None:
     """The compiled host kernels, or None (numba missing, TIERPS_HOST_KERNELS=0): then the
     host tier runs the numpy array code. `unavailable_reason()` says why."""
-    global _launcher, _failure
-    if _launcher is not None or _failure is not None:
-        return _launcher
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        _failure = f"{ENV_SWITCH}=0"
-    elif numba is None:
-        _failure = "numba is not installed"
-    else:
+    global _launcher
+    if _launcher is None and unavailable_reason() is None:
         _launcher = NumbaLauncher()
     return _launcher
 
 
-def unavailable_reason() -> str | None:
-    return _failure
-
-
-def warm_up() -> float:
-    """Compile (or load from the cache) every host kernel for the array layouts the tier
-    uses, so that the first call is not slow; returns the seconds it took (0 without the
-    kernels). A shard runs it when it starts."""
+def initial_rows(config: TableConfig, keys: Any, weights: Any = None) -> Any:
+    """config.initial_rows(keys, weights), compiled where it can be: numpy keys of a table
+    whose weights come from init.Uniform, with the same bits as the numpy code (a pure
+    function of seed, key and column); the numpy (or cupy) code everywhere else."""
+    uniform = type(config.initializer) is init.Uniform
+    if weights is not None or not uniform or array_module(keys) is not np:
+        return config.initial_rows(keys, weights)
     if host_launcher() is None:
-        return 0.0
-    started = time.perf_counter()
-    from tierps.storage import optim
-    from tierps.storage.config import TableConfig
-    from tierps.storage.hash_table import HashTable
-    from tierps.storage.tiers import CacheTier, Spill
-
-    keys = np.arange(1, 9, dtype=np.int64)
-    table = HashTable(16)
-    table.insert(keys)
-    table.find(keys)
-    table.find_rows(keys, np.zeros((8, 4), np.float32))
-    for opt in (optim.SGD(), optim.Momentum(), optim.Adagrad(), optim.Adam(), optim.FTRL()):
-        for steps in (0, 4):
-            config = TableConfig("warm_up", 4, optimizer=opt, steps_to_live=steps)
-            tier = CacheTier(config, 1 << 20, trains_in_place=True)
-            rows = config.initial_rows(keys)
-            if steps:
-                rows = np.concatenate([rows, np.zeros((8, 2), np.float32)], axis=1)
-
-            def below(spill: Spill) -> None:
-                raise AssertionError("warm-up: nothing spills")
-
-            tier.insert(keys, rows, np.ones(8, bool), below)
-            tier.find(keys)
-            tier.train_resident(keys[:4], np.ones((4, 4), np.float32), 1, 1 if steps else None)
-    k_all_distinct(keys)
-    k_distinct_in_span(keys, np.int64(1), 1)
-    seconds = time.perf_counter() - started
-    log.info("tierps host kernels ready in %.2f s", seconds)
-    return seconds
-
-
-def first_non_finite_index(values: np.ndarray) -> int | None:
-    """The flat index of the first inf or NaN of a C-contiguous float32 array (-1 if
-    none) at compiled speed, with no [n] temporary; None without the host kernels or for
-    another array (the caller then runs numpy's isfinite)."""
-    if host_launcher() is None or values.dtype != np.float32 or not values.flags.c_contiguous:
-        return None
-    return int(k_first_non_finite(values.reshape(-1).view(np.uint32)))
-
-
-SPAN_BITS_PER_KEY = 64  # a bitmap up to this many bits a key (8 bytes, as the hash set's keys)
-
-
-def all_distinct(keys: np.ndarray) -> bool | None:
-    """Whether no key repeats (int64 keys), compiled instead of a sort: a bitmap over the
-    keys' span where it is at most SPAN_BITS_PER_KEY bits a key (dense ids; 7-9x faster
-    than the hash set at 16k-256k keys, measured), else a hash set. None without the host
-    kernels (the caller then sorts)."""
-    if host_launcher() is None:
-        return None
-    keys = np.ascontiguousarray(keys, dtype=np.int64)
-    if keys.size == 0:
-        return True
-    low = int(keys.min())
-    span = int(keys.max()) - low + 1
-    if span <= SPAN_BITS_PER_KEY * keys.size:
-        return bool(k_distinct_in_span(keys, np.int64(low), (span + 63) // 64))
-    return bool(k_all_distinct(keys))
-
-
-def uniform_rows(
-    keys: np.ndarray, dim: int, row_width: int, initializer: Any, seed: int, fills: Any
-) -> np.ndarray | None:
-    """TableConfig.initial_rows for init.Uniform at compiled speed: the same bits as the
-    numpy code (a pure function of seed, key and column), None without the host kernels."""
-    if host_launcher() is None:
-        return None
-    from tierps.storage.hashing import seed_stream
-
-    out = np.empty((keys.shape[0], row_width), dtype=np.float32)
+        return config.initial_rows(keys, weights)
+    initializer = config.initializer
+    out = np.empty((keys.shape[0], config.row_width), dtype=np.float32)
     below_high = np.nextafter(np.float32(initializer.high), np.float32(initializer.low))
     k_uniform_rows(
-        keys, seed_stream(seed, 0), float(initializer.high - initializer.low),
-        float(initializer.low), below_high, out, np.asarray(fills, dtype=np.float32), dim,
+        keys, seed_stream(config.seed, 0), float(initializer.high - initializer.low),
+        float(initializer.low), below_high, out,
+        np.asarray(config.optimizer.state_fill(), dtype=np.float32), config.dim,
     )  # fmt: skip
     return out

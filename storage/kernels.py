@@ -1,7 +1,7 @@
 """CUDA kernels for the GPU tier: hash-table find, claim and upsert, row gather,
 and one fused kernel per optimizer step.
 
-The generic array code (storage/hash_table.py, storage/optim.py) is the reference; these
+The generic array code (storage/hash_table.py, core/optim.py) is the reference; these
 kernels replace it on cupy arrays behind the same interface, and are tested against it.
 
 The CUDA source below is written in a subset of CUDA that a host C++ compiler can also build
@@ -30,8 +30,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tierps.storage import optim
-from tierps.storage.xp import array_module, gpu_module
+from tierps.core import optim
+from tierps.core.xp import array_module, gpu_module
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ __device__ __forceinline__ long long tierps_thread() {
 }
 
 /* Home slot of a key: splitmix64's finaliser of (uint64(key) + golden ratio), masked, the
-   same arithmetic as storage/hashing.py hash_keys (unsigned, so it wraps mod 2**64). */
+   same arithmetic as core/hashing.py hash_keys (unsigned, so it wraps mod 2**64). */
 __device__ __forceinline__ long long tierps_home(long long key, long long mask) {
     unsigned long long x = (unsigned long long)key + 0x9E3779B97F4A7C15ULL;
     x ^= x >> 30;
@@ -227,7 +227,7 @@ extern "C" __global__ void tierps_find_rows(const long long* __restrict__ table,
 /* Fused optimizer steps, in place on rows arena[ids[i]] = [weights | state slots], each slot
    dim floats, with gradients grads[i, :dim]. ids are unique (the push summed repeats), so no
    two threads touch one float. 2**lane_shift threads per row, each taking every lanes-th
-   column. Every formula keeps storage/optim.py's order of float32 operations (and the
+   column. Every formula keeps core/optim.py's order of float32 operations (and the
    module is built without FMA contraction), so the results match numpy's to the rounding.
    Hyper-parameters arrive as float32, as numpy rounds Python floats in float32 arithmetic;
    products of them (1 - beta, Adam's bias-corrected step size) are formed in double on
@@ -403,17 +403,6 @@ def cupy_launcher() -> CupyLauncher | None:
 def unavailable_reason() -> str | None:
     """Why cupy_launcher() returned None (None if it has not or it worked)."""
     return _cupy_failure
-
-
-def launcher_for(xp: Any) -> Launcher | None:
-    """The launcher for arrays of module xp: the cupy one for cupy, the compiled host
-    kernels for numpy (storage/host_kernels.py; None where numba is missing or
-    TIERPS_HOST_KERNELS=0: the numpy array code), without importing cupy for numpy."""
-    if xp is np:
-        from tierps.storage import host_kernels
-
-        return host_kernels.host_launcher()
-    return cupy_launcher()
 
 
 def _resolve(launch: Launcher | None) -> Launcher:

@@ -1,7 +1,7 @@
 """The RocksDB tier: every row of a table, durable, in one column family per table.
 
 Keys are 8-byte big-endian int64 (so byte order is key order); values are rows as the
-table's RowCodec encodes them (storage/codec.py): weights and optimizer state together, in
+table's RowCodec encodes them (core/codec.py): weights and optimizer state together, in
 float32 or a cold dtype, and with steps_to_live > 0 the row's last-update step as a
 little-endian int64.
 rocksdict only offers per-key puts and list gets, so batches cross into it as lists built by
@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 from rocksdict import Rdict, WriteBatch, WriteOptions
 
-from tierps.storage.codec import RowCodec
-from tierps.storage.errors import BackendError, DataLossError, StorageFullError
+from tierps.core.codec import RowCodec
+from tierps.core.errors import BackendError, DataLossError, StorageFullError
 from tierps.storage.tiers import DurableTier, HandDown
 
 KEY_DTYPE = np.dtype(">i8")

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tierps.storage.errors import FailedPreconditionError, NotFoundError
+from tierps.core.errors import FailedPreconditionError, NotFoundError
 from tierps.storage.snapshot_format import (
     MANIFEST,
     NAME_PATTERN,

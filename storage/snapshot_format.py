@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tierps.storage.config import TableConfig
-from tierps.storage.errors import FailedPreconditionError, InvalidArgumentError
+from tierps.core.config import TableConfig
+from tierps.core.errors import FailedPreconditionError, InvalidArgumentError
 
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (2, 3)  # version 2 snapshots load too: rows only (see CARRIES)

@@ -29,8 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from tierps.storage.admission import bloom_size, counter_dtype
-from tierps.storage.config import (
+from tierps.core.config import (
     Admission,
     Placement,
     TableConfig,
@@ -38,7 +37,9 @@ from tierps.storage.config import (
     owner_shard,
     single_shard,
 )
-from tierps.storage.errors import FailedPreconditionError, NotFoundError
+from tierps.core.errors import FailedPreconditionError, NotFoundError
+from tierps.core.validation import MAX_STEP, first_non_finite
+from tierps.storage.admission import bloom_size, counter_dtype
 from tierps.storage.snapshot_format import (
     CHECKSUM,
     COUNT_DTYPE,
@@ -59,7 +60,6 @@ from tierps.storage.snapshot_format import (
     read_versioned_json,
     snapshot_path,
 )
-from tierps.storage.validation import MAX_STEP, first_non_finite
 
 READ_CHUNK_ROWS = 65536
 

@@ -21,13 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from tierps.storage.admission import bloom_size, counter_dtype
-from tierps.storage.config import Admission, TableConfig
-from tierps.storage.errors import (
+from tierps.core.config import Admission, TableConfig
+from tierps.core.errors import (
     FailedPreconditionError,
     NotFoundError,
     ResourceExhaustedError,
 )
+from tierps.core.validation import first_non_finite
+from tierps.storage.admission import bloom_size, counter_dtype
 from tierps.storage.snapshot_format import (
     CARRIES,
     CHECKSUM,
@@ -48,7 +49,6 @@ from tierps.storage.snapshot_format import (
     write_json_atomic,
 )
 from tierps.storage.snapshot_writing_marker import writing_marker_held
-from tierps.storage.validation import first_non_finite
 
 FULL = (errno.ENOSPC, errno.EDQUOT)
 

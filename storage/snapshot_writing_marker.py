@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tierps.storage.errors import FailedPreconditionError
+from tierps.core.errors import FailedPreconditionError
 from tierps.storage.snapshot_format import (
     MANIFEST,
     NAME_PATTERN,

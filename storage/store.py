@@ -45,12 +45,9 @@ from typing import Any
 import numpy as np
 from rocksdict import Checkpoint, Options, Rdict, WriteBatch, WriteOptions
 
-from tierps.storage import kernels
-from tierps.storage.adaptive import BucketRows
-from tierps.storage.admission import bloom_bytes
-from tierps.storage.codec import RowCodec
-from tierps.storage.config import TableConfig, config_differences
-from tierps.storage.errors import (
+from tierps.core.codec import RowCodec
+from tierps.core.config import TableConfig, config_differences
+from tierps.core.errors import (
     BackendError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -58,6 +55,11 @@ from tierps.storage.errors import (
     TableNotFoundError,
     quoted,
 )
+from tierps.core.validation import DEFAULT_MAX_STEP_LEAP
+from tierps.core.xp import gpu_arrays
+from tierps.storage import host_kernels
+from tierps.storage.adaptive import BucketRows
+from tierps.storage.admission import bloom_bytes
 from tierps.storage.rocksdb_tier import RocksDBTier, WriteState, backend_error
 from tierps.storage.table import FLUSH_CHUNK_BYTES, EmbeddingTable
 from tierps.storage.tiers import (
@@ -67,8 +69,6 @@ from tierps.storage.tiers import (
     direct_arena_bytes,
     host_rows_for_budget,
 )
-from tierps.storage.validation import DEFAULT_MAX_STEP_LEAP
-from tierps.storage.xp import gpu_arrays
 
 log = logging.getLogger("tierps.storage")
 
@@ -232,7 +232,7 @@ class EmbeddingStore:
     write-through table acknowledged survives a power loss too, not only a killed process.
 
     max_step_leap: how far one push may move a table's clock forward (check_step_leap in
-    storage/validation.py; 0: no limit).
+    core/validation.py; 0: no limit).
 
     Opening drops the column families that a snapshot load killed before it finished left
     behind (_drop_orphan_families), logging each with its size.
@@ -436,7 +436,7 @@ class EmbeddingStore:
             tiers.append(DirectTier(config))
         elif host_rows_for_budget(config.host_cache_bytes, config.stored_bytes) > 0:
             # with the compiled host kernels, a push trains resident rows where they lie
-            compiled = kernels.launcher_for(np) is not None
+            compiled = host_kernels.host_launcher() is not None
             tiers.append(CacheTier(config, config.host_cache_bytes, trains_in_place=compiled))
         tiers.append(self._rocksdb_tier(family, config.codec, where))
         gpu = self._gpu_tier(config)

@@ -39,15 +39,10 @@ from typing import Any
 
 import numpy as np
 
-from tierps.storage import fallbacks
-from tierps.storage.adaptive import BucketRows
-from tierps.storage.admission import CounterFilter, make_filter
-from tierps.storage.config import TableConfig, WritePolicy
-from tierps.storage.errors import BackendError, InvalidArgumentError
-from tierps.storage.fallbacks import Fallback, Gathered, RowOrigin
-from tierps.storage.host_kernels import all_distinct
-from tierps.storage.tiers import DurableTier, Spill, Tier
-from tierps.storage.validation import (
+from tierps.core.compiled import all_distinct
+from tierps.core.config import TableConfig, WritePolicy
+from tierps.core.errors import BackendError, InvalidArgumentError
+from tierps.core.validation import (
     DEFAULT_MAX_STEP_LEAP,
     as_keys,
     as_out,
@@ -56,6 +51,11 @@ from tierps.storage.validation import (
     check_step_leap,
     first_non_finite,
 )
+from tierps.storage import fallbacks, host_kernels
+from tierps.storage.adaptive import BucketRows
+from tierps.storage.admission import CounterFilter, make_filter
+from tierps.storage.fallbacks import Fallback, Gathered, RowOrigin
+from tierps.storage.tiers import DurableTier, Spill, Tier
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,8 @@ class EmbeddingTable:
     def _fresh(self, keys: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
         """Stored rows [n, stored_width] of keys: initial (or the given) weights, fresh
         optimizer state, and the current step as their last-update step."""
-        return self.codec.widen(self.config.initial_rows(keys, weights), self.current_step)
+        rows = host_kernels.initial_rows(self.config, keys, weights)
+        return self.codec.widen(rows, self.current_step)
 
     def _store(self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray) -> None:
         """Put unique keys' rows in the top tier; what it cannot keep flows down. A
@@ -364,7 +365,7 @@ class EmbeddingTable:
     ) -> tuple[np.ndarray, np.ndarray, int]:
         """(keys, grads, step) as apply_gradients takes them, or InvalidArgumentError: int64
         keys, finite gradients of the table's dim, a step in [1, 2**53) (MAX_STEP in
-        storage/validation.py) and at most max_step_leap past the table's clock
+        core/validation.py) and at most max_step_leap past the table's clock
         (check_step_leap; the first push of a table, at clock 0, may start anywhere)."""
         where = f"{self.where}: apply_gradients"
         keys = as_keys(where, keys)

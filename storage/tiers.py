@@ -47,11 +47,11 @@ from typing import Any
 
 import numpy as np
 
+from tierps.core.codec import step_bits
+from tierps.core.config import TableConfig
+from tierps.core.xp import to_host
 from tierps.storage import host_kernels
-from tierps.storage.codec import step_bits
-from tierps.storage.config import TableConfig
 from tierps.storage.hash_table import HashTable
-from tierps.storage.xp import to_host
 
 _INITIAL_ROWS = 1024
 _DIRTY_FLAG_BYTES = 1

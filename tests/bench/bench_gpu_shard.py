@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from tierps.core.xp import GPU_ARRAYS, gpu_arrays
 from tierps.storage import EmbeddingStore, TableConfig, optim
 from tierps.storage.tiers import host_rows_for_budget
-from tierps.storage.xp import GPU_ARRAYS, gpu_arrays
 
 ZIPF_A = 1.05
 

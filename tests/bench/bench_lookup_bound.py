@@ -33,9 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
+from tierps.core.compiled import jit_kernel, numba
 from tierps.storage import EmbeddingStore, TableConfig, host_kernels, optim
+from tierps.storage.warm_up import warm_up
 
-if host_kernels.numba is None:  # pragma: no cover - numba is a dependency
+if numba is None:  # pragma: no cover - numba is a dependency
     raise SystemExit("bench_lookup_bound needs numba (host_kernels unavailable)")
 
 hk = host_kernels
@@ -44,7 +46,7 @@ hk = host_kernels
 RING = 64  # a power of two > 2 * AHEAD: the row ids in flight (as k_lookup's ring)
 
 
-@hk.jit_kernel
+@jit_kernel
 def take_with_slot_line(index_keys, values, slots, arena, ids, out, dependent):  # noqa: ANN001, ANN201
     """out[i] = arena[ids[i]], reading each key's index slot (located in advance) too.
     dependent=False: the row ids are given (ids), the slot's key is read and summed (so
@@ -153,7 +155,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", type=Path, default=Path("docs/perf/lookup_bound.json"))
     args = parser.parse_args()
-    hk.warm_up()
+    warm_up()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for dim in args.dims:

@@ -25,6 +25,7 @@ import numpy as np
 from tierps.storage import EmbeddingStore, TableConfig, host_kernels, optim
 from tierps.storage.hash_table import HashTable
 from tierps.storage.rocksdb_tier import encode_keys
+from tierps.storage.warm_up import warm_up
 
 REPEATS = 5
 
@@ -245,8 +246,8 @@ def bench_zipf(root: Path, host_mb: int, steps: int, dim: int = 64) -> dict:
     code = (
         "import json, sys; from pathlib import Path; import numpy; "
         "hwm = lambda: int(Path('/proc/self/status').read_text().split('VmHWM:')[1].split()[0]); "
-        "before = hwm(); import numba; from tierps.storage import host_kernels; "
-        "host_kernels.warm_up(); kernels = (hwm() - before) / 1024; "
+        "before = hwm(); import numba; from tierps.storage.warm_up import warm_up; "
+        "warm_up(); kernels = (hwm() - before) / 1024; "
         "from tierps.server.storage_demo import run_storage_demo; "
         f"s = run_storage_demo(Path({str(root)!r}), dim={dim}, host_mb={host_mb}, "
         f"steps={steps}, batch=16384); s['kernels_rss_mb'] = kernels; "
@@ -282,7 +283,7 @@ def main() -> int:
     args = parser.parse_args()
     scale = 10 if args.quick else 1
     root = Path(tempfile.mkdtemp(prefix="tierps-bench-"))
-    warm_up_s = host_kernels.warm_up()  # as a shard does at start
+    warm_up_s = warm_up()  # as a shard does at start
     if args.host_lookup:
         try:
             for dim in args.dims:

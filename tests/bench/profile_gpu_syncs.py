@@ -22,8 +22,8 @@ except ImportError:
     xp = np
 from torch.profiler import ProfilerActivity, profile
 
+from tierps.core.config import TableConfig
 from tierps.storage import optim
-from tierps.storage.config import TableConfig
 from tierps.storage.tiers import CacheTier
 
 N, DIM = 16384, 32

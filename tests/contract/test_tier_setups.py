@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from tests.conftest import export_dict
+from tierps.core.xp import gpu_module
 from tierps.storage import EmbeddingStore, TableConfig, init, optim
 from tierps.storage.fallbacks import Answer, RowOrigin, Stateless
 from tierps.storage.tiers import host_rows_for_budget
-from tierps.storage.xp import gpu_module
 
 DIM = 8
 UNIVERSE = 300  # distinct keys the trace draws from

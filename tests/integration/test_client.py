@@ -34,13 +34,13 @@ from tierps.client import (
     init,
     optim,
 )
+from tierps.core.errors import InvalidArgumentError, TableNotFoundError
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto.wire import channel_options
 from tierps.server.config import ServerConfig
 from tierps.server.daemon import ShardServer
 from tierps.server.servicers import AdminServicer, EmbeddingServicer, add_embedding_service
 from tierps.server.shard import Shard
-from tierps.storage.errors import InvalidArgumentError, TableNotFoundError
 
 DIM = 8
 CODE = grpc.StatusCode

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from tierps.client import COO, EmbeddingClient, Feature, TableConfig, optim
+from tierps.core.errors import InvalidArgumentError
 from tierps.server.config import ServerConfig
 from tierps.server.daemon import create_server
-from tierps.storage.errors import InvalidArgumentError
 
 torch = pytest.importorskip("torch")
 tierps_torch = pytest.importorskip("tierps.client.torch")

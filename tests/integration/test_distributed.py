@@ -22,10 +22,10 @@ from torch import nn  # noqa: E402
 
 from tests.integration import dist_trainer as trainer  # noqa: E402
 from tierps.client.embedding import EmbeddingClient  # noqa: E402
+from tierps.core.config import TableConfig  # noqa: E402
 from tierps.demo.trainers import torchrun_on_this_machine  # noqa: E402
 from tierps.server.cluster import LocalCluster  # noqa: E402
 from tierps.storage import optim  # noqa: E402
-from tierps.storage.config import TableConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real torchrun jobs, a killed rank among them
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from tierps.client import EmbeddingClient, ShardError, TableConfig, init, optim
+from tierps.core.validation import DEFAULT_MAX_STEP_LEAP, MAX_STEP
 from tierps.server.daemon import ShardServer
-from tierps.storage.validation import DEFAULT_MAX_STEP_LEAP, MAX_STEP
 
 ServerFactory = Callable[..., ShardServer]
 DIM = 4

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from tierps.client import EmbeddingClient, TableConfig, init, optim
+from tierps.core.xp import gpu_module
 from tierps.server.daemon import ShardServer
-from tierps.storage.xp import gpu_module
 
 ServerFactory = Callable[..., ShardServer]
 DIM = 8

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tierps.client import EmbeddingClient, TableConfig, optim
+from tierps.core.errors import FailedPreconditionError, InvalidArgumentError
 from tierps.server.daemon import ShardServer
-from tierps.storage.errors import FailedPreconditionError, InvalidArgumentError
 
 ServerFactory = Callable[..., ShardServer]
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning")

@@ -17,8 +17,8 @@ import pytest
 
 from tests.integration.test_client import rpc_count
 from tierps.client import EmbeddingClient, Feature, ShardError, TableConfig, optim
+from tierps.core.errors import InvalidArgumentError
 from tierps.server.daemon import ShardServer
-from tierps.storage.errors import InvalidArgumentError
 
 torch = pytest.importorskip("torch")
 tierps_torch = pytest.importorskip("tierps.client.torch")

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 
 from tierps.client.admin import ClusterAdmin, ShardError
+from tierps.core.errors import BackendError
 from tierps.server.config import ServerConfig
 from tierps.server.shard import LookupBatch, PushBatch, Shard
 from tierps.storage import FailedPreconditionError, TableConfig, optim
-from tierps.storage.errors import BackendError
 from tierps.storage.snapshot_format import (
     CHECKSUM,
     MANIFEST,

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tierps.core.config import Admission
 from tierps.server.config import ServerConfig
 from tierps.server.shard import LookupBatch, PushBatch, Shard
 from tierps.storage import TableConfig, optim
-from tierps.storage.config import Admission
 from tierps.storage.snapshot_format import CARRIES, CHECKSUM, MANIFEST, manifest_checksum
 from tierps.storage.snapshot_reader import Snapshot
 

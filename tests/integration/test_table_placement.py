@@ -25,13 +25,13 @@ from tests.integration.test_client import data_calls, initial, stored
 from tests.integration.test_cluster import assert_bits_equal, read_snapshot, running
 from tierps.client import EmbeddingClient, Feature, ShardError, TableConfig, init, optim
 from tierps.client.admin import ClusterAdmin
+from tierps.core.config import owner_shard
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import wire
 from tierps.proto.convert import table_config_to_proto
 from tierps.server.cluster import LocalCluster
 from tierps.server.daemon import ShardServer
 from tierps.storage import InvalidArgumentError
-from tierps.storage.config import owner_shard
 
 DIM = 8
 CODE = grpc.StatusCode

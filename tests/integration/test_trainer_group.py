@@ -17,9 +17,9 @@ import torch.distributed as dist  # noqa: E402
 from tierps.client.distributed import TrainerGroup  # noqa: E402
 from tierps.client.embedding import EmbeddingClient, Feature  # noqa: E402
 from tierps.client.torch import EmbeddingBagCollection  # noqa: E402
+from tierps.core.config import TableConfig  # noqa: E402
 from tierps.server.daemon import ShardServer  # noqa: E402
 from tierps.storage import optim  # noqa: E402
-from tierps.storage.config import TableConfig  # noqa: E402
 
 DIM = 4
 

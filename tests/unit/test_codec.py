@@ -1,4 +1,4 @@
-"""RowCodec (storage/codec.py): the stored row's layout, and cold rows in float16/bfloat16,
+"""RowCodec (core/codec.py): the stored row's layout, and cold rows in float16/bfloat16,
 against numpy's float16 and torch's bfloat16 conversions."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tierps.core.codec import RowCodec, from_bfloat16_bits, to_bfloat16_bits
 from tierps.proto.convert import table_config_to_dict, table_config_to_proto
 from tierps.storage import TableConfig, optim
-from tierps.storage.codec import RowCodec, from_bfloat16_bits, to_bfloat16_bits
 
 torch = pytest.importorskip("torch")
 

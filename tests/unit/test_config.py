@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tierps.core.config import config_differences
 from tierps.storage import Eviction, TableConfig, WritePolicy, init, optim
-from tierps.storage.config import config_differences
 
 
 @pytest.mark.parametrize(

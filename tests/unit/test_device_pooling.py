@@ -25,7 +25,7 @@ from tierps.client.pooling import (
     stacked_pooling_matrix,
     unpool,
 )
-from tierps.storage.errors import InvalidArgumentError
+from tierps.core.errors import InvalidArgumentError
 
 torch = pytest.importorskip("torch")
 device_pooling = pytest.importorskip("tierps.client.device_pooling")

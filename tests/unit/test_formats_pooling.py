@@ -26,7 +26,7 @@ from tierps.client.pooling import (
     stacked_pooling_matrix,
     unpool,
 )
-from tierps.storage.errors import InvalidArgumentError
+from tierps.core.errors import InvalidArgumentError
 
 WHERE = "table 'item'"
 DIM = 4

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tierps.core.validation import MAX_STEP
 from tierps.storage import (
     EmbeddingStore,
     EmbeddingTable,
@@ -29,7 +30,6 @@ from tierps.storage import (
     optim,
 )
 from tierps.storage.admission import DEFAULT_COUNTER_KEYS, CounterFilter, make_filter
-from tierps.storage.validation import MAX_STEP
 
 DIM = 4
 WHERE = "table 'g' on shard 0"

@@ -22,9 +22,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tierps.storage.config import Eviction
+from tierps.core.config import Eviction
+from tierps.core.hashing import hash_keys
 from tierps.storage.hash_table import EMPTY, TOMBSTONE, HashTable
-from tierps.storage.hashing import hash_keys
 
 I64_MAX = int(np.iinfo(np.int64).max)
 I64_MIN = int(np.iinfo(np.int64).min)

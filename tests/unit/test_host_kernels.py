@@ -1,8 +1,8 @@
-"""The compiled host kernels (storage/host_kernels.py) against the numpy array code on the
-same inputs: exact for index operations and initial rows; the fused in-place train against
-optim.apply within test_kernels.py's derived float64 bound. The CUDA kernels' twins (find,
-claim, upsert, find_rows, scatter, fused optimizers through the Launcher) run in
-test_kernels.py under its "numba" backend."""
+"""The compiled host kernels (storage/host_kernels.py, and core/compiled.py's checks) against
+the numpy array code on the same inputs: exact for index operations and initial rows; the
+fused in-place train against optim.apply within test_kernels.py's derived float64 bound.
+The CUDA kernels' twins (find, claim, upsert, find_rows, scatter, fused optimizers through
+the Launcher) run in test_kernels.py under its "numba" backend."""
 
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tierps.storage import EmbeddingStore, TableConfig, host_kernels, init, optim
-from tierps.storage.errors import InvalidArgumentError
+from tierps.core import init, optim
+from tierps.core.compiled import ENV_SWITCH, all_distinct, first_non_finite_index, jit_kernel
+from tierps.core.config import TableConfig
+from tierps.core.errors import InvalidArgumentError
+from tierps.storage import EmbeddingStore, host_kernels
 from tierps.storage.tiers import CacheTier, Spill
 
 pytestmark = pytest.mark.skipif(
@@ -82,20 +85,20 @@ def test_all_distinct_bitmap_and_hash_set_match_a_sort(size: int, spread: int) -
         cases += [repeated, np.concatenate([keys, keys[-1:]]), np.concatenate([keys[:1], keys])]
     for case in cases:
         want = bool(np.unique(case).size == case.size)
-        assert host_kernels.all_distinct(case) is want, (size, spread, case)
+        assert all_distinct(case) is want, (size, spread, case)
 
 
 def test_all_distinct_matches_unique() -> None:
     rng = np.random.default_rng(1)
     for n in (0, 1, 7, 1000):
         keys = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64)
-        assert host_kernels.all_distinct(keys) is (np.unique(keys).size == n)
+        assert all_distinct(keys) is (np.unique(keys).size == n)
         if n > 1:
             keys[-1] = keys[0]
-            assert host_kernels.all_distinct(keys) is False
+            assert all_distinct(keys) is False
     extremes = np.array([np.iinfo(np.int64).min, np.iinfo(np.int64).min + 1, -1, 0], np.int64)
-    assert host_kernels.all_distinct(extremes)
-    assert not host_kernels.all_distinct(np.repeat(extremes[:1], 2))
+    assert all_distinct(extremes)
+    assert not all_distinct(np.repeat(extremes[:1], 2))
 
 
 @pytest.mark.parametrize(
@@ -116,7 +119,8 @@ def test_uniform_initial_rows_are_the_numpy_bits(optimizer: optim.Optimizer) -> 
     keys = np.concatenate([rng.integers(-(2**62), 2**62, 500), [0, -1, 2**63 - 1]])
     for initializer in (init.Uniform(), init.Uniform(-3.0, 1e-3), init.Uniform(1.0, 1.0 + 1e-6)):
         config = TableConfig("t", 12, optimizer=optimizer, initializer=initializer, seed=9)
-        got = config.initial_rows(keys)
+        got = host_kernels.initial_rows(config, keys)
+        np.testing.assert_array_equal(got, config.initial_rows(keys))
         weights = initializer.generate(keys, 12, 9)
         np.testing.assert_array_equal(got[:, :12], weights)
         for slot, fill in enumerate(optimizer.state_fill(), start=1):
@@ -327,11 +331,11 @@ def test_env_switch_keeps_the_array_code() -> None:
     """TIERPS_HOST_KERNELS=0: the host tier runs the numpy reference (no compiled path)."""
     code = (
         "from tierps.storage.hash_table import HashTable; "
-        "from tierps.storage import host_kernels; "
+        "from tierps.core.compiled import all_distinct; "
         "assert not HashTable(16).uses_kernels; "
-        "assert host_kernels.all_distinct(__import__('numpy').arange(3)) is None"
+        "assert all_distinct(__import__('numpy').arange(3)) is None"
     )
-    env = {**os.environ, host_kernels.ENV_SWITCH: "0"}
+    env = {**os.environ, ENV_SWITCH: "0"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
 
 
@@ -341,13 +345,13 @@ def test_no_writable_cache_compiles_in_memory_and_warns_once(monkeypatch) -> Non
     import numba
 
     monkeypatch.setattr(numba.config, "CACHE_DIR", "")  # as without NUMBA_CACHE_DIR
-    monkeypatch.setattr(host_kernels, "_cache_warned", False)
+    monkeypatch.setattr("tierps.core.compiled._cache_warned", False)
     namespace: dict = {}
     exec(compile("def twice(x):\n    return 2 * x\n", "<no file>", "exec"), namespace)  # noqa: S102
     exec(compile("def thrice(x):\n    return 3 * x\n", "<no file>", "exec"), namespace)  # noqa: S102
     with pytest.warns(RuntimeWarning, match="no writable numba cache") as caught:
-        twice = host_kernels.jit_kernel(namespace["twice"])
-        thrice = host_kernels.jit_kernel(namespace["thrice"])
+        twice = jit_kernel(namespace["twice"])
+        thrice = jit_kernel(namespace["thrice"])
     assert len(caught) == 1
     assert (twice(21), thrice(2)) == (42, 6)
 
@@ -389,7 +393,7 @@ def test_large_lookups_stream_the_same_rows_as_the_array_code() -> None:
 def test_first_non_finite_matches_numpy() -> None:
     """validation.first_non_finite at compiled speed: the first inf or NaN in row-major
     order, as numpy's isfinite and argwhere find it, for any shape and placement."""
-    from tierps.storage.validation import first_non_finite
+    from tierps.core.validation import first_non_finite
 
     rng = np.random.default_rng(6)
     for shape in [(0, 4), (1, 1), (3, 5), (100, 64), (999, 7)]:
@@ -401,7 +405,7 @@ def test_first_non_finite_matches_numpy() -> None:
                 spoiled.flat[rng.integers(values.size, size=2)] = bad
                 want = np.argwhere(~np.isfinite(spoiled))[0]
                 assert first_non_finite(spoiled) == (int(want[0]), int(want[1]))
-    assert host_kernels.first_non_finite_index(np.ones((2, 2), np.float32)) == -1
+    assert first_non_finite_index(np.ones((2, 2), np.float32)) == -1
 
 
 def test_training_scratch_grows_is_kept_and_shrinks() -> None:

@@ -10,7 +10,7 @@ kernels run on numpy arrays through the very Python functions the GPU path uses,
 glue (argument types, lanes, strides, counts) is tested too.
 
 The oracles are the generic numpy HashTable (storage/hash_table.py with kernels=False), a
-dict model, numpy indexing, and optimizer.apply (storage/optim.py) on gathered rows.
+dict model, numpy indexing, and optimizer.apply (core/optim.py) on gathered rows.
 
 The same tests run on cupy against numpy where a GPU is usable; nvcc, where installed,
 compiles the source for sm_80 and sm_90.
@@ -34,11 +34,11 @@ import pytest
 
 from tests.contract import test_tier_setups as contract
 from tests.unit import test_tombstones as tombstones
+from tierps.core.hashing import hash_keys
+from tierps.core.xp import to_host
 from tierps.storage import EmbeddingStore, host_kernels, kernels, optim
 from tierps.storage.hash_table import EMPTY, TOMBSTONE, HashTable
-from tierps.storage.hashing import hash_keys
 from tierps.storage.tiers import CacheTier
-from tierps.storage.xp import to_host
 
 I64_MAX = int(np.iinfo(np.int64).max)
 
@@ -1102,7 +1102,7 @@ class _DoesNothing:
 @pytest.fixture
 def fresh_gpu_module(monkeypatch: pytest.MonkeyPatch) -> Any:
     """gpu_module() and the kernels' launcher asked again, then forgotten again."""
-    from tierps.storage.xp import gpu_module
+    from tierps.core.xp import gpu_module
 
     gpu_module.cache_clear()
     monkeypatch.setattr(kernels, "_cupy_launcher", None)

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tierps.core.config import key_shards, owner_shard, single_shard
 from tierps.storage import InvalidArgumentError, TableConfig, optim
-from tierps.storage.config import key_shards, owner_shard, single_shard
 from tierps.storage.snapshot_reader import Snapshot
 from tierps.storage.snapshot_writer import commit, write_part
 
@@ -53,7 +53,7 @@ def test_name_chosen_owner_depends_on_the_name_only() -> None:
         owners = {owner_shard(base, num_shards) for _ in range(3)}
         assert owners == {owner_shard(other, num_shards)}
     script = (
-        "import json; from tierps.storage.config import TableConfig, owner_shard; "
+        "import json; from tierps.core.config import TableConfig, owner_shard; "
         f"print(json.dumps([[owner_shard(TableConfig(n, 4, placement='table'), m) "
         f"for m in (2, 3, 5)] for n in {NAMES!r}]))"
     )

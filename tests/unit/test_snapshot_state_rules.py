@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tierps.core.config import Admission, Placement
 from tierps.storage import TableConfig, optim
 from tierps.storage.admission import bloom_size
-from tierps.storage.config import Admission, Placement
 from tierps.storage.snapshot_reader import Snapshot
 from tierps.storage.snapshot_writer import commit, write_part
 

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tierps.core.config import Placement
 from tierps.storage import FailedPreconditionError, TableConfig, optim
-from tierps.storage.config import Placement
 from tierps.storage.snapshot_format import (
     CHECKSUM,
     FORMAT_VERSION,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from tierps.core.errors import QUOTED_CHARS, BackendError, InvalidArgumentError, quoted
 from tierps.server.status import MAX_DETAILS_WIRE_BYTES, details, status_of
 from tierps.storage import DataLossError, StorageFullError
-from tierps.storage.errors import QUOTED_CHARS, BackendError, InvalidArgumentError, quoted
 
 
 class CupyLikeOutOfMemory(MemoryError):

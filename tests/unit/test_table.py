@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import export_dict
+from tierps.core.errors import InvalidArgumentError
 from tierps.storage import EmbeddingStore, TableConfig, optim
-from tierps.storage.errors import InvalidArgumentError
 from tierps.storage.fallbacks import RowOrigin
 from tierps.storage.tiers import CacheTier, DirectTier, Tier
 

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tierps.core.hashing import hash_keys
 from tierps.storage.hash_table import EMPTY, TOMBSTONE, HashTable
-from tierps.storage.hashing import hash_keys
 
 BATCHES = 20
 

@@ -13,9 +13,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from tierps.storage.hashing import counter_bits
-from tierps.storage.validation import check_finite, check_positive
-from tierps.storage.xp import array_module
+from tierps.core.hashing import counter_bits
+from tierps.core.validation import check_finite, check_positive
+from tierps.core.xp import array_module
 
 _TWO_POW_M24 = 2.0**-24
 _TWO_POW_M32 = 2.0**-32

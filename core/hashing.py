@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from tierps.storage.xp import array_module
+from tierps.core.xp import array_module
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from tierps.storage.errors import InvalidArgumentError
+from tierps.core.errors import InvalidArgumentError
 
 
 def check_finite(owner: str, field: str, value: Any, expected: str = "") -> None:
@@ -164,7 +164,7 @@ def as_out(where: str, out: Any, n: int, dim: int) -> np.ndarray:
 def first_non_finite(values: np.ndarray) -> tuple[int, int] | None:
     """(row, column) of the first inf or NaN in a 2-D array, None if every value is finite:
     what every finiteness refusal names."""
-    from tierps.storage.host_kernels import first_non_finite_index  # imports numba
+    from tierps.core.compiled import first_non_finite_index  # imports numba
 
     if values.ndim == 2 and (flat := first_non_finite_index(values)) is not None:
         return None if flat < 0 else divmod(flat, values.shape[1])

@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from tierps.storage import host_kernels, init, optim
-from tierps.storage.codec import COLD_DTYPES, RowCodec
-from tierps.storage.errors import InvalidArgumentError
-from tierps.storage.hashing import mix64
-from tierps.storage.validation import check_finite, check_int, check_range
-from tierps.storage.xp import array_module
+from tierps.core import init, optim
+from tierps.core.codec import COLD_DTYPES, RowCodec
+from tierps.core.errors import InvalidArgumentError
+from tierps.core.hashing import mix64
+from tierps.core.validation import check_finite, check_int, check_range
+from tierps.core.xp import array_module
 
 # optimizers whose state holds sums of squared gradients, which float16 cannot hold
 SQUARES_STATE = {
@@ -92,7 +92,7 @@ class TableConfig:
     ("": as cold_dtype). The host and GPU tiers keep float32, the step stamp stays exact. A
     row is rounded each time it is written to RocksDB (spilled, flushed, written through),
     so a row whose only copy is on disk, and a snapshot of it, holds the rounded values
-    (storage/codec.py). float16 state is refused for the optimizers whose state is a sum of
+    (core/codec.py). float16 state is refused for the optimizers whose state is a sum of
     squared gradients (Adagrad's accumulator, Adam's v, FTRL's n): it overflows above 65,504
     and underflows below 6e-8; take float16 weights with cold_state_dtype="float32" (or
     "bfloat16", float32's range) there.
@@ -252,7 +252,7 @@ class TableConfig:
 
     @functools.cached_property
     def codec(self) -> RowCodec:
-        """The layout of this table's stored rows (storage/codec.py): in memory, float32
+        """The layout of this table's stored rows (core/codec.py): in memory, float32
         weights, optimizer state and, with steps_to_live > 0, the last-update step; in
         RocksDB, the same in the cold dtypes."""
         return RowCodec(
@@ -292,19 +292,10 @@ class TableConfig:
 
     def initial_rows(self, keys: Any, weights: Any = None) -> Any:
         """[n, row_width] rows of int64 keys with fresh optimizer state; the weights are the
-        initializer's (a pure function of seed and key) unless given."""
+        initializer's (a pure function of seed and key) unless given. The reference: a
+        shard makes them through storage.host_kernels.initial_rows, compiled where it can
+        be, with the same bits."""
         xp = array_module(keys)
-        if weights is None and xp is np and type(self.initializer) is init.Uniform:
-            compiled = host_kernels.uniform_rows(
-                keys,
-                self.dim,
-                self.row_width,
-                self.initializer,
-                self.seed,
-                self.optimizer.state_fill(),
-            )
-            if compiled is not None:
-                return compiled
         rows = xp.empty((keys.shape[0], self.row_width), dtype=xp.float32)
         if weights is None:
             weights = self.initializer.generate(keys, self.dim, self.seed)
@@ -394,7 +385,7 @@ def key_shards(config: TableConfig, keys: np.ndarray, num_shards: int) -> np.nda
     (placement="row"), or the table's owner_shard for every key (placement="table"). The one
     owner of key placement: the client's routing, a shard's check of the keys it is sent
     and a snapshot load's share of each shard all ask it (or single_shard, its shortcut;
-    client/wire_kernels' compiled routing and key check compute the same k % num_shards in
+    core/ownership's compiled routing and key check compute the same k % num_shards in
     their pass, and ask it where single_shard answers)."""
     single = single_shard(config, num_shards)
     if single is not None:

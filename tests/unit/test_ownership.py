@@ -1,4 +1,4 @@
-"""The client's compiled routing pass (client/wire_kernels.py) against its numpy reference
+"""The compiled key-ownership passes (core/ownership.py) against its numpy reference
 (a stable argsort) on the same keys, and both against the plain definition: each shard's
 keys in their order, with their positions."""
 
@@ -7,9 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tierps.client import wire_kernels
-from tierps.storage import TableConfig, host_kernels
-from tierps.storage.config import key_shards
+from tierps.core import compiled, ownership
+from tierps.core.config import TableConfig, key_shards
 
 
 @pytest.mark.parametrize(
@@ -22,8 +21,8 @@ def test_group_by_shard_matches_the_reference_and_the_definition(
     keys = np.random.default_rng(size + num_shards).choice(10**9, size, replace=False)
     config = TableConfig("t", 4)
     shard_of = key_shards(config, keys, num_shards)
-    got = wire_kernels.group_by_shard(config, keys, num_shards)
-    want = wire_kernels.group_by_shard_reference(shard_of, keys, num_shards)
+    got = ownership.group_by_shard(config, keys, num_shards)
+    want = ownership.group_by_shard_reference(shard_of, keys, num_shards)
     for got_part, want_part in zip(got, want, strict=True):
         assert got_part.dtype == np.int64
         assert np.array_equal(got_part, want_part)
@@ -36,14 +35,14 @@ def test_group_by_shard_matches_the_reference_and_the_definition(
 
 
 def test_group_by_shard_runs_compiled_where_the_host_kernels_do() -> None:
-    if host_kernels.host_launcher() is None:
-        pytest.skip(f"host kernels unavailable: {host_kernels.unavailable_reason()}")
-    assert hasattr(wire_kernels, "k_group_by_shard")
+    if compiled.unavailable_reason() is not None:
+        pytest.skip(f"host kernels unavailable: {compiled.unavailable_reason()}")
+    assert hasattr(ownership, "k_group_by_shard")
     keys = np.array([5, 2, 7, 4], np.int64)
     grouped = np.empty(4, np.int64)
     positions = np.empty(4, np.int64)
     bounds = np.empty(3, np.int64)
-    wire_kernels.k_group_by_shard(keys, 2, grouped, positions, bounds)
+    ownership.k_group_by_shard(keys, 2, grouped, positions, bounds)
     assert grouped.tolist() == [2, 4, 5, 7]
     assert positions.tolist() == [1, 3, 0, 2]
     assert bounds.tolist() == [0, 2, 4]
@@ -56,7 +55,7 @@ def test_first_foreign_key_is_the_first_key_of_another_shard(num_shards: int) ->
     for shard_id in range(num_shards):
         mine = rng.choice(10**9, 3000, replace=False) * num_shards + shard_id
         mine[::7] = -1 - mine[::7]  # padding passes, whatever its remainder
-        assert wire_kernels.first_foreign_key(config, mine, num_shards, shard_id) == -1
+        assert ownership.first_foreign_key(config, mine, num_shards, shard_id) == -1
         if num_shards == 1:
             continue
         for index in (0, 1234, mine.size - 1):
@@ -64,7 +63,7 @@ def test_first_foreign_key_is_the_first_key_of_another_shard(num_shards: int) ->
             keys[index] = 12345 * num_shards + (shard_id + 1) % num_shards  # another's
             keys[-1 if index == 0 else 0] = -5  # padding before it does not count
             want = np.flatnonzero((keys >= 0) & (key_shards(config, keys, num_shards) != shard_id))
-            got = wire_kernels.first_foreign_key(config, keys, num_shards, shard_id)
+            got = ownership.first_foreign_key(config, keys, num_shards, shard_id)
             assert got == want[0] == index
 
 
@@ -78,15 +77,15 @@ def test_the_kernels_route_int64_extremes_as_key_shards(num_shards: int) -> None
     config = TableConfig("t", 4)
     keys = np.array(EXTREME_KEYS, np.int64)
     shard_of = key_shards(config, keys, num_shards)
-    got = wire_kernels.group_by_shard(config, keys, num_shards)
-    want = wire_kernels.group_by_shard_reference(shard_of, keys, num_shards)
+    got = ownership.group_by_shard(config, keys, num_shards)
+    want = ownership.group_by_shard_reference(shard_of, keys, num_shards)
     for got_part, want_part in zip(got, want, strict=True):
         assert np.array_equal(got_part, want_part)
     padded = np.concatenate([np.array([-(2**63), -(2**63) + 1, -7, -1], np.int64), keys])
     for shard_id in range(min(num_shards, 8)):
         wrong = (padded >= 0) & (key_shards(config, padded, num_shards) != shard_id)
         want_index = int(np.argmax(wrong)) if wrong.any() else -1
-        got_index = wire_kernels.first_foreign_key(config, padded, num_shards, shard_id)
+        got_index = ownership.first_foreign_key(config, padded, num_shards, shard_id)
         assert got_index == want_index
 
 
@@ -95,20 +94,20 @@ def test_a_table_placed_whole_routes_every_key_to_its_shard() -> None:
     places every key on the table's shard (not k % num_shards)."""
     config = TableConfig("t", 4, placement="table", table_shard=1)
     keys = np.arange(6, dtype=np.int64)
-    grouped, positions, bounds = wire_kernels.group_by_shard(config, keys, 3)
+    grouped, positions, bounds = ownership.group_by_shard(config, keys, 3)
     assert bounds.tolist() == [0, 0, 6, 6]
     assert grouped.tolist() == keys.tolist() and positions.tolist() == list(range(6))
-    assert wire_kernels.first_foreign_key(config, keys, 3, 1) == -1
-    assert wire_kernels.first_foreign_key(config, keys, 3, 0) == 0
+    assert ownership.first_foreign_key(config, keys, 3, 1) == -1
+    assert ownership.first_foreign_key(config, keys, 3, 0) == 0
 
 
 def test_warm_up_compiles_both_kernels_for_own_and_request_keys() -> None:
-    """wire_kernels.warm_up (a shard runs it at start) leaves each kernel compiled for a
+    """ownership.warm_up (a shard runs it at start) leaves each kernel compiled for a
     writable key array and for a read-only view of a request's bytes, the two a call meets,
     so that neither compiles in a data call."""
-    if host_kernels.host_launcher() is None:
-        pytest.skip(f"host kernels unavailable: {host_kernels.unavailable_reason()}")
-    wire_kernels.warm_up()
-    for kernel in (wire_kernels.k_first_foreign_key, wire_kernels.k_group_by_shard):
+    if compiled.unavailable_reason() is not None:
+        pytest.skip(f"host kernels unavailable: {compiled.unavailable_reason()}")
+    ownership.warm_up()
+    for kernel in (ownership.k_first_foreign_key, ownership.k_group_by_shard):
         writable = {signature[0].mutable for signature in kernel.signatures}
         assert writable == {False, True}, kernel.signatures

@@ -31,8 +31,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from tierps.storage.validation import check_range
-from tierps.storage.xp import array_module
+from tierps.core.validation import check_range
+from tierps.core.xp import array_module
 
 _INF = float("inf")
 _F32_MAX = float(np.finfo(np.float32).max)

@@ -1,13 +1,14 @@
-"""Compiled passes of a data call's key routing: the client grouping a call's keys by shard
-(whether they are distinct: storage.host_kernels.all_distinct, shared with the shards), and a
-shard finding the first key sent to it that is another shard's. Both compute a key's shard
-as storage.config.key_shards does for a table whose keys spread (k % num_shards), inside
-the pass: no array of shards, no temporaries.
+"""Key ownership: which shard holds a key, as core.config.key_shards says, computed where a
+data call's keys are grouped or checked. The client groups a call's keys by shard (and asks
+whether they are distinct: core.compiled.all_distinct, shared with the shards); a shard
+finds the first key sent to it that is another shard's. Both compute a key's shard as
+key_shards does for a table whose keys spread (k % num_shards), inside the pass: no array
+of shards, no temporaries.
 
 The numpy reference (`group_by_shard_reference`) runs where the host kernels are off (numba
-missing, TIERPS_HOST_KERNELS=0), and tests/unit/test_wire_kernels.py compares the kernel
-against it. The kernel is `njit(nogil=True, cache=True)`, compiled and cached as the host
-tier's kernels are (tierps.storage.host_kernels).
+missing, TIERPS_HOST_KERNELS=0), and tests/unit/test_ownership.py compares the kernel
+against it. The kernels are made by core.compiled.jit_kernel, compiled and cached as every
+host kernel is.
 
 Measured and left to numpy (65,536 keys, 2 shards, 2-core machine): placing a shard's reply
 rows into the result (`out[at] = rows`: a compiled loop was no faster, 0.6 ms at dim 16)
@@ -20,23 +21,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from tierps.storage import TableConfig, host_kernels
-from tierps.storage.config import key_shards, single_shard
-from tierps.storage.host_kernels import host_launcher
+from tierps.core.compiled import jit_kernel, numba, unavailable_reason
+from tierps.core.config import TableConfig, key_shards, single_shard
 
-if host_kernels.numba is not None:
-    jit_kernel = host_kernels.jit_kernel  # one owner of how the host kernels compile and cache
+if numba is not None:
 
     @jit_kernel
     def _key_shard(key, num_shards, mask, power_of_two):
-        """k % num_shards (storage.config.key_shards' row placement); for a power of two by
+        """k % num_shards (core.config.key_shards' row placement); for a power of two by
         the mask, as an integer division costs ~20 cycles."""
         return key & mask if power_of_two else key % num_shards
 
     @jit_kernel
     def k_group_by_shard(keys, num_shards, grouped, positions, bounds):
         """A stable counting sort of keys >= 0 by their shard k % num_shards (the row
-        placement of storage.config.key_shards): grouped[bounds[s]:bounds[s+1]] are shard
+        placement of core.config.key_shards): grouped[bounds[s]:bounds[s+1]] are shard
         s's keys in their order, positions their places in `keys`. Each key's shard is
         computed once and kept for the second pass."""
         n = keys.shape[0]
@@ -77,9 +76,9 @@ def group_by_shard(
     """(keys grouped by shard, their positions in `keys`, bounds [num_shards + 1]): shard
     s's keys, in their order, are grouped[bounds[s]:bounds[s + 1]], and their positions
     ascend. keys: int64 1-D, >= 0. Where the table's keys spread over the shards
-    (storage.config.single_shard is None) the kernel computes key_shards' k % num_shards
+    (core.config.single_shard is None) the kernel computes key_shards' k % num_shards
     in its pass; else (and without the kernels) key_shards places them."""
-    if host_launcher() is None or single_shard(config, num_shards) is not None:
+    if unavailable_reason() is not None or single_shard(config, num_shards) is not None:
         return group_by_shard_reference(key_shards(config, keys, num_shards), keys, num_shards)
     grouped = np.empty(keys.size, np.int64)
     positions = np.empty(keys.size, np.int64)
@@ -90,9 +89,9 @@ def group_by_shard(
 
 def first_foreign_key(config: TableConfig, keys: np.ndarray, num_shards: int, shard_id: int) -> int:
     """The index of the first key >= 0 of `keys` (int64 1-D) that is not shard shard_id's
-    (storage.config.key_shards), or -1 where every one is. The kernel computes key_shards'
+    (core.config.key_shards), or -1 where every one is. The kernel computes key_shards'
     k % num_shards where the table's keys spread (single_shard is None)."""
-    if host_launcher() is None or single_shard(config, num_shards) is not None:
+    if unavailable_reason() is not None or single_shard(config, num_shards) is not None:
         wrong = (keys >= 0) & (key_shards(config, keys, num_shards) != shard_id)
         return int(np.argmax(wrong)) if wrong.any() else -1
     return int(k_first_foreign_key(np.ascontiguousarray(keys, np.int64), num_shards, shard_id))
@@ -110,9 +109,9 @@ def group_by_shard_reference(
 def warm_up() -> None:
     """Compile (or load from numba's cache) the routing kernels for the arrays they meet:
     keys of an array of their own, and keys read in place from a request's bytes (a
-    read-only view, which numba compiles apart). A shard runs it when it starts, beside
-    storage.host_kernels.warm_up, so that its first data call does not."""
-    if host_launcher() is None:
+    read-only view, which numba compiles apart). A shard runs it when it starts
+    (storage.warm_up), so that its first data call does not."""
+    if unavailable_reason() is not None:
         return
     request = np.arange(9, dtype=np.int64).tobytes()
     for keys in (np.arange(8, dtype=np.int64), np.frombuffer(request, np.int64, 8, 1)):

@@ -166,7 +166,7 @@ class ShardServer:
         if config.health_port is not None:
             self._serve_health_alone(config)
         self._set_serving(False)
-        self.shard.on_serving_change = self._set_serving
+        self.shard.health.on_serving_change = self._set_serving
         self.metrics_port: int | None = None
         self._stopped = False
 
@@ -230,13 +230,13 @@ class ShardServer:
         self._server.start()
         if self._health_server is not None:
             self._health_server.start()
-        self.shard.start_background()
+        self.shard.maintenance.start_background()
         if self.config.metrics_port is not None:
             host = self.config.metrics_host or self.config.host
             # an IPv6 literal as "::1": Python's HTTP server takes no brackets
             self.metrics_port = self.metrics.serve(host.strip("[]"), self.config.metrics_port)
             self.shard.metrics_port = self.metrics_port  # Stats tells clients (admin top)
-        self.shard.publish_serving()  # NOT_SERVING still if its store cannot write
+        self.shard.health.publish_serving()  # NOT_SERVING still if its store cannot write
         log.info(
             "serving",
             extra={
@@ -250,7 +250,7 @@ class ShardServer:
                 "snapshot_dir": (  # JSON null when there is none, not "None"
                     None if self.config.snapshot_dir is None else str(self.config.snapshot_dir)
                 ),
-                "tables": [c.name for c in self.shard.list_tables()],
+                "tables": [c.name for c in self.shard.admin.list_tables()],
             },
         )
         return self

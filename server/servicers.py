@@ -354,17 +354,18 @@ def add_embedding_service(servicer: EmbeddingServicer, server: grpc.Server) -> N
 class AdminServicer(_Servicer, pb_grpc.AdminServiceServicer):
     @rpc
     def CreateTable(self, request: pb.CreateTableRequest, context: Any) -> Any:
-        return pb.CreateTableResponse(created=self.shard.create_table(_config(request.config)))
+        created = self.shard.admin.create_table(_config(request.config))
+        return pb.CreateTableResponse(created=created)
 
     @rpc
     def DropTable(self, request: pb.DropTableRequest, context: Any) -> Any:
-        self.shard.drop_table(request.table)
+        self.shard.admin.drop_table(request.table)
         return pb.DropTableResponse()
 
     @rpc
     def ListTables(self, request: pb.ListTablesRequest, context: Any) -> Any:
         return pb.ListTablesResponse(
-            tables=[table_config_to_proto(c.to_dict()) for c in self.shard.list_tables()]
+            tables=[table_config_to_proto(c.to_dict()) for c in self.shard.admin.list_tables()]
         )
 
     @rpc
@@ -374,8 +375,8 @@ class AdminServicer(_Servicer, pb_grpc.AdminServiceServicer):
     @rpc
     def SaveSnapshot(self, request: pb.SaveSnapshotRequest, context: Any) -> Iterator:
         phases: dict[int, Callable[[str, str], Iterator[Progress]]] = {
-            pb.SAVE_PHASE_WRITE_PART: self.shard.save_part,
-            pb.SAVE_PHASE_COMMIT: self.shard.commit_snapshot,
+            pb.SAVE_PHASE_WRITE_PART: self.shard.admin.save_part,
+            pb.SAVE_PHASE_COMMIT: self.shard.admin.commit_snapshot,
         }
         if request.phase not in phases:
             raise InvalidArgumentError(
@@ -388,23 +389,26 @@ class AdminServicer(_Servicer, pb_grpc.AdminServiceServicer):
 
     @rpc
     def LoadSnapshot(self, request: pb.LoadSnapshotRequest, context: Any) -> Iterator:
-        for progress in run_to_completion(self.shard.load_snapshot(request.name), name="load"):
+        loading = self.shard.admin.load_snapshot(request.name)
+        for progress in run_to_completion(loading, name="load"):
             yield _progress(progress)
 
     @rpc
     def ListSnapshots(self, request: pb.ListSnapshotsRequest, context: Any) -> Any:
         return pb.ListSnapshotsResponse(
-            snapshots=[pb.SnapshotInfo(**info) for info in self.shard.list_snapshots()]
+            snapshots=[pb.SnapshotInfo(**info) for info in self.shard.admin.list_snapshots()]
         )
 
     @rpc
     def DeleteSnapshot(self, request: pb.DeleteSnapshotRequest, context: Any) -> Any:
-        removed = self.shard.delete_snapshot(request.name, request.save_id, request.incomplete_only)
+        removed = self.shard.admin.delete_snapshot(
+            request.name, request.save_id, request.incomplete_only
+        )
         return pb.DeleteSnapshotResponse(removed=removed)
 
     @rpc
     def Evict(self, request: pb.EvictRequest, context: Any) -> Any:
-        result = self.shard.evict(request.table)
+        result = self.shard.maintenance.evict(request.table)
         return pb.EvictResponse(num_rows=result["removed"], current_step=result["current_step"])
 
     @rpc

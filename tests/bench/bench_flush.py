@@ -28,9 +28,9 @@ from rocksdict import Options, Rdict, WriteBatch
 from tierps.storage import EmbeddingStore, TableConfig, optim
 from tierps.storage.table import FLUSH_CHUNK_BYTES
 
-BACKGROUND_CHUNK_BYTES = 256 << 10  # server/shard.py's BACKGROUND_FLUSH_CHUNK_BYTES
+BACKGROUND_CHUNK_BYTES = 256 << 10  # server/shard_maintenance.py's BACKGROUND_FLUSH_CHUNK_BYTES
 DIM = 64
-PAUSE_S = 0.0002  # server/shard.py's BACKGROUND_FLUSH_PAUSE_S
+PAUSE_S = 0.0002  # server/shard_maintenance.py's BACKGROUND_FLUSH_PAUSE_S
 
 
 def lookups_while(table: Any, hot: np.ndarray, work: Any) -> tuple[list[float], float]:

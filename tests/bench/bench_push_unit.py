@@ -37,7 +37,7 @@ def main() -> None:
         shard = Shard(ServerConfig(0, 1, Path(tmp) / "shard"))
         names = [f"t{i}" for i in range(args.tables)]
         for name in names:
-            shard.create_table(TableConfig(name, args.dim, optimizer=optim.Adagrad(lr=0.01)))
+            shard.admin.create_table(TableConfig(name, args.dim, optimizer=optim.Adagrad(lr=0.01)))
         universe = 200_000
         step = [0]
         sequence = iter(range(1, 1 << 62))
@@ -53,7 +53,9 @@ def main() -> None:
         def per_table(pushes: list[list[PushBatch]]) -> None:
             for push in pushes:
                 checked = shard._checked_push(push)
-                shard._each_table(lambda item: item[0].apply_checked_gradients(*item[1:]), checked)
+                shard._table_threads.each(
+                    lambda item: item[0].apply_checked_gradients(*item[1:]), checked
+                )
 
         def one_unit(pushes: list[list[PushBatch]]) -> None:
             for push in pushes:

@@ -480,7 +480,7 @@ def tables_of_one_call(root: Path, tables: int = 8, batch: int = 16384, dim: int
         keys = np.arange(batch, dtype=np.int64)
         grads = np.full((batch, dim), 1e-3, np.float32)
         for t in range(tables):
-            shard.create_table(TableConfig(f"t{t}", dim, optimizer=optim.Adam(lr=0.01)))
+            shard.admin.create_table(TableConfig(f"t{t}", dim, optimizer=optim.Adam(lr=0.01)))
         lookups = [LookupBatch(f"t{t}", dim, keys, True) for t in range(tables)]
         pushes = [PushBatch(f"t{t}", dim, keys, grads, 1) for t in range(tables)]
         seconds = measure_together(

@@ -129,7 +129,7 @@ def stored(shard: Shard, name: str) -> dict[int, np.ndarray]:
 
 
 def state(servers: Sequence[ShardServer]) -> list[dict[str, dict[int, np.ndarray]]]:
-    return [{c.name: stored(s.shard, c.name) for c in s.shard.list_tables()} for s in servers]
+    return [{c.name: stored(s.shard, c.name) for c in s.shard.admin.list_tables()} for s in servers]
 
 
 def assert_same_state(before: list[Any], after: list[Any]) -> None:

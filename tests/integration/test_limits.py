@@ -44,7 +44,7 @@ def test_a_flood_of_idle_streams_leaves_health_and_other_lookups_answering(
     shard_server: Callable[..., ShardServer],
 ) -> None:
     server = shard_server()  # 127.0.0.1, the default limits
-    server.shard.create_table(TableConfig(name="t", dim=DIM))
+    server.shard.admin.create_table(TableConfig(name="t", dim=DIM))
     release = threading.Event()
     channels = [grpc.insecure_channel(server.address) for _ in range(4)]
     try:
@@ -91,7 +91,7 @@ def test_an_abandoned_stream_is_cancelled_after_its_idle_time_and_frees_its_slot
     shard_server: Callable[..., ShardServer],
 ) -> None:
     server = shard_server(stream_idle_s=0.3, max_receiving_streams=1)
-    server.shard.create_table(TableConfig(name="t", dim=DIM))
+    server.shard.admin.create_table(TableConfig(name="t", dim=DIM))
     release = threading.Event()
     with grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.EmbeddingServiceStub(channel)
@@ -123,7 +123,7 @@ def test_calls_beyond_the_cap_are_refused_and_health_still_answers(
     shard_server: Callable[..., ShardServer],
 ) -> None:
     server = shard_server(max_workers=2, max_receiving_streams=2, stream_idle_s=30)
-    server.shard.create_table(TableConfig(name="t", dim=DIM))
+    server.shard.admin.create_table(TableConfig(name="t", dim=DIM))
     release = threading.Event()
     with grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.EmbeddingServiceStub(channel)
@@ -292,7 +292,7 @@ def test_declared_calls_reserve_the_budget_and_one_past_it_is_refused(
     what was left; the two complete, their rows updated as numpy says (SGD lr 1: -1 each)."""
     budget, dim, n = 16 << 20, 60, 26_000
     server = shard_server(max_inflight_bytes=budget)
-    server.shard.create_table(TableConfig(name="t", dim=dim, optimizer=optim.SGD(lr=1.0)))
+    server.shard.admin.create_table(TableConfig(name="t", dim=dim, optimizer=optim.SGD(lr=1.0)))
     declared = wire.stream_bytes("t", dim, 1, n, 4 * dim, 1 << 20)
     assert 6 << 20 < declared < 7 << 20
     go = threading.Event()
@@ -336,7 +336,7 @@ def test_a_call_sending_more_than_it_declared_is_cut_off_at_the_budget(
     that is not a size is INVALID_ARGUMENT."""
     budget, dim = 16 << 20, 256
     server = shard_server(max_inflight_bytes=budget)
-    server.shard.create_table(TableConfig(name="t", dim=dim))
+    server.shard.admin.create_table(TableConfig(name="t", dim=dim))
     chunk = push_chunk(dim)
     stub = pb_grpc.EmbeddingServiceStub(grpc.insecure_channel(server.address))
     with pytest.raises(grpc.RpcError) as cut:
@@ -373,7 +373,7 @@ def test_a_large_push_the_client_splits_fits_the_shards_limits(
         for i in range(num_shards)
     ]
     for server in servers:
-        server.shard.create_table(TableConfig(name="t", dim=dim, optimizer=optim.SGD(lr=1.0)))
+        server.shard.admin.create_table(TableConfig(name="t", dim=dim, optimizer=optim.SGD(lr=1.0)))
     with EmbeddingClient(
         [server.address for server in servers],
         max_call_bytes=batch,
@@ -458,7 +458,7 @@ def test_a_one_message_call_over_the_receive_limit_is_refused_unread_and_goes_as
     dim, n = 64, 40_000  # 10.6 MB of keys and gradients
     server = shard_server(max_message_bytes=6 << 20)
     assert server.limits.max_message_bytes == 6 << 20
-    server.shard.create_table(TableConfig(name="t", dim=dim, optimizer=optim.SGD(lr=1.0)))
+    server.shard.admin.create_table(TableConfig(name="t", dim=dim, optimizer=optim.SGD(lr=1.0)))
     with EmbeddingClient([server.address], timeout_s=30) as client:
         keys = np.arange(n)
         before = client.lookup("t", keys)
@@ -482,7 +482,7 @@ def test_an_undeclared_one_message_data_call_reserves_the_receive_limit(
     budget, dim, n = 16 << 20, 60, 26_000
     server = shard_server(max_inflight_bytes=budget)
     assert server.limits.max_message_bytes == budget
-    server.shard.create_table(TableConfig(name="t", dim=dim))
+    server.shard.admin.create_table(TableConfig(name="t", dim=dim))
     lookup_batch = wire.encode_batches([("t", dim, 0, (np.arange(4, dtype="<i8"),))])
     with grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.EmbeddingServiceStub(channel)

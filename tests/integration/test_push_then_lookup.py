@@ -150,7 +150,7 @@ def test_a_shard_applies_the_push_then_serves_the_lookup_or_refuses_both(
     no row pushed, none created for the lookup's new keys, no optimizer state."""
     server = shard_server()
     config = sgd_table("t", DIM, LR)
-    server.shard.create_table(config)
+    server.shard.admin.create_table(config)
     pushed, looked_up = np.arange(6, dtype=np.int64), np.arange(3, 9, dtype=np.int64)
     grads = quarter_grads(np.random.default_rng(1), (pushed.size, DIM))
     expected = initial(config, looked_up)

@@ -136,7 +136,7 @@ def test_a_storage_failure_between_tables_is_named_and_a_resend_applies_only_the
     shard = Shard(ServerConfig(0, 1, tmp_path / "shard"))
     try:
         for name in ("a", "b"):
-            shard.create_table(counting(name, write_policy="write_through"))
+            shard.admin.create_table(counting(name, write_policy="write_through"))
         keys = np.arange(8, dtype=np.int64)
         batches = [PushBatch(name, DIM, keys, ones(keys), 1) for name in ("a", "b")]
         durable = shard.store.table("b").durable
@@ -220,7 +220,7 @@ def test_a_push_id_is_applied_once_across_a_clean_restart(tmp_path: Path, policy
     keys = np.arange(5, dtype=np.int64)
     batch = [PushBatch("t", DIM, keys, ones(keys), 1)]
     shard = Shard(config)
-    shard.create_table(counting("t", write_policy=policy))
+    shard.admin.create_table(counting("t", write_policy=policy))
     assert shard.push_gradients(batch, PushId("c", 1)) == keys.size
     assert shard.push_gradients(batch, PushId("c", 1)) == keys.size  # a repeat: acknowledged
     shard.close()
@@ -382,7 +382,7 @@ def test_shard_checks_every_table_before_it_locks_any(tmp_path: Path) -> None:
     changes nothing; the shard stays usable for the next call."""
     shard = Shard(ServerConfig(0, 1, tmp_path / "shard"))
     try:
-        shard.create_table(counting("a"))
+        shard.admin.create_table(counting("a"))
         keys = np.arange(3, dtype=np.int64)
         with pytest.raises(InvalidArgumentError):
             shard.push_gradients([

@@ -215,7 +215,7 @@ def test_each_role_may_make_its_rpcs_and_is_refused_the_others(
     shard_server: Callable[..., ShardServer], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     server = shard_server(tokens_file=tokens_file(tmp_path))
-    server.shard.create_table(TableConfig(name="t", dim=DIM))
+    server.shard.admin.create_table(TableConfig(name="t", dim=DIM))
     refusals = server.metrics.refusals
     with grpc.insecure_channel(server.address) as channel:
         assert health(channel) == health_pb2.HealthCheckResponse.SERVING  # open to probes

@@ -130,7 +130,7 @@ def shard_state(server: ShardServer) -> dict[str, Any]:
     """Tables and their stored rows, to check that a refused call changed nothing."""
     return {
         config.name: (config, *table_rows(server, config.name))
-        for config in server.shard.list_tables()
+        for config in server.shard.admin.list_tables()
     }
 
 
@@ -1538,7 +1538,7 @@ def test_health_is_not_serving_while_a_snapshot_loads_and_data_calls_wait(
     assign(stubs, "adam", keys, np.zeros((50, DIM), np.float32))
 
     probe, waiter = connect(server), connect(server)
-    original = server.shard.on_serving_change
+    original = server.shard.health.on_serving_change
     seen: list[tuple[bool, int, int, float]] = []
     waiting: dict[str, Any] = {}
 
@@ -1558,7 +1558,7 @@ def test_health_is_not_serving_while_a_snapshot_loads_and_data_calls_wait(
             waiting["thread"].start()
             time.sleep(0.2)
 
-    server.shard.on_serving_change = spy
+    server.shard.health.on_serving_change = spy
     with ClusterAdmin([server.address]) as admin:
         admin.load_snapshot("h")
     waiting["thread"].join(timeout=T)

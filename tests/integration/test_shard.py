@@ -190,8 +190,8 @@ def test_a_snapshot_of_cold_rows_holds_them_rounded_and_loads_them_bit_for_bit(
     generator = rng(3)
     for step in range(1, 4):
         table.apply_gradients(keys, normal(generator, (keys.size, DIM)), step)
-    list(source.save_part("s", "sid"))
-    list(source.commit_snapshot("s", "sid"))
+    list(source.admin.save_part("s", "sid"))
+    list(source.admin.commit_snapshot("s", "sid"))
     saved_keys, saved_rows = stored(source)
     part = tmp_path / "snapshots" / "s" / "sid" / "part-00000-of-00001"
     on_file = np.fromfile(part / "cold.rows", dtype="<f4").reshape(-1, config.row_width)
@@ -200,7 +200,7 @@ def test_a_snapshot_of_cold_rows_holds_them_rounded_and_loads_them_bit_for_bit(
     np.testing.assert_array_equal(on_file, saved_rows[:, : config.row_width])
     np.testing.assert_array_equal(np.fromfile(part / "cold.steps", dtype="<i8"), 3)
     target = shard("b")
-    list(target.load_snapshot("s"))
+    list(target.admin.load_snapshot("s"))
     loaded_keys, loaded_rows = stored(target)
     np.testing.assert_array_equal(loaded_keys, saved_keys)
     np.testing.assert_array_equal(loaded_rows.view(np.uint32), saved_rows.view(np.uint32))

@@ -77,8 +77,8 @@ def push(shards: list[Shard], seed: int, step: int) -> None:
 
 def save(shards: list[Shard], name: str) -> None:
     for shard in shards:
-        list(shard.save_part(name, "sid"))
-    list(shards[0].commit_snapshot(name, "sid"))
+        list(shard.admin.save_part(name, "sid"))
+    list(shards[0].admin.commit_snapshot(name, "sid"))
 
 
 def state(shards: list[Shard]) -> list[dict[str, Any]]:
@@ -87,7 +87,7 @@ def state(shards: list[Shard]) -> list[dict[str, Any]]:
     out = []
     for shard in shards:
         tables = {}
-        for config in shard.list_tables():
+        for config in shard.admin.list_tables():
             table = shard.store.table(config.name)
             table.flush()
             chunks = list(table.durable.export(1000))
@@ -455,7 +455,7 @@ def test_a_crafted_snapshot_is_refused_and_changes_no_live_row(
 
     for shard in shards:  # every shard it reaches refuses it
         with pytest.raises(FailedPreconditionError) as raised:
-            list(shard.load_snapshot("bad"))
+            list(shard.admin.load_snapshot("bad"))
         message = str(raised.value)
         for needle in ["'bad'", *needles]:
             assert needle in message, (needle, message)
@@ -466,7 +466,7 @@ def test_a_crafted_snapshot_is_refused_and_changes_no_live_row(
     assert sorted(families(shards)) == families_before  # staging dropped
     # the good snapshot still loads, so the refusal was about the crafting
     for shard in shards:
-        list(shard.load_snapshot("good"))
+        list(shard.admin.load_snapshot("good"))
     assert changed_rows(before, state(shards)) > 0
 
 
@@ -485,12 +485,12 @@ def test_a_manifest_field_of_the_wrong_type_is_refused_naming_it(
     families_before = sorted(families(shards))
     for shard in shards:
         with pytest.raises(SnapshotRefusedError) as raised:
-            list(shard.load_snapshot("bad"))
+            list(shard.admin.load_snapshot("bad"))
         for needle in ["'bad'", "MANIFEST.json", *needles]:
             assert needle in str(raised.value), (needle, str(raised.value))
     assert changed_rows(before, state(shards)) == 0
     assert sorted(families(shards)) == families_before
-    listed = {info["name"]: info["complete"] for info in shards[0].list_snapshots()}
+    listed = {info["name"]: info["complete"] for info in shards[0].admin.list_snapshots()}
     assert sorted(listed) == ["bad", "good"] and listed["good"]
     if case != "a config's lr Infinity":  # well typed: listed as complete, refused at a load
         assert not listed["bad"]
@@ -512,7 +512,7 @@ def test_the_good_snapshot_round_trips_bit_exactly(clusters: tuple[list[Shard], 
     Snapshot(root, "good").verify()
     # a second cluster loads it, and saves it again: the same bits
     for shard in shards:
-        list(shard.load_snapshot("good"))
+        list(shard.admin.load_snapshot("good"))
     loaded = state(shards)
     save(shards, "again")
     for name in ("good", "again"):
@@ -554,7 +554,7 @@ def test_a_storage_failure_while_staging_changes_no_live_row(
 
     monkeypatch.setattr(EmbeddingStore, "stage_table", failing_stage)
     with pytest.raises(BackendError, match="injected"):
-        list(shards[0].load_snapshot("good"))
+        list(shards[0].admin.load_snapshot("good"))
     assert writes["n"] == 2  # one table's rows were staged before the failure
     assert changed_rows(before, state(shards)) == 0
     assert sorted(families(shards)) == families_before
@@ -574,12 +574,12 @@ def test_save_refuses_a_non_finite_row(tmp_path: Path) -> None:
         table.durable.write(keys, rows)
         with pytest.raises(FailedPreconditionError) as raised:
             for shard in shards:
-                list(shard.save_part("x", "sid"))
+                list(shard.admin.save_part("x", "sid"))
         message = str(raised.value)
         for needle in ("'x'", "'adam16'", "shard 1", "expected finite", "inf", f"key {keys[0]}"):
             assert needle in message, (needle, message)
         with pytest.raises(FailedPreconditionError, match="incomplete"):
-            list(shards[0].commit_snapshot("x", "sid"))
+            list(shards[0].admin.commit_snapshot("x", "sid"))
         assert not (tmp_path / "snapshots" / "x" / MANIFEST).exists()
     finally:
         for shard in shards:
@@ -601,7 +601,7 @@ def test_every_crafted_snapshot_is_refused_by_every_shard_with_no_live_row_chang
         craft(root / name)
         for shard in shards:
             with pytest.raises(FailedPreconditionError):
-                list(shard.load_snapshot(name))
+                list(shard.admin.load_snapshot(name))
         refused += 1
         changed += changed_rows(before, state(shards))
     print(f"\n{refused} crafted snapshots refused by each of {SHARDS} shards, "

@@ -135,15 +135,15 @@ def clusters(tmp_path_factory: pytest.TempPathFactory) -> Any:
     for step in range(1, 6):
         train(source, step)
     for shard in source:
-        list(shard.save_part("s", "sid"))
-    list(source[0].commit_snapshot("s", "sid"))
+        list(shard.admin.save_part("s", "sid"))
+    list(source[0].admin.commit_snapshot("s", "sid"))
     # the bucket rows of the source's shards, before anything more trains them
     buckets = [s.store.table("adaptive").buckets.rows.copy() for s in source]
     same = cluster(root, "b", 2)
     wider = cluster(root, "c", 3)
     one = cluster(root, "e", 1)
     for shard in same + wider + one:
-        list(shard.load_snapshot("s"))
+        list(shard.admin.load_snapshot("s"))
     yield {"root": root, "a": source, "b": same, "c": wider, "e": one, "buckets": buckets}
     for shard in source + same + wider + one:
         shard.close()
@@ -215,7 +215,7 @@ def test_the_next_step_and_an_evict_are_the_same_after_a_round_trip(
     for tag in "abce":
         shards = clusters[tag]
         before = stored(shards, "ttl")[0]
-        total = sum(shard.evict("ttl")["removed"] for shard in shards)
+        total = sum(shard.maintenance.evict("ttl")["removed"] for shard in shards)
         after = stored(shards, "ttl")[0]
         assert total == before.size - after.size > 0
         removed[tag] = np.setdiff1d(before, after)
@@ -292,7 +292,7 @@ def test_a_version_2_snapshot_still_loads_with_rows_only(clusters: dict[str, Any
     shards = cluster(clusters["root"], "d", 2)
     try:
         for shard in shards:
-            list(shard.load_snapshot("old"))
+            list(shard.admin.load_snapshot("old"))
         for config in TABLES:
             parts = [
                 chunk for part in opened.tables[config.name]["parts"]

@@ -136,7 +136,7 @@ def test_the_table_lives_whole_on_its_owner_shard(
         server.shard.store.flush()
     assert_whole_on(client, "small", owner, keys.size)
     for server in servers:  # every shard keeps the config
-        assert server.shard.list_tables() == [placed]
+        assert server.shard.admin.list_tables() == [placed]
 
 
 def test_a_batch_of_placed_and_row_tables_is_one_rpc_per_shard(
@@ -287,7 +287,7 @@ def test_a_table_shard_outside_the_cluster_is_refused(
     message = str(refused.value)
     for part in ("table 'small'", "'table_shard'", "[0, 2]", "3 shards", "got 3"):
         assert part in message, message
-    assert all(server.shard.list_tables() == [] for server in servers)
+    assert all(server.shard.admin.list_tables() == [] for server in servers)
 
     request = pb.CreateTableRequest(config=table_config_to_proto(bad.to_dict()))
     for shard, server in enumerate(servers):
@@ -297,7 +297,7 @@ def test_a_table_shard_outside_the_cluster_is_refused(
         message = refused.value.details()
         for part in ("table 'small'", "'table_shard'", "[0, 2]", "got 3", f"shard {shard} of 3"):
             assert part in message, message
-        assert server.shard.list_tables() == []
+        assert server.shard.admin.list_tables() == []
     # Nor may a daemon start with one.
     with pytest.raises(InvalidArgumentError, match=r"'small'.*'table_shard'.*got 3"):
         shard_server(shard_id=0, num_shards=3, tables=(bad,))

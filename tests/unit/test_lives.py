@@ -101,14 +101,14 @@ def test_a_background_flush_yields_to_a_waiting_snapshot(tmp_path: Path) -> None
     config = ServerConfig(0, 1, tmp_path / "data", flush_interval_s=0)
     shard = Shard(config)
     try:
-        shard.create_table(
+        shard.admin.create_table(
             TableConfig("t", 16, optimizer=optim.SGD(lr=0.1), host_cache_bytes=64 << 20)
         )
         keys = np.arange(50_000, dtype=np.int64)
         shard.store.table("t").apply_gradients(keys, np.ones((keys.size, 16), np.float32), 1)
         result: list[bool] = []
         flushing = threading.Thread(
-            target=lambda: result.append(shard.flush(16 << 10, 0.005, background=True))
+            target=lambda: result.append(shard.maintenance.flush(16 << 10, 0.005, background=True))
         )
         flushing.start()
         host = shard.store.table("t").tiers[0]
@@ -120,9 +120,9 @@ def test_a_background_flush_yields_to_a_waiting_snapshot(tmp_path: Path) -> None
         flushing.join()
         assert result == [False]
         assert 0 < still_dirty < keys.size
-        assert shard.last_flush is None
-        assert shard.flush() is True  # a flush not in the background goes to the end
-        assert host.dirty_keys().size == 0 and shard.last_flush is not None
+        assert shard.maintenance.last_flush is None
+        assert shard.maintenance.flush() is True  # a flush not in the background goes to the end
+        assert host.dirty_keys().size == 0 and shard.maintenance.last_flush is not None
     finally:
         shard.close()
 
@@ -132,11 +132,11 @@ def test_a_starting_server_publishes_the_store_as_it_is_now(tmp_path: Path) -> N
     failed before the first maintenance tick is NOT_SERVING), not a cached SERVING."""
     shard = Shard(ServerConfig(0, 1, tmp_path / "data", flush_interval_s=0))
     told: list[bool] = []
-    shard.on_serving_change = told.append
+    shard.health.on_serving_change = told.append
     try:
-        shard.publish_serving()
+        shard.health.publish_serving()
         shard.store.write_state.failed(StorageFullError("injected: No space left on device"))
-        shard.publish_serving()
+        shard.health.publish_serving()
         assert told == [True, False]
     finally:
         shard.store.write_state.failure = None

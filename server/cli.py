@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import re
@@ -14,6 +15,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 log = logging.getLogger("tierps.server")
+
+# The modules of pyproject's `server` extra (tests/unit/test_layers.py holds the two
+# together): a trainer's install lacks them, and the commands that run shards check them.
+SERVER_EXTRA_MODULES = ("grpc_health", "grpc_reflection", "rocksdict")
+RUNS_SHARDS = ("serve", "cluster", "demo", "storage-demo")
 
 HIDDEN = "<hidden>"
 # A flag whose name has one of these words takes a secret (or a secret's file: hidden too).
@@ -413,11 +419,29 @@ def build_parser() -> Parser:
     return parser
 
 
+def missing_server_extra() -> list[str]:
+    """The modules of the server extra that do not import here (none where it is installed)."""
+    missing = []
+    for name in SERVER_EXTRA_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
 def _main(argv: list[str] | None) -> int:
     from tierps.client import admin_cli
     from tierps.demo import main as demo_main
 
     args = build_parser().parse_args(argv)
+    if args.command in RUNS_SHARDS and (missing := missing_server_extra()):
+        print(
+            f"tierps {args.command}: runs shards, which need the server extra "
+            f"({', '.join(missing)} not installed): pip install 'tierps[server]'",
+            file=sys.stderr,
+        )
+        return 1
     if args.command == "serve":
         return _serve(args)
     if args.command == "cluster":

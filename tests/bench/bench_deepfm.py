@@ -47,7 +47,7 @@ from tierps.client import torch as tierps_torch
 from tierps.demo import data
 from tierps.demo import main as demo
 from tierps.demo.deepfm import DEFAULT_HIDDEN, DeepFM, initial_weights
-from tierps.server import LocalCluster
+from tierps.server.cluster import LocalCluster
 
 DIM = 16
 SEED = 0

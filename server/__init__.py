@@ -1,16 +1,8 @@
-"""tierps.server: the shard, its gRPC servicers, the daemon, the local cluster and the CLI."""
+"""tierps.server: the shard, its gRPC servicers, the daemon, the local cluster and the CLI.
 
-from tierps.server.cluster import LocalCluster, wait_until_serving
-from tierps.server.config import ServerConfig
-from tierps.server.daemon import ShardServer, create_server, serve
-from tierps.server.shard import Shard
-
-__all__ = [
-    "LocalCluster",
-    "ServerConfig",
-    "Shard",
-    "ShardServer",
-    "create_server",
-    "serve",
-    "wait_until_serving",
-]
+Nothing is imported here: the `tierps` command (tierps.server.cli) must start on a
+trainer's install, without the `server` extra, to run `tierps admin` and to say what a
+command that runs shards needs. Import from the modules: tierps.server.cluster
+(LocalCluster, wait_until_serving), tierps.server.config (ServerConfig),
+tierps.server.daemon (ShardServer, create_server, serve), tierps.server.shard (Shard).
+"""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import signal
@@ -13,6 +14,11 @@ from pathlib import Path
 from tierps.client.command_line import DefaultsHelpFormatter, Parser, redact
 
 log = logging.getLogger("tierps.server")
+
+# The modules of pyproject's `server` extra (tests/unit/test_layers.py holds the two
+# together): a trainer's install lacks them, and the commands that run shards check them.
+SERVER_EXTRA_MODULES = ("grpc_health", "grpc_reflection", "rocksdict")
+RUNS_SHARDS = ("serve", "cluster", "demo", "storage-demo")
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
@@ -308,11 +314,29 @@ def build_parser() -> Parser:
     return parser
 
 
+def missing_server_extra() -> list[str]:
+    """The modules of the server extra that do not import here (none where it is installed)."""
+    missing = []
+    for name in SERVER_EXTRA_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
 def _main(argv: list[str] | None) -> int:
     from tierps.client import admin_cli
     from tierps.demo import main as demo_main
 
     args = build_parser().parse_args(argv)
+    if args.command in RUNS_SHARDS and (missing := missing_server_extra()):
+        print(
+            f"tierps {args.command}: runs shards, which need the server extra "
+            f"({', '.join(missing)} not installed): pip install 'tierps[server]'",
+            file=sys.stderr,
+        )
+        return 1
     if args.command == "serve":
         return _serve(args)
     if args.command == "cluster":

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import IO, Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierps.client.security import ChannelSecurity
-from tierps.server.daemon import PARENT_PID_ENV
+
+PARENT_PID_ENV = "TIERPS_PARENT_PID"  # set by LocalCluster: the daemon exits with its parent
 
 # `tierps serve` flags a LocalCluster passes on to every shard: (flag, attribute of args)
 SERVER_SECURITY_FLAGS = (
@@ -48,6 +48,10 @@ def wait_until_serving(
 ) -> None:
     """Block until the gRPC health service at address says SERVING; TimeoutError if not
     within timeout_s. `security`: the CA (and client certificate) of a TLS shard."""
+    # The server extra's, imported here rather than at the top: the `tierps` command's
+    # parser adds this module's flags, and must build on a trainer's install without it.
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     with (security or ChannelSecurity()).channel(address) as channel:

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierps.core.config import TableConfig
 from tierps.core.validation import DEFAULT_MAX_STEP_LEAP, MAX_STEP, check_int
 from tierps.core.xp import GPU_ARRAYS
 from tierps.proto.wire import CHUNK_BYTES, HEADER_ROOM, MAX_MESSAGE_BYTES, ONE_MESSAGE_BYTES
-from tierps.storage import TableConfig
 
 # Why the size defaults are what they are: EmbeddingClient sends at most max_call_bytes
 # (DEFAULT_MAX_CALL_BYTES, 256 MiB) of bulk per call and shard, and asks for at most that

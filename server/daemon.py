@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from tierps.core.errors import BackendError, DataLossError, InvalidArgumentError
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
+from tierps.server.cluster import PARENT_PID_ENV
 from tierps.server.config import ServerConfig, max_call_request_bytes
 from tierps.server.handlers import refusal
 from tierps.server.limits import (
@@ -49,7 +50,6 @@ from tierps.storage.warm_up import warm_up
 log = logging.getLogger("tierps.server")
 
 OUR_SERVICES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by_name.values())
-PARENT_PID_ENV = "TIERPS_PARENT_PID"  # set by LocalCluster: the daemon exits with its parent
 
 
 def host_port(host: str, port: int) -> str:

@@ -1,4 +1,6 @@
-"""tierps.storage: table configs, the tiers, the cascade and the store of one shard."""
+"""tierps.storage: the tiers, the cascade and the store of one shard. The table configs,
+optimizers, initializers and errors are tierps.core's, re-exported here for code that
+builds a store."""
 
 from tierps.core import init, optim
 from tierps.core.config import Admission, Eviction, Placement, TableConfig, WritePolicy

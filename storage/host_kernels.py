@@ -1,6 +1,7 @@
 """Compiled kernels for the host tier: numba twins of storage/kernels.py's CUDA kernels over
 numpy arrays, and fused host-only passes (lookup with the eviction touch, training with
-the finiteness check, step stamp and dirty flag, initial rows, a distinct-keys check).
+the finiteness check, step stamp and dirty flag, initial rows). How they compile and the
+switch that turns them off are core/compiled.py's, shared with the client's kernels.
 
 The numpy array code (storage/hash_table.py, core/optim.py, core/init.py) stays the
 reference: tests/unit/test_host_kernels.py and tests/unit/test_kernels.py run both on the
@@ -635,7 +636,7 @@ def initial_rows(config: TableConfig, keys: Any, weights: Any = None) -> Any:
     uniform = type(config.initializer) is init.Uniform
     if weights is not None or not uniform or array_module(keys) is not np:
         return config.initial_rows(keys, weights)
-    if host_launcher() is None:
+    if host_launcher() is None:  # numba missing or TIERPS_HOST_KERNELS=0
         return config.initial_rows(keys, weights)
     initializer = config.initializer
     out = np.empty((keys.shape[0], config.row_width), dtype=np.float32)

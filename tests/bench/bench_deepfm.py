@@ -46,7 +46,7 @@ from tierps.client import EmbeddingClient
 from tierps.client import torch as tierps_torch
 from tierps.demo import data, training
 from tierps.demo.deepfm import DEFAULT_HIDDEN, DeepFM, initial_weights
-from tierps.server import LocalCluster
+from tierps.server.cluster import LocalCluster
 
 DIM = 16
 SEED = 0

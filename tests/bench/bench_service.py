@@ -43,7 +43,7 @@ import numpy as np
 from tests.bench.echo_server import echo_call, initial_rows, raw_calls
 from tierps.client import EmbeddingClient, embedding
 from tierps.proto import wire
-from tierps.server import LocalCluster
+from tierps.server.cluster import LocalCluster
 from tierps.storage import TableConfig, optim
 
 BATCHES = (16384, 65536, 262144)

@@ -28,8 +28,7 @@ import pytest
 from tierps.client.admin import ClusterAdmin
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
-from tierps.server import wait_until_serving
-from tierps.server.cluster import LocalCluster
+from tierps.server.cluster import LocalCluster, wait_until_serving
 from tierps.storage import TableConfig, init, optim
 
 pytestmark = pytest.mark.slow  # subprocess clusters started, killed and restarted

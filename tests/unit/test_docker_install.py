@@ -115,8 +115,10 @@ def test_the_wheel_built_from_what_the_dockerfile_copies_holds_every_package(
                     destination.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(ROOT / path, destination)
         elif word == "RUN" and "pip install" in rest:
-            install_source = next(
-                arg for arg in shlex.split(rest.split("&&")[0]) if arg.startswith("/")
+            install_source = next(  # the folder, without the extras ("/tmp/src[server]")
+                arg.partition("[")[0]
+                for arg in shlex.split(rest.split("&&")[0])
+                if arg.startswith("/")
             )
             break
     assert install_source is not None, "no RUN pip install of a copied folder"

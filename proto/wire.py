@@ -27,9 +27,6 @@ ONE_MESSAGE_BYTES = 256 << 20
 HEADER_ROOM = 64 << 10  # a message's non-bulk bytes (tags, lengths, table names), at most
 # gRPC send/receive limit on both ends: one message of ONE_MESSAGE_BYTES plus its headers.
 MAX_MESSAGE_BYTES = ONE_MESSAGE_BYTES + HEADER_ROOM
-# Said by a shard refusing a call as too large for one message; with gRPC's own "larger
-# than max" it tells the client that nothing happened and the stream form may carry it.
-TOO_LARGE_FOR_ONE_MESSAGE = "too large for one message"
 # gRPC metadata of a push call (server/ledger.py): "<client id>:<sequence>", the same on
 # every retry of the call, so that a shard applies it once; and the generation of each of its
 # batches' tables it was made against, comma-separated in the batches' order (0: not known).

@@ -26,7 +26,6 @@ from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.server.cluster import PARENT_PID_ENV
 from tierps.server.config import ServerConfig, max_call_request_bytes
-from tierps.server.handlers import refusal
 from tierps.server.limits import (
     HEALTH_WORKERS,
     RECEIVE_WINDOW_OPTIONS,
@@ -44,7 +43,7 @@ from tierps.server.security import (
 )
 from tierps.server.servicers import AdminServicer, EmbeddingServicer, add_embedding_service
 from tierps.server.shard import Shard
-from tierps.server.status import DecodeCheck
+from tierps.server.status import DecodeCheck, refusal
 from tierps.storage.warm_up import warm_up
 
 log = logging.getLogger("tierps.server")
@@ -79,10 +78,8 @@ class LifeCheck(grpc.ServerInterceptor):
         known = next((v for k, v in details.invocation_metadata if k == LIFE_HEADER), None)
         try:
             self.shard.lives.check(known)
-        except DataLossError as error:
-            return refusal(handler, grpc.StatusCode.DATA_LOSS, str(error))
-        except InvalidArgumentError as error:  # a malformed header: nothing was read
-            return refusal(handler, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except (DataLossError, InvalidArgumentError) as error:  # nothing was read
+            return refusal(handler, error, shard=self.shard.shard_id)
         return handler
 
 

@@ -42,18 +42,6 @@ def with_behavior(
     )
 
 
-def refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> Any:
-    """A handler that answers `code` with `message` and reads nothing of the request, a
-    one-message call's included: it takes the request as a stream it never reads, so gRPC
-    never asks for the message and its flow control lets no more than one window of it in
-    (a one-message handler would have the whole message received before it runs)."""
-
-    def refuse(requests: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(code, message)
-
-    return as_request_stream(handler, lambda behavior: refuse)
-
-
 def as_request_stream(
     handler: grpc.RpcMethodHandler,
     wrap: Callable[[Callable[..., Any]], Callable[..., Any]],

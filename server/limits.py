@@ -43,10 +43,11 @@ from typing import Any
 
 import grpc
 
-from tierps.core.errors import ResourceExhaustedError
+from tierps.core.errors import InvalidArgumentError, Reason, ResourceExhaustedError
 from tierps.proto import tierps_service_pb2 as pb
-from tierps.proto.wire import CHUNK_BYTES, REQUEST_BYTES_HEADER, TOO_LARGE_FOR_ONE_MESSAGE
+from tierps.proto.wire import CHUNK_BYTES, REQUEST_BYTES_HEADER
 from tierps.server.handlers import as_request_stream, with_behavior
+from tierps.server.status import abort, status_of
 
 TRIM_AFTER_BYTES = 16 << 20  # a failed call that held this much gives its memory back
 HEALTH_WORKERS = 4  # threads of the server's pool beyond max_calls: health always has some
@@ -166,15 +167,20 @@ class CallLimits(grpc.ServerInterceptor):
 
     # -- admission ------------------------------------------------------------------------
 
-    def _refusal(self, call: _Call, cause: str, message: str) -> ResourceExhaustedError:
-        """Count and log a refusal; the error to raise (or abort with)."""
-        self._refused(call.method, "RESOURCE_EXHAUSTED", cause, message)
-        return ResourceExhaustedError(f"{self.where}: {message}")
+    def _refusal(
+        self, call: _Call, cause: str, reason: Reason, message: str, **facts: int
+    ) -> ResourceExhaustedError:
+        """Count and log a refusal; the error to raise (or abort with). `facts`: the limit
+        passed, and the bytes that passed it."""
+        error = ResourceExhaustedError(f"{self.where}: {message}", reason=reason, **facts)
+        self._refused(call.method, status_of(error).name, cause, message)
+        return error
 
-    def _refuse(self, call: _Call, context: Any, cause: str, message: str) -> None:
+    def _refuse(
+        self, call: _Call, context: Any, cause: str, reason: Reason, message: str, **facts: int
+    ) -> None:
         """Abort a call before its behavior runs."""
-        error = self._refusal(call, cause, message)
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        abort(context, self._refusal(call, cause, reason, message, **facts))
 
     def _admit(self, call: _Call, context: Any, streaming: bool) -> None:
         """Take a call slot (and a receiving one for a request stream) and reserve the
@@ -186,8 +192,9 @@ class CallLimits(grpc.ServerInterceptor):
         if declared is None:
             why = (f"metadata '{REQUEST_BYTES_HEADER}' expected the call's request bytes (a "
                    f"decimal integer >= 0), got {(call.declared or '')[:40]!r}")  # fmt: skip
-            self._refused(call.method, "INVALID_ARGUMENT", "declared", why)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.where}: {why}")
+            error = InvalidArgumentError(f"{self.where}: {why}", field=REQUEST_BYTES_HEADER)
+            self._refused(call.method, status_of(error).name, "declared", why)
+            abort(context, error)
         undeclared = call.declared is None and call.one_message and call.method.startswith(_DATA)
         reserve = self.max_message_bytes if undeclared else declared
         with self._lock:
@@ -206,32 +213,34 @@ class CallLimits(grpc.ServerInterceptor):
                     call.receiving = True
                 self._watched.add(call)
         if full:
-            self._refuse(call, context, "calls",
+            self._refuse(call, context, "calls", Reason.TOO_MANY_CALLS,
                          f"{self.max_calls} calls at once expected at most, and as many run "
-                         f"now; retry later")  # fmt: skip
+                         f"now; retry later", limit=self.max_calls)  # fmt: skip
         if streams_full:
-            self._refuse(call, context, "streams",
+            self._refuse(call, context, "streams", Reason.TOO_MANY_STREAMS,
                          f"{self.max_receiving} request streams waiting for their messages "
                          f"expected at most, and as many wait now; send the call when its "
-                         f"messages are ready, or retry later")  # fmt: skip
+                         f"messages are ready, or retry later",
+                         limit=self.max_receiving)  # fmt: skip
         if too_large:
-            self._refuse(call, context, "declared",
+            self._refuse(call, context, "declared", Reason.CALL_TOO_LARGE,
                          f"request of {declared} bytes declared ({REQUEST_BYTES_HEADER}), "
                          f"expected at most {self.max_call_bytes} bytes per call; split the "
-                         f"batch")  # fmt: skip
+                         f"batch", limit=self.max_call_bytes, bytes=declared)  # fmt: skip
         if one_too_large:
-            self._refuse(call, context, "declared",
+            self._refuse(call, context, "declared", Reason.MESSAGE_TOO_LARGE,
                          f"request of {declared} bytes declared ({REQUEST_BYTES_HEADER}) is "
-                         f"{TOO_LARGE_FOR_ONE_MESSAGE}: expected at most "
-                         f"{self.max_message_bytes} bytes; send it as a stream")  # fmt: skip
+                         f"too large for one message: expected at most "
+                         f"{self.max_message_bytes} bytes; send it as a stream",
+                         limit=self.max_message_bytes, bytes=declared)  # fmt: skip
         if no_room:
             size = (f"a one-message request of up to {reserve} bytes (the receive limit: it "
                     f"declared none in {REQUEST_BYTES_HEADER})" if undeclared else
                     f"request of {declared} bytes declared ({REQUEST_BYTES_HEADER})")  # fmt: skip
-            self._refuse(call, context, "bytes",
+            self._refuse(call, context, "bytes", Reason.BYTES_IN_FLIGHT,
                          f"{size}, expected at most the {left} bytes left of this shard's "
                          f"budget of {self.max_inflight_bytes} request bytes in flight; retry "
-                         f"later")  # fmt: skip
+                         f"later", limit=self.max_inflight_bytes, bytes=reserve)  # fmt: skip
 
     def _take_bytes(self, call: _Call, size: int) -> None:
         """Count a message's bytes: those beyond what the call reserved are taken from the
@@ -247,17 +256,18 @@ class CallLimits(grpc.ServerInterceptor):
                 self.inflight_bytes += extra
                 call.held += extra
         if over_call:
-            raise self._refusal(call, "bytes",
+            raise self._refusal(call, "bytes", Reason.CALL_TOO_LARGE,
                          f"request bytes expected at most {self.max_call_bytes} per call, and "
                          f"a message of {size} bytes would pass it ({call.received} bytes of "
-                         f"this call received); split the batch")  # fmt: skip
+                         f"this call received); split the batch",
+                         limit=self.max_call_bytes, bytes=call.received + size)  # fmt: skip
         if over:
-            raise self._refusal(call, "bytes",
+            raise self._refusal(call, "bytes", Reason.BYTES_IN_FLIGHT,
                          f"request bytes in flight expected at most {self.max_inflight_bytes} "
                          f"on this shard, and a message of {size} bytes would pass it "
                          f"({call.received} bytes of this call received, "
                          f"{call.declared or 0} declared); split the batch, or retry "
-                         f"later")  # fmt: skip
+                         f"later", limit=self.max_inflight_bytes)  # fmt: skip
 
     def _end_receiving(self, call: _Call) -> None:
         with self._lock:
@@ -324,11 +334,11 @@ class CallLimits(grpc.ServerInterceptor):
         message = self._next_message(call, requests)
         if message is _END:
             why = f"{call.method} expected one request message, got none"
-            call.context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.where}: {why}")
+            abort(call.context, InvalidArgumentError(f"{self.where}: {why}"))
         try:
             self._take_bytes(call, call.size)
         except ResourceExhaustedError as error:
-            call.context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            abort(call.context, error)
         self._settle(call)
         return message
 

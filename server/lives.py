@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierps.core.errors import DataLossError, InvalidArgumentError, quoted
+from tierps.core.errors import DataLossError, InvalidArgumentError, Reason, quoted
 from tierps.storage.snapshot_format import write_json_atomic
 
 LIFE_HEADER = "tierps-life"  # gRPC metadata: the shard life a client last talked to
@@ -112,8 +112,9 @@ class Lives:
                 f"{self.where} holds another data dir (id {self.data_id}) than the one this "
                 f"client talked to (id {data_id}): its volume was wiped or replaced, and every "
                 f"update acknowledged before may be gone. Reload a snapshot, or accept the "
-                f"restart (EmbeddingClient.accept_restart()) to go on with the rows as they are"
-            )
+                f"restart (EmbeddingClient.accept_restart()) to go on with the rows as they are",
+                reason=Reason.DATA_DIR_CHANGED, data_id=self.data_id,
+            )  # fmt: skip
         life = int(life_text)
         lost = sorted(u for u in self.unclean if life <= u < self.life)
         if life < 1 or life > self.life:
@@ -128,8 +129,9 @@ class Lives:
             f"this client last talked to life {known}, so updates it had acknowledged after "
             f"that life's last flush at {_timestamp(self.unclean.get(first))} may be lost. "
             f"Reload a snapshot, or accept the restart (EmbeddingClient.accept_restart()) to "
-            f"go on with the rows as they are"
-        )
+            f"go on with the rows as they are",
+            reason=Reason.SHARD_RESTARTED, life=self.life, lost_life=first,
+        )  # fmt: skip
 
     def _tell_foreign(self, data_id: str) -> None:
         """Log once per other data dir a client came with: this shard's data was lost."""

@@ -23,9 +23,10 @@ from typing import Any
 
 import grpc
 
-from tierps.core.errors import TierpsError
+from tierps.core.errors import PermissionDeniedError, TierpsError, UnauthenticatedError
 from tierps.proto import tierps_service_pb2 as pb
-from tierps.server.handlers import refusal, with_behavior
+from tierps.server.handlers import with_behavior
+from tierps.server.status import abort, refusal, status_of
 
 log = logging.getLogger("tierps.server")
 
@@ -56,10 +57,6 @@ ROLE_METHODS: dict[str, frozenset[str]] = {
 # serving fleet's token is the most widely handed out, and serving needs none of them.
 READER_STATS = ("shard_id", "num_shards", "life", "data_id")
 ROLES = ("admin", *ROLE_METHODS)
-
-
-class PermissionDeniedError(TierpsError):
-    """A caller whose role may not make this call (PERMISSION_DENIED): nothing was done."""
 
 
 # -- TLS ----------------------------------------------------------------------------------------
@@ -227,10 +224,15 @@ class AuthCheck(grpc.ServerInterceptor):
                 role = token_role
         return role
 
-    def _refuse(self, handler: Any, method: str, code: grpc.StatusCode, why: str) -> Any:
-        cause = "token" if code is grpc.StatusCode.UNAUTHENTICATED else "role"
-        self._refused(method, code.name, cause, why)
-        return refusal(handler, code, f"{self.where}: {why}")
+    def _refuse(
+        self, handler: Any, method: str, kind: type[TierpsError], why: str, **facts: str
+    ) -> Any:
+        """A handler refusing the call with a `kind` error saying `why`, counted and
+        logged."""
+        error = kind(f"{self.where}: {why}", method=method, **facts)
+        cause = "token" if kind is UnauthenticatedError else "role"
+        self._refused(method, status_of(error).name, cause, why)
+        return refusal(handler, error)
 
     def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = continuation(details)
@@ -240,7 +242,7 @@ class AuthCheck(grpc.ServerInterceptor):
         role = self.role_of(details.invocation_metadata)
         if role is None:
             return self._refuse(
-                handler, method, grpc.StatusCode.UNAUTHENTICATED,
+                handler, method, UnauthenticatedError,
                 f"{method} expected metadata '{AUTH_HEADER}: {BEARER}TOKEN' with a token this "
                 f"shard knows, got none or an unknown one",
             )  # fmt: skip
@@ -248,9 +250,10 @@ class AuthCheck(grpc.ServerInterceptor):
             return handler
         if method not in ROLE_METHODS[role]:
             return self._refuse(
-                handler, method, grpc.StatusCode.PERMISSION_DENIED,
+                handler, method, PermissionDeniedError,
                 f"role {role!r} may not call {method} (it may call "
                 f"{', '.join(sorted(m.rsplit('/', 1)[1] for m in ROLE_METHODS[role]))})",
+                role=role,
             )  # fmt: skip
         if role == "reader" and method in LOOKUPS:
             return self._reader_lookup(handler, method)
@@ -268,8 +271,11 @@ class AuthCheck(grpc.ServerInterceptor):
         def refuse(index: int) -> PermissionDeniedError:
             why = (f"role 'reader' may look up with create=false only; message {index} of "
                    f"{method} has create=true")  # fmt: skip
-            self._refused(method, grpc.StatusCode.PERMISSION_DENIED.name, "role", why)
-            return PermissionDeniedError(f"{self.where}: {why}")
+            error = PermissionDeniedError(
+                f"{self.where}: {why}", role="reader", method=method, field="create"
+            )
+            self._refused(method, status_of(error).name, "role", why)
+            return error
 
         def creating(message: Any) -> int | None:
             """The index of a batch (of a one-message call) or message that creates."""
@@ -287,7 +293,7 @@ class AuthCheck(grpc.ServerInterceptor):
                 for index, message in enumerate(requests):
                     created = creating(message)
                     if created is not None and one_message:  # read before the servicer runs
-                        context.abort(grpc.StatusCode.PERMISSION_DENIED, str(refuse(created)))
+                        abort(context, refuse(created))
                     if created is not None:  # read by the servicer: its wrapper answers
                         raise refuse(index)
                     yield message
@@ -301,7 +307,7 @@ class AuthCheck(grpc.ServerInterceptor):
             def run(request: Any, context: grpc.ServicerContext) -> Any:
                 index = creating(request)
                 if index is not None:
-                    context.abort(grpc.StatusCode.PERMISSION_DENIED, str(refuse(index)))
+                    abort(context, refuse(index))
                 return behavior(request, context)
 
             return run

@@ -14,7 +14,7 @@ import numpy as np
 
 from tierps.core.codec import WIRE_DTYPE, wire_row_bytes
 from tierps.core.config import MAX_DIM
-from tierps.core.errors import quoted
+from tierps.core.errors import Reason, quoted
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
@@ -54,7 +54,8 @@ def table_batches(
             if message.table in seen:
                 raise InvalidArgumentError(
                     f"message {index} of the stream: table {quoted(message.table)} expected in "
-                    f"one batch per call, but it begins a second batch; send its keys together"
+                    f"one batch per call, but it begins a second batch; send its keys together",
+                    table=message.table, field="table",
                 )
             if len(batches) == MAX_BATCHES_PER_CALL:
                 raise InvalidArgumentError(
@@ -66,8 +67,8 @@ def table_batches(
             if not 1 <= message.dim <= MAX_DIM:
                 raise InvalidArgumentError(
                     f"table {quoted(message.table)}: field 'dim' expected in [1, {MAX_DIM}], "
-                    f"got {message.dim}"
-                )
+                    f"got {message.dim}", table=message.table, field="dim",
+                )  # fmt: skip
         else:
             first = batches[-1][0]
             for field in header:
@@ -76,8 +77,8 @@ def table_batches(
                     raise InvalidArgumentError(
                         f"message {index} of the stream: field '{field}' expected "
                         f"{expected!r} (as in the first message of table {first.table!r}) or "
-                        f"unset, got {value!r}"
-                    )
+                        f"unset, got {value!r}", table=first.table, field=field,
+                    )  # fmt: skip
         for field in bulk:
             data = getattr(message, field)
             batches[-1][1][field].append(data)
@@ -85,8 +86,8 @@ def table_batches(
         if total > max_bytes:
             raise ResourceExhaustedError(
                 f"request of {total}+ bulk bytes expected at most {max_bytes} bytes per call; "
-                f"split the batch"
-            )
+                f"split the batch", reason=Reason.CALL_TOO_LARGE, limit=max_bytes,
+            )  # fmt: skip
     if not batches:
         raise InvalidArgumentError("request stream expected at least one message, got none")
     return [
@@ -125,21 +126,24 @@ def decode_keys(raw: bytes, table: str) -> np.ndarray:
     if len(raw) % 8:
         raise InvalidArgumentError(
             f"table {table!r}: field 'keys' expected a multiple of 8 bytes (little-endian "
-            f"int64), got {len(raw)} bytes"
-        )
+            f"int64), got {len(raw)} bytes", table=table, field="keys",
+        )  # fmt: skip
     return np.frombuffer(raw, dtype="<i8")
 
 
 def decode_rows(raw: bytes, field: str, table: str, n: int, dim: int) -> np.ndarray:
     if dim < 1:
-        raise InvalidArgumentError(f"table {table!r}: field 'dim' expected >= 1, got {dim}")
+        raise InvalidArgumentError(
+            f"table {table!r}: field 'dim' expected >= 1, got {dim}", table=table, field="dim"
+        )
     row_bytes = wire_row_bytes(dim)
     if len(raw) != n * row_bytes:
         raise InvalidArgumentError(
             f"table {table!r}: field '{field}' expected {n * row_bytes} bytes ({n} keys x dim "
             f"{dim} x 4-byte float32), got {len(raw)} bytes"
-            + (f", not a multiple of 4*dim={row_bytes}" if len(raw) % row_bytes else "")
-        )
+            + (f", not a multiple of 4*dim={row_bytes}" if len(raw) % row_bytes else ""),
+            table=table, field=field,
+        )  # fmt: skip
     return np.frombuffer(raw, dtype=WIRE_DTYPE).reshape(n, dim)
 
 
@@ -158,7 +162,9 @@ def _config(message: pb.TableConfig) -> TableConfig:
     try:
         return TableConfig.from_dict(table_config_to_dict(message))
     except (ValueError, TypeError) as error:
-        raise InvalidArgumentError(f"CreateTable: field 'config': {error}") from None
+        raise InvalidArgumentError(
+            f"CreateTable: field 'config': {error}", field="config"
+        ) from None
 
 
 def _description(described: dict[str, Any]) -> pb.TableDescription:
@@ -217,8 +223,10 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
             raise ResourceExhaustedError(
                 f"tables {tables}: a lookup of {sum(batch.keys.size for batch in batches)} "
                 f"keys answers {reply_bytes} bytes, expected at most {max_reply_bytes} "
-                + (f"({wire.TOO_LARGE_FOR_ONE_MESSAGE}: stream it, or split the batch)" if one
-                   else "per call; split the batch")
+                + ("(too large for one message: stream it, or split the batch)" if one
+                   else "per call; split the batch"),
+                reason=Reason.MESSAGE_TOO_LARGE if one else Reason.CALL_TOO_LARGE,
+                limit=max_reply_bytes, bytes=reply_bytes,
             )  # fmt: skip
         return batches
 
@@ -381,8 +389,8 @@ class AdminServicer(_Servicer, pb_grpc.AdminServiceServicer):
         if request.phase not in phases:
             raise InvalidArgumentError(
                 f"SaveSnapshot: field 'phase' expected SAVE_PHASE_WRITE_PART or "
-                f"SAVE_PHASE_COMMIT (1 or 2), got {request.phase}"
-            )
+                f"SAVE_PHASE_COMMIT (1 or 2), got {request.phase}", field="phase",
+            )  # fmt: skip
         work = phases[request.phase](request.name, request.save_id)
         for progress in run_to_completion(work, name="save-snapshot"):
             yield _progress(progress)

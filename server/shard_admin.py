@@ -75,7 +75,8 @@ class ShardAdmin:
         if source is not None:
             raise UnavailableError(
                 f"table {name!r} on {self.where} is being replaced by the load of snapshot "
-                f"{source!r}: this {call} was not applied; send it again after the load"
+                f"{source!r}: this {call} was not applied; send it again after the load",
+                table=name,
             )
 
     # -- tables ------------------------------------------------------------------------------
@@ -146,7 +147,9 @@ class ShardAdmin:
         try:
             manifest = snapshot_writer.commit(root, name, save_id)
         except ResourceExhaustedError as error:
-            raise ResourceExhaustedError(f"{self.where} committing: {error}") from None
+            raise ResourceExhaustedError(
+                f"{self.where} committing: {error}", reason=error.reason
+            ) from None
         rows = sum(entry["rows"] for entry in manifest["tables"].values())
         yield Progress(rows, rows, str(root / name), done=True)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from tierps.core.config import Placement, key_shards, owner_shard
-from tierps.core.errors import TableReplacedError
+from tierps.core.errors import Reason, TableReplacedError
 from tierps.core.ownership import first_foreign_key
 from tierps.storage import EmbeddingStore, InvalidArgumentError, TableConfig
 from tierps.storage.table import EmbeddingTable
@@ -15,8 +15,9 @@ from tierps.storage.table import EmbeddingTable
 
 class RequestChecks:
     """Checks of the requests to shard `shard_id` of `num_shards`, over its store's tables;
-    each refusal is an InvalidArgumentError (TableReplacedError for a stale generation)
-    naming the table, the field and this shard (`where`)."""
+    each refusal is an InvalidArgumentError (reason NOT_OWNER for a key or table of another
+    shard; TableReplacedError for a stale generation) naming the table, the field and this
+    shard (`where`)."""
 
     def __init__(self, store: EmbeddingStore, shard_id: int, num_shards: int, where: str) -> None:
         self.store = store
@@ -68,7 +69,7 @@ class RequestChecks:
                 raise InvalidArgumentError(
                     f"table {config.name!r} is placed whole on shard {owner} "
                     f"(placement='table', {chosen}), not on {self.where}; send its keys "
-                    f"to shard {owner}"
+                    f"to shard {owner}", reason=Reason.NOT_OWNER, table=config.name,
                 )
             return
         index = first_foreign_key(config, keys, self.num_shards, self.shard_id)
@@ -77,7 +78,7 @@ class RequestChecks:
             raise InvalidArgumentError(
                 f"table {config.name!r}: key {int(keys[index])} at index {index} belongs to "
                 f"shard {shard}, not to {self.where} (a key k lives on shard "
-                f"k % {self.num_shards})"
+                f"k % {self.num_shards})", reason=Reason.NOT_OWNER, table=config.name,
             )
 
     def check_generation(self, table: EmbeddingTable, known: int) -> None:
@@ -89,5 +90,5 @@ class RequestChecks:
                 f"table {table.config.name!r} on {self.where}: this push was made against "
                 f"generation {known} of its rows, but they were replaced since: the table "
                 f"holds {generation.describe()}. Nothing was applied; look the rows up again "
-                f"before pushing"
+                f"before pushing", table=table.config.name,
             )

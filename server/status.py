@@ -1,9 +1,14 @@
-"""The one place where errors become gRPC status codes, and where every call is timed and
-logged. Servicer methods are wrapped by `rpc`; a request that does not decode is refused by
-DecodeCheck; what a refusal says is kept to what a client can receive (`details`)."""
+"""The one place where errors become gRPC statuses, and where every call is timed and
+logged. An error's reason (tierps.core.errors.Reason) gives its status code (CODE_OF); the
+status carries the reason as a google.rpc.ErrorInfo (domain "tierps", the error's facts as
+its metadata) in grpc-status-details-bin, which clients decide on. Every refusal goes out
+through `abort` (or `refusal`, for an interceptor): servicer methods wrapped by `rpc`,
+CallLimits, AuthCheck, LifeCheck, DecodeCheck. What a refusal says is kept to what a client
+can receive (`details`)."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import logging
@@ -12,58 +17,73 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from tierps.core.errors import (
+    DOMAIN,
     QUOTED_CHARS,
-    BackendError,
-    DataLossError,
-    FailedPreconditionError,
     InvalidArgumentError,
-    NotFoundError,
-    ResourceExhaustedError,
-    StorageFullError,
-    TableReplacedError,
-    UnavailableError,
+    Reason,
+    TierpsError,
 )
-from tierps.server.handlers import with_behavior
-from tierps.server.security import PermissionDeniedError
+from tierps.server.handlers import as_request_stream, with_behavior
 
 log = logging.getLogger("tierps.server")
 
-# Checked in order; the first class the error is an instance of gives the code.
-STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
-    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),  # a reader's create=true
-    (NotFoundError, grpc.StatusCode.NOT_FOUND),
-    (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
-    (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (StorageFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),  # a full disk: retrying won't help
-    (DataLossError, grpc.StatusCode.DATA_LOSS),  # before BackendError: both are backend errors
-    (BackendError, grpc.StatusCode.UNAVAILABLE),
-    (UnavailableError, grpc.StatusCode.UNAVAILABLE),  # a table being replaced: retry
-    (TableReplacedError, grpc.StatusCode.ABORTED),  # rows replaced under the caller
-    # out of host or GPU memory (cupy's OutOfMemoryError is a MemoryError): the call changed
-    # nothing (a tier allocates before it lets go of anything); smaller batches may pass
-    (MemoryError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-)
+# The status code of each reason: what a client may do (retry only UNAVAILABLE).
+CODE_OF: dict[Reason, grpc.StatusCode] = {
+    Reason.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.UNDECODABLE_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.NOT_OWNER: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.TABLE_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Reason.SNAPSHOT_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Reason.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.TABLE_REPLACED: grpc.StatusCode.ABORTED,  # rows replaced under the caller
+    Reason.TABLE_LOADING: grpc.StatusCode.UNAVAILABLE,  # a table being replaced: retry
+    Reason.MESSAGE_TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.CALL_TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.BYTES_IN_FLIGHT: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.TOO_MANY_CALLS: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.TOO_MANY_STREAMS: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.OUT_OF_MEMORY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.STORAGE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,  # retrying won't help
+    Reason.BACKEND_FAILED: grpc.StatusCode.UNAVAILABLE,
+    Reason.DATA_CORRUPT: grpc.StatusCode.DATA_LOSS,
+    Reason.SHARD_RESTARTED: grpc.StatusCode.DATA_LOSS,
+    Reason.DATA_DIR_CHANGED: grpc.StatusCode.DATA_LOSS,
+    Reason.UNKNOWN_TOKEN: grpc.StatusCode.UNAUTHENTICATED,
+    Reason.ROLE_NOT_ALLOWED: grpc.StatusCode.PERMISSION_DENIED,
+    Reason.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+def reason_of(error: BaseException) -> Reason:
+    """The reason an error carries; out of host or GPU memory (cupy's OutOfMemoryError is a
+    MemoryError too: the call changed nothing, a tier allocates before it lets go of
+    anything) is OUT_OF_MEMORY; any other error is INTERNAL."""
+    if isinstance(error, TierpsError):
+        return error.reason
+    if isinstance(error, MemoryError):
+        return Reason.OUT_OF_MEMORY
+    return Reason.INTERNAL
 
 
 def status_of(error: BaseException) -> grpc.StatusCode:
-    for kind, code in STATUS_OF:
-        if isinstance(error, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
+    return CODE_OF[reason_of(error)]
 
 
-# A status message travels in the grpc-message trailer, percent-encoded (every byte but
-# printable ASCII takes 3); a client refuses trailers over 8 KiB (some, at random) or 16 KiB
+# A status message travels twice: in the grpc-message trailer, percent-encoded (every byte
+# but printable ASCII takes 3), and in grpc-status-details-bin, as UTF-8 inside the status
+# proto, base64'd (4/3). A client refuses trailers over 8 KiB (some, at random) or 16 KiB
 # (all), and then sees RESOURCE_EXHAUSTED "received metadata size exceeds" instead of the
-# error. Details are cut to this many bytes on the wire, leaving room for other trailers.
-MAX_DETAILS_WIRE_BYTES = 4096
+# error. Details are cut to this many bytes in grpc-message: at most 2.33 times that (ASCII)
+# for both, about 6 KiB, leaving room for the ErrorInfo and other trailers.
+MAX_DETAILS_WIRE_BYTES = 2560
 # In a message over that, a quoted run this long without whitespace is a caller's string
 # echoed (a table name has at most QUOTED_CHARS characters): shown as its first QUOTED_CHARS
 # and its length. (No whitespace: the text between two unrelated quotes has some.)
@@ -112,13 +132,64 @@ def details(message: str) -> str:
     return f"{message[:head]} …[{cut} chars cut]… {message[len(message) - tail:]}"
 
 
+# Of a fact longer than this (a caller's 1 MiB table name) the status says nothing: the
+# message quotes it shortened, and a shortened fact would be a wrong one.
+MAX_FACT_CHARS = 4 * QUOTED_CHARS
+
+
+class _Status(
+    collections.namedtuple("_Status", ("code", "details", "trailing_metadata")), grpc.Status
+):
+    """A status to end a call with (grpc.Status is an interface without a constructor)."""
+
+
+def status_for(
+    error: BaseException, trailers: Any = None, **facts: str | int
+) -> grpc.Status:
+    """The status a call failing with `error` ends with: its reason's code, its message
+    (`details`), and a google.rpc.Status holding an ErrorInfo (reason, DOMAIN, `facts` and
+    the error's own as metadata) in grpc-status-details-bin, after `trailers` (those the
+    call has set already, such as wire.APPLIED_TABLES_HEADER: abort_with_status sends the
+    status' trailers instead of them)."""
+    reason = reason_of(error)
+    code = CODE_OF[reason]
+    given = {name: str(value) for name, value in facts.items()} | getattr(error, "facts", {})
+    known = {name: value for name, value in given.items() if len(value) <= MAX_FACT_CHARS}
+    info = error_details_pb2.ErrorInfo(reason=reason.value, domain=DOMAIN, metadata=known)
+    rich = status_pb2.Status(code=code.value[0], message=details(str(error)))
+    rich.details.add().Pack(info)
+    made = rpc_status.to_status(rich)
+    ours = {key for key, _ in made.trailing_metadata}
+    kept = tuple((key, value) for key, value in trailers or () if key not in ours)
+    return _Status(made.code, made.details, kept + tuple(made.trailing_metadata))
+
+
+def abort(context: grpc.ServicerContext, error: BaseException, **facts: str | int) -> NoReturn:
+    """End the call with `error`'s status (status_for), keeping the trailers it has set."""
+    context.abort_with_status(status_for(error, context.trailing_metadata(), **facts))
+    raise AssertionError("abort_with_status returned")  # it raises; this tells type checkers
+
+
+def refusal(handler: grpc.RpcMethodHandler, error: TierpsError, **facts: str | int) -> Any:
+    """A handler that answers `error`'s status (with `facts`) and reads nothing of the request, a
+    one-message call's included: it takes the request as a stream it never reads, so gRPC
+    never asks for the message and its flow control lets no more than one window of it in
+    (a one-message handler would have the whole message received before it runs)."""
+
+    def refuse(requests: Any, context: grpc.ServicerContext) -> Any:
+        abort(context, error, **facts)
+
+    return as_request_stream(handler, lambda behavior: refuse)
+
+
 Observe = Callable[[str, str, float], None]  # (method, code, seconds)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def rpc(method: F) -> F:
-    """Wrap a servicer method (unary or streaming response): map errors to status codes,
-    log failures, and report (method, code, seconds) to the servicer's `observe`."""
+    """Wrap a servicer method (unary or streaming response) of a servicer with `observe` and
+    `shard`: end a failed call with its error's status (naming the shard), log failures,
+    and report (method, code, seconds) to `observe`."""
     name = method.__name__
 
     def ended(servicer: Any, started: float) -> None:
@@ -138,12 +209,13 @@ def rpc(method: F) -> F:
         servicer.observe(name, code.name, time.perf_counter() - started)
         if error is None:
             return
-        message = details(str(error))
+        status = status_for(error, context.trailing_metadata(), shard=servicer.shard.shard_id)
         if code is grpc.StatusCode.INTERNAL:
             log.error("rpc %s failed", name, exc_info=error, extra={"method": name})
         else:
-            log.info("rpc %s refused: %s", name, message, extra={"method": name, "code": code.name})
-        context.abort(code, message)
+            log.info("rpc %s refused: %s", name, status.details,
+                     extra={"method": name, "code": code.name})  # fmt: skip
+        context.abort_with_status(status)
 
     if inspect.isgeneratorfunction(method):
 
@@ -181,10 +253,10 @@ def rpc(method: F) -> F:
 class _Undecodable:
     """What DecodeCheck's deserializer returns for bytes that are not the request message."""
 
-    __slots__ = ("why",)
+    __slots__ = ("error",)
 
-    def __init__(self, why: str) -> None:
-        self.why = why
+    def __init__(self, error: InvalidArgumentError) -> None:
+        self.error = error
 
 
 class DecodeCheck(grpc.ServerInterceptor):
@@ -210,18 +282,24 @@ class DecodeCheck(grpc.ServerInterceptor):
                 return inner(data)
             except DecodeError as error:
                 return _Undecodable(
-                    f"{method}: request message {received} ({len(data)} bytes) expected a "
-                    f"{expected} in protobuf's encoding, with every string field valid "
-                    f"UTF-8, got bytes that do not decode as one ({error})"
-                )
+                    InvalidArgumentError(
+                        f"{method}: request message {received} ({len(data)} bytes) expected a "
+                        f"{expected} in protobuf's encoding, with every string field valid "
+                        f"UTF-8, got bytes that do not decode as one ({error})",
+                        reason=Reason.UNDECODABLE_REQUEST, method=method, message=received,
+                    )
+                )  # fmt: skip
 
         def checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
             for request in requests:
                 if isinstance(request, _Undecodable):
-                    # the code and details hold for a servicer outside `rpc` (reflection) too
-                    context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
-                    context.set_details(details(request.why))
-                    raise InvalidArgumentError(request.why)
+                    # the status holds for a servicer outside `rpc` (reflection) too, which
+                    # ends the call with the code, details and trailers set here
+                    status = status_for(request.error, context.trailing_metadata())
+                    context.set_code(status.code)
+                    context.set_details(status.details)
+                    context.set_trailing_metadata(status.trailing_metadata)
+                    raise request.error
                 yield request
 
         def wrap(behavior: Callable[..., Any]) -> Callable[..., Any]:
@@ -230,7 +308,7 @@ class DecodeCheck(grpc.ServerInterceptor):
 
             def one(request: Any, context: grpc.ServicerContext) -> Any:
                 if isinstance(request, _Undecodable):
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, details(request.why))
+                    abort(context, request.error)
                 return behavior(request, context)
 
             return one

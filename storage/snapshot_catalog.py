@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tierps.core.errors import FailedPreconditionError, NotFoundError
+from tierps.core.errors import FailedPreconditionError, SnapshotNotFoundError
 from tierps.storage.snapshot_format import (
     MANIFEST,
     NAME_PATTERN,
@@ -62,7 +62,7 @@ def delete(root: Path, name: str, *, save_id: str = "", incomplete_only: bool = 
     (FailedPreconditionError). Returns the paths removed."""
     path = snapshot_path(root, name)
     if not (path.is_dir() or path.is_symlink()):
-        raise NotFoundError(f"snapshot {name!r} not found in {root}")
+        raise SnapshotNotFoundError(f"snapshot {name!r} not found in {root}", snapshot=name)
     complete = (path / MANIFEST).exists()
     if save_id:
         target = path / check_save_id(save_id)

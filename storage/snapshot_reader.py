@@ -37,7 +37,7 @@ from tierps.core.config import (
     owner_shard,
     single_shard,
 )
-from tierps.core.errors import FailedPreconditionError, NotFoundError
+from tierps.core.errors import FailedPreconditionError, SnapshotNotFoundError
 from tierps.core.validation import MAX_STEP, first_non_finite
 from tierps.storage.admission import bloom_size, counter_dtype
 from tierps.storage.snapshot_format import (
@@ -85,7 +85,7 @@ class Snapshot:
         self.name = check_name(name)
         self.path = snapshot_path(root, name)
         if not self.path.is_dir():
-            raise NotFoundError(f"snapshot {name!r} not found in {root}")
+            raise SnapshotNotFoundError(f"snapshot {name!r} not found in {root}", snapshot=name)
         check_inside(root, self.path / MANIFEST, f"snapshot {name!r}")
         if not (self.path / MANIFEST).exists():
             parts = sorted(str(p.relative_to(self.path)) for p in self.path.glob("*/part-*.json"))

@@ -24,8 +24,9 @@ import numpy as np
 from tierps.core.config import Admission, TableConfig
 from tierps.core.errors import (
     FailedPreconditionError,
-    NotFoundError,
+    Reason,
     ResourceExhaustedError,
+    SnapshotNotFoundError,
 )
 from tierps.core.validation import first_non_finite
 from tierps.storage.admission import bloom_size, counter_dtype
@@ -59,7 +60,8 @@ def full_error(error: OSError, what: str) -> ResourceExhaustedError:
     return ResourceExhaustedError(
         f"{what}: the snapshot directory's file system is full ({error.strerror} writing "
         f"{error.filename or 'a file there'}); what this save wrote there was removed; free "
-        f"space, or delete snapshots (tierps admin snapshot delete NAME / snapshot gc)"
+        f"space, or delete snapshots (tierps admin snapshot delete NAME / snapshot gc)",
+        reason=Reason.STORAGE_FULL,
     )
 
 
@@ -296,7 +298,7 @@ def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
     (exclusively: an existing snapshot is never replaced). Returns the manifest."""
     snapshot = snapshot_path(root, name)
     if not snapshot.is_dir():
-        raise NotFoundError(f"snapshot {name!r} not found in {root}")
+        raise SnapshotNotFoundError(f"snapshot {name!r} not found in {root}", snapshot=name)
     if (snapshot / MANIFEST).exists():
         raise FailedPreconditionError(f"snapshot {name!r} already exists in {root}")
     check_inside(root, snapshot / check_save_id(save_id), f"snapshot {name!r}: save {save_id}")

@@ -676,8 +676,8 @@ class EmbeddingStore:
         except KeyError:
             raise TableNotFoundError(
                 f"shard {self.shard_id}: table {quoted(name)} not found; tables: "
-                f"{sorted(self._tables)}"
-            ) from None
+                f"{sorted(self._tables)}", table=name, shard=self.shard_id,
+            ) from None  # fmt: skip
 
     def tables(self) -> list[TableConfig]:
         return [table.config for table in self._tables.values()]

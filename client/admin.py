@@ -12,14 +12,17 @@ from dataclasses import dataclass
 from typing import Any, Self, TypeVar
 
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from tierps.client.addresses import resolve_addresses
 from tierps.client.security import NO_SECURITY, ChannelSecurity
 from tierps.core.config import Placement, TableConfig, owner_shard
+from tierps.core.errors import DOMAIN, Reason
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto.convert import table_config_to_dict, table_config_to_proto
-from tierps.proto.wire import APPLIED_TABLES_HEADER, channel_options
+from tierps.proto.wire import APPLIED_TABLES_HEADER, PUSHED_HEADER, channel_options
 
 T = TypeVar("T")
 Progress = Callable[[int, int], None]  # (rows done, rows in all) across the cluster
@@ -45,18 +48,73 @@ def connect_hint(code: grpc.StatusCode, details: str) -> str:
     return ""
 
 
+def refusal_of(error: grpc.RpcError) -> tuple[Reason | None, dict[str, str]]:
+    """The reason and facts a shard's failed call carries (the google.rpc.ErrorInfo of
+    domain "tierps" in its rich status, grpc-status-details-bin): what the client decides
+    on, never the message. (None, {}) where there is none: gRPC's own failures (a
+    connection, a deadline, a message over a limit gRPC checks; see
+    too_large_for_one_message), an older shard's, or a reason newer than this client."""
+    trailers = getattr(error, "trailing_metadata", None)  # a grpc.Call's, not every error's
+    if trailers is None:
+        return None, {}
+    try:
+        status = rpc_status.from_call(error)
+    except ValueError:  # a status contradicting the call's code or message: not a shard's
+        return None, {}
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info) and info.domain == DOMAIN:
+            try:
+                return Reason(info.reason), dict(info.metadata)
+            except ValueError:
+                return None, dict(info.metadata)
+    return None, {}
+
+
+def too_large_for_one_message(error: grpc.RpcError) -> bool:
+    """Whether a one-message call was refused as too large for one message before anything
+    of it ran, so the stream form may carry it: the shard says so (MESSAGE_TOO_LARGE), or
+    gRPC itself refused the message. gRPC's own refusals carry no ErrorInfo, so they are
+    told apart by code and by what a tierps shard does, not by gRPC's wording: gRPC
+    answers a message over a send or receive limit with RESOURCE_EXHAUSTED (its
+    doc/statuscodes.md), and a shard puts an ErrorInfo on every status it sends and says a
+    push applied in part in trailers. A reply over this client's own receive limit would
+    be refused after the call ran; one-message calls are sent only where the reply fits
+    (wire.MAX_MESSAGE_BYTES, the client's limit, is above ONE_MESSAGE_BYTES)."""
+    if error.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False
+    reason, _ = refusal_of(error)
+    if reason is not None:
+        return reason is Reason.MESSAGE_TOO_LARGE
+    trailers = getattr(error, "trailing_metadata", None)
+    applied = {APPLIED_TABLES_HEADER, PUSHED_HEADER}
+    return not any(key in applied for key, _ in (trailers() if trailers else None) or ())
+
+
 class ShardError(RuntimeError):
     """A shard refused a call or could not be reached; names the shard and its address.
-    `code` is the gRPC status code."""
+    `code` is the gRPC status code; `reason` what the shard said the refusal is for (None
+    where it said none: gRPC's own failures, an older shard), and `facts` what it named
+    (table, field, limit, ...): decide on these, the message is for people."""
 
-    def __init__(self, shard_id: int, address: str, code: grpc.StatusCode, details: str) -> None:
-        hint = connect_hint(code, details)
+    def __init__(
+        self,
+        shard_id: int,
+        address: str,
+        code: grpc.StatusCode,
+        details: str,
+        reason: Reason | None = None,
+        facts: dict[str, str] | None = None,
+    ) -> None:
+        hint = connect_hint(code, details) if reason is None else ""  # gRPC's own failures
         told = f"shard {shard_id} at {address}: {code.name}: {details}"
         super().__init__(f"{told} ({hint})" if hint else told)
         self.shard_id = shard_id
         self.address = address
         self.code = code
         self.details = details
+        self.reason = reason
+        self.facts = facts or {}
         # Of a call sent to several shards: the shards where it went through (a data call
         # whose other shards failed; EmbeddingClient fills it in).
         self.succeeded: list[int] = []
@@ -66,8 +124,9 @@ class ShardError(RuntimeError):
 
     @classmethod
     def of(cls, shard_id: int, address: str, error: grpc.RpcError) -> ShardError:
-        """A gRPC failure of a call to a shard, with what its trailers say was applied."""
-        made = cls(shard_id, address, error.code(), error.details() or "")
+        """A gRPC failure of a call to a shard, with its reason and what its trailers say
+        was applied."""
+        made = cls(shard_id, address, error.code(), error.details() or "", *refusal_of(error))
         trailers = getattr(error, "trailing_metadata", None)  # a grpc.Call's, not every error's
         for key, value in (trailers() if trailers else None) or ():
             if key == APPLIED_TABLES_HEADER:

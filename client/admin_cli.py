@@ -17,7 +17,7 @@ from tierps.client.admin import ShardError
 from tierps.client.embedding import EmbeddingClient
 from tierps.client.top import run_top
 from tierps.core.config import TableConfig
-from tierps.core.errors import TierpsError
+from tierps.core.errors import Reason, TierpsError
 
 
 def _connection_flags(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
@@ -239,7 +239,8 @@ def _with_bar(action: Any, label: str) -> dict[str, Any]:
 
 
 def _snapshot_not_found(admin: EmbeddingClient, error: ShardError) -> str:
-    """A NOT_FOUND snapshot load's message, with the snapshots that do exist."""
+    """The message of a call naming a snapshot that does not exist (SNAPSHOT_NOT_FOUND), with
+    the snapshots that do."""
     try:
         names = [s["name"] for s in admin.list_snapshots()]
     except ShardError:
@@ -256,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 result = _act(admin, args)
             except ShardError as error:
-                if getattr(args, "verb", None) != "load" or error.code.name != "NOT_FOUND":
+                if error.reason is not Reason.SNAPSHOT_NOT_FOUND:
                     raise
                 print(f"tierps admin: {_snapshot_not_found(admin, error)}", file=sys.stderr)
                 return 1

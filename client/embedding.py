@@ -27,7 +27,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 import numpy as np
 
-from tierps.client.admin import ClusterAdmin, Progress, RetryPolicy, ShardError
+from tierps.client.admin import (
+    ClusterAdmin,
+    Progress,
+    RetryPolicy,
+    ShardError,
+    refusal_of,
+    too_large_for_one_message,
+)
 from tierps.client.formats import (
     COO,
     Bags,
@@ -52,6 +59,7 @@ from tierps.core.config import TableConfig, single_shard
 from tierps.core.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
+    Reason,
     TableNotFoundError,
 )
 from tierps.core.ownership import group_by_shard
@@ -762,10 +770,7 @@ class EmbeddingClient(ClusterAdmin):
         """Whether the shard refused a one-message call of `bulk` bytes (its larger way) as
         too large for one message, before it touched anything (gRPC's message limit, or the
         shard's own reply check): then this shard's one-message calls stay below `bulk`."""
-        details = error.details() or ""
-        too_large = error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and (
-            wire.TOO_LARGE_FOR_ONE_MESSAGE in details or "larger than max" in details
-        )
+        too_large = too_large_for_one_message(error)
         if too_large:
             with self._lock:
                 limit = self._one_message_bytes[shard]
@@ -872,9 +877,9 @@ class EmbeddingClient(ClusterAdmin):
     ) -> ShardError:
         """The error a failed push raises: where it was applied on no shard, its steps are
         given back (unless the caller chose the step); where on some, it says which shards
-        and tables. A push refused for rows replaced under it (ABORTED) has this client
+        and tables. A push refused for rows replaced under it (TABLE_REPLACED) has this client
         learn the tables' generations again: the next push goes on the new rows."""
-        if error.code is grpc.StatusCode.ABORTED:
+        if error.reason is Reason.TABLE_REPLACED:
             for shard in range(self.num_shards):
                 self._relearn_generations(shard)
         if not error.succeeded and not error.applied_tables:
@@ -890,7 +895,7 @@ class EmbeddingClient(ClusterAdmin):
             error.shard_id, error.address, error.code,
             f"{error.details} (this push of tables {sorted(steps)} was applied on shards "
             f"{error.succeeded}, and not on shards {failed}{in_part}; send only the failed "
-            f"shards' part again, or nothing)",
+            f"shards' part again, or nothing)", error.reason, error.facts,
         )  # fmt: skip
         partial.succeeded, partial.failed = error.succeeded, error.failed
         partial.applied_tables = error.applied_tables
@@ -1047,9 +1052,7 @@ class EmbeddingClient(ClusterAdmin):
         """Whether the shard refused a PushThenLookup of `bulk` request bytes as over its
         per-call limit (CallLimits, before any handler ran: nothing applied); then this
         shard's fused calls stay below `bulk`."""
-        refused = error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and (
-            "bytes per call" in (error.details() or "")
-        )
+        refused = refusal_of(error)[0] is Reason.CALL_TOO_LARGE
         if refused:
             with self._lock:
                 self._fused_call_bytes[shard] = min(self._fused_call_bytes[shard], bulk - 1)

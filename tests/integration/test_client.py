@@ -34,13 +34,14 @@ from tierps.client import (
     init,
     optim,
 )
-from tierps.core.errors import InvalidArgumentError, TableNotFoundError
+from tierps.core.errors import InvalidArgumentError, Reason, TableNotFoundError, TierpsError
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto.wire import channel_options
 from tierps.server.config import ServerConfig
 from tierps.server.daemon import ShardServer
 from tierps.server.servicers import AdminServicer, EmbeddingServicer, add_embedding_service
 from tierps.server.shard import Shard
+from tierps.server.status import abort
 
 DIM = 8
 CODE = grpc.StatusCode
@@ -766,6 +767,22 @@ def test_a_client_of_an_address_where_nothing_listens_fails_naming_it(
     assert str(raised.value).startswith(f"shard 0 at {address}: UNAVAILABLE")
 
 
+# The reason a shard's refusal with each injected code carries (a shard sends one with every
+# refusal it makes; gRPC's own failures carry none).
+INJECTED_REASON = {
+    CODE.UNAVAILABLE: Reason.BACKEND_FAILED,
+    CODE.RESOURCE_EXHAUSTED: Reason.OUT_OF_MEMORY,
+    CODE.INVALID_ARGUMENT: Reason.INVALID_ARGUMENT,
+    CODE.INTERNAL: Reason.INTERNAL,
+    CODE.PERMISSION_DENIED: Reason.ROLE_NOT_ALLOWED,
+}
+
+
+def _inject(context: grpc.ServicerContext, code: grpc.StatusCode, when: str = "") -> None:
+    """Refuse the call as a shard does (server/status.py: its code and ErrorInfo)."""
+    abort(context, TierpsError(f"injected {code.name}{when}", reason=INJECTED_REASON[code]))
+
+
 @dataclass
 class Fault:
     """What the interceptor does to one call before the real handler: wait, then abort."""
@@ -808,14 +825,14 @@ class Interceptor(grpc.ServerInterceptor):
                 if fault.wait_s:
                     self.release.wait(fault.wait_s)
                 if fault.code is not None and not fault.after:
-                    context.abort(fault.code, f"injected {fault.code.name}")
+                    _inject(context, fault.code)
             if handler.request_streaming:
                 request = self._record(method, request)
             elif hasattr(request, "batches"):  # the one-message form of a data call
                 list(self._record(method, iter(request.batches)))
             if n < len(faults) and faults[n].after and faults[n].code is not None:
                 behaviour(request, context)
-                context.abort(faults[n].code, f"injected {faults[n].code.name} after the handler")
+                _inject(context, faults[n].code, " after the handler")
             return behaviour(request, context)
 
         return handler._replace(**{kind: intercepted})

@@ -604,7 +604,7 @@ def test_a_fused_call_whose_push_is_in_is_never_sent_again(
         _, num_keys = wire.push_then_lookup_reply(real(request, **options))
         raise Refused(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"reply {wire.TOO_LARGE_FOR_ONE_MESSAGE}",
+            "reply too large for one message",
             ((wire.PUSHED_HEADER, str(num_keys)),),
         )
 

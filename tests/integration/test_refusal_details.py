@@ -1,8 +1,8 @@
 """What a refusal tells the client, against real shard servers on port 0 (server/status.py):
 a request message that does not decode (a string field not UTF-8) is INVALID_ARGUMENT naming
-the method on every kind of rpc, not INTERNAL; and a caller's huge string echoed in an error
-is shortened, so the client receives the error itself instead of a transport failure about
-the size of its trailers."""
+the method on every kind of rpc, not INTERNAL, with reason UNDECODABLE_REQUEST; and a
+caller's huge string echoed in an error is shortened, so the client receives the error
+itself instead of a transport failure about the size of its trailers."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.integration.conftest import Stubs
+from tests.integration.test_reasons import error_info
 from tierps.client import TableConfig, optim
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import wire
@@ -82,6 +83,8 @@ def test_a_string_field_that_is_not_utf8_is_invalid_argument_naming_the_method(
     details = refused.value.details()
     assert details.startswith(f"{method}: request message 1 ({len(BAD_UTF8)} bytes)"), details
     assert "UTF-8" in details, details
+    reason, facts = error_info(refused.value)  # on ours and on the ones the server adds
+    assert reason == "UNDECODABLE_REQUEST" and facts["method"] == method, (reason, facts)
     # the shard goes on serving
     assert stubs.admin.ListTables(pb.ListTablesRequest(), timeout=T).tables == []
 
@@ -124,6 +127,8 @@ def test_a_lookup_naming_a_1mib_table_is_not_found_with_a_short_readable_message
         assert len(details) < 400, details[:500]
         assert f"'{'a' * 64}…' ({1 << 20} chars)" in details, details
         assert "not found" in details and "['t']" in details, details
+        # the name is no fact the status carries whole: left out, not cut
+        assert error_info(refused.value) == ("TABLE_NOT_FOUND", {"shard": "0"})
 
 
 def test_an_error_over_the_trailer_budget_keeps_its_start_and_end(

@@ -24,6 +24,7 @@ from tests.integration.test_crash_safety import free_base_port
 from tierps.client import EmbeddingClient
 from tierps.client.admin import RetryPolicy, ShardError
 from tierps.client.embedding import Feature, PushNotApplied
+from tierps.core.errors import Reason
 from tierps.proto import wire
 from tierps.server.cluster import LocalCluster
 from tierps.server.config import ServerConfig
@@ -176,7 +177,7 @@ def test_a_push_a_shard_applied_in_part_keeps_its_step_and_says_which_tables(
 ) -> None:
     """Through the service: table b's write finds the disk full (injected once) after a's
     rows are in. RESOURCE_EXHAUSTED is not retried; the client is told which tables the
-    shard applied, and keeps the push's step."""
+    shard applied (a trailer the rich status keeps) and why, and keeps the push's step."""
     server = shard_server()
     with EmbeddingClient([f"127.0.0.1:{server.port}"]) as client:
         for name in ("a", "b"):
@@ -199,6 +200,7 @@ def test_a_push_a_shard_applied_in_part_keeps_its_step_and_says_which_tables(
             pooled.push_gradients({f: -np.ones((1, DIM), np.float32) for f in ("fa", "fb")})
         error = raised.value
         assert error.code is CODE.RESOURCE_EXHAUSTED and error.applied_tables == ["a"]
+        assert error.reason is Reason.STORAGE_FULL
         assert "shard 0 applied its part of tables ['a'] and not of the others" in str(error)
         assert client._steps["a"] == 1  # the step stays taken: a's rows moved at it
         np.testing.assert_array_equal(rows_of(client, "a", keys[0]), np.ones((2, DIM)))
@@ -289,6 +291,7 @@ def test_pushes_during_a_load_are_refused_or_kept_and_the_trainer_is_told(
                 except ShardError as error:
                     outcomes.append((error.code.name, time.monotonic()))
                     if error.code is CODE.ABORTED:
+                        assert error.reason is Reason.TABLE_REPLACED
                         assert "snapshot 'base'" in error.details, error.details
                 time.sleep(0.002)
 
@@ -337,6 +340,7 @@ def test_a_wiped_data_dir_is_told_to_the_clients_that_knew_the_old_one(tmp_path:
         with pytest.raises(ShardError) as told:
             client.push_gradients("t", keys, ones(keys))
         assert told.value.code is CODE.DATA_LOSS and told.value.shard_id == 1
+        assert told.value.reason is Reason.DATA_DIR_CHANGED
         assert "another data dir" in told.value.details
         assert told.value.succeeded == [0]
         with EmbeddingClient(cluster.addresses) as fresh:  # a new client goes on

@@ -2,8 +2,9 @@
 
     from tierps.client import EmbeddingClient, TableConfig, optim, init
 
-The table configuration is re-exported from tierps.core, which the client and the shards
-share; the PyTorch modules are in tierps.client.torch (the `torch` extra).
+The table configuration, and Reason (what a ShardError's refusal is for), are re-exported
+from tierps.core, which the client and the shards share; the PyTorch modules are in
+tierps.client.torch (the `torch` extra).
 """
 
 from tierps.client.admin import ClusterAdmin, RetryPolicy, ShardError
@@ -13,6 +14,7 @@ from tierps.client.pooling import Combiner
 from tierps.client.security import ChannelSecurity
 from tierps.core import init, optim
 from tierps.core.config import Admission, Eviction, Placement, TableConfig, WritePolicy
+from tierps.core.errors import Reason
 
 __all__ = [
     "Admission",
@@ -26,6 +28,7 @@ __all__ = [
     "Feature",
     "Placement",
     "PooledLookup",
+    "Reason",
     "RetryPolicy",
     "ShardError",
     "TableConfig",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Self, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
@@ -53,13 +54,14 @@ def refusal_of(error: grpc.RpcError) -> tuple[Reason | None, dict[str, str]]:
     domain "tierps" in its rich status, grpc-status-details-bin): what the client decides
     on, never the message. (None, {}) where there is none: gRPC's own failures (a
     connection, a deadline, a message over a limit gRPC checks; see
-    too_large_for_one_message), an older shard's, or a reason newer than this client."""
+    too_large_for_one_message) or an older shard's; reason None, with its facts, for a
+    reason newer than this client."""
     trailers = getattr(error, "trailing_metadata", None)  # a grpc.Call's, not every error's
     if trailers is None:
         return None, {}
     try:
         status = rpc_status.from_call(error)
-    except ValueError:  # a status contradicting the call's code or message: not a shard's
+    except (ValueError, DecodeError):  # contradicts the call, or no Status: not a shard's
         return None, {}
     for detail in status.details if status is not None else ():
         info = error_details_pb2.ErrorInfo()

@@ -137,6 +137,12 @@ def details(message: str) -> str:
 MAX_FACT_CHARS = 4 * QUOTED_CHARS
 
 
+def _utf8(text: str) -> str:
+    """`text` as valid UTF-8 (a path's undecodable bytes, held as lone surrogates, written
+    as escapes): what a protobuf string and grpc-message take."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class _Status(
     collections.namedtuple("_Status", ("code", "details", "trailing_metadata")), grpc.Status
 ):
@@ -154,9 +160,9 @@ def status_for(
     reason = reason_of(error)
     code = CODE_OF[reason]
     given = {name: str(value) for name, value in facts.items()} | getattr(error, "facts", {})
-    known = {name: value for name, value in given.items() if len(value) <= MAX_FACT_CHARS}
+    known = {name: _utf8(value) for name, value in given.items() if len(value) <= MAX_FACT_CHARS}
     info = error_details_pb2.ErrorInfo(reason=reason.value, domain=DOMAIN, metadata=known)
-    rich = status_pb2.Status(code=code.value[0], message=details(str(error)))
+    rich = status_pb2.Status(code=code.value[0], message=_utf8(details(str(error))))
     rich.details.add().Pack(info)
     made = rpc_status.to_status(rich)
     ours = {key for key, _ in made.trailing_metadata}

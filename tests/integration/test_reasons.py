@@ -89,7 +89,7 @@ def refused_calls(server: ShardServer, method: str) -> int:
 
 
 def _create(server: ShardServer, name: str = "t", dim: int = DIM) -> None:
-    server.shard.create_table(TableConfig(name, dim, optimizer=optim.SGD(lr=1.0)))
+    server.shard.admin.create_table(TableConfig(name, dim, optimizer=optim.SGD(lr=1.0)))
 
 
 # -- each refusal the client decides on carries its reason ---------------------------------------

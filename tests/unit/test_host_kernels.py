@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.optimizers import each, kind_id
 from tierps.core import init, optim
 from tierps.core.compiled import ENV_SWITCH, all_distinct, first_non_finite_index, jit_kernel
 from tierps.core.config import TableConfig
@@ -101,17 +102,7 @@ def test_all_distinct_matches_unique() -> None:
     assert not all_distinct(np.repeat(extremes[:1], 2))
 
 
-@pytest.mark.parametrize(
-    "optimizer",
-    [
-        optim.SGD(),
-        optim.Adagrad(initial_accumulator_value=0.1),
-        optim.FTRL(l1=0.01),
-        optim.Nesterov(),
-        optim.Adam(lr=0.01),
-    ],  # fmt: skip
-    ids=lambda o: o.kind,
-)
+@pytest.mark.parametrize("optimizer", each(), ids=kind_id)
 def test_uniform_initial_rows_are_the_numpy_bits(optimizer: optim.Optimizer) -> None:
     """Initial rows at compiled speed: bit for bit the numpy counter-hash reference (a pure
     function of seed, key and column), the optimizer state filled as initial_rows does."""
@@ -136,15 +127,7 @@ def _float64_bound(opt: optim.Optimizer, rows: np.ndarray, grads: np.ndarray) ->
 
 @pytest.mark.parametrize(
     "optimizer",
-    [
-        optim.SGD(lr=0.1),
-        optim.Momentum(),
-        optim.Nesterov(),
-        optim.Adagrad(),
-        optim.Adam(lr=0.01),
-        optim.FTRL(lr=0.05, l1=0.01, l2=0.1),
-        optim.FTRL(lr=0.05, lr_power=-0.3, l2=0.1),
-    ],  # fmt: skip
+    [*each(), optim.FTRL(lr=0.05, lr_power=-0.3, l2=0.1)],
     ids=lambda o: f"{o.kind}{'-power' if getattr(o, 'lr_power', -0.5) != -0.5 else ''}",
 )
 def test_train_in_place_matches_apply(optimizer: optim.Optimizer) -> None:
@@ -211,7 +194,7 @@ def test_refused_train_changes_nothing_and_undo_puts_rows_back() -> None:
 
 
 def _dim_beside_the_stream_threshold(optimizer: optim.Optimizer, streamed: bool) -> int:
-    """The dim nearest k_train's threshold on the side asked: k_train saves the row_width
+    """The dim nearest the training loop's threshold on the side asked: it saves the row_width
     floats of a row (a push without a stamp) by non-temporal stores when they are
     TRAIN_STREAM_BYTES or more. Dims of 16 floats: rows of whole cache lines, which
     _streams takes; only the threshold then decides."""
@@ -244,7 +227,7 @@ def test_a_large_push_saves_its_rows_streamed_or_not(
     rng = np.random.default_rng(12)
     dim = _dim_beside_the_stream_threshold(optimizer, streamed)
     config = TableConfig("t", dim, optimizer=optimizer)
-    touched = config.row_width  # the floats k_train saves a row (no stamp)
+    touched = config.row_width  # the floats the training loop saves a row (no stamp)
     n = host_kernels.STREAM_BYTES // (4 * touched) + 7
     keys = rng.choice(10**12, n, replace=False).astype(np.int64)
     rows = config.initial_rows(keys)
@@ -277,7 +260,7 @@ def test_a_large_push_saves_its_rows_streamed_or_not(
         assert hit.size == n and refused is None
         assert_within(f"{tier.compiled}", tier.find(push)[1][:, :width], expected)
     trained = state()
-    backup = compiled._scratch_rows(n, touched)  # where k_train saved the rows
+    backup = compiled._scratch_rows(n, touched)  # where the training loop saved the rows
     stream = bool(host_kernels._streams(backup, touched))  # the kernel's own checks
     assert (touched * 4 >= host_kernels.TRAIN_STREAM_BYTES and stream) is streamed
     assert stream  # so that the plain case is plain by the threshold alone

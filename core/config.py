@@ -86,10 +86,10 @@ class TableConfig:
     ("": as cold_dtype). The host and GPU tiers keep float32, the step stamp stays exact. A
     row is rounded each time it is written to RocksDB (spilled, flushed, written through),
     so a row whose only copy is on disk, and a snapshot of it, holds the rounded values
-    (core/codec.py). float16 state is refused for the optimizers whose state is a sum of
-    squared gradients (Adagrad's accumulator, Adam's v, FTRL's n): it overflows above 65,504
-    and underflows below 6e-8; take float16 weights with cold_state_dtype="float32" (or
-    "bfloat16", float32's range) there.
+    (core/codec.py). float16 state is refused for the optimizers whose state sums squared
+    gradients (their squares_state: Adagrad's accumulator, Adam's and RMSprop's v, FTRL's
+    n): it overflows above 65,504 and underflows below 6e-8; take float16 weights with
+    cold_state_dtype="float32" (or "bfloat16", float32's range) there.
     """
 
     name: str

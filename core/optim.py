@@ -12,6 +12,8 @@ Formulas (g: gradient, w: weights, t: the step passed in, counted from 1):
 - Adagrad:   s += g*g;  w -= lr * g / (sqrt(s) + eps)          (torch.optim.Adagrad)
 - Adam:      m += (1-b1)(g-m);  v += (1-b2)(g*g-v);
              w -= lr * sqrt(1-b2**t)/(1-b1**t) * m / (sqrt(v) + eps)   (torch.optim.SparseAdam)
+- RMSprop:   v = alpha*v + (1-alpha)*g*g;  w -= lr * g / (sqrt(v) + eps)
+             (torch.optim.RMSprop without momentum or centering)
 - FTRL:      FTRL-Proximal (McMahan et al. 2013) as TensorFlow's ApplyFtrl: n' = n + g*g;
              z += g - (n'**-p - n**-p)/lr * w;  w = (sign(z)*l1 - z) / (n'**-p/lr + 2*l2)
              where |z| > l1, else 0;  n = n'   (p = lr_power)
@@ -276,6 +278,50 @@ class Adam(Optimizer):
         v += (1.0 - self.beta2) * (grads * grads - v)
         step_size = self.lr * (1.0 - self.beta2**step) ** 0.5 / (1.0 - self.beta1**step)
         weights -= step_size * (m / (xp.sqrt(v) + self.eps))
+
+
+@register
+@dataclass(frozen=True)
+class RMSprop(Optimizer):
+    """RMSprop as torch.optim.RMSprop (its defaults; no momentum, not centered: either
+    would add a state slot only some configs use, and a kind's slots are fixed). Slots:
+    weights, running mean of squared gradients v."""
+
+    lr: float = 1e-2
+    alpha: float = 0.99
+    eps: float = 1e-8
+    kind: ClassVar[str] = "rmsprop"
+    size_factor: ClassVar[int] = 2
+    squares_state: ClassVar[str] = "running mean of squared gradients v"
+    torch_reference: ClassVar[TorchReference | None] = TorchReference(
+        "RMSprop",
+        lambda c: {"lr": c.lr, "alpha": c.alpha, "eps": c.eps},
+        state=("square_avg",),
+        sparse=False,
+    )
+
+    def __post_init__(self) -> None:
+        check_range("optim.RMSprop", "lr", self.lr, 0.0, _INF, low_open=True)
+        check_range("optim.RMSprop", "alpha", self.alpha, 0.0, 1.0, high_open=True)
+        check_range("optim.RMSprop", "eps", self.eps, 0.0, _INF, low_open=True)
+        _check_float32(self)
+        if _f32(self.eps) == 0.0:  # g / (sqrt(v) + eps) at g = v = 0 is 0 / 0
+            raise ValueError(
+                f"optim.RMSprop: field 'eps' expected > 0 as float32 (>= {_f32(1e-45):.3g}; "
+                f"else a zero gradient component of a fresh row gives 0 / (sqrt(0) + 0) = "
+                f"NaN), got {self.eps!r}"
+            )
+
+    def state_fill(self) -> tuple[float, ...]:
+        return (0.0,)
+
+    def apply(self, rows: Any, grads: Any, step: int) -> None:
+        xp = array_module(rows)
+        dim = grads.shape[1]
+        weights, v = rows[:, :dim], rows[:, dim : 2 * dim]
+        v *= self.alpha
+        v += (1.0 - self.alpha) * (grads * grads)
+        weights -= self.lr * (grads / (xp.sqrt(v) + self.eps))
 
 
 @register

@@ -466,6 +466,16 @@ if numba is not None:
             new[2 * dim + c] = vc
             new[c] = arena[r, c] - step_size * (mc / (np.sqrt(vc) + eps))
 
+    @_twin("tierps_rmsprop")
+    def _rmsprop_row(arena, r, g, i, dim, p, new):
+        lr, alpha, one_minus_alpha, eps = p[0], p[1], p[2], p[3]
+        for c in range(dim):
+            gc = g[i, c]
+            v = arena[r, dim + c] * alpha
+            v = v + one_minus_alpha * (gc * gc)
+            new[dim + c] = v
+            new[c] = arena[r, c] - lr * (gc / (np.sqrt(v) + eps))
+
     @jit_kernel
     def _pow(x, p, use_sqrt):
         if use_sqrt:

@@ -305,6 +305,24 @@ extern "C" __global__ void tierps_adam(float* arena, long long stride,
     }
 }
 
+/* RMSprop (torch.optim.RMSprop, no momentum, not centered): v = alpha * v + (1 - alpha) g*g;
+   w -= lr * g / (sqrt(v) + eps). */
+extern "C" __global__ void tierps_rmsprop(float* arena, long long stride,
+                                          const long long* __restrict__ ids,
+                                          const float* __restrict__ grads, long long n,
+                                          long long dim, int lane_shift, float lr, float alpha,
+                                          float one_minus_alpha, float eps) {
+    TIERPS_ROW_THREAD
+    float* avg = w + dim;
+    for (long long c = t & (lanes - 1); c < dim; c += lanes) {
+        const float gc = g[c];
+        float v = avg[c] * alpha;
+        v = v + one_minus_alpha * (gc * gc);
+        avg[c] = v;
+        w[c] = w[c] - lr * (gc / (sqrtf(v) + eps));
+    }
+}
+
 /* FTRL-Proximal as optim.FTRL: n' = n + g*g; z += g - (n'^p - n^p) / lr * w;
    w = (sign(z) * l1 - z) / (n'^p / lr + 2 * l2) where |z| > l1, else 0; n = n'.
    p = -lr_power; numpy computes x ** 0.5 as sqrt(x), so p == 0.5 does too (use_sqrt). */
@@ -676,6 +694,10 @@ FUSED: dict[str, FusedUpdate] = {
     ),
     "adagrad": FusedUpdate("tierps_adagrad", lambda opt, step: (_F32(opt.lr), _F32(opt.eps))),
     "adam": FusedUpdate("tierps_adam", _adam_arguments),
+    "rmsprop": FusedUpdate(
+        "tierps_rmsprop",
+        lambda opt, step: (_F32(opt.lr), _F32(opt.alpha), _F32(1.0 - opt.alpha), _F32(opt.eps)),
+    ),
     "ftrl": FusedUpdate("tierps_ftrl", _ftrl_arguments),
 }
 """The fused update of every optimizer of optim.OPTIMIZERS, by kind."""

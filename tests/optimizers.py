@@ -20,6 +20,7 @@ EXAMPLES: dict[str, optim.Optimizer] = {
     "nesterov": optim.Nesterov(lr=0.03, momentum=0.8),
     "adagrad": optim.Adagrad(lr=0.1, initial_accumulator_value=0.1),
     "adam": optim.Adam(lr=0.01, beta1=0.8, beta2=0.99, eps=1e-6),
+    "rmsprop": optim.RMSprop(lr=0.02, alpha=0.9, eps=1e-6),
     "ftrl": optim.FTRL(lr=0.1, l1=0.01, l2=0.02),
 }
 

@@ -828,6 +828,11 @@ def _momentum64(opt: Any, slot: list[Bounded], g: Bounded, step: int) -> list[Bo
     return [slot[0] - lr * (g + momentum * b if opt.nesterov else b), b]
 
 
+def _rmsprop64(opt: Any, slot: list[Bounded], g: Bounded, step: int) -> list[Bounded]:
+    v = slot[1] * _const(opt.alpha) + _const(1.0 - opt.alpha) * (g * g)
+    return [slot[0] - _const(opt.lr) * (g / (v.monotone(np.sqrt) + _const(opt.eps))), v]
+
+
 def _sgd64(opt: Any, slot: list[Bounded], g: Bounded, step: int) -> list[Bounded]:
     return [slot[0] - _const(opt.lr) * g]
 
@@ -839,6 +844,7 @@ FLOAT64_STEPS = {
     "nesterov": _momentum64,
     "adagrad": _adagrad64,
     "adam": _adam64,
+    "rmsprop": _rmsprop64,
     "ftrl": _ftrl64,
 }
 

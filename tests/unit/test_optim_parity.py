@@ -351,6 +351,10 @@ BAD_VALUES = [
     (optim.Adam, "beta2", 1.0, "[0.0, 1.0)"),
     (optim.Adam, "beta2", 1.5, "[0.0, 1.0)"),
     (optim.Adam, "eps", 0.0, "(0.0, inf]"),
+    (optim.RMSprop, "lr", -0.01, "(0.0, inf]"),
+    (optim.RMSprop, "alpha", 1.0, "[0.0, 1.0)"),
+    (optim.RMSprop, "alpha", -0.1, "[0.0, 1.0)"),
+    (optim.RMSprop, "eps", 0.0, "(0.0, inf]"),
     (optim.FTRL, "lr", -0.1, "(0.0, inf]"),
     (optim.FTRL, "lr_power", 0.5, "[-inf, 0.0]"),
     (optim.FTRL, "l1", -0.1, "[0.0, inf]"),
@@ -423,6 +427,7 @@ def test_boundary_values_accepted() -> None:
     optim.Adagrad(eps=0.0, initial_accumulator_value=1e-45)  # float32's least subnormal
     optim.Adagrad(eps=1e-45, initial_accumulator_value=0.0)
     optim.Adam(eps=1e-45)
+    optim.RMSprop(alpha=0.0, eps=1e-45)
     optim.FTRL(lr_power=-0.5, l2=0.1, initial_accumulator_value=0.0)  # l2 keeps it > 0
     optim.FTRL(lr_power=0.0, l1=0.0, l2=0.0, initial_accumulator_value=0.0)
     optim.FTRL(lr_power=-2.0)

@@ -6,6 +6,7 @@ the Launcher) run in test_kernels.py under its "numba" backend."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -320,6 +321,48 @@ def test_env_switch_keeps_the_array_code() -> None:
     )
     env = {**os.environ, ENV_SWITCH: "0"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
+
+
+# Trains one row with SGD, then with Momentum, through their compiled loops; prints the
+# rows and each loop's (cache hits, misses).
+_TRAIN_TWO = """
+import numpy as np
+from tierps.core import optim
+from tierps.storage import host_kernels
+out = []
+for optimizer in (optim.SGD(lr=0.5), optim.Momentum(lr=0.5, momentum=0.5)):
+    train, hyper = host_kernels.fused_trainer(optimizer, 1)
+    size = optimizer.size_factor
+    arena = np.ones((1, 2 * size), np.float32)
+    args = (np.zeros(1, np.int64), np.ones((1, 2), np.float32), hyper, size, True,
+            np.empty((1, 2 * size), np.float32), np.empty(1, bool), np.empty(0, np.float32),
+            False, 2 * size, np.zeros(1, bool))
+    assert train(arena, *args) == -1
+    stats = train.stats
+    out.append((arena.tolist(), sum(stats.cache_hits.values()), sum(stats.cache_misses.values())))
+print(out)
+"""
+
+
+def test_each_training_loop_is_cached_on_disk_apart(tmp_path: Path) -> None:
+    """The training loops, one compiled copy per optimizer kernel, load from numba's disk
+    cache in a second process (no compile), each its own: SGD's loop is not loaded for
+    Momentum's."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    first, second = (
+        ast.literal_eval(
+            subprocess.run(
+                [sys.executable, "-c", _TRAIN_TWO], env=env, capture_output=True, text=True,
+                check=True,
+            ).stdout
+        )
+        for _ in range(2)
+    )  # fmt: skip
+    # SGD: w = 1 - 0.5 * 1. Momentum: b = 0.5 * 1 + 1, w = 1 - 0.5 * b.
+    rows = [[[0.5, 0.5]], [[0.25, 0.25, 1.5, 1.5]]]
+    assert [trained for trained, _, _ in first] == [trained for trained, _, _ in second] == rows
+    assert [(hits, misses) for _, hits, misses in first] == [(0, 1), (0, 1)]
+    assert [(hits, misses) for _, hits, misses in second] == [(1, 0), (1, 0)]
 
 
 def test_no_writable_cache_compiles_in_memory_and_warns_once(monkeypatch) -> None:

@@ -20,12 +20,6 @@ from tierps.core.hashing import mix64
 from tierps.core.validation import check_finite, check_int, check_range
 from tierps.core.xp import array_module
 
-# optimizers whose state holds sums of squared gradients, which float16 cannot hold
-SQUARES_STATE = {
-    "adagrad": "accumulator (a sum of squared gradients)",
-    "adam": "second moment v",
-    "ftrl": "sum of squared gradients n",
-}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_DIM = 65536
 
@@ -92,10 +86,10 @@ class TableConfig:
     ("": as cold_dtype). The host and GPU tiers keep float32, the step stamp stays exact. A
     row is rounded each time it is written to RocksDB (spilled, flushed, written through),
     so a row whose only copy is on disk, and a snapshot of it, holds the rounded values
-    (core/codec.py). float16 state is refused for the optimizers whose state is a sum of
-    squared gradients (Adagrad's accumulator, Adam's v, FTRL's n): it overflows above 65,504
-    and underflows below 6e-8; take float16 weights with cold_state_dtype="float32" (or
-    "bfloat16", float32's range) there.
+    (core/codec.py). float16 state is refused for the optimizers whose state sums squared
+    gradients (their squares_state: Adagrad's accumulator, Adam's and RMSprop's v, FTRL's
+    n): it overflows above 65,504 and underflows below 6e-8; take float16 weights with
+    cold_state_dtype="float32" (or "bfloat16", float32's range) there.
     """
 
     name: str
@@ -235,11 +229,11 @@ class TableConfig:
                     f"{owner}: field '{name}' expected one of {list(allowed)}, got "
                     f"{getattr(self, name)!r}"
                 )
-        kind = self.optimizer.kind
-        if self.cold_state == "float16" and kind in SQUARES_STATE:
+        kind, squares = self.optimizer.kind, self.optimizer.squares_state
+        if self.cold_state == "float16" and squares:
             raise ValueError(
                 f"{owner}: field 'cold_state_dtype' expected 'float32' or 'bfloat16' with "
-                f"{kind} (its {SQUARES_STATE[kind]} outgrows float16's 65,504 or falls below its "
+                f"{kind} (its {squares} outgrows float16's 65,504 or falls below its "
                 f"6e-8), got float16 (from cold_dtype={self.cold_dtype!r}, "
                 f"cold_state_dtype={self.cold_state_dtype!r}); for half-size weights keep the "
                 f"state wider: cold_dtype='float16', cold_state_dtype='float32'"

@@ -12,6 +12,8 @@ Formulas (g: gradient, w: weights, t: the step passed in, counted from 1):
 - Adagrad:   s += g*g;  w -= lr * g / (sqrt(s) + eps)          (torch.optim.Adagrad)
 - Adam:      m += (1-b1)(g-m);  v += (1-b2)(g*g-v);
              w -= lr * sqrt(1-b2**t)/(1-b1**t) * m / (sqrt(v) + eps)   (torch.optim.SparseAdam)
+- RMSprop:   v = alpha*v + (1-alpha)*g*g;  w -= lr * g / (sqrt(v) + eps)
+             (torch.optim.RMSprop without momentum or centering)
 - FTRL:      FTRL-Proximal (McMahan et al. 2013) as TensorFlow's ApplyFtrl: n' = n + g*g;
              z += g - (n'**-p - n**-p)/lr * w;  w = (sign(z)*l1 - z) / (n'**-p/lr + 2*l2)
              where |z| > l1, else 0;  n = n'   (p = lr_power)
@@ -22,12 +24,20 @@ gradient into NaN or inf by itself - Adagrad with eps and initial_accumulator_va
 divides 0 by 0 at the first zero gradient component; FTRL whose first n**-p is 0 (or inf)
 with l2 = 0 divides by 0. What finite configs can still overflow with extreme gradients
 (1e20 squared is inf in float32) is refused per push instead (EmbeddingTable.apply_gradients).
+
+The registry: an optimizer is one class here, registered by `@register` under its `kind`
+in OPTIMIZERS - its hyper-parameters and their checks, its state slots and their fill, the
+numpy reference update, and the torch.optim optimizer it equals (`torch_reference`, for the
+parity tests). Its fused updates are registered against the same kind by the kernel
+modules: the CUDA kernel in storage/kernels.py (FUSED), its numba twin in
+storage/host_kernels.py. Configs, the wire, the kernels and the tests read OPTIMIZERS.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -56,19 +66,76 @@ def _f32(value: float) -> float:
 
 
 @dataclass(frozen=True)
-class SGD:
+class TorchReference:
+    """The torch.optim optimizer a config equals, for the parity tests (tests/optimizers.py
+    builds it; torch is not needed here)."""
+
+    name: str  # torch.optim.<name>
+    arguments: Callable[[Any], dict[str, Any]]  # config -> that class's keyword arguments
+    # The names of torch's per-parameter state tensors that equal the state slots, in order.
+    state: tuple[str, ...]
+    # True: it takes the sparse gradient of nn.Embedding(sparse=True) and, as tierps does,
+    # changes only the rows in it. False: it takes dense gradients and would also move or
+    # decay the rows a step leaves out; tierps equals it with one torch parameter per row
+    # whose grad stays None when a step leaves the row out (torch.optim skips those).
+    sparse: bool
+
+
+class Optimizer:
+    """What every registered optimizer config declares (each is a frozen dataclass of its
+    hyper-parameters, checking itself in __post_init__)."""
+
+    kind: ClassVar[str]  # its name in OPTIMIZERS, on the wire and in snapshots
+    size_factor: ClassVar[int]  # slots of dim a row holds: the weights and each state slot
+    # The state slot that sums or averages squared gradients, named for the refusal of
+    # float16 cold state (it outgrows float16's 65,504); "" where there is none.
+    squares_state: ClassVar[str] = ""
+    torch_reference: ClassVar[TorchReference | None]  # None: no torch.optim counterpart
+
+    def state_fill(self) -> tuple[float, ...]:
+        """Initial value of each state slot (after the weights)."""
+        raise NotImplementedError
+
+    def apply(self, rows: Any, grads: Any, step: int) -> None:
+        """One lazy step in place on rows [n, size_factor*dim] with summed gradients [n, dim]
+        of n unique keys, at `step` (counted from 1): the numpy (or cupy) reference."""
+        raise NotImplementedError
+
+
+OPTIMIZERS: dict[str, type[Optimizer]] = {}
+"""Every optimizer, by kind: the one list configs, the wire, the kernels and tests read."""
+
+_Registered = TypeVar("_Registered", bound=type[Optimizer])
+
+
+def register(cls: _Registered) -> _Registered:
+    """Add an optimizer config class to OPTIMIZERS under its kind (each kind once)."""
+    if cls.kind in OPTIMIZERS:
+        raise ValueError(
+            f"optim.register: kind {cls.kind!r} expected once, got {cls.__name__} beside "
+            f"{OPTIMIZERS[cls.kind].__name__}"
+        )
+    OPTIMIZERS[cls.kind] = cls
+    return cls
+
+
+@register
+@dataclass(frozen=True)
+class SGD(Optimizer):
     """Plain SGD. Slots: weights."""
 
     lr: float = 1e-3
     kind: ClassVar[str] = "sgd"
     size_factor: ClassVar[int] = 1
+    torch_reference: ClassVar[TorchReference | None] = TorchReference(
+        "SGD", lambda c: {"lr": c.lr}, state=(), sparse=True
+    )
 
     def __post_init__(self) -> None:
         check_range("optim.SGD", "lr", self.lr, 0.0, _INF, low_open=True)
         _check_float32(self)
 
     def state_fill(self) -> tuple[float, ...]:
-        """Initial value of each state slot (after the weights)."""
         return ()
 
     def apply(self, rows: Any, grads: Any, step: int) -> None:
@@ -76,8 +143,9 @@ class SGD:
         rows[:, :dim] -= self.lr * grads
 
 
+@register
 @dataclass(frozen=True)
-class Momentum:
+class Momentum(Optimizer):
     """Heavy-ball momentum without dampening. Slots: weights, momentum buffer."""
 
     lr: float = 1e-3
@@ -85,6 +153,12 @@ class Momentum:
     kind: ClassVar[str] = "momentum"
     size_factor: ClassVar[int] = 2
     nesterov: ClassVar[bool] = False
+    torch_reference: ClassVar[TorchReference | None] = TorchReference(
+        "SGD",
+        lambda c: {"lr": c.lr, "momentum": c.momentum, "nesterov": c.nesterov},
+        state=("momentum_buffer",),
+        sparse=False,
+    )
 
     def __post_init__(self) -> None:
         owner = f"optim.{type(self).__name__}"
@@ -103,6 +177,7 @@ class Momentum:
         weights -= self.lr * (grads + self.momentum * buf if self.nesterov else buf)
 
 
+@register
 @dataclass(frozen=True)
 class Nesterov(Momentum):
     """Nesterov momentum, as torch.optim.SGD(nesterov=True). Slots: weights, momentum buffer."""
@@ -111,8 +186,9 @@ class Nesterov(Momentum):
     nesterov: ClassVar[bool] = True
 
 
+@register
 @dataclass(frozen=True)
-class Adagrad:
+class Adagrad(Optimizer):
     """Adagrad (torch's defaults, no lr decay). Slots: weights, sum of squared gradients."""
 
     lr: float = 1e-2
@@ -120,6 +196,17 @@ class Adagrad:
     initial_accumulator_value: float = 0.0
     kind: ClassVar[str] = "adagrad"
     size_factor: ClassVar[int] = 2
+    squares_state: ClassVar[str] = "accumulator (a sum of squared gradients)"
+    torch_reference: ClassVar[TorchReference | None] = TorchReference(
+        "Adagrad",
+        lambda c: {
+            "lr": c.lr,
+            "eps": c.eps,
+            "initial_accumulator_value": c.initial_accumulator_value,
+        },
+        state=("sum",),
+        sparse=True,
+    )
 
     def __post_init__(self) -> None:
         check_range("optim.Adagrad", "lr", self.lr, 0.0, _INF, low_open=True)
@@ -148,8 +235,9 @@ class Adagrad:
         weights -= self.lr * grads / (xp.sqrt(accum) + self.eps)
 
 
+@register
 @dataclass(frozen=True)
-class Adam:
+class Adam(Optimizer):
     """Adam with lazy moments, as torch.optim.SparseAdam. Slots: weights, m, v."""
 
     lr: float = 1e-3
@@ -158,6 +246,13 @@ class Adam:
     eps: float = 1e-8
     kind: ClassVar[str] = "adam"
     size_factor: ClassVar[int] = 3
+    squares_state: ClassVar[str] = "second moment v"
+    torch_reference: ClassVar[TorchReference | None] = TorchReference(
+        "SparseAdam",
+        lambda c: {"lr": c.lr, "betas": (c.beta1, c.beta2), "eps": c.eps},
+        state=("exp_avg", "exp_avg_sq"),
+        sparse=True,
+    )
 
     def __post_init__(self) -> None:
         check_range("optim.Adam", "lr", self.lr, 0.0, _INF, low_open=True)
@@ -185,8 +280,53 @@ class Adam:
         weights -= step_size * (m / (xp.sqrt(v) + self.eps))
 
 
+@register
 @dataclass(frozen=True)
-class FTRL:
+class RMSprop(Optimizer):
+    """RMSprop as torch.optim.RMSprop (its defaults; no momentum, not centered: either
+    would add a state slot only some configs use, and a kind's slots are fixed). Slots:
+    weights, running mean of squared gradients v."""
+
+    lr: float = 1e-2
+    alpha: float = 0.99
+    eps: float = 1e-8
+    kind: ClassVar[str] = "rmsprop"
+    size_factor: ClassVar[int] = 2
+    squares_state: ClassVar[str] = "running mean of squared gradients v"
+    torch_reference: ClassVar[TorchReference | None] = TorchReference(
+        "RMSprop",
+        lambda c: {"lr": c.lr, "alpha": c.alpha, "eps": c.eps},
+        state=("square_avg",),
+        sparse=False,
+    )
+
+    def __post_init__(self) -> None:
+        check_range("optim.RMSprop", "lr", self.lr, 0.0, _INF, low_open=True)
+        check_range("optim.RMSprop", "alpha", self.alpha, 0.0, 1.0, high_open=True)
+        check_range("optim.RMSprop", "eps", self.eps, 0.0, _INF, low_open=True)
+        _check_float32(self)
+        if _f32(self.eps) == 0.0:  # g / (sqrt(v) + eps) at g = v = 0 is 0 / 0
+            raise ValueError(
+                f"optim.RMSprop: field 'eps' expected > 0 as float32 (>= {_f32(1e-45):.3g}; "
+                f"else a zero gradient component of a fresh row gives 0 / (sqrt(0) + 0) = "
+                f"NaN), got {self.eps!r}"
+            )
+
+    def state_fill(self) -> tuple[float, ...]:
+        return (0.0,)
+
+    def apply(self, rows: Any, grads: Any, step: int) -> None:
+        xp = array_module(rows)
+        dim = grads.shape[1]
+        weights, v = rows[:, :dim], rows[:, dim : 2 * dim]
+        v *= self.alpha
+        v += (1.0 - self.alpha) * (grads * grads)
+        weights -= self.lr * (grads / (xp.sqrt(v) + self.eps))
+
+
+@register
+@dataclass(frozen=True)
+class FTRL(Optimizer):
     """FTRL-Proximal (TensorFlow's defaults; lr as Keras' Ftrl). Slots: weights, n, z."""
 
     lr: float = 1e-3
@@ -196,6 +336,9 @@ class FTRL:
     initial_accumulator_value: float = 0.1
     kind: ClassVar[str] = "ftrl"
     size_factor: ClassVar[int] = 3
+    squares_state: ClassVar[str] = "sum of squared gradients n"
+    # torch has no FTRL: the parity tests check it against TensorFlow's ApplyFtrl instead
+    torch_reference: ClassVar[TorchReference | None] = None
 
     def __post_init__(self) -> None:
         check_range("optim.FTRL", "lr", self.lr, 0.0, _INF, low_open=True)
@@ -236,8 +379,3 @@ class FTRL:
         weights[...] = xp.where(xp.abs(z) > self.l1, (xp.sign(z) * self.l1 - z) / quadratic, 0.0)
         n[...] = n_new
 
-
-Optimizer = SGD | Momentum | Nesterov | Adagrad | Adam | FTRL
-OPTIMIZERS: dict[str, type] = {
-    cls.kind: cls for cls in (SGD, Momentum, Nesterov, Adagrad, Adam, FTRL)
-}

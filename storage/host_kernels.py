@@ -23,12 +23,13 @@ contraction or reassociation: results match numpy's to the rounding of sqrt and 
 from __future__ import annotations
 
 import platform
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from tierps.core import init
+from tierps.core import init, optim
 from tierps.core.compiled import (
     CARRY,
     EXPONENT,
@@ -59,14 +60,14 @@ AHEAD = 8  # rows (or slots) a kernel prefetches ahead: random rows cost memory 
 # np.take at dim 64, 0.40-0.45x -> 0.48-0.49x at dim 16; home + 1 gained half as much,
 # a longer lead (slots or rows), group prefetching and a branch-free probe did not gain.
 PROBE_SPAN = 2
-TRAIN_AHEAD = 4  # rows k_train prefetches ahead (12 cache lines each for Adam at dim 64)
+TRAIN_AHEAD = 4  # rows the training loops prefetch ahead (12 lines each for Adam at dim 64)
 # and their dirty flags' lines: measured with cold caches on 65,536 random rows of 1M,
-# k_train 1.35-1.45x faster at SGD dim 16 (a row is one line, its flag another), 1.04x at
+# the loop 1.35-1.45x faster at SGD dim 16 (a row is one line, its flag another), 1.04x at
 # Adam dim 64; 6 rows ahead instead of 4 measured the same
 RING = 16  # k_lookup's ring of the slots in flight: a power of two > AHEAD
 STREAM_BYTES = 4 << 20  # outputs this large are written by non-temporal stores (_streams)
 LINE = 64  # bytes of a cache line
-# k_train saves rows of this many bytes or more by non-temporal stores (where _streams):
+# the training loops save rows of this many bytes or more by non-temporal stores (where _streams):
 # measured on 65,536 random rows, faster at 768 bytes, alike at 256-384, 1.2-1.7x slower
 # at 64-192 (a line or a few a row, between random reads)
 TRAIN_STREAM_BYTES = 512
@@ -411,8 +412,70 @@ if numba is not None:
                 scores[slots[i]] = tick
 
     # ---------------------------------------------------------------- optimizers
-    # kind: 0 SGD, 1 momentum, 2 Nesterov, 3 Adagrad, 4 Adam, 5 FTRL (p: see kernels.py
-    # optimizer_args: the same float32 hyper-parameters in the same order).
+    # The numba twin of each optimizer kernel of kernels.SOURCE, registered under the CUDA
+    # kernel's name: the new [weights | state] of row r (gradient row i) into
+    # new[:size*dim], from p, the kernel's hyper-parameters as float32 in its order
+    # (kernels.FUSED). They live in this file because numba keys a cached kernel on its
+    # own file only: the training loops that inline them are cached here too, so editing
+    # one recompiles them.
+
+    ROW_UPDATES: dict[str, Callable] = {}
+
+    def _twin(kernel: str) -> Callable[[Callable], Callable]:
+        def register(update: Callable) -> Callable:
+            ROW_UPDATES[kernel] = compiled = jit_kernel(update)
+            return compiled
+
+        return register
+
+    @_twin("tierps_sgd")
+    def _sgd_row(arena, r, g, i, dim, p, new):
+        lr = p[0]
+        for c in range(dim):
+            new[c] = arena[r, c] - lr * g[i, c]
+
+    @_twin("tierps_momentum")
+    def _momentum_row(arena, r, g, i, dim, p, new):
+        lr, momentum, nesterov = p[0], p[1], p[2] != 0
+        for c in range(dim):
+            gc = g[i, c]
+            b = arena[r, dim + c] * momentum
+            b = b + gc
+            new[dim + c] = b
+            update = gc + momentum * b if nesterov else b
+            new[c] = arena[r, c] - lr * update
+
+    @_twin("tierps_adagrad")
+    def _adagrad_row(arena, r, g, i, dim, p, new):
+        lr, eps = p[0], p[1]
+        for c in range(dim):
+            gc = g[i, c]
+            s = arena[r, dim + c] + gc * gc
+            new[dim + c] = s
+            new[c] = arena[r, c] - (lr * gc) / (np.sqrt(s) + eps)
+
+    @_twin("tierps_adam")
+    def _adam_row(arena, r, g, i, dim, p, new):
+        b1, b2, step_size, eps = p[0], p[1], p[2], p[3]
+        for c in range(dim):
+            gc = g[i, c]
+            m = arena[r, dim + c]
+            v = arena[r, 2 * dim + c]
+            mc = m + b1 * (gc - m)
+            vc = v + b2 * (gc * gc - v)
+            new[dim + c] = mc
+            new[2 * dim + c] = vc
+            new[c] = arena[r, c] - step_size * (mc / (np.sqrt(vc) + eps))
+
+    @_twin("tierps_rmsprop")
+    def _rmsprop_row(arena, r, g, i, dim, p, new):
+        lr, alpha, one_minus_alpha, eps = p[0], p[1], p[2], p[3]
+        for c in range(dim):
+            gc = g[i, c]
+            v = arena[r, dim + c] * alpha
+            v = v + one_minus_alpha * (gc * gc)
+            new[dim + c] = v
+            new[c] = arena[r, c] - lr * (gc / (np.sqrt(v) + eps))
 
     @jit_kernel
     def _pow(x, p, use_sqrt):
@@ -420,70 +483,36 @@ if numba is not None:
             return np.sqrt(x)
         return x**p
 
-    @jit_kernel
-    def _update_row(kind, arena, r, g, i, dim, p, new):
-        """The new [weights | state] of row r (gradient row i) into new[:size*dim]."""
-        if kind == 0:
-            lr = p[0]
-            for c in range(dim):
-                new[c] = arena[r, c] - lr * g[i, c]
-        elif kind == 1 or kind == 2:
-            lr, momentum = p[0], p[1]
-            for c in range(dim):
-                gc = g[i, c]
-                b = arena[r, dim + c] * momentum
-                b = b + gc
-                new[dim + c] = b
-                update = gc + momentum * b if kind == 2 else b
-                new[c] = arena[r, c] - lr * update
-        elif kind == 3:
-            lr, eps = p[0], p[1]
-            for c in range(dim):
-                gc = g[i, c]
-                s = arena[r, dim + c] + gc * gc
-                new[dim + c] = s
-                new[c] = arena[r, c] - (lr * gc) / (np.sqrt(s) + eps)
-        elif kind == 4:
-            b1, b2, step_size, eps = p[0], p[1], p[2], p[3]
-            for c in range(dim):
-                gc = g[i, c]
-                m = arena[r, dim + c]
-                v = arena[r, 2 * dim + c]
-                mc = m + b1 * (gc - m)
-                vc = v + b2 * (gc * gc - v)
-                new[dim + c] = mc
-                new[2 * dim + c] = vc
-                new[c] = arena[r, c] - step_size * (mc / (np.sqrt(vc) + eps))
-        else:
-            lr, power, use_sqrt, l1, two_l2 = p[0], p[1], p[2] != 0, p[3], p[4]
-            zero = np.float32(0.0)
-            for c in range(dim):
-                gc = g[i, c]
-                n_old = arena[r, dim + c]
-                n_new = n_old + gc * gc
-                p_new = _pow(n_new, power, use_sqrt)
-                p_old = _pow(n_old, power, use_sqrt)
-                zc = arena[r, 2 * dim + c] + (gc - ((p_new - p_old) / lr) * arena[r, c])
-                new[2 * dim + c] = zc
-                quadratic = p_new / lr + two_l2
-                sign = np.float32(int(zc > zero) - int(zc < zero))
-                new[c] = (sign * l1 - zc) / quadratic if abs(zc) > l1 else zero
-                new[dim + c] = n_new
+    @_twin("tierps_ftrl")
+    def _ftrl_row(arena, r, g, i, dim, p, new):
+        lr, power, use_sqrt, l1, two_l2 = p[0], p[1], p[2] != 0, p[3], p[4]
+        zero = np.float32(0.0)
+        for c in range(dim):
+            gc = g[i, c]
+            n_old = arena[r, dim + c]
+            n_new = n_old + gc * gc
+            p_new = _pow(n_new, power, use_sqrt)
+            p_old = _pow(n_old, power, use_sqrt)
+            zc = arena[r, 2 * dim + c] + (gc - ((p_new - p_old) / lr) * arena[r, c])
+            new[2 * dim + c] = zc
+            quadratic = p_new / lr + two_l2
+            sign = np.float32(int(zc > zero) - int(zc < zero))
+            new[c] = (sign * l1 - zc) / quadratic if abs(zc) > l1 else zero
+            new[dim + c] = n_new
 
-    @jit_kernel
-    def k_train(
-        kind, arena, ids, grads, p, size, refuse, backup, was_dirty, stamp, has_stamp,
-        row_width, dirty,
+    def _train(
+        arena, ids, grads, p, size, refuse, backup, was_dirty, stamp, has_stamp, row_width,
+        dirty,
     ):  # fmt: skip
         """One optimizer step in place on rows arena[ids] (unique) with grads [n, dim];
-        size: weight and state slots. Row by row: the new values are computed, and with
-        refuse, checked to be finite; the row's first backup.shape[1] floats are saved
-        in backup[i] (by non-temporal stores when wide: it is read again only to undo)
-        and its dirty flag in was_dirty[i]; then the new values, the stamp (has_stamp:
-        arena[r, row_width:] = stamp, the step slots) and the dirty flag are written. A
-        row with a non-finite value stops the pass: the rows and flags written so far are
-        put back from backup and was_dirty and its index i returned, nothing changed.
-        Else -1."""
+        size: weight and state slots. Row by row: the new values are computed
+        (_update_row: this copy's row update), and with refuse, checked to be finite; the
+        row's first backup.shape[1] floats are saved in backup[i] (by non-temporal stores
+        when wide: it is read again only to undo) and its dirty flag in was_dirty[i];
+        then the new values, the stamp (has_stamp: arena[r, row_width:] = stamp, the step
+        slots) and the dirty flag are written. A row with a non-finite value stops the
+        pass: the rows and flags written so far are put back from backup and was_dirty and
+        its index i returned, nothing changed. Else -1."""
         n, dim = grads.shape
         width = size * dim
         saved = backup.shape[1]
@@ -499,7 +528,7 @@ if numba is not None:
                 # its dirty flag too: read and written below, a random line of its own
                 _prefetch_for_write(dirty, _at(dirty, ahead))
             r = ids[i]
-            _update_row(kind, arena, r, grads, i, dim, p, new)
+            _update_row(arena, r, grads, i, dim, p, new)  # noqa: F821 - each copy's global
             if refuse:
                 carry = np.uint32(0)  # bit 31 set by a value whose exponent bits are all set
                 for c in range(width):
@@ -526,6 +555,26 @@ if numba is not None:
             _store_fence()
         return -1
 
+    def _training_loop(kernel: str, update: Callable) -> Callable:
+        """_train compiled for one row update: a copy of it whose global _update_row is
+        `update`, so that the update is inlined with no per-row dispatch. A copy and not
+        a closure: numba keys a closure's disk cache on a pickle of its cells, and a
+        compiled function pickles with an id made afresh in each process, so a closure
+        would compile again in every process. The copy's own name keeps its cache
+        entries apart from the other copies'."""
+        name = f"k_train_{kernel.removeprefix('tierps_')}"
+        copy = types.FunctionType(
+            _train.__code__, {**globals(), "_update_row": update}, name, None, None
+        )
+        copy.__qualname__ = name
+        copy.__doc__ = _train.__doc__
+        return jit_kernel(copy)
+
+    TRAINERS: dict[str, Callable] = {
+        kernel: _training_loop(kernel, update) for kernel, update in ROW_UPDATES.items()
+    }
+    """The compiled training loop of every optimizer kernel, by the CUDA kernel's name."""
+
     @jit_kernel
     def k_uniform_rows(keys, stream, span, low, below_high, out, fills, dim):
         """init.Uniform's weights into out[:, :dim] (bit for bit the numpy code:
@@ -548,15 +597,6 @@ def _null(array: Any, dtype: Any) -> tuple[Any, bool]:
     if array is None:
         return np.empty(1, dtype=dtype), False
     return array, True
-
-
-_OPTIMIZER_KINDS = {
-    "tierps_sgd": 0,
-    "tierps_momentum": 1,  # + nesterov flag: 2
-    "tierps_adagrad": 3,
-    "tierps_adam": 4,
-    "tierps_ftrl": 5,
-}
 
 
 class NumbaLauncher:
@@ -582,39 +622,49 @@ class NumbaLauncher:
             table, values, mask, keys, n, arena, _, out, _, width, _, _, zero, slots = args
             slots, given = _null(slots, np.int64)
             k_find_rows(table, values, mask, keys, n, arena, out, width, zero, slots, given)
-        elif name in _OPTIMIZER_KINDS:
+        elif name in _KERNEL_SLOTS:
             arena, _, ids, grads, n, dim, _, *hyper = args
-            kind = _OPTIMIZER_KINDS[name]
-            if name == "tierps_momentum" and hyper[2]:
-                kind = 2
-            params = np.array([float(h) for h in hyper], dtype=np.float32)
-            width = arena.shape[1]
-            size = optimizer_slots(kind)
             empty = np.empty((n, 0), np.float32)  # nothing to put back: no refusal
             dirty = np.empty(arena.shape[0], dtype=bool)  # scratch: fused_apply sets none
-            k_train(kind, arena, ids, grads[:n, :dim], params, size, False, empty,
-                    np.empty(n, bool), np.empty(0, np.float32), False, width, dirty)  # fmt: skip
+            _trainer(name)(arena, ids, grads[:n, :dim], _float32(hyper), _KERNEL_SLOTS[name],
+                           False, empty, np.empty(n, bool), np.empty(0, np.float32), False,
+                           arena.shape[1], dirty)  # fmt: skip
         else:
             raise ValueError(f"host kernels: field 'name' expected a kernel name, got {name!r}")
 
 
-def optimizer_slots(kind: int) -> int:
-    """Weight and state slots an optimizer kind updates."""
-    return (1, 2, 2, 2, 3, 3)[kind]
+def _float32(hyper: Sequence[Any]) -> np.ndarray:
+    """A kernel's hyper-parameters as the float32 array the numba twins read."""
+    return np.array([float(h) for h in hyper], dtype=np.float32)
 
 
-def optimizer_kind(optimizer: Any, step: int) -> tuple[int, np.ndarray] | None:
-    """(kind, float32 hyper-parameters) for k_train, the same values the CUDA kernels get
-    (kernels.optimizer_args), or None where there is no fused update."""
+# Weight and state slots each optimizer kernel updates (optimizers sharing a kernel share
+# their slots): what a launch of it, which passes none, trains.
+_KERNEL_SLOTS = {
+    fused.kernel: optim.OPTIMIZERS[kind].size_factor for kind, fused in kernels.FUSED.items()
+}
+
+
+def fused_trainer(optimizer: Any, step: int) -> tuple[Callable, np.ndarray] | None:
+    """(the compiled training loop of this optimizer, its float32 hyper-parameters for
+    `step`: the values its CUDA kernel gets), or None where it has no fused update (see
+    kernels.fused_update). Call the loop as _train's docstring says."""
     found = kernels.optimizer_args(optimizer, step)
     if found is None:
         return None
-    name, hyper = found
-    kind = _OPTIMIZER_KINDS[name]
-    if name == "tierps_momentum" and hyper[2]:
-        kind = 2
-        hyper = hyper[:2]
-    return kind, np.array([float(h) for h in hyper], dtype=np.float32)
+    kernel, hyper = found
+    return _trainer(kernel), _float32(hyper)
+
+
+def _trainer(kernel: str) -> Callable:
+    """The training loop of an optimizer kernel; a kernel without a numba twin is an error."""
+    train = TRAINERS.get(kernel)
+    if train is None:
+        raise LookupError(
+            f"host kernels: optimizer kernel {kernel!r} expected a numba twin in "
+            f"host_kernels.ROW_UPDATES (every kernel of kernels.FUSED has one), got none"
+        )
+    return train
 
 
 _launcher: NumbaLauncher | None = None

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -304,6 +305,24 @@ extern "C" __global__ void tierps_adam(float* arena, long long stride,
     }
 }
 
+/* RMSprop (torch.optim.RMSprop, no momentum, not centered): v = alpha * v + (1 - alpha) g*g;
+   w -= lr * g / (sqrt(v) + eps). */
+extern "C" __global__ void tierps_rmsprop(float* arena, long long stride,
+                                          const long long* __restrict__ ids,
+                                          const float* __restrict__ grads, long long n,
+                                          long long dim, int lane_shift, float lr, float alpha,
+                                          float one_minus_alpha, float eps) {
+    TIERPS_ROW_THREAD
+    float* avg = w + dim;
+    for (long long c = t & (lanes - 1); c < dim; c += lanes) {
+        const float gc = g[c];
+        float v = avg[c] * alpha;
+        v = v + one_minus_alpha * (gc * gc);
+        avg[c] = v;
+        w[c] = w[c] - lr * (gc / (sqrtf(v) + eps));
+    }
+}
+
 /* FTRL-Proximal as optim.FTRL: n' = n + g*g; z += g - (n'^p - n^p) / lr * w;
    w = (sign(z) * l1 - z) / (n'^p / lr + 2 * l2) where |z| > l1, else 0; n = n'.
    p = -lr_power; numpy computes x ** 0.5 as sqrt(x), so p == 0.5 does too (use_sqrt). */
@@ -334,19 +353,6 @@ extern "C" __global__ void tierps_ftrl(float* arena, long long stride,
     }
 }
 """
-
-KERNEL_NAMES = (
-    "tierps_find",
-    "tierps_claim",
-    "tierps_upsert",
-    "tierps_find_rows",
-    "tierps_sgd",
-    "tierps_momentum",
-    "tierps_adagrad",
-    "tierps_adam",
-    "tierps_ftrl",
-)
-
 
 class Launcher(Protocol):
     """Runs kernel `name` over `threads` threads (1-D). `args` are arrays (passed as device
@@ -655,36 +661,76 @@ def find_rows(
 _F32 = np.float32
 
 
+@dataclass(frozen=True)
+class FusedUpdate:
+    """An optimizer's fused step: the CUDA kernel in SOURCE that runs it, and its
+    hyper-parameters for a step in that kernel's order and types (float32 for a float:
+    numpy rounds a Python float so in float32 arithmetic). storage/host_kernels.py's numba
+    twin of the kernel takes the same values."""
+
+    kernel: str
+    arguments: Callable[[Any, int], tuple[Any, ...]]  # (optimizer config, step) -> values
+
+
+def _adam_arguments(opt: Any, step: int) -> tuple[Any, ...]:
+    # As optim.Adam.apply: these are Python (double) expressions rounded once to float32.
+    step_size = opt.lr * (1.0 - opt.beta2**step) ** 0.5 / (1.0 - opt.beta1**step)
+    return _F32(1.0 - opt.beta1), _F32(1.0 - opt.beta2), _F32(step_size), _F32(opt.eps)
+
+
+def _ftrl_arguments(opt: Any, step: int) -> tuple[Any, ...]:
+    power = -opt.lr_power
+    use_sqrt = np.int32(1 if power == 0.5 else 0)
+    return _F32(opt.lr), _F32(power), use_sqrt, _F32(opt.l1), _F32(2.0 * opt.l2)
+
+
+FUSED: dict[str, FusedUpdate] = {
+    "sgd": FusedUpdate("tierps_sgd", lambda opt, step: (_F32(opt.lr),)),
+    "momentum": FusedUpdate(
+        "tierps_momentum", lambda opt, step: (_F32(opt.lr), _F32(opt.momentum), np.int32(0))
+    ),
+    "nesterov": FusedUpdate(
+        "tierps_momentum", lambda opt, step: (_F32(opt.lr), _F32(opt.momentum), np.int32(1))
+    ),
+    "adagrad": FusedUpdate("tierps_adagrad", lambda opt, step: (_F32(opt.lr), _F32(opt.eps))),
+    "adam": FusedUpdate("tierps_adam", _adam_arguments),
+    "rmsprop": FusedUpdate(
+        "tierps_rmsprop",
+        lambda opt, step: (_F32(opt.lr), _F32(opt.alpha), _F32(1.0 - opt.alpha), _F32(opt.eps)),
+    ),
+    "ftrl": FusedUpdate("tierps_ftrl", _ftrl_arguments),
+}
+"""The fused update of every optimizer of optim.OPTIMIZERS, by kind."""
+
+KERNEL_NAMES = (
+    "tierps_find",
+    "tierps_claim",
+    "tierps_upsert",
+    "tierps_find_rows",
+    *dict.fromkeys(fused.kernel for fused in FUSED.values()),
+)
+
+
+def fused_update(opt: Any) -> FusedUpdate | None:
+    """The fused update of an optimizer config, or None for a subclass of a registered
+    config (it may change apply(): only the generic path is right for it). A registered
+    optimizer without one is an error, not a silent fall back to the array code."""
+    if optim.OPTIMIZERS.get(opt.kind) is not type(opt):
+        return None
+    fused = FUSED.get(opt.kind)
+    if fused is None:
+        raise LookupError(
+            f"kernels: optimizer {opt.kind!r} expected a fused update in kernels.FUSED (a "
+            f"CUDA kernel and its arguments) as every optimizer of optim.OPTIMIZERS has, "
+            f"got none"
+        )
+    return fused
+
+
 def optimizer_args(opt: Any, step: int) -> tuple[str, tuple[Any, ...]] | None:
-    """(kernel, hyper-parameters) for an optimizer with a fused kernel, else None. Exact
-    types only: a subclass may change apply(), and then only the generic path is right."""
-    kind = type(opt)
-    if kind is optim.SGD:
-        return "tierps_sgd", (_F32(opt.lr),)
-    if kind is optim.Momentum or kind is optim.Nesterov:
-        nesterov = np.int32(1 if opt.nesterov else 0)
-        return "tierps_momentum", (_F32(opt.lr), _F32(opt.momentum), nesterov)
-    if kind is optim.Adagrad:
-        return "tierps_adagrad", (_F32(opt.lr), _F32(opt.eps))
-    if kind is optim.Adam:
-        # As optim.Adam.apply: these are Python (double) expressions rounded once to float32.
-        step_size = opt.lr * (1.0 - opt.beta2**step) ** 0.5 / (1.0 - opt.beta1**step)
-        return "tierps_adam", (
-            _F32(1.0 - opt.beta1),
-            _F32(1.0 - opt.beta2),
-            _F32(step_size),
-            _F32(opt.eps),
-        )
-    if kind is optim.FTRL:
-        power = -opt.lr_power
-        return "tierps_ftrl", (
-            _F32(opt.lr),
-            _F32(power),
-            np.int32(1 if power == 0.5 else 0),
-            _F32(opt.l1),
-            _F32(2.0 * opt.l2),
-        )
-    return None
+    """(kernel, hyper-parameters) of an optimizer's fused step, or None (fused_update)."""
+    fused = fused_update(opt)
+    return None if fused is None else (fused.kernel, fused.arguments(opt, step))
 
 
 def has_fused(optimizer: Any) -> bool:

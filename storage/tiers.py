@@ -412,7 +412,7 @@ class CacheTier(Tier):
         (steps_to_live > 0), or None. Hits are counted; misses are left to the find the
         cascade runs next for the other keys, so each key counts once."""
         if self.compiled:
-            fused = host_kernels.optimizer_kind(self.config.optimizer, step)
+            fused = host_kernels.fused_trainer(self.config.optimizer, step)
             if fused is not None:
                 return self._train_compiled(keys, grads, step, stamp, *fused)
         xp = self.xp
@@ -474,30 +474,30 @@ class CacheTier(Tier):
         grads: np.ndarray,
         step: int,
         stamp: int | None,
-        kind: int,
+        train: Callable[..., int],
         hyper: np.ndarray,
     ) -> tuple[np.ndarray, Callable[[], None] | None, np.ndarray | None]:
-        """train_resident on the host in one compiled pass over the rows (host_kernels.
-        k_train): each row's new values are checked finite before they are written, and
-        only the values the update touches (row_width floats per row, the step slots) are
-        saved, so a non-finite one puts the rows written before it back. The saved values
-        and dirty flags make the undo: the cascade's other keys, or another table of the
-        same push, may still fail after the pass."""
+        """train_resident on the host in one compiled pass over the rows (`train`, the
+        optimizer's loop from host_kernels.fused_trainer): each row's new values are
+        checked finite before they are written, and only the values the update touches
+        (row_width floats per row, the step slots) are saved, so a non-finite one puts the
+        rows written before it back. The saved values and dirty flags make the undo: the
+        cascade's other keys, or another table of the same push, may still fail after the
+        pass."""
         resident = self._touch_resident(keys)
         if resident is None:
             return np.empty(0, dtype=np.int64), None, None
         hit, everything, ids = resident
         resident_grads = np.ascontiguousarray(grads if everything else grads[hit], np.float32)
         width = self.config.row_width
-        size = host_kernels.optimizer_slots(kind)
+        size = self.config.optimizer.size_factor
         stamp_bits = step_bits(stamp) if stamp is not None else np.empty(0, np.float32)
         touched = width if stamp is None else self.width  # the step slots too
         # the saved values go to this tier's scratch (kept: fresh pages every push would
         # be zeroed by the kernel first); the undo that reads it runs within this push
         backup = self._scratch_rows(ids.size, touched)
         was_dirty = np.empty(ids.size, dtype=bool)
-        bad = host_kernels.k_train(
-            kind,
+        bad = train(
             self.arena,
             ids,
             resident_grads,
@@ -513,8 +513,7 @@ class CacheTier(Tier):
         )
         if bad >= 0:  # put back already; the trained rows, same arithmetic, for the refusal
             trained = np.take(self.arena, ids, axis=0)
-            host_kernels.k_train(
-                kind,
+            train(
                 trained,
                 np.arange(ids.size),
                 resident_grads,

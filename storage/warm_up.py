@@ -31,9 +31,9 @@ def warm_up() -> float:
     table.insert(keys)
     table.find(keys)
     table.find_rows(keys, np.zeros((8, 4), np.float32))
-    for opt in (optim.SGD(), optim.Momentum(), optim.Adagrad(), optim.Adam(), optim.FTRL()):
+    for optimizer in optim.OPTIMIZERS.values():  # each one's training loop
         for steps in (0, 4):
-            config = TableConfig("warm_up", 4, optimizer=opt, steps_to_live=steps)
+            config = TableConfig("warm_up", 4, optimizer=optimizer(), steps_to_live=steps)
             tier = CacheTier(config, 1 << 20, trains_in_place=True)
             rows = host_kernels.initial_rows(config, keys)
             if steps:

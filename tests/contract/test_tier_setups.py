@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import export_dict
+from tests.optimizers import EXAMPLES, each, kind_id
 from tierps.core.xp import gpu_module
 from tierps.storage import EmbeddingStore, TableConfig, init, optim
 from tierps.storage.fallbacks import Answer, RowOrigin, Stateless
@@ -110,14 +111,7 @@ GPU_SETUPS = {
     "gpu_direct": dict(gpu_cache_bytes=-8, use_hashtable=False, capacity=CAPACITY),
     "gpu_steps": dict(gpu_cache_bytes=-8, host_cache_bytes=-20, steps_to_live=10_000),
 }
-OPTIMIZERS = [
-    optim.SGD(lr=0.1),
-    optim.Momentum(lr=0.05, momentum=0.8),
-    optim.Nesterov(lr=0.05, momentum=0.8),
-    optim.Adagrad(lr=0.1, initial_accumulator_value=0.01),
-    optim.Adam(lr=0.01),
-    optim.FTRL(lr=0.1, l1=0.001, l2=0.01),
-]
+OPTIMIZERS = each()  # one of every registered optimizer
 
 
 def make_config(setup: str, optimizer: optim.Optimizer) -> TableConfig:
@@ -179,7 +173,7 @@ def assert_same_rows(table, reference: ReferenceTable) -> None:
         np.testing.assert_allclose(stored[key], row, atol=1e-6, err_msg=f"key {key}")
 
 
-@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.kind)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=kind_id)
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_setup_matches_unbounded_reference(
     tmp_path: Path, setup: str, optimizer: optim.Optimizer
@@ -210,7 +204,7 @@ def test_setup_matches_unbounded_reference(
 
 
 @pytest.mark.parametrize("arrays", ["numpy", "cupy"])
-@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.kind)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=kind_id)
 @pytest.mark.parametrize("setup", list(GPU_SETUPS))
 def test_gpu_setup_matches_unbounded_reference(
     tmp_path: Path, setup: str, optimizer: optim.Optimizer, arrays: str
@@ -313,7 +307,7 @@ class RefuseAbove(Stateless):
         return Answer(index, rows.astype(np.float32), origin)
 
 
-@pytest.mark.parametrize("optimizer", [OPTIMIZERS[0], OPTIMIZERS[4]], ids=lambda o: o.kind)
+@pytest.mark.parametrize("optimizer", [EXAMPLES["sgd"], EXAMPLES["adam"]], ids=kind_id)
 @pytest.mark.parametrize("setup", ["roomy", "tiny", "write_through", "direct"])
 def test_a_policy_added_from_outside_passes_the_contract(
     tmp_path: Path, setup: str, optimizer: optim.Optimizer

@@ -3,7 +3,8 @@ torch.nn.EmbeddingBag + torch.optim, step for step.
 
 For every combiner (sum, mean, weighted sum) x input format (dense -1-padded [B, nnz], CSR
 values + torch's offsets, COO with shuffled entries) x shard count (1: an in-process server;
-2 and 3: LocalCluster daemons) x optimizer (SGD, Adagrad, Adam = torch's SparseAdam), the same
+2 and 3: LocalCluster daemons) x optimizer (every registered one torch has: its
+torch_reference, stepped lazily as tierps steps, tests/optimizers.py's TorchTwin), the same
 random initial matrix is assigned to a table and given to torch; then every step pools a
 batch (repeated keys within and across bags, empty bags, padding) and pushes the same random
 gradient of the output. Each step's output and the final weights agree within 1e-5.
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import itertools
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
 
+from tests.optimizers import TorchTwin, each
 from tierps.client import COO, EmbeddingClient, Feature, TableConfig, init, optim
 from tierps.server.cluster import LocalCluster
 from tierps.server.config import ServerConfig
@@ -49,14 +51,9 @@ ATOL = 1e-5
 KEYS = (np.arange(V, dtype=np.int64) * 7919 + 13) ** 2 % (1 << 40)
 TIMEOUT_S = 30.0
 
-# (name, tierps optimizer, torch optimizer factory): the same hyperparameters on both sides.
-OPTIMIZERS: dict[str, tuple[Any, Callable[[list[Any]], Any]]] = {
-    "sgd": (optim.SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
-    "adagrad": (optim.Adagrad(lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1)),
-    "adam": (
-        optim.Adam(lr=0.01, beta1=0.8, beta2=0.95, eps=1e-6),
-        lambda p: torch.optim.SparseAdam(p, lr=0.01, betas=(0.8, 0.95), eps=1e-6),
-    ),
+# Every registered optimizer with a torch reference, by kind.
+OPTIMIZERS = {
+    optimizer.kind: optimizer for optimizer in each() if optimizer.torch_reference is not None
 }
 COMBINERS = {"sum": ("sum", False), "mean": ("mean", False), "weighted-sum": ("sum", True)}
 FORMATS = ("dense", "csr", "coo")
@@ -172,14 +169,14 @@ def test_lookup_pooled_and_push_match_torch_embedding_bag_and_optimizer(
     client: EmbeddingClient, combiner: str, fmt: str, optimizer: str
 ) -> None:
     mode, weighted = COMBINERS[combiner]
-    ours, make_theirs = OPTIMIZERS[optimizer]
+    ours = OPTIMIZERS[optimizer]
     name = table_name("parity", combiner, fmt, optimizer)
     rng = np.random.default_rng(zlib.crc32(f"{combiner} {fmt} {optimizer}".encode()))
     assert client.create_table(TableConfig(name, DIM, optimizer=ours)) is True
     start = initial_weights(rng)
     assert client.assign(name, KEYS, start) == V
     reference = torch_bag(start, mode)
-    theirs = make_theirs(list(reference.parameters()))
+    theirs = TorchTwin(ours, reference.weight)
 
     for step in range(STEPS):
         batch = make_batch(rng, fmt, weighted)
@@ -194,7 +191,7 @@ def test_lookup_pooled_and_push_match_torch_embedding_bag_and_optimizer(
         assert pooled.push_gradients(grad) == np.unique(rows[rows < V]).size
         theirs.zero_grad()
         expected.backward(torch.from_numpy(grad))
-        theirs.step()
+        theirs.step(rows[rows < V])
 
     final = client.lookup(name, KEYS, create=False)
     assert_close(final, reference.weight.detach()[:V], "final weights")
@@ -265,7 +262,7 @@ def test_torch_embedding_bag_module_matches_torch_nn_embedding_bag(
     client: EmbeddingClient, fmt: str
 ) -> None:
     name = table_name("module", fmt)
-    client.create_table(TableConfig(name, DIM, optimizer=OPTIMIZERS["adam"][0]))
+    client.create_table(TableConfig(name, DIM, optimizer=OPTIMIZERS["adam"]))
     rng = np.random.default_rng(3)
     start = initial_weights(rng)
     client.assign(name, KEYS, start)
@@ -274,7 +271,7 @@ def test_torch_embedding_bag_module_matches_torch_nn_embedding_bag(
         client, name, combiner="mean", include_last_offset=include_last
     )
     reference = torch_bag(start, "mean")
-    theirs = OPTIMIZERS["adam"][1](list(reference.parameters()))
+    theirs = TorchTwin(OPTIMIZERS["adam"], reference.weight)
     assert ours.training
 
     for step in range(3):
@@ -293,7 +290,8 @@ def test_torch_embedding_bag_module_matches_torch_nn_embedding_bag(
         (got * grad).sum().backward()  # pushes: the shards run Adam
         theirs.zero_grad()
         (want * grad).sum().backward()
-        theirs.step()
+        rows = batch.torch_input.numpy().reshape(-1)
+        theirs.step(rows[rows < V])
 
     assert_close(client.lookup(name, KEYS, create=False), reference.weight.detach()[:V], "final")
 
@@ -305,8 +303,8 @@ def test_torch_embedding_bag_collection_matches_functional_embedding_bags(
     functional embedding_bag over that table's weight; the tables train with Adagrad and
     SGD, as torch.optim.Adagrad and SGD train theirs."""
     first, second = table_name("ebc-adagrad"), table_name("ebc-sgd")
-    client.create_table(TableConfig(first, DIM, optimizer=OPTIMIZERS["adagrad"][0]))
-    client.create_table(TableConfig(second, DIM, optimizer=OPTIMIZERS["sgd"][0]))
+    client.create_table(TableConfig(first, DIM, optimizer=OPTIMIZERS["adagrad"]))
+    client.create_table(TableConfig(second, DIM, optimizer=OPTIMIZERS["sgd"]))
     rng = np.random.default_rng(5)
     starts = {first: initial_weights(rng), second: initial_weights(rng)}
     for name, start in starts.items():
@@ -321,10 +319,10 @@ def test_torch_embedding_bag_collection_matches_functional_embedding_bags(
         name: torch.nn.Parameter(torch.from_numpy(np.vstack([s, np.zeros((1, DIM), np.float32)])))
         for name, s in starts.items()
     }
-    theirs = [
-        OPTIMIZERS["adagrad"][1]([weights[first]]),
-        OPTIMIZERS["sgd"][1]([weights[second]]),
-    ]
+    theirs = {
+        first: TorchTwin(OPTIMIZERS["adagrad"], weights[first]),
+        second: TorchTwin(OPTIMIZERS["sgd"], weights[second]),
+    }
 
     for step in range(3):
         batches = {
@@ -342,8 +340,11 @@ def test_torch_embedding_bag_collection_matches_functional_embedding_bags(
                 "c": (batches["c"].keys, batches["c"].offsets),
             }
         )
+        touched: dict[str, list[np.ndarray]] = {first: [], second: []}
         for feature in features:
             batch = batches[feature.name]
+            rows = batch.torch_input.numpy().reshape(-1)
+            touched[feature.table].append(rows[rows < V])
             want = F.embedding_bag(
                 batch.torch_input.reshape(-1) if batch.offsets is None else batch.torch_input,
                 weights[feature.table],
@@ -358,9 +359,9 @@ def test_torch_embedding_bag_collection_matches_functional_embedding_bags(
             assert_close(got[feature.name].detach(), want.detach(), f"step {step} {feature.name}")
             (want * grads[feature.name]).sum().backward()
         sum((got[f] * grads[f]).sum() for f in "abc").backward()  # one push for all three
-        for optimizer in theirs:
-            optimizer.step()
-            optimizer.zero_grad()
+        for name, twin in theirs.items():
+            twin.step(np.concatenate(touched[name]))
+            twin.zero_grad()
 
     for name, weight in weights.items():
         assert_close(client.lookup(name, KEYS, create=False), weight.detach()[:V], name)

@@ -982,8 +982,8 @@ BAD_CONFIGS = {
     "dim 0": (config_message(dim=0), ["'dim'", "got 0"]),
     "dim too big": (config_message(dim=65537), ["'dim'", "65537"]),
     "unknown optimizer kind": (
-        config_message(optimizer_kind="rmsprop"),
-        ["'optimizer.kind'", "'rmsprop'", "adam"],
+        config_message(optimizer_kind="unregistered"),
+        ["'optimizer.kind'", "'unregistered'", "adam"],
     ),
     "unknown optimizer param": (config_message(optimizer_params={"momentum": 0.9}), ["momentum"]),
     "optimizer param out of range": (

@@ -72,7 +72,22 @@ def test_float32_values_are_the_memory_layout() -> None:
     np.testing.assert_array_equal(codec.decode(bytearray(rows.tobytes()), 2), rows)
 
 
-@pytest.mark.parametrize("optimizer", [optim.Adagrad(), optim.Adam(), optim.FTRL()])
+SQUARES = [cls() for cls in optim.OPTIMIZERS.values() if cls.squares_state]
+
+
+def test_the_optimizers_whose_state_sums_squares_say_so() -> None:
+    """Adagrad's accumulator, Adam's v and FTRL's n sum squared gradients (and every
+    optimizer declaring such a slot has a state slot to hold it)."""
+    assert {"adagrad", "adam", "ftrl"} <= {o.kind for o in SQUARES}
+    assert all(o.size_factor >= 2 for o in SQUARES)
+    for cls in optim.OPTIMIZERS.values():  # the others may keep float16 state
+        if not cls.squares_state:
+            assert TableConfig("t", 4, optimizer=cls(), cold_dtype="float16").cold_state == (
+                "float16"
+            )
+
+
+@pytest.mark.parametrize("optimizer", SQUARES, ids=lambda o: o.kind)
 def test_float16_state_of_squared_gradients_is_refused(optimizer: optim.Optimizer) -> None:
     with pytest.raises(ValueError, match="cold_state_dtype.*float16.*cold_state_dtype='float32'"):
         TableConfig("t", 4, optimizer=optimizer, cold_dtype="float16")

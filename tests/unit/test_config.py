@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.optimizers import each, kind_id
 from tierps.core.config import config_differences
 from tierps.storage import Eviction, TableConfig, WritePolicy, init, optim
 
@@ -57,17 +58,7 @@ def test_strings_become_enums_and_config_is_frozen() -> None:
         config.dim = 4  # type: ignore[misc]
 
 
-@pytest.mark.parametrize(
-    "optimizer",
-    [
-        optim.SGD(0.5),
-        optim.Momentum(0.1, 0.5),
-        optim.Nesterov(),
-        optim.Adagrad(initial_accumulator_value=0.2),
-        optim.Adam(beta1=0.5),
-        optim.FTRL(l1=0.1),
-    ],
-)
+@pytest.mark.parametrize("optimizer", each(), ids=kind_id)
 @pytest.mark.parametrize(
     "initializer",
     [
@@ -86,15 +77,15 @@ def test_dict_round_trip(optimizer, initializer) -> None:
 
 
 def test_row_width_follows_size_factor() -> None:
-    expected = {"sgd": 1, "momentum": 2, "nesterov": 2, "adagrad": 2, "adam": 3, "ftrl": 3}
-    for kind, cls in optim.OPTIMIZERS.items():
-        assert TableConfig("t", 16, optimizer=cls()).row_width == 16 * expected[kind]
+    for cls in optim.OPTIMIZERS.values():
+        assert TableConfig("t", 16, optimizer=cls()).row_width == 16 * cls.size_factor
+        assert len(cls().state_fill()) == cls.size_factor - 1
 
 
 def test_unknown_kind_in_dict_is_refused() -> None:
     data = TableConfig("t", 8).to_dict()
-    data["optimizer"] = {"kind": "rmsprop", "lr": 0.1}
-    with pytest.raises(ValueError, match=r"'optimizer.kind' expected one of .*'rmsprop'"):
+    data["optimizer"] = {"kind": "unregistered", "lr": 0.1}
+    with pytest.raises(ValueError, match=r"'optimizer.kind' expected one of .*'unregistered'"):
         TableConfig.from_dict(data)
 
 

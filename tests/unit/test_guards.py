@@ -604,6 +604,7 @@ BAD_CONFIGS = {
     ),
     "adam eps=0": (optim.Adam, dict(eps=0.0), ["'eps'"]),
     "adam eps 0 in float32": (optim.Adam, dict(eps=1e-46), ["'eps'", "float32"]),
+    "rmsprop eps 0 in float32": (optim.RMSprop, dict(eps=1e-46), ["'eps'", "float32"]),
     "ftrl n**-p = 0": (
         optim.FTRL,
         dict(initial_accumulator_value=0.0, l2=0.0),
@@ -659,6 +660,7 @@ GOOD_CONFIGS = {  # each one field away from a refused one: the guard is not too
     "adagrad eps=0 acc>0": optim.Adagrad(eps=0.0, initial_accumulator_value=0.1),
     "adagrad eps>0 acc=0": optim.Adagrad(eps=1e-10, initial_accumulator_value=0.0),
     "adam eps smallest float32": optim.Adam(eps=1.5e-45),
+    "rmsprop eps smallest float32": optim.RMSprop(eps=1.5e-45),
     "ftrl n**-p = 0 with l2>0": optim.FTRL(initial_accumulator_value=0.0, l2=0.1),
     "sgd lr float32 max": optim.SGD(lr=float(np.finfo(np.float32).max)),
 }

@@ -6,6 +6,7 @@ the Launcher) run in test_kernels.py under its "numba" backend."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.optimizers import each, kind_id
 from tierps.core import init, optim
 from tierps.core.compiled import ENV_SWITCH, all_distinct, first_non_finite_index, jit_kernel
 from tierps.core.config import TableConfig
@@ -101,17 +103,7 @@ def test_all_distinct_matches_unique() -> None:
     assert not all_distinct(np.repeat(extremes[:1], 2))
 
 
-@pytest.mark.parametrize(
-    "optimizer",
-    [
-        optim.SGD(),
-        optim.Adagrad(initial_accumulator_value=0.1),
-        optim.FTRL(l1=0.01),
-        optim.Nesterov(),
-        optim.Adam(lr=0.01),
-    ],  # fmt: skip
-    ids=lambda o: o.kind,
-)
+@pytest.mark.parametrize("optimizer", each(), ids=kind_id)
 def test_uniform_initial_rows_are_the_numpy_bits(optimizer: optim.Optimizer) -> None:
     """Initial rows at compiled speed: bit for bit the numpy counter-hash reference (a pure
     function of seed, key and column), the optimizer state filled as initial_rows does."""
@@ -136,15 +128,7 @@ def _float64_bound(opt: optim.Optimizer, rows: np.ndarray, grads: np.ndarray) ->
 
 @pytest.mark.parametrize(
     "optimizer",
-    [
-        optim.SGD(lr=0.1),
-        optim.Momentum(),
-        optim.Nesterov(),
-        optim.Adagrad(),
-        optim.Adam(lr=0.01),
-        optim.FTRL(lr=0.05, l1=0.01, l2=0.1),
-        optim.FTRL(lr=0.05, lr_power=-0.3, l2=0.1),
-    ],  # fmt: skip
+    [*each(), optim.FTRL(lr=0.05, lr_power=-0.3, l2=0.1)],
     ids=lambda o: f"{o.kind}{'-power' if getattr(o, 'lr_power', -0.5) != -0.5 else ''}",
 )
 def test_train_in_place_matches_apply(optimizer: optim.Optimizer) -> None:
@@ -211,7 +195,7 @@ def test_refused_train_changes_nothing_and_undo_puts_rows_back() -> None:
 
 
 def _dim_beside_the_stream_threshold(optimizer: optim.Optimizer, streamed: bool) -> int:
-    """The dim nearest k_train's threshold on the side asked: k_train saves the row_width
+    """The dim nearest the training loop's threshold on the side asked: it saves the row_width
     floats of a row (a push without a stamp) by non-temporal stores when they are
     TRAIN_STREAM_BYTES or more. Dims of 16 floats: rows of whole cache lines, which
     _streams takes; only the threshold then decides."""
@@ -244,7 +228,7 @@ def test_a_large_push_saves_its_rows_streamed_or_not(
     rng = np.random.default_rng(12)
     dim = _dim_beside_the_stream_threshold(optimizer, streamed)
     config = TableConfig("t", dim, optimizer=optimizer)
-    touched = config.row_width  # the floats k_train saves a row (no stamp)
+    touched = config.row_width  # the floats the training loop saves a row (no stamp)
     n = host_kernels.STREAM_BYTES // (4 * touched) + 7
     keys = rng.choice(10**12, n, replace=False).astype(np.int64)
     rows = config.initial_rows(keys)
@@ -277,7 +261,7 @@ def test_a_large_push_saves_its_rows_streamed_or_not(
         assert hit.size == n and refused is None
         assert_within(f"{tier.compiled}", tier.find(push)[1][:, :width], expected)
     trained = state()
-    backup = compiled._scratch_rows(n, touched)  # where k_train saved the rows
+    backup = compiled._scratch_rows(n, touched)  # where the training loop saved the rows
     stream = bool(host_kernels._streams(backup, touched))  # the kernel's own checks
     assert (touched * 4 >= host_kernels.TRAIN_STREAM_BYTES and stream) is streamed
     assert stream  # so that the plain case is plain by the threshold alone
@@ -337,6 +321,48 @@ def test_env_switch_keeps_the_array_code() -> None:
     )
     env = {**os.environ, ENV_SWITCH: "0"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
+
+
+# Trains one row with SGD, then with Momentum, through their compiled loops; prints the
+# rows and each loop's (cache hits, misses).
+_TRAIN_TWO = """
+import numpy as np
+from tierps.core import optim
+from tierps.storage import host_kernels
+out = []
+for optimizer in (optim.SGD(lr=0.5), optim.Momentum(lr=0.5, momentum=0.5)):
+    train, hyper = host_kernels.fused_trainer(optimizer, 1)
+    size = optimizer.size_factor
+    arena = np.ones((1, 2 * size), np.float32)
+    args = (np.zeros(1, np.int64), np.ones((1, 2), np.float32), hyper, size, True,
+            np.empty((1, 2 * size), np.float32), np.empty(1, bool), np.empty(0, np.float32),
+            False, 2 * size, np.zeros(1, bool))
+    assert train(arena, *args) == -1
+    stats = train.stats
+    out.append((arena.tolist(), sum(stats.cache_hits.values()), sum(stats.cache_misses.values())))
+print(out)
+"""
+
+
+def test_each_training_loop_is_cached_on_disk_apart(tmp_path: Path) -> None:
+    """The training loops, one compiled copy per optimizer kernel, load from numba's disk
+    cache in a second process (no compile), each its own: SGD's loop is not loaded for
+    Momentum's."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    first, second = (
+        ast.literal_eval(
+            subprocess.run(
+                [sys.executable, "-c", _TRAIN_TWO], env=env, capture_output=True, text=True,
+                check=True,
+            ).stdout
+        )
+        for _ in range(2)
+    )  # fmt: skip
+    # SGD: w = 1 - 0.5 * 1. Momentum: b = 0.5 * 1 + 1, w = 1 - 0.5 * b.
+    rows = [[[0.5, 0.5]], [[0.25, 0.25, 1.5, 1.5]]]
+    assert [trained for trained, _, _ in first] == [trained for trained, _, _ in second] == rows
+    assert [(hits, misses) for _, hits, misses in first] == [(0, 1), (0, 1)]
+    assert [(hits, misses) for _, hits, misses in second] == [(1, 0), (1, 0)]
 
 
 def test_no_writable_cache_compiles_in_memory_and_warns_once(monkeypatch) -> None:

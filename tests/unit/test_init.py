@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.optimizers import each
 from tierps.storage import EmbeddingStore, TableConfig, init, optim
 from tierps.storage.tiers import host_rows_for_budget
 
@@ -160,7 +161,7 @@ def test_different_seeds_and_keys_give_different_rows(initializer: init.Initiali
 def test_initial_weights_do_not_depend_on_optimizer_or_table_name() -> None:
     keys = some_keys(100)
     base = TableConfig("x", DIM, initializer=init.Normal(), seed=5)
-    for optimizer in (optim.SGD(), optim.Momentum(), optim.Adam(), optim.FTRL()):
+    for optimizer in each():
         other = TableConfig("y", DIM, initializer=init.Normal(), optimizer=optimizer, seed=5)
         np.testing.assert_array_equal(
             bits(other.initial_rows(keys)[:, :DIM]), bits(base.initial_rows(keys)[:, :DIM])

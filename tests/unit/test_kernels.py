@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 from tests.contract import test_tier_setups as contract
+from tests.optimizers import each, kind_id
 from tests.unit import test_tombstones as tombstones
 from tierps.core.hashing import hash_keys
 from tierps.core.xp import to_host
@@ -703,20 +704,21 @@ def test_find_rows_matches_reference(backend: Backend, arena_width: int, width: 
 
 # --------------------------------------------------------------------------- optimizers
 
+# Every registered optimizer, and FTRL once more with a power that is not a square root.
 OPTIMIZERS = {
-    "sgd": optim.SGD(lr=0.05),
-    "momentum": optim.Momentum(lr=0.05, momentum=0.9),
-    "nesterov": optim.Nesterov(lr=0.03, momentum=0.8),
-    "adagrad": optim.Adagrad(lr=0.1, initial_accumulator_value=0.1),
-    "adam": optim.Adam(lr=0.01, beta1=0.8, beta2=0.99, eps=1e-6),
-    "ftrl": optim.FTRL(lr=0.1, l1=0.01, l2=0.02),
+    **{optimizer.kind: optimizer for optimizer in each()},
     "ftrl-power": optim.FTRL(lr=0.05, lr_power=-0.3, l1=0.0, l2=0.1),
 }
-# Optimizers whose update is only +, -, *, / and sqrt: IEEE 754 rounds each of those
-# correctly on every CPU, vector unit and GPU, so the kernel (built without FMA contraction)
-# and numpy agree bit for bit. A power (FTRL with lr_power != -0.5) comes from a libm (or
-# numpy's own vector code) that may be an ulp off, differently on each machine.
-EXACT_OPTIMIZERS = {"sgd", "momentum", "nesterov", "adagrad", "adam"}
+
+
+def exact(optimizer: optim.Optimizer) -> bool:
+    """Whether its update is only +, -, *, / and sqrt: IEEE 754 rounds each of those
+    correctly on every CPU, vector unit and GPU, so the kernel (built without FMA
+    contraction) and numpy agree bit for bit. A power (FTRL with lr_power != -0.5) comes
+    from a libm (or numpy's own vector code) that may be an ulp off, differently on each
+    machine."""
+    return not (isinstance(optimizer, optim.FTRL) and optimizer.lr_power != -0.5)
+
 
 # Error bounds of the float32 updates, derived instead of picked. Each float32 operation on
 # inputs x (float32) returns fl(op(x)) with |fl(y) - y| <= U32 * |y| (+ TINY where y is
@@ -786,46 +788,75 @@ def _const(x: float) -> Bounded:
     return Bounded.of(np.float32(x))
 
 
+def _adam64(opt: Any, slot: list[Bounded], g: Bounded, step: int) -> list[Bounded]:
+    c1, c2 = _const(1.0 - opt.beta1), _const(1.0 - opt.beta2)
+    step_size = _const(opt.lr * (1.0 - opt.beta2**step) ** 0.5 / (1.0 - opt.beta1**step))
+    w = slot[0]
+    m = slot[1] + c1 * (g - slot[1])
+    v = slot[2] + c2 * (g * g - slot[2])
+    return [w - step_size * (m / (v.monotone(np.sqrt) + _const(opt.eps))), m, v]
+
+
+def _ftrl64(opt: Any, slot: list[Bounded], g: Bounded, step: int) -> list[Bounded]:
+    w, lr, power = slot[0], _const(opt.lr), float(np.float32(-opt.lr_power))
+    n, z = slot[1], slot[2]
+    n_new = n + g * g
+    ulps = 0.5 if power == 0.5 else POW_ULPS  # x ** 0.5 is a correctly rounded sqrt
+    p_new = n_new.monotone(lambda x: x**power, ulps)
+    p_old = n.monotone(lambda x: x**power, ulps)
+    z_new = z + (g - ((p_new - p_old) / lr) * w)
+    quadratic = p_new / lr + _const(2.0 * opt.l2)
+    l1 = float(np.float32(opt.l1))
+    sign = Bounded(np.sign(z_new.v), np.where(np.abs(z_new.v) <= z_new.e, 2.0, 0.0))
+    shrunk = (sign * Bounded.of(l1) - z_new) / quadratic
+    # Where |z| is within its error of l1 the float32 code may take either branch.
+    either = np.abs(np.abs(z_new.v) - l1) <= z_new.e
+    above = np.abs(z_new.v) > l1
+    w_v = np.where(above, shrunk.v, 0.0)
+    w_e = np.where(either, np.abs(shrunk.v) + shrunk.e, np.where(above, shrunk.e, 0.0))
+    return [Bounded(w_v, w_e), n_new, z_new]
+
+
+def _adagrad64(opt: Any, slot: list[Bounded], g: Bounded, step: int) -> list[Bounded]:
+    s = slot[1] + g * g
+    return [slot[0] - (_const(opt.lr) * g) / (s.monotone(np.sqrt) + _const(opt.eps)), s]
+
+
+def _momentum64(opt: Any, slot: list[Bounded], g: Bounded, step: int) -> list[Bounded]:
+    lr, momentum = _const(opt.lr), _const(opt.momentum)
+    b = slot[1] * momentum + g
+    return [slot[0] - lr * (g + momentum * b if opt.nesterov else b), b]
+
+
+def _rmsprop64(opt: Any, slot: list[Bounded], g: Bounded, step: int) -> list[Bounded]:
+    v = slot[1] * _const(opt.alpha) + _const(1.0 - opt.alpha) * (g * g)
+    return [slot[0] - _const(opt.lr) * (g / (v.monotone(np.sqrt) + _const(opt.eps))), v]
+
+
+def _sgd64(opt: Any, slot: list[Bounded], g: Bounded, step: int) -> list[Bounded]:
+    return [slot[0] - _const(opt.lr) * g]
+
+
+# optim.py's documented formula of each registered optimizer, by kind.
+FLOAT64_STEPS = {
+    "sgd": _sgd64,
+    "momentum": _momentum64,
+    "nesterov": _momentum64,
+    "adagrad": _adagrad64,
+    "adam": _adam64,
+    "rmsprop": _rmsprop64,
+    "ftrl": _ftrl64,
+}
+
+
 def _float64_step(opt: Any, rows: np.ndarray, grads: np.ndarray, step: int) -> list[Bounded]:
     """optim.py's documented formulas in float64 on the same float32 rows and gradients, in
     the float32 code's order of operations: the new [weights, state slots...], bounded."""
+    if opt.kind not in FLOAT64_STEPS:
+        raise AssertionError(f"FLOAT64_STEPS expected a float64 reference of {opt!r}, got none")
     dim = grads.shape[1]
     slot = [Bounded.of(rows[:, k * dim : (k + 1) * dim]) for k in range(opt.size_factor)]
-    g, w = Bounded.of(grads), slot[0]
-    if isinstance(opt, optim.Adam):
-        c1, c2 = _const(1.0 - opt.beta1), _const(1.0 - opt.beta2)
-        step_size = _const(opt.lr * (1.0 - opt.beta2**step) ** 0.5 / (1.0 - opt.beta1**step))
-        m = slot[1] + c1 * (g - slot[1])
-        v = slot[2] + c2 * (g * g - slot[2])
-        return [w - step_size * (m / (v.monotone(np.sqrt) + _const(opt.eps))), m, v]
-    if isinstance(opt, optim.FTRL):
-        lr, power = _const(opt.lr), float(np.float32(-opt.lr_power))
-        n, z = slot[1], slot[2]
-        n_new = n + g * g
-        ulps = 0.5 if power == 0.5 else POW_ULPS  # x ** 0.5 is a correctly rounded sqrt
-        p_new = n_new.monotone(lambda x: x**power, ulps)
-        p_old = n.monotone(lambda x: x**power, ulps)
-        z_new = z + (g - ((p_new - p_old) / lr) * w)
-        quadratic = p_new / lr + _const(2.0 * opt.l2)
-        l1 = float(np.float32(opt.l1))
-        sign = Bounded(np.sign(z_new.v), np.where(np.abs(z_new.v) <= z_new.e, 2.0, 0.0))
-        shrunk = (sign * Bounded.of(l1) - z_new) / quadratic
-        # Where |z| is within its error of l1 the float32 code may take either branch.
-        either = np.abs(np.abs(z_new.v) - l1) <= z_new.e
-        above = np.abs(z_new.v) > l1
-        w_v = np.where(above, shrunk.v, 0.0)
-        w_e = np.where(either, np.abs(shrunk.v) + shrunk.e, np.where(above, shrunk.e, 0.0))
-        return [Bounded(w_v, w_e), n_new, z_new]
-    if isinstance(opt, optim.Adagrad):
-        s = slot[1] + g * g
-        return [w - (_const(opt.lr) * g) / (s.monotone(np.sqrt) + _const(opt.eps)), s]
-    if isinstance(opt, optim.Momentum):  # and Nesterov
-        lr, momentum = _const(opt.lr), _const(opt.momentum)
-        b = slot[1] * momentum + g
-        return [w - lr * (g + momentum * b if opt.nesterov else b), b]
-    if isinstance(opt, optim.SGD):
-        return [w - _const(opt.lr) * g]
-    raise AssertionError(f"no float64 reference for {opt!r}")
+    return FLOAT64_STEPS[opt.kind](opt, slot, Bounded.of(grads), step)
 
 
 def assert_within(what: str, got: np.ndarray, expected: list[Bounded]) -> None:
@@ -879,7 +910,7 @@ def test_fused_optimizer_matches_apply(backend: Backend, name: str, dim: int) ->
         others = np.setdiff1d(np.arange(rows), ids)
         np.testing.assert_array_equal(got[others], before[others])
         np.testing.assert_array_equal(got[:, -2:], before[:, -2:])  # the step slots
-        if backend.xp is np and name in EXACT_OPTIMIZERS:
+        if backend.xp is np and exact(opt):
             np.testing.assert_array_equal(got, reference)
 
 
@@ -988,7 +1019,7 @@ def test_emulation_checks_argument_types(emu_lib: ctypes.CDLL) -> None:
 # --------------------------------------------------------------------------- the tier on them
 
 
-@pytest.mark.parametrize("optimizer", contract.OPTIMIZERS, ids=lambda o: o.kind)
+@pytest.mark.parametrize("optimizer", each(), ids=kind_id)
 @pytest.mark.parametrize("setup", ["gpu_tiny_host_tiny", "gpu_lfu", "gpu_steps"])
 def test_the_gpu_tier_on_the_kernels_holds_the_reference_rows(
     tmp_path: Path, emu_lib: ctypes.CDLL, setup: str, optimizer: optim.Optimizer
@@ -1018,8 +1049,7 @@ def test_the_gpu_tier_on_the_kernels_holds_the_reference_rows(
         assert gpu.hits > 0 and table.spilled > 0
     assert {"tierps_find", "tierps_find_rows"} <= launched
     assert launched & {"tierps_claim", "tierps_upsert"}
-    fused = {f"tierps_{optimizer.kind}"} if optimizer.kind != "nesterov" else {"tierps_momentum"}
-    assert kernels.has_fused(optimizer) and fused <= launched
+    assert kernels.has_fused(optimizer) and kernels.FUSED[optimizer.kind].kernel in launched
 
 
 @pytest.mark.parametrize("order", ["emu-shuffle", "emu-interleaved"])

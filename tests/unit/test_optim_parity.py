@@ -1,16 +1,16 @@
 """Optimizer parity: the real store (host tier over RocksDB, in tmp_path) against references
-no one here wrote.
+no one here wrote, for every registered optimizer (optim.OPTIMIZERS).
 
-- SGD, Adagrad and Adam equal torch.optim.SGD, Adagrad and SparseAdam step for step, fed the
-  sparse gradient of an nn.Embedding(sparse=True) (torch sums duplicate indices itself).
-- Momentum and Nesterov equal torch.optim.SGD(momentum, nesterov) when every row is touched
-  every step, and a numpy oracle of the lazy update (untouched rows keep weights and buffer)
-  otherwise.
-- FTRL equals a float64 numpy transcription of TensorFlow's ApplyFtrl.
+- Each optimizer with a torch reference (its `torch_reference`) equals that torch.optim
+  optimizer step for step, at its defaults and at tests/optimizers.py's example, fed the
+  gradient of an nn.Embedding(sparse=True) (torch sums duplicate indices itself): the
+  sparse gradient itself where torch's optimizer takes it and is lazy (SGD, Adagrad,
+  SparseAdam), else one torch parameter per row, stepped only when the batch touches it.
+- FTRL (no torch counterpart) equals a float64 numpy transcription of TensorFlow's ApplyFtrl.
 
 Every trace runs >= 50 steps with repeated keys, absent keys and -1 padding, once with every
 row in the host tier and once with a budget of a few rows, so rows spill to RocksDB between
-steps. Max abs difference <= 1e-5 throughout.
+steps. Max abs difference <= 1e-5 throughout; rows a step leaves out do not change at all.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.optimizers import EXAMPLES, TorchTwin
 from tierps.storage import EmbeddingStore, EmbeddingTable, TableConfig, init, optim
 from tierps.storage.tiers import host_rows_for_budget
 
@@ -98,18 +99,6 @@ def sparse_batch(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.n
     return keys, positions[~pad], grads
 
 
-def full_batch(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every row at least once (shuffled), plus repeats and -1 padding."""
-    positions = np.concatenate(
-        [np.arange(NUM_KEYS), rng.integers(0, NUM_KEYS, size=BATCH - NUM_KEYS)]
-    )
-    positions = rng.permutation(positions)
-    keys = ALL_KEYS[positions]
-    keys = np.insert(keys, rng.integers(0, keys.size, size=3), -1)
-    grads = rng.normal(0.0, 1.0, size=(keys.size, DIM)).astype(np.float32)
-    return keys, positions, grads
-
-
 def stored_rows(table: EmbeddingTable) -> np.ndarray:
     """Full rows [NUM_KEYS, row_width] of ALL_KEYS from export(), in ALL_KEYS order."""
     found: dict[int, np.ndarray] = {}
@@ -139,42 +128,22 @@ def assert_spilled(table: EmbeddingTable, host_rows: int | None) -> None:
         assert stats["spilled"] > 0
 
 
-# -- torch parity: SGD, Adagrad, SparseAdam ------------------------------------------------
+# -- torch parity: every optimizer with a torch reference ----------------------------------
 
-TorchFactory = Callable[[list], "torch.optim.Optimizer"]
-
-SPARSE_CASES: list[tuple[str, optim.Optimizer, TorchFactory, tuple[str, ...]]] = [
-    ("sgd_default", optim.SGD(), lambda p: torch.optim.SGD(p), ()),
-    ("sgd", optim.SGD(lr=0.05), lambda p: torch.optim.SGD(p, lr=0.05), ()),
-    ("adagrad_default", optim.Adagrad(), lambda p: torch.optim.Adagrad(p), ("sum",)),
-    (
-        "adagrad",
-        optim.Adagrad(lr=0.2, eps=0.1, initial_accumulator_value=0.3),
-        lambda p: torch.optim.Adagrad(p, lr=0.2, eps=0.1, initial_accumulator_value=0.3),
-        ("sum",),
-    ),
-    ("adam_default", optim.Adam(), lambda p: torch.optim.SparseAdam(p), ("exp_avg", "exp_avg_sq")),
-    (
-        "adam",
-        optim.Adam(lr=0.02, beta1=0.7, beta2=0.95, eps=0.05),
-        lambda p: torch.optim.SparseAdam(p, lr=0.02, betas=(0.7, 0.95), eps=0.05),
-        ("exp_avg", "exp_avg_sq"),
-    ),
+TORCH_CASES = [
+    (f"{kind}{suffix}", config)
+    for kind, cls in optim.OPTIMIZERS.items()
+    if cls.torch_reference is not None
+    for suffix, config in (("_default", cls()), ("", EXAMPLES[kind]))
 ]
 
 
 @pytest.mark.parametrize("host_rows", [None, TINY_ROWS], ids=["roomy", "tiny_host"])
 @pytest.mark.parametrize(
-    ("optimizer", "make_torch", "state_names"),
-    [case[1:] for case in SPARSE_CASES],
-    ids=[case[0] for case in SPARSE_CASES],
+    "optimizer", [case[1] for case in TORCH_CASES], ids=[case[0] for case in TORCH_CASES]
 )
-def test_sparse_optimizer_matches_torch(
-    store: EmbeddingStore,
-    optimizer: optim.Optimizer,
-    make_torch: TorchFactory,
-    state_names: tuple[str, ...],
-    host_rows: int | None,
+def test_optimizer_matches_torch(
+    store: EmbeddingStore, optimizer: optim.Optimizer, host_rows: int | None
 ) -> None:
     rng = np.random.default_rng(11)
     w0 = initial_weights(rng)
@@ -183,33 +152,36 @@ def test_sparse_optimizer_matches_torch(
     embedding = torch.nn.Embedding(NUM_KEYS, DIM, sparse=True)
     with torch.no_grad():
         embedding.weight.copy_(torch.from_numpy(w0))
-    reference = make_torch([embedding.weight])
+    reference = TorchTwin(optimizer, embedding.weight)
     assert_close(table.lookup(ALL_KEYS), w0, "after assign")
 
     for step in range(1, STEPS + 1):
         keys, positions, grads = sparse_batch(rng)
+        before = table.lookup(ALL_KEYS)
         table.apply_gradients(keys, grads, step)
 
-        reference.zero_grad(set_to_none=True)
+        reference.zero_grad()
         out = embedding(torch.from_numpy(positions))
         (out * torch.from_numpy(grads[keys >= 0])).sum().backward()
         assert embedding.weight.grad.is_sparse
-        reference.step()
+        reference.step(positions)
 
-        want = embedding.weight.detach().numpy()
-        assert_close(table.lookup(ALL_KEYS), want, f"weights after step {step}")
+        after = table.lookup(ALL_KEYS)
+        assert_close(after, embedding.weight.detach().numpy(), f"weights after step {step}")
+        absent = np.setdiff1d(np.arange(NUM_KEYS), positions)
+        assert absent.size >= 3
+        np.testing.assert_array_equal(after[absent], before[absent])  # lazy: bit for bit
 
     assert_spilled(table, host_rows)
     rows = stored_rows(table)
     assert_close(rows[:, :DIM], embedding.weight.detach().numpy(), "exported weights")
-    state = reference.state[embedding.weight]
-    if isinstance(optimizer, optim.Adam | optim.Adagrad):
-        assert int(state["step"]) == STEPS
-    for slot, name in enumerate(state_names, start=1):
-        torch_state = state[name]
-        torch_state = torch_state.to_dense() if torch_state.is_sparse else torch_state
+    state = reference.state()
+    assert len(state) == optimizer.size_factor - 1  # torch keeps the same state slots
+    for slot, (name, theirs) in enumerate(
+        zip(optimizer.torch_reference.state, state, strict=True), start=1
+    ):
         got = rows[:, slot * DIM : (slot + 1) * DIM]
-        assert_close(got, torch_state.numpy(), f"state slot {slot} ({name})", STATE_RTOL)
+        assert_close(got, theirs, f"state slot {slot} ({name})", STATE_RTOL)
 
 
 def test_adam_bias_correction_uses_the_step_passed_in(store: EmbeddingStore) -> None:
@@ -228,99 +200,6 @@ def test_adam_bias_correction_uses_the_step_passed_in(store: EmbeddingStore) -> 
     first = -0.1 * math.sqrt(1 - 0.9) / (1 - 0.8) * m / (math.sqrt(v) + 1e-8)
     assert_close(table.lookup(ALL_KEYS[1:2]), np.full((1, DIM), first), "step 1")
     assert abs(first - want) > 1e-3
-
-
-# -- Momentum and Nesterov --------------------------------------------------------------
-
-MOMENTUM_CASES = [
-    ("momentum", optim.Momentum(lr=0.05, momentum=0.8), False),
-    ("nesterov", optim.Nesterov(lr=0.05, momentum=0.8), True),
-    ("momentum_default", optim.Momentum(), False),
-    ("nesterov_default", optim.Nesterov(), True),
-]
-
-
-@pytest.mark.parametrize("host_rows", [None, TINY_ROWS], ids=["roomy", "tiny_host"])
-@pytest.mark.parametrize(
-    ("optimizer", "nesterov"),
-    [case[1:] for case in MOMENTUM_CASES],
-    ids=[case[0] for case in MOMENTUM_CASES],
-)
-def test_momentum_touching_every_row_matches_torch_sgd(
-    store: EmbeddingStore, optimizer: optim.Momentum, nesterov: bool, host_rows: int | None
-) -> None:
-    rng = np.random.default_rng(5)
-    w0 = initial_weights(rng)
-    table = make_table(store, optimizer, host_rows, w0)
-
-    weight = torch.nn.Parameter(torch.from_numpy(w0.copy()))
-    reference = torch.optim.SGD(
-        [weight], lr=optimizer.lr, momentum=optimizer.momentum, nesterov=nesterov
-    )
-    for step in range(1, STEPS + 1):
-        keys, positions, grads = full_batch(rng)
-        table.apply_gradients(keys, grads, step)
-
-        dense = torch.zeros(NUM_KEYS, DIM)
-        dense.index_add_(0, torch.from_numpy(positions), torch.from_numpy(grads[keys >= 0]))
-        weight.grad = dense
-        reference.step()
-        assert_close(table.lookup(ALL_KEYS), weight.detach().numpy(), f"step {step}")
-
-    assert_spilled(table, host_rows)
-    rows = stored_rows(table)
-    assert_close(rows[:, :DIM], weight.detach().numpy(), "exported weights")
-    buf = reference.state[weight]["momentum_buffer"]
-    assert_close(rows[:, DIM:], buf.numpy(), "momentum buffer", STATE_RTOL)
-
-
-class LazyMomentumOracle:
-    """Per-key float64 model of lazy momentum: only keys in the batch move; b = m*b + g;
-    w -= lr * b (heavy ball) or lr * (g + m*b) (Nesterov)."""
-
-    def __init__(self, w0: np.ndarray, lr: float, momentum: float, nesterov: bool) -> None:
-        self.w = w0.astype(np.float64)
-        self.b = np.zeros_like(self.w)
-        self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
-
-    def step(self, positions: np.ndarray, grads: np.ndarray) -> None:
-        summed: dict[int, np.ndarray] = {}
-        for p, g in zip(positions.tolist(), grads.astype(np.float64), strict=True):
-            summed[p] = summed.get(p, 0.0) + g
-        for p, g in summed.items():
-            self.b[p] = self.momentum * self.b[p] + g
-            update = g + self.momentum * self.b[p] if self.nesterov else self.b[p]
-            self.w[p] = self.w[p] - self.lr * update
-
-
-@pytest.mark.parametrize("host_rows", [None, TINY_ROWS], ids=["roomy", "tiny_host"])
-@pytest.mark.parametrize(
-    ("optimizer", "nesterov"),
-    [case[1:] for case in MOMENTUM_CASES],
-    ids=[case[0] for case in MOMENTUM_CASES],
-)
-def test_lazy_momentum_matches_numpy_oracle(
-    store: EmbeddingStore, optimizer: optim.Momentum, nesterov: bool, host_rows: int | None
-) -> None:
-    rng = np.random.default_rng(9)
-    w0 = initial_weights(rng)
-    table = make_table(store, optimizer, host_rows, w0)
-    oracle = LazyMomentumOracle(w0, optimizer.lr, optimizer.momentum, nesterov)
-    for step in range(1, STEPS + 1):
-        keys, positions, grads = sparse_batch(rng)
-        before = table.lookup(ALL_KEYS)
-        table.apply_gradients(keys, grads, step)
-        oracle.step(positions, grads[keys >= 0])
-        after = table.lookup(ALL_KEYS)
-        assert_close(after, oracle.w, f"step {step}")
-        absent = np.setdiff1d(np.arange(NUM_KEYS), positions)
-        assert absent.size >= 3
-        np.testing.assert_array_equal(after[absent], before[absent])  # lazy: bit-for-bit
-
-    assert_spilled(table, host_rows)
-    rows = stored_rows(table)
-    assert_close(rows[:, :DIM], oracle.w, "exported weights")
-    assert_close(rows[:, DIM:], oracle.b, "momentum buffer", STATE_RTOL)
 
 
 # -- FTRL ---------------------------------------------------------------------------
@@ -361,6 +240,9 @@ class FtrlOracle:
         shrunk = np.where(np.abs(linear) > c.l1, (np.sign(linear) * c.l1 - linear) / quadratic, 0)
         self.w[rows], self.accum[rows], self.linear[rows] = shrunk, accum_new, linear
 
+
+# The references of the optimizers torch has no counterpart of, by kind.
+OTHER_REFERENCES = {"ftrl": FtrlOracle}
 
 FTRL_CASES = [
     ("l1_l2", optim.FTRL(lr=0.1, l1=0.05, l2=0.02)),
@@ -409,20 +291,26 @@ def torch_default(cls: type, name: str) -> object:
     return inspect.signature(cls.__init__).parameters[name].default
 
 
-def test_defaults_equal_torch() -> None:
-    assert optim.SGD().lr == torch_default(torch.optim.SGD, "lr")
-    adagrad = optim.Adagrad()
-    assert adagrad.lr == torch_default(torch.optim.Adagrad, "lr")
-    assert adagrad.eps == torch_default(torch.optim.Adagrad, "eps")
-    assert adagrad.initial_accumulator_value == torch_default(
-        torch.optim.Adagrad, "initial_accumulator_value"
-    )
-    adam = optim.Adam()
-    assert adam.lr == torch_default(torch.optim.SparseAdam, "lr")
-    assert (adam.beta1, adam.beta2) == torch_default(torch.optim.SparseAdam, "betas")
-    assert adam.eps == torch_default(torch.optim.SparseAdam, "eps")
-    # Momentum has no torch default (torch's momentum defaults to 0, i.e. plain SGD).
-    assert optim.Momentum().lr == optim.Nesterov().lr == torch_default(torch.optim.SGD, "lr")
+# (kind, torch argument) whose torch default differs from ours by design: torch's momentum
+# defaults to 0, which is plain SGD, and nesterov to False.
+NOT_TORCH_DEFAULTS = {("momentum", "momentum"), ("nesterov", "momentum"), ("nesterov", "nesterov")}
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [cls for cls in optim.OPTIMIZERS.values() if cls.torch_reference is not None],
+    ids=lambda cls: cls.kind,
+)
+def test_defaults_equal_torch(cls: type[optim.Optimizer]) -> None:
+    reference = cls.torch_reference
+    torch_class = getattr(torch.optim, reference.name)
+    compared = 0
+    for name, ours in reference.arguments(cls()).items():
+        if (cls.kind, name) in NOT_TORCH_DEFAULTS:
+            continue
+        assert ours == torch_default(torch_class, name), f"{cls.__name__} argument {name!r}"
+        compared += 1
+    assert compared >= 1
 
 
 def test_ftrl_defaults_equal_tensorflow() -> None:
@@ -463,6 +351,10 @@ BAD_VALUES = [
     (optim.Adam, "beta2", 1.0, "[0.0, 1.0)"),
     (optim.Adam, "beta2", 1.5, "[0.0, 1.0)"),
     (optim.Adam, "eps", 0.0, "(0.0, inf]"),
+    (optim.RMSprop, "lr", -0.01, "(0.0, inf]"),
+    (optim.RMSprop, "alpha", 1.0, "[0.0, 1.0)"),
+    (optim.RMSprop, "alpha", -0.1, "[0.0, 1.0)"),
+    (optim.RMSprop, "eps", 0.0, "(0.0, inf]"),
     (optim.FTRL, "lr", -0.1, "(0.0, inf]"),
     (optim.FTRL, "lr_power", 0.5, "[-inf, 0.0]"),
     (optim.FTRL, "l1", -0.1, "[0.0, inf]"),
@@ -535,6 +427,7 @@ def test_boundary_values_accepted() -> None:
     optim.Adagrad(eps=0.0, initial_accumulator_value=1e-45)  # float32's least subnormal
     optim.Adagrad(eps=1e-45, initial_accumulator_value=0.0)
     optim.Adam(eps=1e-45)
+    optim.RMSprop(alpha=0.0, eps=1e-45)
     optim.FTRL(lr_power=-0.5, l2=0.1, initial_accumulator_value=0.0)  # l2 keeps it > 0
     optim.FTRL(lr_power=0.0, l1=0.0, l2=0.0, initial_accumulator_value=0.0)
     optim.FTRL(lr_power=-2.0)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests.optimizers import off_defaults
 from tierps.proto import generate
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto.convert import table_config_to_dict, table_config_to_proto
@@ -173,14 +174,7 @@ def test_every_rpc_field_and_enum_value_of_the_proto_is_commented() -> None:
 
 # -- TableConfig <-> wire message ---------------------------------------------------------------
 
-OPTIMIZERS = [
-    optim.SGD(lr=0.25),
-    optim.Momentum(lr=0.05, momentum=0.5),
-    optim.Nesterov(lr=0.07, momentum=0.75),
-    optim.Adagrad(lr=0.3, eps=1e-6, initial_accumulator_value=0.125),
-    optim.Adam(lr=0.002, beta1=0.8, beta2=0.99, eps=1e-7),
-    optim.FTRL(lr=0.1, lr_power=-0.25, l1=0.01, l2=0.02, initial_accumulator_value=0.2),
-]
+OPTIMIZERS = [off_defaults(cls) for cls in optim.OPTIMIZERS.values()]
 INITIALIZERS = [
     init.Uniform(low=-0.5, high=0.25),
     init.Normal(mean=0.5, std=0.1),
@@ -197,6 +191,31 @@ def round_trip(config: TableConfig) -> TableConfig:
 def test_every_optimizer_and_initializer_kind_is_covered() -> None:
     assert {o.kind for o in OPTIMIZERS} == set(optim.OPTIMIZERS)
     assert {i.kind for i in INITIALIZERS} == set(init.INITIALIZERS)
+    for optimizer in OPTIMIZERS:  # so that a parameter the wire dropped is noticed
+        default = type(optimizer)()
+        for field in dataclasses.fields(optimizer):
+            assert getattr(optimizer, field.name) != getattr(default, field.name)
+
+
+def test_the_component_comment_names_every_optimizer_kind_and_its_parameters() -> None:
+    """The .proto's Component comment, the wire's one description of the optimizer kind
+    strings, names every registered kind with its parameters."""
+    text = PROTO_FILE.read_text()
+    block = text[text.index("message Component {") :]
+    comment = " ".join(
+        line.strip().removeprefix("//").strip()
+        for line in block[: block.index("string kind")].splitlines()
+        if line.strip().startswith("//")
+    )
+    described: dict[str, set[str]] = {}
+    optimizers = comment[comment.index("Optimizer kinds:") :]
+    for kinds, params in re.findall(r'((?:"\w+"(?: and )?)+) \(([^)]*)\)', optimizers):
+        for kind in re.findall(r'"(\w+)"', kinds):
+            described[kind] = {param.strip() for param in params.split(",")}
+    assert described == {
+        kind: {field.name for field in dataclasses.fields(cls)}
+        for kind, cls in optim.OPTIMIZERS.items()
+    }
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.kind)

@@ -24,15 +24,18 @@ must be the same, in the same order, on every rank.
 
 Consistency modes (`mode`):
 
-- "sync" (the default): each step, backward gathers every rank's gradients of its distinct
-  keys (one all_gather), sums them per key and divides by the world size (the mean over the
-  global batch, as DDP averages the dense gradients), and pushes each key's update once:
-  the keys are split among the ranks, each pushing its share. Every rank then waits until
-  all shares are acknowledged (one all_gather of a flag per rank, which also tells every
-  rank of a failed push) before any looks up the next step. Training equals one trainer
-  taking the ranks' batches together as one, up to the order of float summation. Costs: each
-  rank receives every rank's gradients, and the lookups of step t + 1 wait for step t's
-  pushes.
+- "sync" (the default): each key has one owning rank (k % world size, key_owners), and
+  each step backward sends the gradients of each of the rank's distinct keys to the key's
+  owner only (exchange_gradients: an all_to_all of counts, then one of the keys and one of
+  the gradients, every table packed into each); each rank sums the gradients of the keys
+  it owns over the ranks, in rank order, divides by the world size (the mean over the
+  global batch, as DDP averages the dense gradients) and pushes them, so each key's update
+  is pushed once. Every rank then waits until all ranks' pushes are acknowledged (one
+  all_gather of a flag per rank, which also tells every rank of a failed push) before any
+  looks up the next step. Training equals one trainer taking the ranks' batches together
+  as one, up to the order of float summation. Costs: a rank sends its distinct keys and
+  their gradients once (plus 2 counts per table and rank), and the lookups of step t + 1
+  wait for step t's pushes.
 - "async" with `staleness` k >= 1: each rank pushes its own gradients in the background
   (the modules run at staleness 1), without waiting for the others; the dense part stays
   synchronous under DDP. A lookup for step t sees every rank's pushes of steps <= t - 1 - k
@@ -243,32 +246,17 @@ class TrainerGroup:
     # -- pushes (the modules' backward calls them: group_protocol.PushGroup) -------------------
 
     def push_together(self, pushes: KeyGradients) -> None:
-        """Sync mode's push of one module at group.step: every rank's per-key gradients
-        gathered, summed per key, divided by the world size, and each rank's share of the
-        keys pushed; then every rank learns whether all shares were applied."""
+        """Sync mode's push of one module at group.step: the ranks exchange their per-key
+        gradients by key owner (exchange_gradients), each pushes the mean gradients of the
+        keys it owns, then every rank learns whether all shares were applied."""
         if self.world_size == 1:  # the gradients are the global batch's already
             self.client.push_unique(pushes, self.step)
             return
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, pushes, group=self._collectives)
-        share = {}
-        for table in sorted({table for part in gathered for table in part}):
-            parts = [part[table] for part in gathered if table in part]
-            keys = np.concatenate([keys for keys, _ in parts])
-            grads = np.concatenate([grads for _, grads in parts])
-            order = np.argsort(keys, kind="stable")  # a key's gradients stay in rank order
-            keys = keys[order]
-            starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
-            unique = keys[starts]
-            summed = np.add.reduceat(grads[order], starts, axis=0)  # the same on every rank
-            summed /= np.float32(self.world_size)
-            low = self.rank * unique.size // self.world_size
-            high = (self.rank + 1) * unique.size // self.world_size
-            share[table] = (unique[low:high], summed[low:high])
+        owned, _ = exchange_gradients(pushes, self.tables, self._collectives)
         self._together(
-            lambda: self.client.push_unique(share, self.step),
-            f"step {self.step}'s push failed, so its update of the failed ranks' share of the "
-            f"keys is missing on some shards; resume from the last checkpoint",
+            lambda: self.client.push_unique(owned, self.step),
+            f"step {self.step}'s push failed, so its update of the keys the failed ranks own "
+            f"is missing on some shards; resume from the last checkpoint",
         )
 
     def track(self, step: int, pushed: Future[Any]) -> None:
@@ -360,6 +348,142 @@ class TrainerGroup:
         saved = torch.load(root / f"{checkpoint}.pt", weights_only=False)
         self.step = int(saved["step"])
         return saved["state"]
+
+
+def key_owners(keys: np.ndarray, world_size: int) -> np.ndarray:
+    """The rank that owns each key in sync mode (sums its gradients over the ranks and
+    pushes it): k % world_size, for keys >= 0. The shards place keys by the same rule
+    (k % num_shards), so a batch's distinct keys spread over the ranks as evenly as the
+    cluster spreads them over the shards, which it needs anyway; and a rank's keys lie on
+    num_shards / gcd(num_shards, world_size) shards (one where the world size is a multiple
+    of the shards), so each rank's push reaches fewer shards than a slice of all keys
+    would. Keys with a stride that shares a factor with the world size (all even keys on 2
+    ranks, say) land on fewer ranks, as they land on fewer shards."""
+    return keys % world_size
+
+
+def exchange_gradients(
+    pushes: KeyGradients, tables: Sequence[str], group: Any = None
+) -> tuple[KeyGradients, int]:
+    """Sync mode's exchange, a collective call of every rank of `group` (gloo): each rank
+    sends each key's gradients only to the key's owner (key_owners), and gets back, per
+    table, the distinct keys it owns and their gradients summed over the ranks in rank
+    order (float32, the order one trainer's sum of the ranks' gradients in turn gives),
+    divided by the world size: the mean over the global batch.
+
+    pushes: this rank's per-table distinct keys >= 0 and their gradients [u, dim] (a table
+    may be missing, or have no keys). tables: every table a push may name, the same list on
+    every rank (it indexes the counts). Returns the owned keys' mean gradients (tables that
+    received no key left out) and the bytes this rank passed to the collectives.
+
+    Three collectives: an all_to_all of counts (per destination and table: the keys, and
+    this rank's dim of the table, 0 where it has none), then one of every table's keys
+    (int64) and one of their gradients (float32), each packed destination by destination,
+    table by table. A rank so passes its distinct keys' keys and gradients once, plus
+    2 * tables * world_size counts."""
+    unknown = sorted(set(pushes) - set(tables))
+    if unknown:  # a caller's mistake, found before any collective
+        raise ValueError(
+            f"exchange_gradients: pushes expected of the group's tables {list(tables)}, got "
+            f"tables {unknown} besides"
+        )
+    world = dist.get_world_size(group)
+    # per destination: each table's number of keys, then this rank's dim of it (0: none)
+    counts = np.zeros((world, 2, len(tables)), np.int64)
+    key_parts: list[list[np.ndarray]] = [[] for _ in range(world)]
+    grad_parts: list[list[np.ndarray]] = [[] for _ in range(world)]
+    for t, table in enumerate(tables):
+        if table not in pushes:
+            continue
+        keys, grads = pushes[table]
+        keys = np.asarray(keys, np.int64)
+        grads = np.asarray(grads, np.float32)
+        owners = key_owners(keys, world)
+        by_owner = np.argsort(owners, kind="stable")
+        keys, grads = keys[by_owner], grads[by_owner]
+        counts[:, 0, t] = np.bincount(owners, minlength=world)
+        counts[:, 1, t] = grads.shape[1]
+        bounds = np.concatenate([[0], np.cumsum(counts[:, 0, t])])
+        for rank in range(world):
+            key_parts[rank].append(keys[bounds[rank] : bounds[rank + 1]])
+            grad_parts[rank].append(grads[bounds[rank] : bounds[rank + 1]].reshape(-1))
+    received = torch.empty(counts.size, dtype=torch.int64)
+    dist.all_to_all_single(received, torch.from_numpy(counts.reshape(-1)), group=group)
+    got = received.numpy().reshape(world, 2, len(tables))  # per source
+    dims = _agreed_dims(got[:, 1, :], tables)
+    sent_keys = _packed([part for parts in key_parts for part in parts], np.int64)
+    sent_grads = _packed([part for parts in grad_parts for part in parts], np.float32)
+    keys_in = torch.empty(int(got[:, 0, :].sum()), dtype=torch.int64)
+    dist.all_to_all_single(
+        keys_in,
+        torch.from_numpy(sent_keys),
+        output_split_sizes=got[:, 0, :].sum(axis=1).tolist(),
+        input_split_sizes=counts[:, 0, :].sum(axis=1).tolist(),
+        group=group,
+    )
+    grads_in = torch.empty(int((got[:, 0, :] * dims).sum()), dtype=torch.float32)
+    dist.all_to_all_single(
+        grads_in,
+        torch.from_numpy(sent_grads),
+        output_split_sizes=(got[:, 0, :] * dims).sum(axis=1).tolist(),
+        input_split_sizes=(counts[:, 0, :] * counts[:, 1, :]).sum(axis=1).tolist(),
+        group=group,
+    )
+    owned = _summed_by_key(keys_in.numpy(), grads_in.numpy(), got[:, 0, :], dims, tables)
+    for _, summed in owned.values():
+        summed /= np.float32(world)  # the mean over the global batch, as DDP's
+    return owned, counts.nbytes + sent_keys.nbytes + sent_grads.nbytes
+
+
+def _agreed_dims(dims: np.ndarray, tables: Sequence[str]) -> np.ndarray:
+    """Each table's dim, from the ranks' [source, table] dims (0: the rank has none of
+    it). Every rank sees every rank's dims, so every rank refuses a disagreement alike."""
+    agreed = dims.max(axis=0)
+    for t, table in enumerate(tables):
+        differ = {int(d) for d in dims[:, t] if d} - {int(agreed[t])}
+        if differ:
+            by_rank = {rank: int(d) for rank, d in enumerate(dims[:, t]) if d}
+            raise ValueError(
+                f"exchange_gradients: table {table!r}'s gradients expected of one dim on "
+                f"every rank, got dims by rank {by_rank}"
+            )
+    return agreed
+
+
+def _packed(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    """The parts end to end, as one contiguous array (empty where there are none)."""
+    return np.concatenate(parts) if parts else np.empty(0, dtype)
+
+
+def _summed_by_key(
+    keys: np.ndarray,
+    grads: np.ndarray,
+    counts: np.ndarray,
+    dims: np.ndarray,
+    tables: Sequence[str],
+) -> KeyGradients:
+    """The received keys and gradients (source by source, table by table within each, as
+    counts [source, table] say) summed per key and table, each key's gradients added in
+    rank order."""
+    pieces: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+    at_key = at_grad = 0
+    for source_counts in counts:
+        for t, n in enumerate(source_counts.tolist()):
+            if n:
+                width = n * int(dims[t])
+                pieces.setdefault(t, []).append(
+                    (keys[at_key : at_key + n], grads[at_grad : at_grad + width].reshape(n, -1))
+                )
+                at_key, at_grad = at_key + n, at_grad + width
+    summed: KeyGradients = {}
+    for t, parts in sorted(pieces.items()):
+        table_keys = np.concatenate([k for k, _ in parts])
+        order = np.argsort(table_keys, kind="stable")  # a key's gradients stay in rank order
+        table_keys = table_keys[order]
+        starts = np.flatnonzero(np.r_[True, table_keys[1:] != table_keys[:-1]])
+        grads_sorted = np.concatenate([g for _, g in parts])[order]
+        summed[tables[t]] = (table_keys[starts], np.add.reduceat(grads_sorted, starts, axis=0))
+    return summed
 
 
 def _nothing() -> None:

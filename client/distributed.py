@@ -26,8 +26,8 @@ Consistency modes (`mode`):
 
 - "sync" (the default): each key has one owning rank (k % world size, key_owners), and
   each step backward sends the gradients of each of the rank's distinct keys to the key's
-  owner only (exchange_gradients: an all_to_all of counts, then one of the keys and one of
-  the gradients, every table packed into each); each rank sums the gradients of the keys
+  owner only (exchange_gradients: an all_to_all of counts, then one of the keys and their
+  gradients, every table packed into it); each rank sums the gradients of the keys
   it owns over the ranks, in rank order, divides by the world size (the mean over the
   global batch, as DDP averages the dense gradients) and pushes them, so each key's update
   is pushed once. Every rank then waits until all ranks' pushes are acknowledged (one
@@ -376,11 +376,12 @@ def exchange_gradients(
     every rank (it indexes the counts). Returns the owned keys' mean gradients (tables that
     received no key left out) and the bytes this rank passed to the collectives.
 
-    Three collectives: an all_to_all of counts (per destination and table: the keys, and
-    this rank's dim of the table, 0 where it has none), then one of every table's keys
-    (int64) and one of their gradients (float32), each packed destination by destination,
-    table by table. A rank so passes its distinct keys' keys and gradients once, plus
-    2 * tables * world_size counts."""
+    Two all_to_alls: one of counts (per destination and table: the keys, and this rank's
+    dim of the table, 0 where it has none), then one payload of 32-bit words, destination by
+    destination: its keys (int64, two words each) table by table, then their gradients
+    (float32) table by table, padded to an even number of words so that every
+    destination's keys stay 8-byte aligned. A rank so passes its distinct keys' keys and
+    gradients once, plus 2 * tables * world_size counts and at most a word a destination."""
     unknown = sorted(set(pushes) - set(tables))
     if unknown:  # a caller's mistake, found before any collective
         raise ValueError(
@@ -390,49 +391,55 @@ def exchange_gradients(
     world = dist.get_world_size(group)
     # per destination: each table's number of keys, then this rank's dim of it (0: none)
     counts = np.zeros((world, 2, len(tables)), np.int64)
-    key_parts: list[list[np.ndarray]] = [[] for _ in range(world)]
-    grad_parts: list[list[np.ndarray]] = [[] for _ in range(world)]
+    keys_to: list[list[np.ndarray]] = [[] for _ in range(world)]  # per destination, as words
+    grads_to: list[list[np.ndarray]] = [[] for _ in range(world)]
     for t, table in enumerate(tables):
         if table not in pushes:
             continue
         keys, grads = pushes[table]
-        keys = np.asarray(keys, np.int64)
-        grads = np.asarray(grads, np.float32)
-        owners = key_owners(keys, world)
+        owners = key_owners(np.asarray(keys, np.int64), world)
         by_owner = np.argsort(owners, kind="stable")
-        keys, grads = keys[by_owner], grads[by_owner]
+        # new C-ordered arrays: each destination's slice is contiguous, seen as words
+        keys = np.asarray(keys, np.int64)[by_owner]
+        grads = np.asarray(grads, np.float32)[by_owner]
         counts[:, 0, t] = np.bincount(owners, minlength=world)
         counts[:, 1, t] = grads.shape[1]
         bounds = np.concatenate([[0], np.cumsum(counts[:, 0, t])])
         for rank in range(world):
-            key_parts[rank].append(keys[bounds[rank] : bounds[rank + 1]])
-            grad_parts[rank].append(grads[bounds[rank] : bounds[rank + 1]].reshape(-1))
+            rows = slice(bounds[rank], bounds[rank + 1])
+            keys_to[rank].append(keys[rows].view(np.int32))
+            grads_to[rank].append(grads[rows].reshape(-1).view(np.int32))
     received = torch.empty(counts.size, dtype=torch.int64)
     dist.all_to_all_single(received, torch.from_numpy(counts.reshape(-1)), group=group)
     got = received.numpy().reshape(world, 2, len(tables))  # per source
     dims = _agreed_dims(got[:, 1, :], tables)
-    sent_keys = _packed([part for parts in key_parts for part in parts], np.int64)
-    sent_grads = _packed([part for parts in grad_parts for part in parts], np.float32)
-    keys_in = torch.empty(int(got[:, 0, :].sum()), dtype=torch.int64)
+    send_words = (2 * counts[:, 0, :] + counts[:, 0, :] * counts[:, 1, :]).sum(axis=1)
+    parts = []
+    for rank in range(world):
+        parts += keys_to[rank] + grads_to[rank] + ([_PAD] if send_words[rank] % 2 else [])
+    sent = np.concatenate(parts) if parts else np.empty(0, np.int32)
+    send_words = _even(send_words)
+    receive_words = _even((2 * got[:, 0, :] + got[:, 0, :] * dims).sum(axis=1))
+    words = torch.empty(int(receive_words.sum()), dtype=torch.int32)
     dist.all_to_all_single(
-        keys_in,
-        torch.from_numpy(sent_keys),
-        output_split_sizes=got[:, 0, :].sum(axis=1).tolist(),
-        input_split_sizes=counts[:, 0, :].sum(axis=1).tolist(),
+        words,
+        torch.from_numpy(sent),
+        output_split_sizes=receive_words.tolist(),
+        input_split_sizes=send_words.tolist(),
         group=group,
     )
-    grads_in = torch.empty(int((got[:, 0, :] * dims).sum()), dtype=torch.float32)
-    dist.all_to_all_single(
-        grads_in,
-        torch.from_numpy(sent_grads),
-        output_split_sizes=(got[:, 0, :] * dims).sum(axis=1).tolist(),
-        input_split_sizes=(counts[:, 0, :] * counts[:, 1, :]).sum(axis=1).tolist(),
-        group=group,
-    )
-    owned = _summed_by_key(keys_in.numpy(), grads_in.numpy(), got[:, 0, :], dims, tables)
+    owned = _summed_by_key(words.numpy(), receive_words, got[:, 0, :], dims, tables)
     for _, summed in owned.values():
         summed /= np.float32(world)  # the mean over the global batch, as DDP's
-    return owned, counts.nbytes + sent_keys.nbytes + sent_grads.nbytes
+    return owned, counts.nbytes + sent.nbytes
+
+
+_PAD = np.zeros(1, np.int32)  # the word that makes a destination's payload even
+
+
+def _even(words: np.ndarray) -> np.ndarray:
+    """Word counts rounded up to even (int64)."""
+    return words + words % 2
 
 
 def _agreed_dims(dims: np.ndarray, tables: Sequence[str]) -> np.ndarray:
@@ -450,37 +457,35 @@ def _agreed_dims(dims: np.ndarray, tables: Sequence[str]) -> np.ndarray:
     return agreed
 
 
-def _packed(parts: list[np.ndarray], dtype: type) -> np.ndarray:
-    """The parts end to end, as one contiguous array (empty where there are none)."""
-    return np.concatenate(parts) if parts else np.empty(0, dtype)
-
-
 def _summed_by_key(
-    keys: np.ndarray,
-    grads: np.ndarray,
+    words: np.ndarray,
+    source_words: np.ndarray,
     counts: np.ndarray,
     dims: np.ndarray,
     tables: Sequence[str],
 ) -> KeyGradients:
-    """The received keys and gradients (source by source, table by table within each, as
-    counts [source, table] say) summed per key and table, each key's gradients added in
-    rank order."""
+    """The received payload (source by source, source_words words each, laid out as
+    exchange_gradients sends it, with counts [source, table] keys) summed per key and
+    table, each key's gradients added in rank order."""
     pieces: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
-    at_key = at_grad = 0
-    for source_counts in counts:
-        for t, n in enumerate(source_counts.tolist()):
-            if n:
-                width = n * int(dims[t])
-                pieces.setdefault(t, []).append(
-                    (keys[at_key : at_key + n], grads[at_grad : at_grad + width].reshape(n, -1))
-                )
-                at_key, at_grad = at_key + n, at_grad + width
+    start = 0
+    for source, source_counts in enumerate(counts):
+        keys = words[start : start + 2 * source_counts.sum()].view(np.int64)
+        grads = words[start + keys.nbytes // 4 : start + source_words[source]].view(np.float32)
+        start += source_words[source]
+        at_key = at_grad = 0
+        for t in np.flatnonzero(source_counts):
+            n, width = source_counts[t], source_counts[t] * dims[t]
+            pieces.setdefault(int(t), []).append(
+                (keys[at_key : at_key + n], grads[at_grad : at_grad + width].reshape(n, -1))
+            )
+            at_key, at_grad = at_key + n, at_grad + width
     summed: KeyGradients = {}
     for t, parts in sorted(pieces.items()):
         table_keys = np.concatenate([k for k, _ in parts])
         order = np.argsort(table_keys, kind="stable")  # a key's gradients stay in rank order
         table_keys = table_keys[order]
-        starts = np.flatnonzero(np.r_[True, table_keys[1:] != table_keys[:-1]])
+        starts = np.flatnonzero(np.concatenate([[True], table_keys[1:] != table_keys[:-1]]))
         grads_sorted = np.concatenate([g for _, g in parts])[order]
         summed[tables[t]] = (table_keys[starts], np.add.reduceat(grads_sorted, starts, axis=0))
     return summed

@@ -7,7 +7,7 @@ owner, kept here as numpy (`all_gathered_oracle`): every rank's pushes gathered 
 dist.all_gather_object gave them), each key's gradients summed in rank order, divided by the
 world size. The ranks' owned sums together must equal it bit for bit; each key must come
 back on its owner only; and a rank must pass the collectives its distinct keys' keys and
-gradients once, plus the counts.
+gradients once, plus the counts and padding.
 """
 
 from __future__ import annotations
@@ -195,11 +195,14 @@ def test_the_oracle_tells_summation_orders_apart() -> None:
 def test_a_rank_sends_its_distinct_keys_and_gradients_once_plus_counts(
     exchanged: tuple[int, list[dict[str, Any]]], case: str
 ) -> None:
+    """Once: the keys and gradient rows a rank has, 2 int64 counts per table and rank, and
+    at most one 4-byte word of padding per rank (which keeps the keys 8-byte aligned)."""
     world, results = exchanged
     counts_bytes = 2 * len(TABLES) * world * 8
     for rank, pushes in enumerate(cases(world)[case]):
         payload = sum(keys.nbytes + grads.nbytes for keys, grads in pushes.values())
-        assert results[rank][case][1] == payload + counts_bytes, (case, rank)
+        passed = results[rank][case][1]
+        assert payload + counts_bytes <= passed <= payload + counts_bytes + 4 * world, rank
 
 
 def test_ranks_whose_dims_of_a_table_differ_all_refuse_and_stay_in_step(

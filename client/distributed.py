@@ -362,14 +362,16 @@ def key_owners(keys: np.ndarray, world_size: int) -> np.ndarray:
     return keys % world_size
 
 
+_PAD = np.zeros(1, np.int32)  # the word that makes a destination's payload even
+
+
 def exchange_gradients(
     pushes: KeyGradients, tables: Sequence[str], group: Any = None
 ) -> tuple[KeyGradients, int]:
     """Sync mode's exchange, a collective call of every rank of `group` (gloo): each rank
     sends each key's gradients only to the key's owner (key_owners), and gets back, per
-    table, the distinct keys it owns and their gradients summed over the ranks in rank
-    order (float32, the order one trainer's sum of the ranks' gradients in turn gives),
-    divided by the world size: the mean over the global batch.
+    table, the distinct keys it owns and their gradients summed over the ranks (float32,
+    each key's in rank order), divided by the world size: the mean over the global batch.
 
     pushes: this rank's per-table distinct keys >= 0 and their gradients [u, dim] (a table
     may be missing, or have no keys). tables: every table a push may name, the same list on
@@ -396,12 +398,12 @@ def exchange_gradients(
     for t, table in enumerate(tables):
         if table not in pushes:
             continue
-        keys, grads = pushes[table]
-        owners = key_owners(np.asarray(keys, np.int64), world)
+        keys = np.asarray(pushes[table][0], np.int64)
+        owners = key_owners(keys, world)
         by_owner = np.argsort(owners, kind="stable")
         # new C-ordered arrays: each destination's slice is contiguous, seen as words
-        keys = np.asarray(keys, np.int64)[by_owner]
-        grads = np.asarray(grads, np.float32)[by_owner]
+        keys = keys[by_owner]
+        grads = np.asarray(pushes[table][1], np.float32)[by_owner]
         counts[:, 0, t] = np.bincount(owners, minlength=world)
         counts[:, 1, t] = grads.shape[1]
         bounds = np.concatenate([[0], np.cumsum(counts[:, 0, t])])
@@ -432,9 +434,6 @@ def exchange_gradients(
     for _, summed in owned.values():
         summed /= np.float32(world)  # the mean over the global batch, as DDP's
     return owned, counts.nbytes + sent.nbytes
-
-
-_PAD = np.zeros(1, np.int32)  # the word that makes a destination's payload even
 
 
 def _even(words: np.ndarray) -> np.ndarray:

@@ -24,15 +24,18 @@ must be the same, in the same order, on every rank.
 
 Consistency modes (`mode`):
 
-- "sync" (the default): each step, backward gathers every rank's gradients of its distinct
-  keys (one all_gather), sums them per key and divides by the world size (the mean over the
-  global batch, as DDP averages the dense gradients), and pushes each key's update once:
-  the keys are split among the ranks, each pushing its share. Every rank then waits until
-  all shares are acknowledged (one all_gather of a flag per rank, which also tells every
-  rank of a failed push) before any looks up the next step. Training equals one trainer
-  taking the ranks' batches together as one, up to the order of float summation. Costs: each
-  rank receives every rank's gradients, and the lookups of step t + 1 wait for step t's
-  pushes.
+- "sync" (the default): each key has one owning rank (k % world size, key_owners), and
+  each step backward sends the gradients of each of the rank's distinct keys to the key's
+  owner only (exchange_gradients: an all_to_all of counts, then one of the keys and their
+  gradients, every table packed into it); each rank sums the gradients of the keys
+  it owns over the ranks, in rank order, divides by the world size (the mean over the
+  global batch, as DDP averages the dense gradients) and pushes them, so each key's update
+  is pushed once. Every rank then waits until all ranks' pushes are acknowledged (one
+  all_gather of a flag per rank, which also tells every rank of a failed push) before any
+  looks up the next step. Training equals one trainer taking the ranks' batches together
+  as one, up to the order of float summation. Costs: a rank sends its distinct keys and
+  their gradients once (plus 2 counts per table and rank), and the lookups of step t + 1
+  wait for step t's pushes.
 - "async" with `staleness` k >= 1: each rank pushes its own gradients in the background
   (the modules run at staleness 1), without waiting for the others; the dense part stays
   synchronous under DDP. A lookup for step t sees every rank's pushes of steps <= t - 1 - k
@@ -243,32 +246,17 @@ class TrainerGroup:
     # -- pushes (the modules' backward calls them: group_protocol.PushGroup) -------------------
 
     def push_together(self, pushes: KeyGradients) -> None:
-        """Sync mode's push of one module at group.step: every rank's per-key gradients
-        gathered, summed per key, divided by the world size, and each rank's share of the
-        keys pushed; then every rank learns whether all shares were applied."""
+        """Sync mode's push of one module at group.step: the ranks exchange their per-key
+        gradients by key owner (exchange_gradients), each pushes the mean gradients of the
+        keys it owns, then every rank learns whether all shares were applied."""
         if self.world_size == 1:  # the gradients are the global batch's already
             self.client.push_unique(pushes, self.step)
             return
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, pushes, group=self._collectives)
-        share = {}
-        for table in sorted({table for part in gathered for table in part}):
-            parts = [part[table] for part in gathered if table in part]
-            keys = np.concatenate([keys for keys, _ in parts])
-            grads = np.concatenate([grads for _, grads in parts])
-            order = np.argsort(keys, kind="stable")  # a key's gradients stay in rank order
-            keys = keys[order]
-            starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
-            unique = keys[starts]
-            summed = np.add.reduceat(grads[order], starts, axis=0)  # the same on every rank
-            summed /= np.float32(self.world_size)
-            low = self.rank * unique.size // self.world_size
-            high = (self.rank + 1) * unique.size // self.world_size
-            share[table] = (unique[low:high], summed[low:high])
+        owned, _ = exchange_gradients(pushes, self.tables, self._collectives)
         self._together(
-            lambda: self.client.push_unique(share, self.step),
-            f"step {self.step}'s push failed, so its update of the failed ranks' share of the "
-            f"keys is missing on some shards; resume from the last checkpoint",
+            lambda: self.client.push_unique(owned, self.step),
+            f"step {self.step}'s push failed, so its update of the keys the failed ranks own "
+            f"is missing on some shards; resume from the last checkpoint",
         )
 
     def track(self, step: int, pushed: Future[Any]) -> None:
@@ -360,6 +348,146 @@ class TrainerGroup:
         saved = torch.load(root / f"{checkpoint}.pt", weights_only=False)
         self.step = int(saved["step"])
         return saved["state"]
+
+
+def key_owners(keys: np.ndarray, world_size: int) -> np.ndarray:
+    """The rank that owns each key in sync mode (sums its gradients over the ranks and
+    pushes it): k % world_size, for keys >= 0. The shards place keys by the same rule
+    (k % num_shards), so a batch's distinct keys spread over the ranks as evenly as the
+    cluster spreads them over the shards, which it needs anyway; and a rank's keys lie on
+    num_shards / gcd(num_shards, world_size) shards (one where the world size is a multiple
+    of the shards), so each rank's push reaches fewer shards than a slice of all keys
+    would. Keys with a stride that shares a factor with the world size (all even keys on 2
+    ranks, say) land on fewer ranks, as they land on fewer shards."""
+    return keys % world_size
+
+
+_PAD = np.zeros(1, np.int32)  # the word that makes a destination's payload even
+
+
+def exchange_gradients(
+    pushes: KeyGradients, tables: Sequence[str], group: Any = None
+) -> tuple[KeyGradients, int]:
+    """Sync mode's exchange, a collective call of every rank of `group` (gloo): each rank
+    sends each key's gradients only to the key's owner (key_owners), and gets back, per
+    table, the distinct keys it owns and their gradients summed over the ranks (float32,
+    each key's in rank order), divided by the world size: the mean over the global batch.
+
+    pushes: this rank's per-table distinct keys >= 0 and their gradients [u, dim] (a table
+    may be missing, or have no keys). tables: every table a push may name, the same list on
+    every rank (it indexes the counts). Returns the owned keys' mean gradients (tables that
+    received no key left out) and the bytes this rank passed to the collectives.
+
+    Two all_to_alls: one of counts (per destination and table: the keys, and this rank's
+    dim of the table, 0 where it has none), then one payload of 32-bit words, destination by
+    destination: its keys (int64, two words each) table by table, then their gradients
+    (float32) table by table, padded to an even number of words so that every
+    destination's keys stay 8-byte aligned. A rank so passes its distinct keys' keys and
+    gradients once, plus 2 * tables * world_size counts and at most a word a destination."""
+    unknown = sorted(set(pushes) - set(tables))
+    if unknown:  # a caller's mistake, found before any collective
+        raise ValueError(
+            f"exchange_gradients: pushes expected of the group's tables {list(tables)}, got "
+            f"tables {unknown} besides"
+        )
+    world = dist.get_world_size(group)
+    # per destination: each table's number of keys, then this rank's dim of it (0: none)
+    counts = np.zeros((world, 2, len(tables)), np.int64)
+    keys_to: list[list[np.ndarray]] = [[] for _ in range(world)]  # per destination, as words
+    grads_to: list[list[np.ndarray]] = [[] for _ in range(world)]
+    for t, table in enumerate(tables):
+        if table not in pushes:
+            continue
+        keys = np.asarray(pushes[table][0], np.int64)
+        owners = key_owners(keys, world)
+        by_owner = np.argsort(owners, kind="stable")
+        # new C-ordered arrays: each destination's slice is contiguous, seen as words
+        keys = keys[by_owner]
+        grads = np.asarray(pushes[table][1], np.float32)[by_owner]
+        counts[:, 0, t] = np.bincount(owners, minlength=world)
+        counts[:, 1, t] = grads.shape[1]
+        bounds = np.concatenate([[0], np.cumsum(counts[:, 0, t])])
+        for rank in range(world):
+            rows = slice(bounds[rank], bounds[rank + 1])
+            keys_to[rank].append(keys[rows].view(np.int32))
+            grads_to[rank].append(grads[rows].reshape(-1).view(np.int32))
+    received = torch.empty(counts.size, dtype=torch.int64)
+    dist.all_to_all_single(received, torch.from_numpy(counts.reshape(-1)), group=group)
+    got = received.numpy().reshape(world, 2, len(tables))  # per source
+    dims = _agreed_dims(got[:, 1, :], tables)
+    send_words = (2 * counts[:, 0, :] + counts[:, 0, :] * counts[:, 1, :]).sum(axis=1)
+    parts = []
+    for rank in range(world):
+        parts += keys_to[rank] + grads_to[rank] + ([_PAD] if send_words[rank] % 2 else [])
+    sent = np.concatenate(parts) if parts else np.empty(0, np.int32)
+    send_words = _even(send_words)
+    receive_words = _even((2 * got[:, 0, :] + got[:, 0, :] * dims).sum(axis=1))
+    words = torch.empty(int(receive_words.sum()), dtype=torch.int32)
+    dist.all_to_all_single(
+        words,
+        torch.from_numpy(sent),
+        output_split_sizes=receive_words.tolist(),
+        input_split_sizes=send_words.tolist(),
+        group=group,
+    )
+    owned = _summed_by_key(words.numpy(), receive_words, got[:, 0, :], dims, tables)
+    for _, summed in owned.values():
+        summed /= np.float32(world)  # the mean over the global batch, as DDP's
+    return owned, counts.nbytes + sent.nbytes
+
+
+def _even(words: np.ndarray) -> np.ndarray:
+    """Word counts rounded up to even (int64)."""
+    return words + words % 2
+
+
+def _agreed_dims(dims: np.ndarray, tables: Sequence[str]) -> np.ndarray:
+    """Each table's dim, from the ranks' [source, table] dims (0: the rank has none of
+    it). Every rank sees every rank's dims, so every rank refuses a disagreement alike."""
+    agreed = dims.max(axis=0)
+    for t, table in enumerate(tables):
+        differ = {int(d) for d in dims[:, t] if d} - {int(agreed[t])}
+        if differ:
+            by_rank = {rank: int(d) for rank, d in enumerate(dims[:, t]) if d}
+            raise ValueError(
+                f"exchange_gradients: table {table!r}'s gradients expected of one dim on "
+                f"every rank, got dims by rank {by_rank}"
+            )
+    return agreed
+
+
+def _summed_by_key(
+    words: np.ndarray,
+    source_words: np.ndarray,
+    counts: np.ndarray,
+    dims: np.ndarray,
+    tables: Sequence[str],
+) -> KeyGradients:
+    """The received payload (source by source, source_words words each, laid out as
+    exchange_gradients sends it, with counts [source, table] keys) summed per key and
+    table, each key's gradients added in rank order."""
+    pieces: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+    start = 0
+    for source, source_counts in enumerate(counts):
+        keys = words[start : start + 2 * source_counts.sum()].view(np.int64)
+        grads = words[start + keys.nbytes // 4 : start + source_words[source]].view(np.float32)
+        start += source_words[source]
+        at_key = at_grad = 0
+        for t in np.flatnonzero(source_counts):
+            n, width = source_counts[t], source_counts[t] * dims[t]
+            pieces.setdefault(int(t), []).append(
+                (keys[at_key : at_key + n], grads[at_grad : at_grad + width].reshape(n, -1))
+            )
+            at_key, at_grad = at_key + n, at_grad + width
+    summed: KeyGradients = {}
+    for t, parts in sorted(pieces.items()):
+        table_keys = np.concatenate([k for k, _ in parts])
+        order = np.argsort(table_keys, kind="stable")  # a key's gradients stay in rank order
+        table_keys = table_keys[order]
+        starts = np.flatnonzero(np.concatenate([[True], table_keys[1:] != table_keys[:-1]]))
+        grads_sorted = np.concatenate([g for _, g in parts])[order]
+        summed[tables[t]] = (table_keys[starts], np.add.reduceat(grads_sorted, starts, axis=0))
+    return summed
 
 
 def _nothing() -> None:

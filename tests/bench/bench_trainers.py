@@ -6,6 +6,11 @@ measured in the same run. Each demo run is a subprocess (its cluster, torchrun a
 the runs alternate, `--repeats` rounds, so drift on a shared machine hits all alike.
 
     python -m tests.bench.bench_trainers [--out docs/perf/trainers.json] [--repeats 2]
+        [--baseline-python OTHER/.venv/bin/python]
+
+--baseline-python adds the sync runs (N = 1 and 2) made with another checkout's interpreter
+(its environment's editable install: the main branch's, say), alternating with this
+checkout's in the same rounds: a same-run comparison of a change to the trainers' code.
 
 Per run: the samples/s of the last epoch (all ranks' samples over the slowest rank's time)
 and its test AUC. The ratios: each against N = 1 (scaling) and against the local baseline.
@@ -40,10 +45,10 @@ RUNS = {  # name: demo flags
 EPOCH_LINE = re.compile(r"epoch (\d+): test logloss [0-9.]+ AUC ([0-9.]+) \| ([0-9,]+) samples/s")
 
 
-def demo_run(flags: tuple[str, ...], data_dir: Path) -> tuple[float, float]:
-    """(samples/s, test AUC) of the last epoch of one `tierps demo` run."""
+def demo_run(flags: tuple[str, ...], data_dir: Path, python: str) -> tuple[float, float]:
+    """(samples/s, test AUC) of the last epoch of one `tierps demo` run by `python`."""
     command = [
-        sys.executable,
+        python,
         "-m",
         "tierps.server.cli",
         "demo",
@@ -76,16 +81,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("docs/perf/trainers.json"))
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--baseline-python", help="another checkout's interpreter (see above)")
     args = parser.parse_args()
-    figures: dict[str, list[tuple[float, float]]] = {name: [] for name in [*RUNS, "local"]}
+    contenders = {name: (flags, sys.executable) for name, flags in RUNS.items()}
+    if args.baseline_python:
+        for name in ("n1_sync", "n2_sync"):
+            contenders[f"baseline_{name}"] = (RUNS[name], args.baseline_python)
+    figures: dict[str, list[tuple[float, float]]] = {name: [] for name in [*contenders, "local"]}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.repeats):
-            for name, flags in RUNS.items():
-                figures[name].append(demo_run(flags, Path(tmp) / f"{name}-{round_}"))
+            for name, (flags, python) in contenders.items():
+                figures[name].append(demo_run(flags, Path(tmp) / f"{name}-{round_}", python))
                 print(f"round {round_ + 1}: {name} {figures[name][-1]}", flush=True)
             figures["local"].append(local_run())
             print(f"round {round_ + 1}: local {figures['local'][-1]}", flush=True)
     rates = {name: statistics.median(r for r, _ in runs) for name, runs in figures.items()}
+
+    def n1_of(name: str) -> str:  # a baseline run against the baseline's N = 1
+        return "baseline_n1_sync" if name.startswith("baseline_") else "n1_sync"
+
     aucs = {name: runs[-1][1] for name, runs in figures.items()}
     result = {
         "benchmark": "bench_trainers",
@@ -100,7 +114,7 @@ def main() -> None:
         },
         "samples_per_s": rates,
         "test_auc": aucs,
-        "vs_n1": {name: rates[name] / rates["n1_sync"] for name in rates},
+        "vs_n1": {name: rates[name] / rates[n1_of(name)] for name in rates},
         "vs_local": {name: rates[name] / rates["local"] for name in rates},
         "runs": figures,
     }

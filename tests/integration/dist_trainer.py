@@ -6,9 +6,9 @@ to --out/rank-<r>.json. The test runs the same model on the global batch in one 
 with torch's own embedding optimizers, as the reference (see `global_batch`, `Model`).
 
 Faults, injected here because a test cannot reach into the process otherwise:
---kill-at STEP: rank 1, on torchrun's first attempt, pushes its share of step STEP to shard 0
-only, then kills itself with SIGKILL (a push half applied across shards, a rank dead
-mid-step). --slow-pushes S: rank 1's pushes each take S seconds longer (async staleness).
+--kill-at STEP: rank 1, on torchrun's first attempt, pushes half of the keys it owns at step
+STEP, then kills itself with SIGKILL (a push half applied, a rank dead mid-step).
+--slow-pushes S: rank 1's pushes each take S seconds longer (async staleness).
 --probe adds a table whose row 0 every sample looks up with gradient (1, 0, ...): under SGD
 with lr 1 from a zero row, minus its first value is the number of pushes applied.
 """
@@ -33,10 +33,11 @@ from tierps.client.embedding import EmbeddingClient, Feature
 from tierps.client.torch import EmbeddingBagCollection
 
 VOCAB = 40  # keys per table: ranks' batches share many of them
-DIM = 4
+PROBE_DIM = 4
 BAG = 3  # ids per bag
 GLOBAL_BATCH = 16
-TABLES = ("adam", "adagrad")  # suffixes of the two tables; see test_distributed.TABLES
+# suffix: dim of each table, two dims exchanged together; test_distributed gives the optimizers
+TABLES = {"adam": 4, "adagrad": 4, "adam8": 8}
 
 
 def global_batch(step: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -56,7 +57,7 @@ def rank_share(step: int, rank: int, world: int) -> tuple[dict[str, np.ndarray],
 
 def dense_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(DIM * len(TABLES), 4), nn.Tanh(), nn.Linear(4, 1))
+    return nn.Sequential(nn.Linear(sum(TABLES.values()), 4), nn.Tanh(), nn.Linear(4, 1))
 
 
 def loss_of(dense: nn.Module, pooled: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
@@ -109,11 +110,8 @@ def main() -> None:
         def half_push_then_die(pushes: Any, step: Any) -> int:
             if step != args.kill_at:
                 return push(pushes, step)
-            shard0 = {
-                t: (k[k % client.num_shards == 0], g[k % client.num_shards == 0])
-                for t, (k, g) in pushes.items()
-            }
-            push(shard0, step)
+            half = {t: (k[: k.size // 2], g[: k.size // 2]) for t, (k, g) in pushes.items()}
+            push(half, step)
             os.kill(os.getpid(), signal.SIGKILL)
             raise AssertionError("unreachable")
 

@@ -3,7 +3,8 @@ against a real 2-shard LocalCluster. Each rank runs tests/integration/dist_train
 
 References: one process training the same model on the global batch (both ranks' batches
 together) with torch's own embedding optimizers (SparseAdam, Adagrad) on
-torch.nn.EmbeddingBag, which is what sync mode must equal; and, for async mode, a probe row
+torch.nn.EmbeddingBag, which is what sync mode must equal (its tables of two dims exchanged
+together by key owner); and, for async mode, a probe row
 whose value counts the pushes applied before each lookup.
 """
 
@@ -44,24 +45,24 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield running
 
 
-def initial_rows(table: str) -> np.ndarray:
+def initial_rows(table: str, dim: int) -> np.ndarray:
     return (
         np.random.default_rng(sum(map(ord, table)))
-        .normal(0.0, 0.3, (trainer.VOCAB, trainer.DIM))
+        .normal(0.0, 0.3, (trainer.VOCAB, dim))
         .astype(np.float32)
     )
 
 
 def create_tables(cluster: LocalCluster, prefix: str, probe: bool = False) -> None:
     keys = np.arange(trainer.VOCAB, dtype=np.int64)
-    optimizers = {"adam": optim.Adam(**ADAM), "adagrad": optim.Adagrad(lr=ADAGRAD_LR)}
     with EmbeddingClient(cluster.addresses) as client:
-        for suffix, optimizer in optimizers.items():
-            config = TableConfig(f"{prefix}{suffix}", trainer.DIM, optimizer=optimizer)
-            client.create_table(config, initial=(keys, initial_rows(f"{prefix}{suffix}")))
+        for suffix, dim in trainer.TABLES.items():
+            optimizer = optim.Adagrad(lr=ADAGRAD_LR) if suffix == "adagrad" else optim.Adam(**ADAM)
+            config = TableConfig(f"{prefix}{suffix}", dim, optimizer=optimizer)
+            client.create_table(config, initial=(keys, initial_rows(f"{prefix}{suffix}", dim)))
         if probe:
-            zeros = np.zeros((1, trainer.DIM), dtype=np.float32)
-            config = TableConfig(f"{prefix}probe", trainer.DIM, optimizer=optim.SGD(lr=1.0))
+            zeros = np.zeros((1, trainer.PROBE_DIM), dtype=np.float32)
+            config = TableConfig(f"{prefix}probe", trainer.PROBE_DIM, optimizer=optim.SGD(lr=1.0))
             client.create_table(config, initial=(keys[:1], zeros))
 
 
@@ -86,21 +87,25 @@ def torchrun(
 def one_trainer_with_the_global_batch(prefix: str, steps: int) -> dict[str, np.ndarray]:
     """The reference: the whole global batch in one process, torch's own optimizers."""
     bags = {}
-    for suffix in trainer.TABLES:
-        bag = nn.EmbeddingBag(trainer.VOCAB, trainer.DIM, mode="sum", sparse=True)
+    for suffix, dim in trainer.TABLES.items():
+        bag = nn.EmbeddingBag(trainer.VOCAB, dim, mode="sum", sparse=True)
         with torch.no_grad():
-            bag.weight.copy_(torch.from_numpy(initial_rows(f"{prefix}{suffix}")))
+            bag.weight.copy_(torch.from_numpy(initial_rows(f"{prefix}{suffix}", dim)))
         bags[suffix] = bag
     dense = trainer.dense_model()
     optimizers = [
         torch.optim.SGD(dense.parameters(), lr=0.5),
-        torch.optim.SparseAdam(
-            bags["adam"].parameters(),
-            lr=ADAM["lr"],
-            betas=(ADAM["beta1"], ADAM["beta2"]),
-            eps=ADAM["eps"],
-        ),
         torch.optim.Adagrad(bags["adagrad"].parameters(), lr=ADAGRAD_LR),
+        *(
+            torch.optim.SparseAdam(
+                bag.parameters(),
+                lr=ADAM["lr"],
+                betas=(ADAM["beta1"], ADAM["beta2"]),
+                eps=ADAM["eps"],
+            )
+            for suffix, bag in bags.items()
+            if suffix != "adagrad"
+        ),
     ]
     for step in range(1, steps + 1):
         ids, labels = trainer.global_batch(step)
@@ -147,9 +152,9 @@ def test_sync_equals_one_trainer_with_the_global_batch(
 def test_a_rank_killed_mid_step_resumes_from_the_last_checkpoint(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
-    """Rank 1 pushes step 5 to one shard only and dies (SIGKILL); torchrun restarts both
-    ranks, which resume from the checkpoint of step 4 and finish: the result is the
-    uninterrupted run's (the reference), the half push erased."""
+    """Rank 1 pushes half of the keys it owns at step 5 and dies (SIGKILL); torchrun
+    restarts both ranks, which resume from the checkpoint of step 4 and finish: the result
+    is the uninterrupted run's (the reference), the half push erased."""
     create_tables(cluster, "b_")
     reports = torchrun(
         cluster,

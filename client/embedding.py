@@ -92,7 +92,12 @@ class EmbeddingClient(ClusterAdmin):
         self.max_call_bytes = max_call_bytes
         self._configs: dict[str, TableConfig] = {}
         self._lock = threading.Lock()
-        self._router = Router(self.table_config, self.num_shards, max_call_bytes)
+        # The parts call back this client's public methods late bound (lambda), so that a
+        # subclass's or a wrapper's table_config, table_step or push_unique sees every call,
+        # a pooled lookup's push included.
+        self._router = Router(
+            lambda table: self.table_config(table), self.num_shards, max_call_bytes
+        )
         link = ClusterLink(
             self.addresses,
             self.timeout_s,
@@ -109,12 +114,19 @@ class EmbeddingClient(ClusterAdmin):
             chunk_bytes=chunk_bytes,
             one_message_bytes=one_message_bytes,
         )
-        self._pushes = Pushes(self._transport, self._router, self.table_step)
-        self._fused = PushThenLookup(self._transport, self._router, self._pushes)
+        self._pushes = Pushes(
+            self._transport, self._router, lambda table: self.table_step(table)
+        )
+        self._fused = PushThenLookup(
+            self._transport,
+            self._router,
+            self._pushes,
+            lambda pushes, step: self.push_unique(pushes, step),
+        )
         self._row_calls = RowCalls(
             lambda table: self.table_config(table).dim,
             self._transport.lookup_unique,
-            self._pushes.push_unique,
+            lambda pushes, step: self.push_unique(pushes, step),
             self._fused.push_then_lookup,
         )
 

@@ -6,6 +6,7 @@ lookup; either way a push is applied once and never sent again once a shard appl
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -33,12 +34,20 @@ class PushThenLookup:
     PushThenLookup (False once it answered UNIMPLEMENTED, an older shard: its pushes and
     lookups go as separate calls from then on), and the request bulk bytes a fused call to
     it may carry (its push and its lookup's keys): max_call_bytes, lowered for a shard that
-    refused one as over its per-call limit (a lower max_batch_bytes)."""
+    refused one as over its per-call limit (a lower max_batch_bytes). `push_unique` sends a
+    push alone where the two do not go as fused calls (EmbeddingClient.push_unique)."""
 
-    def __init__(self, transport: Transport, router: Router, pushes: Pushes) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        router: Router,
+        pushes: Pushes,
+        push_unique: Callable[[dict[str, tuple[np.ndarray, np.ndarray]], int | None], int],
+    ) -> None:
         self.transport = transport
         self.router = router
         self.pushes = pushes
+        self.push_unique = push_unique
         self.fused_one = transport.unary("PushThenLookup")  # each shard's fused call
         num_shards = router.num_shards
         self._fuses = [True] * num_shards
@@ -78,7 +87,7 @@ class PushThenLookup:
             parts.setdefault(shard, ([], []))[1].append(batches)
         if not all(self._fuses_parts(shard, *both) for shard, both in parts.items()):
             try:
-                self.pushes.push_unique(pushes, step)
+                self.push_unique(pushes, step)
             except ShardError as error:
                 raise PushNotApplied(error) from None
             return transport.lookup_unique(tables, create)

@@ -88,8 +88,6 @@ class EmbeddingClient(ClusterAdmin):
                 f"(0: always stream), got {one_message_bytes}"
             )
         super().__init__(addresses, timeout_s=timeout_s, retry=retry, security=security)
-        self.chunk_bytes = chunk_bytes
-        self.max_call_bytes = max_call_bytes
         self._configs: dict[str, TableConfig] = {}
         self._lock = threading.Lock()
         # The parts call back this client's public methods late bound (lambda), so that a
@@ -137,6 +135,25 @@ class EmbeddingClient(ClusterAdmin):
     @property
     def num_shards(self) -> int:
         return len(self.addresses)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The bulk bytes of one message of a streamed call (the transport's, which sends)."""
+        return self._transport.chunk_bytes
+
+    @chunk_bytes.setter
+    def chunk_bytes(self, value: int) -> None:
+        self._transport.chunk_bytes = value
+
+    @property
+    def max_call_bytes(self) -> int:
+        """The bulk bytes of one call (request or reply) per shard, more going as several
+        calls (the router's, which cuts the calls)."""
+        return self._router.max_call_bytes
+
+    @max_call_bytes.setter
+    def max_call_bytes(self, value: int) -> None:
+        self._router.max_call_bytes = value
 
     # -- tables (cached: the client needs each table's dim) ------------------------------------
 

@@ -98,7 +98,7 @@ class EmbeddingClient(ClusterAdmin):
         )
         link = ClusterLink(
             self.addresses,
-            self.timeout_s,
+            lambda: self.timeout_s,
             self._metadata,
             self._learn_lives,
             self._know_generations,

@@ -166,7 +166,7 @@ class PushThenLookup:
         try:
             reply = self.fused_one[shard](
                 request,
-                timeout=transport.link.timeout_s,
+                timeout=transport.link.timeout_s(),
                 metadata=transport.link.metadata(shard, *wire.declared(len(request)), *identity),
             )
         except grpc.RpcError as error:

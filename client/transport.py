@@ -35,7 +35,7 @@ class ClusterLink:
     """What the data calls take of the connection a ClusterAdmin keeps to its shards."""
 
     addresses: Sequence[str]
-    timeout_s: float  # the deadline of each call to a shard
+    timeout_s: Callable[[], float]  # the deadline of each call to a shard, as set now
     # metadata(shard, *extra): a call's metadata on the shard's plain channel (its life
     # header and token, then `extra`)
     metadata: Callable[..., list[tuple[str, str]]]
@@ -164,7 +164,7 @@ class Transport:
             try:
                 reply = self.lookup_one[shard](
                     request,
-                    timeout=self.link.timeout_s,
+                    timeout=self.link.timeout_s(),
                     metadata=self.link.metadata(shard, *wire.declared(len(request))),
                 )
                 return wire.lookup_reply_values(reply)
@@ -183,7 +183,7 @@ class Transport:
         size = sum(wire.stream_bytes(name, dim, create, keys.size, 0, self.chunk_bytes)
                    for name, dim, keys, _ in batches)  # fmt: skip
         replies = self._streams[shard].Lookup(
-            requests, timeout=self.link.timeout_s, metadata=wire.declared(size)
+            requests, timeout=self.link.timeout_s(), metadata=wire.declared(size)
         )
         for response in replies:
             chunk = np.frombuffer(response.values, np.uint8)
@@ -218,7 +218,7 @@ class Transport:
             try:
                 return self.push_one[shard](
                     request,
-                    timeout=self.link.timeout_s,
+                    timeout=self.link.timeout_s(),
                     metadata=self.link.metadata(shard, *wire.declared(len(request)), *identity),
                 )
             except grpc.RpcError as error:
@@ -245,7 +245,7 @@ class Transport:
             for name, dim, k, _ in parts
         )
         return self._streams[shard].PushGradients(
-            requests, timeout=self.link.timeout_s, metadata=(*wire.declared(size), *identity)
+            requests, timeout=self.link.timeout_s(), metadata=(*wire.declared(size), *identity)
         )
 
     def push_identity(self, shard: int, tables: list[str]) -> tuple[tuple[str, str], ...]:
@@ -278,7 +278,7 @@ class Transport:
         size = sum(wire.stream_bytes(name, dim, 0, keys.size, 4 * dim, self.chunk_bytes)
                    for name, dim, keys, _ in batches)  # fmt: skip
         return self._streams[shard].Assign(
-            requests, timeout=self.link.timeout_s, metadata=wire.declared(size)
+            requests, timeout=self.link.timeout_s(), metadata=wire.declared(size)
         )
 
     # -- the fan-out -----------------------------------------------------------------------------

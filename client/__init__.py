@@ -8,8 +8,9 @@ tierps.client.torch (the `torch` extra).
 """
 
 from tierps.client.admin import ClusterAdmin, RetryPolicy, ShardError
-from tierps.client.embedding import DevicePooledLookup, EmbeddingClient, Feature, PooledLookup
+from tierps.client.embedding import EmbeddingClient
 from tierps.client.formats import COO
+from tierps.client.pooled_lookup import DevicePooledLookup, Feature, PooledLookup
 from tierps.client.pooling import Combiner
 from tierps.client.security import ChannelSecurity
 from tierps.core import init, optim

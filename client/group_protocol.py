@@ -15,7 +15,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tierps.client.embedding import EmbeddingClient, Feature
+from tierps.client.embedding import EmbeddingClient
+from tierps.client.pooled_lookup import Feature
 
 # Per table: its distinct keys >= 0 and their summed gradients [u, dim], what one push sends.
 KeyGradients = dict[str, tuple[np.ndarray, np.ndarray]]

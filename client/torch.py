@@ -67,18 +67,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from tierps.client.embedding import (
-    EmbeddingClient,
+from tierps.client.embedding import EmbeddingClient
+from tierps.client.group_protocol import PushGroup
+from tierps.client.initial_rows import InitialRows
+from tierps.client.pooled_lookup import (
     Feature,
     FeatureBatch,
     PooledLookup,
-    PushNotApplied,
-    _PreparedHost,
-    _PreparedPooling,
+    PreparedHost,
+    PreparedPooling,
 )
-from tierps.client.group_protocol import PushGroup
-from tierps.client.initial_rows import InitialRows
 from tierps.client.pooling import Combiner
+from tierps.client.push_then_lookup import PushNotApplied
 from tierps.core import init, optim
 from tierps.core.config import TableConfig
 
@@ -135,7 +135,7 @@ class _Prefetch:
     deferred."""
 
     key: tuple[Any, ...]
-    prepared: _PreparedPooling | Exception
+    prepared: PreparedPooling | Exception
     create: bool
     pushes: int | None
     stream: Any  # the caller's CUDA stream, or None
@@ -391,7 +391,7 @@ class EmbeddingBagCollection(nn.Module):
         self._group: PushGroup | None = None
         # Staleness 1 under pipeline(): backward's push of a host batch waits here for the
         # prefetch pipeline() makes next, and goes with its lookup as one call per shard
-        # (EmbeddingClient._push_then_lookup); any other call of the module sends it first.
+        # (PushThenLookup.push_then_lookup); any other call of the module sends it first.
         self._hold_pushes = False  # set by pipeline() while a prefetch follows the step
         # (pushes, step) of the held push, or None: in a list the finalizer shares (_stop),
         # so that a module dropped unclosed still sends it
@@ -571,7 +571,7 @@ class EmbeddingBagCollection(nn.Module):
         """A held push, then entry's lookup, as one call per shard (in the background
         thread). A failed push is kept for the module's next call, as a push alone, and
         fails the lookup too."""
-        assert isinstance(entry.prepared, _PreparedHost)
+        assert isinstance(entry.prepared, PreparedHost)
         try:
             return entry.prepared.fetch(entry.create, held)
         except PushNotApplied as failed:
@@ -684,17 +684,17 @@ class EmbeddingBagCollection(nn.Module):
         group = self._group
         step = None if group is None else group.step  # a group's pushes carry the job's step
         if group is None and self.staleness == 1 and self._hold_pushes and pooled.device is None:
-            self._held = (pooled._key_gradients(_gradients(pooled, grads)), step)
+            self._held = (pooled.key_gradients(_gradients(pooled, grads)), step)
             self._started_worker()  # its finalizer sends the held push if the module is dropped
             _HOLDING.add(self)  # and _send_held_at_exit, if it lives at interpreter exit
         elif group is not None and group.mode == "sync":
-            group.push_together(pooled._key_gradients(_gradients(pooled, grads)))
+            group.push_together(pooled.key_gradients(_gradients(pooled, grads)))
         elif self.staleness == 0:
             pooled.push_gradients(_gradients(pooled, grads), step)
         else:
             if pooled.device is None:
-                pushes = pooled._key_gradients(_gradients(pooled, grads))
-                send = functools.partial(pooled._push_keys, pushes)
+                pushes = pooled.key_gradients(_gradients(pooled, grads))
+                send = functools.partial(pooled.push_keys, pushes)
             else:
                 given = {name: grad.detach().clone() for name, grad in grads.items()}
                 send = functools.partial(pooled.push_gradients, given)
@@ -733,10 +733,10 @@ class EmbeddingBagCollection(nn.Module):
         """Training mode with autograd on: lookups create rows and backward pushes."""
         return self.training and torch.is_grad_enabled()
 
-    def _prepare(self, batch: Mapping[str, FeatureBatch] | Any) -> _PreparedPooling:
-        """The batch's lookup up to its RPCs (EmbeddingClient.lookup_pooled_features); a
+    def _prepare(self, batch: Mapping[str, FeatureBatch] | Any) -> PreparedPooling:
+        """The batch's lookup up to its RPCs (EmbeddingClient.prepare_pooled); a
         KeyedJaggedTensor is read as the dict of its features (jagged_features)."""
-        return self.client._prepare_pooled(
+        return self.client.prepare_pooled(
             jagged_features(batch, self.include_last_offset),
             self.features,
             self.include_last_offset,
@@ -757,14 +757,14 @@ class EmbeddingBagCollection(nn.Module):
             if create:
                 self._claim_tables()
             try:
-                prepared: _PreparedPooling | Exception = self._prepare(batch)
+                prepared: PreparedPooling | Exception = self._prepare(batch)
             except Exception as error:  # a bad batch: raised by its forward, as before
                 prepared = error
         except BaseException:
             self._send_alone(held)
             raise
         entry = _Prefetch(key, prepared, create, None, _current_stream())
-        if held is not None and isinstance(prepared, _PreparedHost):
+        if held is not None and isinstance(prepared, PreparedHost):
             entry.pushes = self._pushes  # the held push is counted: the lookup sees it
             entry.future = self._submit(self._push_then_fetch, held, entry)
             self._last_push = entry.future
@@ -1009,7 +1009,7 @@ def _gradients(pooled: PooledLookup, grads: dict[str, torch.Tensor]) -> dict[str
     return {name: grad.detach() for name, grad in grads.items()}
 
 
-def _fetch_on(prepared: _PreparedPooling, create: bool, stream: Any) -> PooledLookup:
+def _fetch_on(prepared: PreparedPooling, create: bool, stream: Any) -> PooledLookup:
     """A prepared lookup's fetch in the background thread, on the CUDA stream the caller
     was on: a device batch's kernels then queue behind the work that made the batch."""
     with _on_stream(stream):

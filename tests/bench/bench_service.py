@@ -41,7 +41,7 @@ import grpc
 import numpy as np
 
 from tests.bench.echo_server import echo_call, initial_rows, raw_calls
-from tierps.client import EmbeddingClient, embedding
+from tierps.client import EmbeddingClient, routing
 from tierps.proto import wire
 from tierps.server.cluster import LocalCluster
 from tierps.storage import TableConfig, optim
@@ -246,7 +246,7 @@ def sweep(
         "lookup": "EmbeddingClient.lookup: a writable array in the keys' order; lookup_view: "
                   "copy=False (a read-only view of the reply where one reply holds every row "
                   "in order). A shard's reply of 8 MiB or more goes as 2-4 calls of 4 MiB or "
-                  "more at once (client.embedding.LOOKUP_PIECE_BYTES); the echo sends one "
+                  "more at once (client.routing.LOOKUP_PIECE_BYTES); the echo sends one "
                   "message",
         "rows": [],
     }  # fmt: skip
@@ -512,14 +512,14 @@ def piece_counts(
 ) -> dict[int, int]:
     """The most calls a shard's part of a lookup of `keys` goes as, at each piece size (the
     client's own routing, LOOKUP_PIECE_BYTES set to each size in turn)."""
-    saved, counts = embedding.LOOKUP_PIECE_BYTES, {}
+    saved, counts = routing.LOOKUP_PIECE_BYTES, {}
     try:
         for size in sizes:
-            embedding.LOOKUP_PIECE_BYTES = size
-            calls = client._route({table: (dim, keys)}, lambda d: max(8, 4 * d), pieces=True)
+            routing.LOOKUP_PIECE_BYTES = size
+            calls = client._router.lookup_calls({table: (dim, keys)})
             counts[size] = max(collections.Counter(shard for shard, _ in calls).values())
     finally:
-        embedding.LOOKUP_PIECE_BYTES = saved
+        routing.LOOKUP_PIECE_BYTES = saved
     return counts
 
 
@@ -535,7 +535,7 @@ def piece_sizes(
     each other and the echo in one process, `rounds` times a shape; shapes where every size
     cuts the same pieces are skipped."""
     rng = np.random.default_rng(5)
-    saved = embedding.LOOKUP_PIECE_BYTES
+    saved = routing.LOOKUP_PIECE_BYTES
     out: dict[str, Any] = {"sizes": list(sizes), "rounds": rounds, "rows": []}
     try:
         for shards, client, echo in clusters(root / "pieces", shard_counts):
@@ -548,7 +548,7 @@ def piece_sizes(
                         row = _pieces_shape(client, echo, table, shards, dim, keys, counts, rounds)
                         out["rows"].append(row)
     finally:
-        embedding.LOOKUP_PIECE_BYTES = saved
+        routing.LOOKUP_PIECE_BYTES = saved
     return out
 
 
@@ -565,7 +565,7 @@ def _pieces_shape(
     """One shape of piece_sizes: `rounds` alternated runs of a lookup at each piece size."""
 
     def lookup_in_pieces_of(size: int) -> Any:
-        embedding.LOOKUP_PIECE_BYTES = size
+        routing.LOOKUP_PIECE_BYTES = size
         return client.lookup(table, keys)
 
     mine = shard_positions(keys, shards)

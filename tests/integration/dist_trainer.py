@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tierps.client.distributed import TrainerGroup
-from tierps.client.embedding import EmbeddingClient, Feature
+from tierps.client.embedding import EmbeddingClient
+from tierps.client.pooled_lookup import Feature
 from tierps.client.torch import EmbeddingBagCollection
 
 VOCAB = 40  # keys per table: ranks' batches share many of them

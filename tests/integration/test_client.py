@@ -481,7 +481,7 @@ def test_a_push_failing_in_part_on_one_shard_names_that_shard_not_succeeded(
     client.create_table(config("t", optimizer=optim.SGD(lr=1.0)))
     keys = np.arange(100, dtype=np.int64)
     before = client.lookup("t", keys)
-    real_push, calls = client._push_one[0], []
+    real_push, calls = client._transport.push_one[0], []
 
     class Unavailable(grpc.RpcError):
         def code(self) -> grpc.StatusCode:
@@ -496,7 +496,7 @@ def test_a_push_failing_in_part_on_one_shard_names_that_shard_not_succeeded(
             raise Unavailable()
         return real_push(request, **options)
 
-    client._push_one[0] = second_call_fails
+    client._transport.push_one[0] = second_call_fails
     with pytest.raises(ShardError) as raised:
         client.push_gradients("t", keys, np.ones((keys.size, DIM), np.float32))
     assert len(calls) > 2, "the push was not split into several calls"
@@ -922,7 +922,7 @@ def test_a_push_failing_with_unavailable_is_retried_and_applied_once(
     grads = normal(rng(18), (5, DIM))
     assert client.push_gradients("t", keys, grads) == 4
     assert shard.interceptor.calls["PushGradients"] == 2
-    assert client._steps["t"] == 1
+    assert client._pushes.last_step("t") == 1
     want = initial(table, keys).astype(np.float64) - lr * grads
     want[1] -= lr * grads[3]
     rows = stored(shard.shard, "t")
@@ -1093,7 +1093,7 @@ def test_a_push_failing_on_one_shard_names_the_shards_it_reached_and_keeps_its_s
     assert "of tables ['t'] was applied on shards [0], and not on shards [1]" in str(error)
     assert shards[1].address in str(error)
     assert sorted(stored(shards[0].shard, "t")) == [2, 4] and stored(shards[1].shard, "t") == {}
-    assert client._steps["t"] == 1  # shard 0 applied step 1: the next push is step 2
+    assert client._pushes.last_step("t") == 1  # shard 0 applied step 1: the next push is step 2
 
 
 def test_pushing_the_gradients_of_some_features_moves_only_their_keys(

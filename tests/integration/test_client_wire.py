@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.integration.test_client import rpc_count
-from tierps.client import EmbeddingClient, embedding
+from tierps.client import EmbeddingClient, routing, transport
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import wire
 from tierps.server.daemon import ShardServer
@@ -246,7 +246,7 @@ def test_distinct_keys_and_lookups_in_pieces_agree_with_numpy(
     """Distinct keys >= 0 in any order go as given (no dedup, no reordering), and a lookup
     of LOOKUP_PIECE_BYTES or more per shard goes as LOOKUP_PIECES calls at once: the rows,
     a copy=False lookup's and a push's, equal numpy's, in the keys' order."""
-    monkeypatch.setattr(embedding, "LOOKUP_PIECE_BYTES", 4 << 10)
+    monkeypatch.setattr(routing, "LOOKUP_PIECE_BYTES", 4 << 10)
     servers = [shard_server(shard_id=i, num_shards=num_shards) for i in range(num_shards)]
     client = make_client(servers)
     dim = 16
@@ -257,7 +257,7 @@ def test_distinct_keys_and_lookups_in_pieces_agree_with_numpy(
     rows = client.lookup("t", keys)  # 128 KB of rows: 4 pieces of at least 4 KiB per shard
     np.testing.assert_array_equal(rows, initial(config, keys))
     assert rows.flags.writeable
-    assert sum(calls(s, "LookupUnary") for s in servers) == embedding.LOOKUP_PIECES * num_shards
+    assert sum(calls(s, "LookupUnary") for s in servers) == routing.LOOKUP_PIECES * num_shards
     few = keys[0, :20]  # below a piece: one call per shard, its reply in the keys' order
     view = client.lookup("t", few, copy=False)
     np.testing.assert_array_equal(view, initial(config, few))
@@ -275,12 +275,12 @@ def test_two_pieces_a_shard_run_at_once_on_every_shard(
     num_shards: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A lookup of two pieces a shard (embedding.PIECES_AT_ONCE) sends all of them at once,
+    """A lookup of two pieces a shard (transport.PIECES_AT_ONCE) sends all of them at once,
     on one shard and on two: each piece's call waits here, up to 10 s, until every piece
     of the lookup is in flight; no shard ever has more than two at once. The rows equal
     numpy's initial rows, in the keys' order."""
-    monkeypatch.setattr(embedding, "LOOKUP_PIECE_BYTES", 4 << 10)
-    monkeypatch.setattr(embedding, "LOOKUP_PIECES", 2)
+    monkeypatch.setattr(routing, "LOOKUP_PIECE_BYTES", 4 << 10)
+    monkeypatch.setattr(routing, "LOOKUP_PIECES", 2)
     servers = [shard_server(shard_id=i, num_shards=num_shards) for i in range(num_shards)]
     client = make_client(servers)
     config = sgd_table("t", 16)
@@ -307,7 +307,7 @@ def test_two_pieces_a_shard_run_at_once_on_every_shard(
         return call
 
     for shard in range(num_shards):
-        client._lookup_one[shard] = waiting(shard, client._lookup_one[shard])
+        client._transport.lookup_one[shard] = waiting(shard, client._transport.lookup_one[shard])
     np.testing.assert_array_equal(client.lookup("t", keys), initial(config, keys))
     assert state["all"] == pieces and state["most"] == [2] * num_shards
     assert sum(calls(s, "LookupUnary") for s in servers) == pieces
@@ -318,11 +318,11 @@ def test_a_third_piece_to_one_shard_waits_for_the_others(
     make_client: Callable[..., EmbeddingClient],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A lookup of three pieces to one shard sends two at once (embedding.PIECES_AT_ONCE)
+    """A lookup of three pieces to one shard sends two at once (transport.PIECES_AT_ONCE)
     and the third once they have ended: each call waits here, up to 0.5 s, for a third
     call in flight, which must never come. The rows equal numpy's initial rows."""
-    monkeypatch.setattr(embedding, "LOOKUP_PIECE_BYTES", 4 << 10)
-    monkeypatch.setattr(embedding, "LOOKUP_PIECES", 3)
+    monkeypatch.setattr(routing, "LOOKUP_PIECE_BYTES", 4 << 10)
+    monkeypatch.setattr(routing, "LOOKUP_PIECES", 3)
     server = shard_server()
     client = make_client([server])
     config = sgd_table("t", 16)
@@ -330,24 +330,24 @@ def test_a_third_piece_to_one_shard_waits_for_the_others(
     keys = np.random.default_rng(13).choice(1 << 40, 600, replace=False)  # 37.5 KiB of rows
     state = {"in_flight": 0, "most": 0}
     changed = threading.Condition()
-    real = client._lookup_one[0]
+    real = client._transport.lookup_one[0]
 
     def call(request: bytes, **options: Any) -> Any:
         with changed:
             state["in_flight"] += 1
             state["most"] = max(state["most"], state["in_flight"])
             changed.notify_all()
-            changed.wait_for(lambda: state["in_flight"] > embedding.PIECES_AT_ONCE, timeout=0.5)
+            changed.wait_for(lambda: state["in_flight"] > transport.PIECES_AT_ONCE, timeout=0.5)
         try:
             return real(request, **options)
         finally:
             with changed:
                 state["in_flight"] -= 1
 
-    client._lookup_one[0] = call
+    client._transport.lookup_one[0] = call
     np.testing.assert_array_equal(client.lookup("t", keys), initial(config, keys))
     assert calls(server, "LookupUnary") == 3
-    assert state["most"] == embedding.PIECES_AT_ONCE == 2
+    assert state["most"] == transport.PIECES_AT_ONCE == 2
 
 
 def test_rows_written_into_the_reply_equal_numpy_at_any_alignment(

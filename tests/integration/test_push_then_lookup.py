@@ -35,7 +35,7 @@ from tests.integration.test_client_wire import (
     sgd_table,
 )
 from tierps.client import EmbeddingClient, Feature, ShardError, TableConfig, init, optim
-from tierps.client.embedding import PushNotApplied
+from tierps.client.push_then_lookup import PushNotApplied
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import wire
 from tierps.server.daemon import ShardServer
@@ -449,7 +449,7 @@ def test_a_lookup_failing_after_its_push_keeps_the_push_and_says_so(
             client.push_gradients("t", resident, minus_one)
             filler = fill(fs, leave_bytes=64 << 10)
             with pytest.raises(ShardError, match="No space left") as raised:
-                client._push_then_lookup(
+                client._fused.push_then_lookup(
                     {"t": (resident, minus_one)}, None, {"t": (dim, new)}, True
                 )
             assert calls(server, "PushThenLookup", raised.value.code.name) == 1
@@ -514,7 +514,7 @@ def test_a_push_failing_before_its_calls_ran_is_push_not_applied(
     made = _fail_once(client._stubs[0], failing, Refused(grpc.StatusCode.UNAVAILABLE, "down"))
     grads = quarter_grads(np.random.default_rng(2), (keys.size, DIM))
     with pytest.raises(PushNotApplied) as raised:
-        client._push_then_lookup({"t": (keys, grads)}, None, {"t": (DIM, keys)}, True)
+        client._fused.push_then_lookup({"t": (keys, grads)}, None, {"t": (DIM, keys)}, True)
     assert made and raised.value.error.code is grpc.StatusCode.UNAVAILABLE
     assert raised.value.error.succeeded == []
     rows = client.lookup("t", keys, create=False)
@@ -545,7 +545,9 @@ def test_a_push_and_lookup_over_the_shards_per_call_limit_together_go_separately
     expected = initial(config, looked_up)
     expected[: pushed.size] -= np.float32(LR) * grads
     for _ in range(2):  # the second time, the client knows the shard's limit
-        rows = client._push_then_lookup({"t": (pushed, grads)}, None, {"t": (DIM, looked_up)}, True)
+        rows = client._fused.push_then_lookup(
+            {"t": (pushed, grads)}, None, {"t": (DIM, looked_up)}, True
+        )
         np.testing.assert_array_equal(rows["t"], expected)
         expected[: pushed.size] -= np.float32(LR) * grads
     assert calls(server, "PushThenLookup") == 0
@@ -572,7 +574,7 @@ def test_a_fused_reply_of_the_wrong_size_keeps_the_push_applied(
     its way to the client) has a row too few: the client raises the reply's ShardError, not
     PushNotApplied, and keeps the push's step (the push is in, once)."""
     _, client, config, keys, grads = _sgd_shard(shard_server, make_client, seed=4)
-    real = client._push_then_lookup_one[0]
+    real = client._fused.fused_one[0]
 
     def one_row_short(request: bytes, **options: Any) -> bytes:
         values, num_keys = wire.push_then_lookup_reply(real(request, **options))
@@ -581,9 +583,9 @@ def test_a_fused_reply_of_the_wrong_size_keeps_the_push_applied(
         view[...] = rows
         return encoded
 
-    client._push_then_lookup_one[0] = one_row_short
+    client._fused.fused_one[0] = one_row_short
     with pytest.raises(ShardError, match="expected 96 bytes, got 80"):
-        client._push_then_lookup({"t": (keys, grads)}, None, {"t": (DIM, keys)}, True)
+        client._fused.push_then_lookup({"t": (keys, grads)}, None, {"t": (DIM, keys)}, True)
     expected = initial(config, keys) - np.float32(LR) * grads
     np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
     client.push_gradients("t", keys, grads)  # step 2: the fused push kept step 1
@@ -598,7 +600,7 @@ def test_a_fused_call_whose_push_is_in_is_never_sent_again(
     trailing metadata: the client raises it as the lookup's failure and does not push
     again (the rows took one SGD step, and no PushGradients call came)."""
     server, client, config, keys, grads = _sgd_shard(shard_server, make_client, seed=5)
-    real = client._push_then_lookup_one[0]
+    real = client._fused.fused_one[0]
 
     def pushed_then_too_large(request: bytes, **options: Any) -> bytes:
         _, num_keys = wire.push_then_lookup_reply(real(request, **options))
@@ -608,9 +610,9 @@ def test_a_fused_call_whose_push_is_in_is_never_sent_again(
             ((wire.PUSHED_HEADER, str(num_keys)),),
         )
 
-    client._push_then_lookup_one[0] = pushed_then_too_large
+    client._fused.fused_one[0] = pushed_then_too_large
     with pytest.raises(ShardError, match="too large for one message"):
-        client._push_then_lookup({"t": (keys, grads)}, None, {"t": (DIM, keys)}, True)
+        client._fused.push_then_lookup({"t": (keys, grads)}, None, {"t": (DIM, keys)}, True)
     expected = initial(config, keys) - np.float32(LR) * grads
     np.testing.assert_array_equal(client.lookup("t", keys, create=False), expected)
     assert calls(server, "PushGradientsUnary") + calls(server, "PushGradients") == 0
@@ -630,7 +632,7 @@ def test_a_lookup_cut_into_pieces_sends_them_at_once_after_the_push(
     client.create_table(config)
     keys = np.arange(12 << 10, dtype=np.int64)  # 12 MiB of rows
     grads = quarter_grads(np.random.default_rng(6), (8, dim))
-    real, in_flight, most = client._lookup_one[0], [0], [0]
+    real, in_flight, most = client._transport.lookup_one[0], [0], [0]
     both = threading.Condition()
 
     def wait_for_the_other(request: bytes, **options: Any) -> Any:
@@ -645,8 +647,8 @@ def test_a_lookup_cut_into_pieces_sends_them_at_once_after_the_push(
             with both:
                 in_flight[0] -= 1
 
-    client._lookup_one[0] = wait_for_the_other
-    rows = client._push_then_lookup({"t": (keys[:8], grads)}, None, {"t": (dim, keys)}, True)
+    client._transport.lookup_one[0] = wait_for_the_other
+    rows = client._fused.push_then_lookup({"t": (keys[:8], grads)}, None, {"t": (dim, keys)}, True)
     expected = initial(config, keys)
     expected[:8] -= np.float32(LR) * grads
     np.testing.assert_array_equal(rows["t"], expected)
@@ -665,9 +667,9 @@ def test_a_fused_push_refused_on_one_shard_names_the_other_as_succeeded(
     client.create_table(config)
     keys = np.arange(8, dtype=np.int64)  # even keys on shard 0, odd ones on shard 1
     grads = quarter_grads(np.random.default_rng(7), (keys.size, DIM))
-    _fail_once(client._push_then_lookup_one, 1, Refused(grpc.StatusCode.UNAVAILABLE, "injected"))
+    _fail_once(client._fused.fused_one, 1, Refused(grpc.StatusCode.UNAVAILABLE, "injected"))
     with pytest.raises(PushNotApplied) as raised:
-        client._push_then_lookup({"t": (keys, grads)}, None, {"t": (DIM, keys)}, True)
+        client._fused.push_then_lookup({"t": (keys, grads)}, None, {"t": (DIM, keys)}, True)
     error = raised.value.error
     assert (error.shard_id, error.code, error.succeeded) == (1, grpc.StatusCode.UNAVAILABLE, [0])
     assert "applied on shards [0]" in str(error)

@@ -290,7 +290,7 @@ def test_reworded_a_push_and_lookup_over_the_per_call_limit_go_separately(
     client.create_table(config)
     keys = np.arange(40_000, dtype=np.int64)  # a 960 KB push and 320 KB of lookup keys
     grads = quarter_grads(np.random.default_rng(3), (keys.size, 4))
-    rows = client._push_then_lookup({"t": (keys, grads)}, None, {"t": (4, keys)}, True)
+    rows = client._fused.push_then_lookup({"t": (keys, grads)}, None, {"t": (4, keys)}, True)
     np.testing.assert_array_equal(rows["t"], initial(config, keys) - np.float32(LR) * grads)
     assert refused_calls(server, "PushThenLookup") == 1
     assert calls(server, "PushThenLookup") == 0

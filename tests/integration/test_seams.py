@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from tests.integration.test_crash_safety import free_base_port
-from tierps.client import EmbeddingClient
+from tierps.client import EmbeddingClient, Feature
 from tierps.client.admin import RetryPolicy, ShardError
-from tierps.client.embedding import Feature, PushNotApplied
+from tierps.client.push_then_lookup import PushNotApplied
 from tierps.core.errors import Reason
 from tierps.proto import wire
 from tierps.server.cluster import LocalCluster
@@ -78,10 +78,10 @@ def test_a_refused_table_changes_no_other_table_of_the_push(
         before = {t: rows_of(client, t, keys.reshape(-1)) for t in ("x", "y")}
         grads = {"fx": np.ones((2, DIM), np.float32), "fy": np.full((2, DIM), 1e20, np.float32)}
         if transport == "push-then-lookup":
-            pushes = pooled._key_gradients(grads)
+            pushes = pooled.key_gradients(grads)
             tables = {t: (DIM, keys.reshape(-1)) for t in ("x", "y")}
             with pytest.raises(PushNotApplied) as raised:
-                client._push_then_lookup(pushes, None, tables, True)
+                client._fused.push_then_lookup(pushes, None, tables, True)
             error = raised.value.error
         else:
             with pytest.raises(ShardError) as caught:
@@ -202,7 +202,7 @@ def test_a_push_a_shard_applied_in_part_keeps_its_step_and_says_which_tables(
         assert error.code is CODE.RESOURCE_EXHAUSTED and error.applied_tables == ["a"]
         assert error.reason is Reason.STORAGE_FULL
         assert "shard 0 applied its part of tables ['a'] and not of the others" in str(error)
-        assert client._steps["a"] == 1  # the step stays taken: a's rows moved at it
+        assert client._pushes.last_step("a") == 1  # the step stays taken: a's rows moved at it
         np.testing.assert_array_equal(rows_of(client, "a", keys[0]), np.ones((2, DIM)))
         np.testing.assert_array_equal(rows_of(client, "b", keys[0]), np.zeros((2, DIM)))
 

@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 from tierps.client.distributed import TrainerGroup  # noqa: E402
-from tierps.client.embedding import EmbeddingClient, Feature  # noqa: E402
+from tierps.client.embedding import EmbeddingClient  # noqa: E402
+from tierps.client.pooled_lookup import Feature  # noqa: E402
 from tierps.client.torch import EmbeddingBagCollection  # noqa: E402
 from tierps.core.config import TableConfig  # noqa: E402
 from tierps.server.daemon import ShardServer  # noqa: E402

@@ -14,19 +14,22 @@ GPU with `device_pooling`.
 
 It composes the parts that do the work, each a module of its own: routing (keys to shards
 to calls), transport (the calls to one shard and their fan-out), pushes (a push's steps and
-failures), push_then_lookup (the fused call) and pooled_lookup (features pooled per bag).
+failures), push_then_lookup (the fused call), pooled_lookup (features pooled per bag) and
+in_flight (the pushes handed to a background sender, which the client's later calls wait for).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tierps.client.admin import ClusterAdmin, Progress, RetryPolicy
 from tierps.client.formats import Bags, as_array, float_array, to_bags
+from tierps.client.in_flight import PushesInFlight
 from tierps.client.initial_rows import InitialRows, read_initial_rows
 from tierps.client.pooled_lookup import (
     Feature,
@@ -64,6 +67,10 @@ class EmbeddingClient(ClusterAdmin):
     Every data call has a deadline of timeout_s per shard call. A call failing with UNAVAILABLE is
     retried by gRPC as `retry` says; any failure a shard gives is raised as a ShardError
     naming the shard and its address. Bad input is refused before anything is sent.
+
+    A push handed to a background sender (push_in_flight: a torch module's backward) is seen
+    by every later call of this client on its tables (lookups, pushes, assign, describe,
+    evict, snapshots, drop_table): they wait for it first.
     """
 
     def __init__(
@@ -90,6 +97,7 @@ class EmbeddingClient(ClusterAdmin):
         super().__init__(addresses, timeout_s=timeout_s, retry=retry, security=security)
         self._configs: dict[str, TableConfig] = {}
         self._lock = threading.Lock()
+        self._in_flight = PushesInFlight()
         # The parts call back this client's public methods late bound (lambda), so that a
         # subclass's or a wrapper's table_config, table_step or push_unique sees every call,
         # a pooled lookup's push included.
@@ -123,7 +131,7 @@ class EmbeddingClient(ClusterAdmin):
         )
         self._row_calls = RowCalls(
             lambda table: self.table_config(table).dim,
-            self._transport.lookup_unique,
+            self._lookup_unique,
             lambda pushes, step: self.push_unique(pushes, step),
             self._fused.push_then_lookup,
         )
@@ -131,6 +139,31 @@ class EmbeddingClient(ClusterAdmin):
     def close(self) -> None:
         self._transport.close()
         super().close()
+
+    # -- pushes in flight ------------------------------------------------------------------------
+
+    def push_in_flight(self, tables: Iterable[str], pushed: Future[Any]) -> None:
+        """A push to `tables` was handed to a background sender and is done when `pushed`
+        is: this client's later calls on those tables wait for it (a sender's own thread,
+        marked by in_flight.mark_sender_thread, does not)."""
+        self._in_flight.add(tables, pushed)
+
+    def wait_for_pushes_in_flight(self, tables: Iterable[str] | None = None) -> None:
+        """Wait until the pushes in flight to `tables` (None: any) are done; their failures
+        are their senders' to raise."""
+        self._in_flight.wait(tables)
+
+    def _lookup_unique(
+        self,
+        tables: dict[str, tuple[int, np.ndarray]],
+        create: bool,
+        out: dict[str, np.ndarray] | None = None,
+        *,
+        read_only: bool = False,
+    ) -> dict[str, np.ndarray]:
+        """Transport.lookup_unique, after the pushes in flight to its tables."""
+        self._in_flight.wait(tables)
+        return self._transport.lookup_unique(tables, create, out, read_only=read_only)
 
     @property
     def num_shards(self) -> int:
@@ -183,6 +216,7 @@ class EmbeddingClient(ClusterAdmin):
         return created
 
     def drop_table(self, name: str) -> None:
+        self._in_flight.wait([name])
         with self._lock:
             self._configs.pop(name, None)
             for known in self._generations:
@@ -224,7 +258,7 @@ class EmbeddingClient(ClusterAdmin):
         the rows arrive in the keys' order (distinct keys >= 0, one shard), a read-only view
         of the reply instead of a writable copy."""
         where, keys, flat, dim = self._dense_call(table, keys)
-        lookup_unique = self._transport.lookup_unique
+        lookup_unique = self._lookup_unique
         if distinct_live(flat):  # sent as given: the rows come back in the keys' order
             rows = lookup_unique({table: (dim, flat)}, create, read_only=not copy)[table]
             return rows.reshape(*keys.shape, dim)
@@ -258,6 +292,7 @@ class EmbeddingClient(ClusterAdmin):
         where, keys, flat, dim = self._dense_call(table, keys)
         shape = (*keys.shape, dim)
         values = float_array(where, "values", values, shape, "[*keys.shape, dim]").reshape(-1, dim)
+        self._in_flight.wait([table])
         last = flat.size - 1 - np.unique(flat[::-1], return_index=True)[1]
         last = last[flat[last] >= 0]
         calls = self._router.route({table: (dim, flat[last])}, key_and_row_bytes)
@@ -346,6 +381,7 @@ class EmbeddingClient(ClusterAdmin):
         TrainerGroup compute them (nothing is summed again). A table with no keys is not
         pushed and takes no step. `step` as in push_gradients. Returns the number of keys
         updated."""
+        self._in_flight.wait(pushes)
         return self._pushes.push_unique(pushes, step)
 
     def table_step(self, name: str) -> int:
@@ -354,7 +390,20 @@ class EmbeddingClient(ClusterAdmin):
         starts again, or loads a snapshot, continues from it."""
         return max(int(described.get("current_step", 0)) for described in self.describe(name))
 
+    def describe(self, name: str) -> list[dict[str, Any]]:
+        self._in_flight.wait([name])
+        return super().describe(name)
+
+    def evict(self, table: str) -> dict[str, Any]:
+        self._in_flight.wait([table])
+        return super().evict(table)
+
+    def save_snapshot(self, name: str, *, progress: Progress | None = None) -> dict[str, Any]:
+        self._in_flight.wait()
+        return super().save_snapshot(name, progress=progress)
+
     def load_snapshot(self, name: str, *, progress: Progress | None = None) -> dict[str, Any]:
+        self._in_flight.wait()
         result = super().load_snapshot(name, progress=progress)
         self._pushes.forget()  # the tables' clocks are the snapshot's now: learn them again
         return result

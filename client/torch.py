@@ -68,7 +68,8 @@ import torch
 from torch import nn
 
 from tierps.client.embedding import EmbeddingClient
-from tierps.client.group_protocol import PushGroup
+from tierps.client.group_protocol import KeyGradients, PushGroup
+from tierps.client.in_flight import mark_sender_thread
 from tierps.client.initial_rows import InitialRows
 from tierps.client.pooled_lookup import (
     Feature,
@@ -146,7 +147,7 @@ def _stop(worker: ThreadPoolExecutor, held: list[Any], client: EmbeddingClient) 
     """The finalizer of a module dropped unclosed (it holds no reference to the module):
     its held push (held[0], see EmbeddingBagCollection._held) is sent after the queued
     ones, which still run, then the thread ends. (At interpreter exit a live module's
-    held push was sent before: _send_held_at_exit.)"""
+    held push was sent before: _apply_pushes_at_exit.)"""
     if held[0] is not None:
         (pushes, step), held[0] = held[0], None
         try:
@@ -158,26 +159,26 @@ def _stop(worker: ThreadPoolExecutor, held: list[Any], client: EmbeddingClient) 
     worker.shutdown(wait=False)
 
 
-# The modules that held a push (pipeline()), for _send_held_at_exit.
-_HOLDING: weakref.WeakSet[Any] = weakref.WeakSet()
+# The modules that held a push (pipeline()) or handed one to their background thread at
+# staleness 0, for _apply_pushes_at_exit.
+_PUSHING: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def _send_held_at_exit() -> None:
+def _apply_pushes_at_exit() -> None:
     """At interpreter exit, before the thread pools shut (threading's exit hooks run the
     last registered first; concurrent.futures registered its own before this module):
-    each live module's held push is sent and waited for (a pipeline left suspended);
-    a failure is written to stderr, as no call of the module will raise it."""
-    for module in list(_HOLDING):
-        if module._held is None:
-            continue
+    each live module's held push is sent (a pipeline left suspended) and its pushes in
+    flight are waited for; a failure is written to stderr, as no call of the module will
+    raise it."""
+    for module in list(_PUSHING):
         module.wait_for_pushes()
         with module._failure_lock:
             failure = module._failure
         if failure is not None:
-            sys.stderr.write(f"tierps: a held push was not applied at exit: {failure}\n")
+            sys.stderr.write(f"tierps: a push was not applied at exit: {failure}\n")
 
 
-threading._register_atexit(_send_held_at_exit)  # the hook concurrent.futures uses
+threading._register_atexit(_apply_pushes_at_exit)  # the hook concurrent.futures uses
 
 
 # Which live module pipelines each table, per client (see the module docstring).
@@ -537,7 +538,9 @@ class EmbeddingBagCollection(nn.Module):
     def _started_worker(self) -> ThreadPoolExecutor:
         """The background thread's pool, started (with its finalizer) if it is not."""
         if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="tierps-pipeline")
+            self._worker = ThreadPoolExecutor(
+                1, thread_name_prefix="tierps-pipeline", initializer=mark_sender_thread
+            )
             self._finalizer = weakref.finalize(
                 self, _stop, self._worker, self._held_slot, self.client
             )
@@ -560,22 +563,23 @@ class EmbeddingBagCollection(nn.Module):
     def _send_alone(self, held: tuple[dict[str, Any], int | None] | None) -> None:
         """Hand `held` ((pushes, step), taken from _held; None: nothing) to the background
         thread as a push alone."""
-        if held is not None:
+        if held is not None:  # the module's latest push: none was made after it
             pushes, step = held
+            what = self._push_named(pushes, step, self._pushes)
             send = functools.partial(self.client.push_unique, pushes)
-            self._last_push = self._submit(self._push_in_background, send, step, None)
+            self._last_push = self._submit(self._push_in_background, send, step, None, what)
 
     def _push_then_fetch(
-        self, held: tuple[dict[str, Any], int | None], entry: _Prefetch
+        self, push: tuple[KeyGradients, int | None], entry: _Prefetch, what: str
     ) -> PooledLookup:
-        """A held push, then entry's lookup, as one call per shard (in the background
-        thread). A failed push is kept for the module's next call, as a push alone, and
-        fails the lookup too."""
+        """A push, then entry's lookup, as one call per shard (in the background thread).
+        A failed push is kept for the module's next call, as a push alone, and fails the
+        lookup too."""
         assert isinstance(entry.prepared, PreparedHost)
         try:
-            return entry.prepared.fetch(entry.create, held)
+            return entry.prepared.fetch(entry.create, push)
         except PushNotApplied as failed:
-            self._keep_failure(failed.error)
+            self._keep_failure(failed.error, what)
             raise failed.error from None
 
     @property
@@ -676,20 +680,23 @@ class EmbeddingBagCollection(nn.Module):
     # -- pushes ------------------------------------------------------------------------------
 
     def _push(self, pooled: PooledLookup, grads: dict[str, torch.Tensor]) -> None:
-        """backward's push: applied now (staleness 0) or handed to the background thread
-        (staleness 1): a host lookup's per-key gradients computed here (new arrays), a
-        device lookup's gradients copied (autograd may reuse its buffers) and all of its
-        push done there. Then the lookups deferred to it start."""
+        """backward's push, handed to the background thread: a host lookup's per-key
+        gradients computed here (new arrays, and a bad gradient refused here), a device
+        lookup's gradients copied at staleness 1 (autograd may reuse its buffers) and all of
+        its push done there. A device lookup's push at staleness 0, and a group's in sync
+        mode, are applied here. Then the lookups deferred to it start."""
         self._send_held()
         group = self._group
         step = None if group is None else group.step  # a group's pushes carry the job's step
         if group is None and self.staleness == 1 and self._hold_pushes and pooled.device is None:
             self._held = (pooled.key_gradients(_gradients(pooled, grads)), step)
             self._started_worker()  # its finalizer sends the held push if the module is dropped
-            _HOLDING.add(self)  # and _send_held_at_exit, if it lives at interpreter exit
+            _PUSHING.add(self)  # and _apply_pushes_at_exit, if it lives at interpreter exit
         elif group is not None and group.mode == "sync":
             group.push_together(pooled.key_gradients(_gradients(pooled, grads)))
-        elif self.staleness == 0:
+        elif self.staleness == 0 and pooled.device is None:
+            self._send_in_order(pooled.key_gradients(_gradients(pooled, grads)), step)
+        elif self.staleness == 0:  # a device batch: its gradients sync with the device
             pooled.push_gradients(_gradients(pooled, grads), step)
         else:
             if pooled.device is None:
@@ -699,7 +706,9 @@ class EmbeddingBagCollection(nn.Module):
                 given = {name: grad.detach().clone() for name, grad in grads.items()}
                 send = functools.partial(pooled.push_gradients, given)
             stream = _current_stream()
-            self._last_push = self._submit(self._push_in_background, send, step, stream)
+            tables = {f.table for f in self.features if f.name in grads}
+            what = self._push_named(tables, step, self._pushes + 1)
+            self._last_push = self._submit(self._push_in_background, send, step, stream, what)
             if group is not None:
                 group.track(step, self._last_push)
         self._pushes += 1
@@ -707,21 +716,45 @@ class EmbeddingBagCollection(nn.Module):
             if entry.future is None:  # deferred to this push
                 self._submit_lookup(entry)
 
+    def _send_in_order(self, pushes: KeyGradients, step: int | None) -> None:
+        """Staleness 0, a batch on the host: hand backward's push to the background thread,
+        ahead of every lookup made after it. The first lookup deferred to it (pipeline()'s
+        prefetch of the next batch) goes with it as one call per shard (PushThenLookup);
+        the client's later calls on its tables wait for it (EmbeddingClient.push_in_flight),
+        this module's forward among them."""
+        what = self._push_named(pushes, step, self._pushes + 1)
+        deferred = (entry for entry in self._prefetched if entry.future is None)
+        fused = next((e for e in deferred if isinstance(e.prepared, PreparedHost)), None)
+        if fused is not None:
+            fused.pushes = self._pushes + 1  # the push is counted: the lookup sees it
+            fused.future = self._submit(self._push_then_fetch, (pushes, step), fused, what)
+            self._last_push = fused.future
+        else:
+            send = functools.partial(self.client.push_unique, pushes)
+            self._last_push = self._submit(self._push_in_background, send, step, None, what)
+        self.client.push_in_flight(pushes, self._last_push)
+        _PUSHING.add(self)  # applied at interpreter exit, if it is still in flight then
+
+    def _push_named(self, tables: Iterable[str], step: int | None, number: int) -> str:
+        """How a failed background push is named: the backward of this module it came
+        from, its tables, and the job's step where a group gave one."""
+        job_step = "" if step is None else f", step {step}"
+        return f"the push of backward {number} of this module (tables {sorted(tables)}{job_step})"
+
     def _push_in_background(
-        self, send: Callable[[int | None], int], step: int | None, stream: Any
+        self, send: Callable[[int | None], int], step: int | None, stream: Any, what: str
     ) -> None:
         try:
             with _on_stream(stream):
                 send(step)
         except BaseException as error:  # noqa: BLE001 - kept for the caller's next call
-            self._keep_failure(error)
+            self._keep_failure(error, what)
 
-    def _keep_failure(self, error: BaseException) -> None:
+    def _keep_failure(self, error: BaseException, what: str) -> None:
         """Keep a background push's failure for the module's next call."""
         error.add_note(
-            "tierps: this push ran in the background (staleness 1) after its backward "
-            "had returned; its gradients were not applied (or, per ShardError.succeeded, "
-            "only on some shards)"
+            f"tierps: {what} ran in the background after its backward had returned; its "
+            f"gradients were not applied (or, per ShardError.succeeded, only on some shards)"
         )
         with self._failure_lock:
             if self._failure is None:  # the first failure is the one to see
@@ -766,7 +799,8 @@ class EmbeddingBagCollection(nn.Module):
         entry = _Prefetch(key, prepared, create, None, _current_stream())
         if held is not None and isinstance(prepared, PreparedHost):
             entry.pushes = self._pushes  # the held push is counted: the lookup sees it
-            entry.future = self._submit(self._push_then_fetch, held, entry)
+            what = self._push_named(held[0], held[1], self._pushes)
+            entry.future = self._submit(self._push_then_fetch, held, entry, what)
             self._last_push = entry.future
         else:
             self._send_alone(held)
@@ -812,8 +846,10 @@ class EmbeddingBagCollection(nn.Module):
         trains = self._trains()
         pooled = self._take_prefetched(key, trains)
         if pooled is None:
+            prepared = self._prepare(batch)  # while the pushes in flight run
             self.wait_for_pushes()  # a lookup made now sees every push made before it
-            pooled = self._prepare(batch).fetch(trains)
+            self.raise_push_failure()
+            pooled = prepared.fetch(trains)
         if trains:
             anchor = torch.empty(0, requires_grad=True)  # makes autograd call backward
             outputs = _Pooled.apply(anchor, pooled, self._names, self._push)

@@ -15,21 +15,20 @@ GPU with `device_pooling`.
 It composes the parts that do the work, each a module of its own: routing (keys to shards
 to calls), transport (the calls to one shard and their fan-out), pushes (a push's steps and
 failures), push_then_lookup (the fused call), pooled_lookup (features pooled per bag) and
-in_flight (the pushes handed to a background sender, which the client's later calls wait for).
+in_flight (the pushes a torch module holds or sends, which the client's later calls wait for).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tierps.client.admin import ClusterAdmin, Progress, RetryPolicy
 from tierps.client.formats import Bags, as_array, float_array, to_bags
-from tierps.client.in_flight import PushesInFlight
+from tierps.client.in_flight import PendingPushes, PushSender
 from tierps.client.initial_rows import InitialRows, read_initial_rows
 from tierps.client.pooled_lookup import (
     Feature,
@@ -68,9 +67,9 @@ class EmbeddingClient(ClusterAdmin):
     retried by gRPC as `retry` says; any failure a shard gives is raised as a ShardError
     naming the shard and its address. Bad input is refused before anything is sent.
 
-    A push handed to a background sender (push_in_flight: a torch module's backward) is seen
-    by every later call of this client on its tables (lookups, pushes, assign, describe,
-    evict, snapshots, drop_table): they wait for it first.
+    A push a torch module's backward holds or sends in the background (push_in_flight) is
+    seen by every later call of this client on its tables (lookups, pushes, assign,
+    describe, evict, snapshots, drop_table): the module sends and finishes it first.
     """
 
     def __init__(
@@ -97,7 +96,7 @@ class EmbeddingClient(ClusterAdmin):
         super().__init__(addresses, timeout_s=timeout_s, retry=retry, security=security)
         self._configs: dict[str, TableConfig] = {}
         self._lock = threading.Lock()
-        self._in_flight = PushesInFlight()
+        self._in_flight = PendingPushes()
         # The parts call back this client's public methods late bound (lambda), so that a
         # subclass's or a wrapper's table_config, table_step or push_unique sees every call,
         # a pooled lookup's push included.
@@ -133,7 +132,7 @@ class EmbeddingClient(ClusterAdmin):
             lambda table: self.table_config(table).dim,
             self._lookup_unique,
             lambda pushes, step: self.push_unique(pushes, step),
-            self._fused.push_then_lookup,
+            self._push_then_lookup,
         )
 
     def close(self) -> None:
@@ -142,16 +141,12 @@ class EmbeddingClient(ClusterAdmin):
 
     # -- pushes in flight ------------------------------------------------------------------------
 
-    def push_in_flight(self, tables: Iterable[str], pushed: Future[Any]) -> None:
-        """A push to `tables` was handed to a background sender and is done when `pushed`
-        is: this client's later calls on those tables wait for it (a sender's own thread,
-        marked by in_flight.mark_sender_thread, does not)."""
-        self._in_flight.add(tables, pushed)
-
-    def wait_for_pushes_in_flight(self, tables: Iterable[str] | None = None) -> None:
-        """Wait until the pushes in flight to `tables` (None: any) are done; their failures
-        are their senders' to raise."""
-        self._in_flight.wait(tables)
+    def push_in_flight(self, tables: Iterable[str], sender: PushSender) -> None:
+        """`sender` (a torch module) holds or sends a push to `tables` that backward has
+        returned from: this client's later calls on those tables have it send and finish
+        its pushes first (sender.wait_for_pushes), except on a module's background thread
+        (in_flight.mark_sender_thread), which sends its calls in order itself."""
+        self._in_flight.add(tables, sender)
 
     def _lookup_unique(
         self,
@@ -161,9 +156,20 @@ class EmbeddingClient(ClusterAdmin):
         *,
         read_only: bool = False,
     ) -> dict[str, np.ndarray]:
-        """Transport.lookup_unique, after the pushes in flight to its tables."""
+        """Transport.lookup_unique, after the pending pushes to its tables."""
         self._in_flight.wait(tables)
         return self._transport.lookup_unique(tables, create, out, read_only=read_only)
+
+    def _push_then_lookup(
+        self,
+        pushes: dict[str, tuple[np.ndarray, np.ndarray]],
+        step: int | None,
+        tables: dict[str, tuple[int, np.ndarray]],
+        create: bool,
+    ) -> dict[str, np.ndarray]:
+        """PushThenLookup.push_then_lookup, after the pending pushes to its tables."""
+        self._in_flight.wait([*pushes, *tables])
+        return self._fused.push_then_lookup(pushes, step, tables, create)
 
     @property
     def num_shards(self) -> int:

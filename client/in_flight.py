@@ -1,58 +1,58 @@
-"""Pushes handed to a background sender before they are applied: a torch module's backward
-at staleness 0 returns once its push is handed over (tierps.client.torch). The client's
-later calls on the push's tables wait for it first, so that a call made after backward sees
-its push as it did when backward applied the push itself; the senders' own threads skip the
-wait, as each sends its calls in the order they were handed over."""
+"""Pushes a client has been handed but not applied yet: a torch module's backward at
+staleness 0 returns with its push held for the module's next lookup, or sent in its
+background thread (tierps.client.torch). The client's later calls on the push's tables have
+the module send and finish it first, so that a call made after backward sees its push as
+it did when backward applied the push itself. A module's own background thread skips the
+wait: it sends its calls in the order they were handed to it."""
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable
-from concurrent.futures import Future
-from concurrent.futures import wait as wait_for
+from typing import Protocol
 
-_SENDER = threading.local()  # .sends: this thread is a background sender
+_SENDER = threading.local()  # .sends: this thread is a module's background thread
 
 
 def mark_sender_thread() -> None:
-    """Mark the calling thread as a background sender (a ThreadPoolExecutor's initializer):
-    its calls wait for no push in flight (it sends them in order itself)."""
+    """Mark the calling thread as a module's background thread (a ThreadPoolExecutor's
+    initializer): its calls wait for no pending push, as it sends them in order itself."""
     _SENDER.sends = True
 
 
-class PushesInFlight:
-    """The pushes of a client handed to background senders and not done yet, by table."""
+class PushSender(Protocol):
+    """What holds or sends pushes for a client (a torch module)."""
+
+    def wait_for_pushes(self) -> None:
+        """Send a held push, and wait until the pushes in flight are done; their failures
+        are the sender's to raise at its next call."""
+        ...
+
+
+class PendingPushes:
+    """The senders that hold or send pushes of a client, by table (weakly: a sender that is
+    gone has sent its pushes, tierps.client.torch's finalizer)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_table: dict[str, set[Future[object]]] = {}
+        self._by_table: dict[str, weakref.WeakSet[PushSender]] = {}
 
-    def add(self, tables: Iterable[str], pushed: Future[object]) -> None:
-        """A push to `tables` is in flight until `pushed` is done."""
-        names = list(tables)
-        with self._lock:
-            for table in names:
-                self._by_table.setdefault(table, set()).add(pushed)
-        pushed.add_done_callback(lambda done: self._remove(names, done))
-
-    def _remove(self, tables: list[str], pushed: Future[object]) -> None:
+    def add(self, tables: Iterable[str], sender: PushSender) -> None:
+        """`sender` holds or sends a push to `tables`."""
         with self._lock:
             for table in tables:
-                futures = self._by_table.get(table)
-                if futures is not None:
-                    futures.discard(pushed)
-                    if not futures:
-                        del self._by_table[table]
+                self._by_table.setdefault(table, weakref.WeakSet()).add(sender)
 
     def wait(self, tables: Iterable[str] | None = None) -> None:
-        """Wait until the pushes in flight to `tables` (None: to any table) are done, their
-        failures left to their senders; at once on a sender's thread."""
+        """Have every sender of a push to `tables` (None: to any table) send and finish
+        it; at once on a module's background thread."""
         if getattr(_SENDER, "sends", False):
             return
         with self._lock:
             if not self._by_table:
                 return
-            names = self._by_table if tables is None else tables
-            pending = {f for name in names for f in self._by_table.get(name, ())}
-        if pending:
-            wait_for(pending)
+            names = list(self._by_table) if tables is None else tables
+            senders = {s for name in names for s in self._by_table.get(name, ())}
+        for sender in senders:
+            sender.wait_for_pushes()

@@ -680,22 +680,22 @@ class EmbeddingBagCollection(nn.Module):
     # -- pushes ------------------------------------------------------------------------------
 
     def _push(self, pooled: PooledLookup, grads: dict[str, torch.Tensor]) -> None:
-        """backward's push, handed to the background thread: a host lookup's per-key
-        gradients computed here (new arrays, and a bad gradient refused here), a device
-        lookup's gradients copied at staleness 1 (autograd may reuse its buffers) and all of
-        its push done there. A device lookup's push at staleness 0, and a group's in sync
-        mode, are applied here. Then the lookups deferred to it start."""
+        """backward's push. A host lookup's per-key gradients are computed here (new arrays;
+        a bad gradient is refused here), then the push is held for the module's next lookup
+        (staleness 0; staleness 1 under pipeline()), or sent at once with the lookup
+        deferred to it (staleness 0 under pipeline()), or handed to the background thread
+        (staleness 1). A device lookup's push is applied here at staleness 0 (its gradients
+        sync with the device), and done in the background at staleness 1 (its gradients
+        copied: autograd may reuse their buffers); a group's push in sync mode is applied
+        here. Then the lookups deferred to it start."""
         self._send_held()
         group = self._group
         step = None if group is None else group.step  # a group's pushes carry the job's step
-        if group is None and self.staleness == 1 and self._hold_pushes and pooled.device is None:
-            self._held = (pooled.key_gradients(_gradients(pooled, grads)), step)
-            self._started_worker()  # its finalizer sends the held push if the module is dropped
-            _PUSHING.add(self)  # and _apply_pushes_at_exit, if it lives at interpreter exit
+        holds = self.staleness == 0 or self._hold_pushes
+        if group is None and holds and pooled.device is None:
+            self._hold_or_send(pooled.key_gradients(_gradients(pooled, grads)), step)
         elif group is not None and group.mode == "sync":
             group.push_together(pooled.key_gradients(_gradients(pooled, grads)))
-        elif self.staleness == 0 and pooled.device is None:
-            self._send_in_order(pooled.key_gradients(_gradients(pooled, grads)), step)
         elif self.staleness == 0:  # a device batch: its gradients sync with the device
             pooled.push_gradients(_gradients(pooled, grads), step)
         else:
@@ -716,26 +716,30 @@ class EmbeddingBagCollection(nn.Module):
             if entry.future is None:  # deferred to this push
                 self._submit_lookup(entry)
 
-    def _send_in_order(self, pushes: KeyGradients, step: int | None) -> None:
-        """Staleness 0, a batch on the host: hand backward's push to the background thread,
-        ahead of every lookup made after it. The first lookup deferred to it (pipeline()'s
-        prefetch of the next batch) goes with it as one call per shard (PushThenLookup);
-        the client's later calls on its tables wait for it (EmbeddingClient.push_in_flight),
-        this module's forward among them."""
-        what = self._push_named(pushes, step, self._pushes + 1)
+    def _hold_or_send(self, pushes: KeyGradients, step: int | None) -> None:
+        """A host batch's push that goes with a lookup as one call per shard
+        (PushThenLookup: the shard applies the push, then serves the lookup): at staleness
+        0, with the first lookup deferred to it (pipeline()'s prefetch of the next batch),
+        in the background thread now; else held for the module's next lookup (its forward,
+        or the prefetch pipeline() makes), which any other call of the module sends first,
+        alone. The client's later calls on its tables have it sent and applied first
+        (EmbeddingClient.push_in_flight)."""
         deferred = (entry for entry in self._prefetched if entry.future is None)
         fused = next((e for e in deferred if isinstance(e.prepared, PreparedHost)), None)
-        if fused is not None:
+        if self.staleness == 0 and fused is not None:
+            what = self._push_named(pushes, step, self._pushes + 1)
             fused.pushes = self._pushes + 1  # the push is counted: the lookup sees it
             fused.future = self._submit(self._push_then_fetch, (pushes, step), fused, what)
             self._last_push = fused.future
         else:
-            send = functools.partial(self.client.push_unique, pushes)
-            self._last_push = self._submit(self._push_in_background, send, step, None, what)
-        self.client.push_in_flight(pushes, self._last_push)
-        _PUSHING.add(self)  # applied at interpreter exit, if it is still in flight then
+            self._held = (pushes, step)
+            self._started_worker()  # its finalizer sends the held push if the module is dropped
+        _PUSHING.add(self)  # and _apply_pushes_at_exit, if it lives at interpreter exit
+        self.client.push_in_flight(pushes, self)
 
-    def _push_named(self, tables: Iterable[str], step: int | None, number: int) -> str:
+    def _push_named(
+        self, tables: Iterable[str] | KeyGradients, step: int | None, number: int
+    ) -> str:
         """How a failed background push is named: the backward of this module it came
         from, its tables, and the job's step where a group gave one."""
         job_step = "" if step is None else f", step {step}"
@@ -752,10 +756,7 @@ class EmbeddingBagCollection(nn.Module):
 
     def _keep_failure(self, error: BaseException, what: str) -> None:
         """Keep a background push's failure for the module's next call."""
-        error.add_note(
-            f"tierps: {what} ran in the background after its backward had returned; its "
-            f"gradients were not applied (or, per ShardError.succeeded, only on some shards)"
-        )
+        _noted(error, what)
         with self._failure_lock:
             if self._failure is None:  # the first failure is the one to see
                 self._failure = error
@@ -841,21 +842,44 @@ class EmbeddingBagCollection(nn.Module):
     def _forward(
         self, key: tuple[Any, ...], batch: Mapping[str, FeatureBatch]
     ) -> dict[str, torch.Tensor]:
-        self._send_held()
-        self.raise_push_failure()
-        trains = self._trains()
-        pooled = self._take_prefetched(key, trains)
-        if pooled is None:
-            prepared = self._prepare(batch)  # while the pushes in flight run
+        held, self._held = self._held, None
+        try:
+            self.raise_push_failure()
+            trains = self._trains()
+            pooled = self._take_prefetched(key, trains)
+            prepared = None if pooled is not None else self._prepare(batch)
+        except BaseException:
+            self._send_alone(held)
+            raise
+        if pooled is None and held is not None and isinstance(prepared, PreparedHost):
+            pooled = self._fetch_after(prepared, trains, held)
+        elif pooled is None:
+            self._send_alone(held)
             self.wait_for_pushes()  # a lookup made now sees every push made before it
             self.raise_push_failure()
             pooled = prepared.fetch(trains)
+        else:
+            self._send_alone(held)
         if trains:
             anchor = torch.empty(0, requires_grad=True)  # makes autograd call backward
             outputs = _Pooled.apply(anchor, pooled, self._names, self._push)
         else:
             outputs = _outputs(pooled, self._names)
         return dict(zip(self._names, outputs, strict=True))
+
+    def _fetch_after(
+        self, prepared: PreparedHost, trains: bool, held: tuple[KeyGradients, int | None]
+    ) -> PooledLookup:
+        """A held push, then this forward's lookup, as one call per shard, here (the
+        pushes before it are waited for first). A failed push is raised as a background
+        push's failure is (raise_push_failure): once, here."""
+        self.wait_for_pushes()
+        self.raise_push_failure()
+        try:
+            return prepared.fetch(trains, held)
+        except PushNotApplied as failed:
+            self._prefetched.clear()  # as raise_push_failure: made around a push that failed
+            raise _noted(failed.error, self._push_named(*held, self._pushes)) from None
 
     def _take_prefetched(self, key: tuple[Any, ...], trains: bool) -> PooledLookup | None:
         """The prefetched lookup of this batch, if one is recent enough. Entries prefetched
@@ -1026,6 +1050,17 @@ def collection_of(module: PipelinedModule) -> EmbeddingBagCollection:
     """The EmbeddingBagCollection that looks up and pushes for `module`: the module
     itself, or an EmbeddingBag's `bags`."""
     return module.bags if isinstance(module, EmbeddingBag) else module
+
+
+def _noted(error: BaseException, what: str) -> BaseException:
+    """`error`, of a push that failed after its backward had returned, with a note naming
+    the push (`what`)."""
+    error.add_note(
+        f"tierps: {what} was sent after its backward had returned (held for the module's "
+        f"next lookup, or in its background thread); its gradients were not applied (or, "
+        f"per ShardError.succeeded, only on some shards)"
+    )
+    return error
 
 
 def _itself(item: Any) -> Any:

@@ -10,13 +10,25 @@ need none.
 
 In eval mode, or under torch.no_grad(), lookups create no rows and nothing is pushed.
 
+The plain loop (forward, backward, the optimizers' steps, the next batch): at staleness 0,
+backward returns with the push of a batch on the host held in the module, and the next
+forward sends it with its own lookup as one call per shard (PushThenLookup: the shard
+applies the push, then serves the lookup), so a step costs one RPC per shard and sees every
+earlier push, bit for bit the synchronous loop. Any other call of the module (prefetch,
+flush, close) sends a held push first, and so does any call of the client on the push's
+tables (a lookup, a push, describe, a snapshot: tierps.client.in_flight), another module's
+lookup of a shared table among them; a push no call follows is sent by the module's
+finalizer, or at interpreter exit. A failed push is raised by the module's next call, once,
+naming the backward and tables it came from. A batch on a GPU pushes at backward.
+
 Pipelining: `module.pipeline(loader)` yields the loader's batches and looks each next batch
 up in a background thread while the current one trains, so the trainer and the shards work
 at once. `staleness` says what that lookup may miss:
 
-- 0 (the default): nothing. backward returns once its push is applied, and the next batch's
-  lookup starts right after it, overlapping the rest of the step (the dense optimizer, data
-  loading). Training is exactly the synchronous one, bit for bit.
+- 0 (the default): nothing. The next batch's lookup is prepared before the step; backward
+  sends its push with that lookup at once, in the background, overlapping the rest of the
+  step (the dense optimizer, data loading). Training is exactly the synchronous one, bit
+  for bit.
 - 1: the lookup of step t + 1 starts before step t's push is applied, so it misses that one
   update of the keys both batches share (it sees every earlier push); backward hands its
   push to the background thread and returns at once. Pushes run in order; a failed one is
@@ -33,8 +45,9 @@ gradients, and the background thread only makes the RPCs (which release the GIL)
 the rows; a batch on a GPU is looked up and pushed whole in the background, as its layout
 and gradients sync with the device.
 
-`flush()` waits for the pushes in flight and raises a failure of one; `close()` (or leaving
-a `with module:` block) also stops the background thread, which a later call restarts.
+`flush()` sends a held push, waits for the pushes in flight and raises a failure of one;
+`close()` (or leaving a `with module:` block) also stops the background thread, which a
+later call restarts.
 
 A table is pipelined by one module at a time (per client): each module orders its own
 lookups after its own pushes, so two modules pipelining one table would each miss the
@@ -331,12 +344,13 @@ class EmbeddingBagCollection(nn.Module):
     SparseArch) take it in place of theirs. torchrec stays optional: it is imported on first
     use, never by `import tierps.client`.
 
-    staleness: 0 (synchronous, the default) or 1 (a prefetched lookup may miss the one push
-    before it); see the module docstring. pipeline(loader) yields the loader's batches,
-    each next one prefetched; prefetch(batch) starts the lookup of a later batch, which the
-    forward of that same batch object then uses (a lookup older than `staleness` pushes at
-    its forward is made again). flush() waits for background pushes; close() also stops
-    the background thread. A TrainerGroup pushes for it through the methods of
+    staleness: 0 (synchronous, the default: a lookup sees every earlier push) or 1 (a
+    prefetched lookup may miss the one push before it); see the module docstring.
+    pipeline(loader) yields the loader's batches, each next one prefetched; prefetch(batch)
+    starts the lookup of a later batch, which the forward of that same batch object then
+    uses (a lookup older than `staleness` pushes at its forward is made again). flush()
+    sends a held push and waits for background pushes; close() also stops the background
+    thread. A TrainerGroup pushes for it through the methods of
     tierps.client.group_protocol.GroupMember (join_group, wait_for_pushes, ...).
 
     A batch on a GPU is pooled there and gives tensors there; one on the host gives CPU
@@ -390,8 +404,9 @@ class EmbeddingBagCollection(nn.Module):
         # the group (a TrainerGroup, tierps.client.distributed) that steps and pushes with
         # other ranks: see join_group
         self._group: PushGroup | None = None
-        # Staleness 1 under pipeline(): backward's push of a host batch waits here for the
-        # prefetch pipeline() makes next, and goes with its lookup as one call per shard
+        # Staleness 0 (no lookup deferred to the push), and staleness 1 under pipeline():
+        # backward's push of a host batch waits here for the module's next lookup (its
+        # forward, or the prefetch pipeline() makes), and goes with it as one call per shard
         # (PushThenLookup.push_then_lookup); any other call of the module sends it first.
         self._hold_pushes = False  # set by pipeline() while a prefetch follows the step
         # (pushes, step) of the held push, or None: in a list the finalizer shares (_stop),
@@ -605,8 +620,8 @@ class EmbeddingBagCollection(nn.Module):
             wait_for([self._last_push])
 
     def flush(self) -> None:
-        """Wait until every push of this module is applied; raise a background push's
-        failure (once). A no-op at staleness 0, where backward applies its push."""
+        """Send a held push, wait until every push of this module is applied, and raise
+        the failure of one that was sent after its backward had returned (once)."""
         self.wait_for_pushes()
         self.raise_push_failure()
 

@@ -576,13 +576,19 @@ class EmbeddingBagCollection(nn.Module):
         self._send_alone(held)
 
     def _send_alone(self, held: tuple[dict[str, Any], int | None] | None) -> None:
-        """Hand `held` ((pushes, step), taken from _held; None: nothing) to the background
-        thread as a push alone."""
-        if held is not None:  # the module's latest push: none was made after it
-            pushes, step = held
-            what = self._push_named(pushes, step, self._pushes)
-            send = functools.partial(self.client.push_unique, pushes)
-            self._last_push = self._submit(self._push_in_background, send, step, None, what)
+        """Apply `held` ((pushes, step), taken from _held; None: nothing) as a push alone,
+        here, after the pushes in flight (every caller waits for it next, and no background
+        thread is started for it); its failure is kept for the module's next call, as a
+        background push's is."""
+        if held is None:
+            return
+        pushes, step = held
+        if self._last_push is not None:
+            wait_for([self._last_push])
+        try:
+            self.client.push_unique(pushes, step)
+        except Exception as error:  # noqa: BLE001 - kept for the module's next call
+            self._keep_failure(error, self._push_named(pushes, step, self._pushes))
 
     def _push_then_fetch(
         self, push: tuple[KeyGradients, int | None], entry: _Prefetch, what: str

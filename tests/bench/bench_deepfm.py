@@ -5,7 +5,7 @@ chunk of steps each (so drift on this shared machine hits all alike); each figur
 median over the rounds.
 
     python -m tests.bench.bench_deepfm [--out docs/perf/deepfm.json]
-        [--png docs/perf/deepfm.png] [--quick] [--replot]
+        [--png docs/perf/deepfm.png] [--quick] [--case zipf_200k|zipf_2m|movielens]... [--replot]
 
 Contenders, each a full training step (lookup and pooling, DeepFM forward, backward with the
 sparse optimizer's update, the dense Adam step):

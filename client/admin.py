@@ -187,9 +187,13 @@ class _LifeHeader(
             return details
         metadata = [*(details.metadata or ()), *added]
         return _CallDetails(
-            details.method, details.timeout, metadata, details.credentials,
-            details.wait_for_ready, details.compression,
-        )  # fmt: skip
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            details.wait_for_ready,
+            details.compression,
+        )
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return continuation(self._details(details), request)
@@ -236,12 +240,22 @@ class RetryPolicy:
     # sends the same metadata) and admin calls that read or are idempotent. Snapshot saves
     # and loads are long streams: never repeated.
     RETRIED = (
-        *({"service": "tierps.v1.EmbeddingService", "method": method}
-          for method in ("Lookup", "LookupUnary", "Assign", "PushGradients",
-                         "PushGradientsUnary", "PushThenLookup")),
-        *({"service": "tierps.v1.AdminService", "method": method}
-          for method in ("CreateTable", "ListTables", "DescribeTable", "ListSnapshots", "Stats")),
-    )  # fmt: skip
+        *(
+            {"service": "tierps.v1.EmbeddingService", "method": method}
+            for method in (
+                "Lookup",
+                "LookupUnary",
+                "Assign",
+                "PushGradients",
+                "PushGradientsUnary",
+                "PushThenLookup",
+            )
+        ),
+        *(
+            {"service": "tierps.v1.AdminService", "method": method}
+            for method in ("CreateTable", "ListTables", "DescribeTable", "ListSnapshots", "Stats")
+        ),
+    )
 
     def channel_options(self) -> list[tuple[str, Any]]:
         if self.max_attempts == 1:
@@ -376,10 +390,12 @@ class ClusterAdmin:
         for shard_id, reply in enumerate(stats):
             if (reply.shard_id, reply.num_shards) != (shard_id, len(self.addresses)):
                 raise ShardError(
-                    shard_id, self.addresses[shard_id], grpc.StatusCode.FAILED_PRECONDITION,
+                    shard_id,
+                    self.addresses[shard_id],
+                    grpc.StatusCode.FAILED_PRECONDITION,
                     f"expected shard {shard_id} of {len(self.addresses)} (its position in the "
                     f"address list), but it is shard {reply.shard_id} of {reply.num_shards}",
-                )  # fmt: skip
+                )
 
     # -- tables ------------------------------------------------------------------------------
 
@@ -450,9 +466,11 @@ class ClusterAdmin:
                         progress(sum(f[0] for f in figures), sum(f[1] for f in figures))
             if last is None or not last.done:
                 raise ShardError(
-                    shard_id, self.addresses[shard_id], grpc.StatusCode.UNKNOWN,
+                    shard_id,
+                    self.addresses[shard_id],
+                    grpc.StatusCode.UNKNOWN,
                     "the progress stream ended before it said done",
-                )  # fmt: skip
+                )
             return last
 
         return self._each(follow)

@@ -29,18 +29,23 @@ def _connection_flags(parser: argparse.ArgumentParser, *, suppress: bool) -> Non
         return argparse.SUPPRESS if suppress else value
 
     parser.add_argument(
-        "--addresses", default=default(None),
+        "--addresses",
+        default=default(None),
         help=f"the shards' host:port, comma-separated, in shard order (shard 0 first); "
         f"default: ${ADDRESSES_ENV}",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--timeout-s", type=float, default=default(30.0),
+        "--timeout-s",
+        type=float,
+        default=default(30.0),
         help="deadline of each call, seconds (default 30)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--json", action="store_true", default=default(False),
+        "--json",
+        action="store_true",
+        default=default(False),
         help="print JSON instead of a table",
-    )  # fmt: skip
+    )
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
@@ -59,15 +64,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", required=True)
     create = actions.add_parser("create", help="create a table on every shard")
     create.add_argument(
-        "--config", type=Path, required=True,
+        "--config",
+        type=Path,
+        required=True,
         help="a TableConfig as JSON: one object, or a list of them (the form `tables --json` "
         "prints), each created",
-    )  # fmt: skip
+    )
     create.add_argument(
-        "--init", type=Path,
+        "--init",
+        type=Path,
         help="initial rows, read here: a .npy matrix [n, dim] (row i: key i) or a .npz with "
         "arrays keys and values (a --config of one table)",
-    )  # fmt: skip
+    )
     actions.add_parser("tables", help="list the tables and their configs")
     describe = actions.add_parser(
         "describe",
@@ -89,9 +97,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "pushed",
     )
     top.add_argument(
-        "--interval-s", type=float, default=2.0,
+        "--interval-s",
+        type=float,
+        default=2.0,
         help="seconds between refreshes, and the window of the rates (default 2)",
-    )  # fmt: skip
+    )
     top.add_argument("--once", action="store_true", help="print one frame and exit (scripts)")
     snapshot = actions.add_parser("snapshot", help="save, load or list snapshots")
     verbs = snapshot.add_subparsers(dest="verb", required=True)
@@ -100,9 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     verbs.add_parser("list", help="the snapshots in the snapshot directory")
     verbs.add_parser("delete", help="remove a snapshot, complete or not").add_argument("name")
     verbs.add_parser(
-        "gc", help="remove what failed saves left: incomplete snapshots, unnamed save dirs "
+        "gc",
+        help="remove what failed saves left: incomplete snapshots, unnamed save dirs "
         "(run it while no save runs)",
-    )  # fmt: skip
+    )
     for subcommand in _subcommands(parser):
         _connection_flags(subcommand, suppress=True)
 
@@ -138,12 +149,16 @@ _LIFECYCLE_TABLES: tuple[
 ] = (
     (
         "admission.counters",
-        lambda c: f"admission: {c['admission']} filter, a row after {c['admit_after']} "
-        f"sightings; keys without one read {c['default_value']:g}",
+        lambda c: (
+            f"admission: {c['admission']} filter, a row after {c['admit_after']} "
+            f"sightings; keys without one read {c['default_value']:g}"
+        ),
         [
             ("keys counted", _count("admission.keys_counted")),
-            ("counters used", lambda a: f"{a['admission.counters_used']:,.0f} / "
-                                        f"{a['admission.counters']:,.0f}"),
+            (
+                "counters used",
+                lambda a: f"{a['admission.counters_used']:,.0f} / {a['admission.counters']:,.0f}",
+            ),
             ("filter memory", lambda a: _bytes(a["admission.bytes"])),
             ("sightings", _count("admission.sightings")),
             ("admitted", _count("admission.keys_admitted")),
@@ -153,8 +168,10 @@ _LIFECYCLE_TABLES: tuple[
     ),
     (
         "eviction.runs",
-        lambda c: f"eviction: steps_to_live {c['steps_to_live']}, min_l2_norm "
-        f"{c['min_l2_norm']:g}, before snapshots: {c['evict_before_snapshot']}",
+        lambda c: (
+            f"eviction: steps_to_live {c['steps_to_live']}, min_l2_norm "
+            f"{c['min_l2_norm']:g}, before snapshots: {c['evict_before_snapshot']}"
+        ),
         [
             ("current step", _count("eviction.current_step")),
             ("runs", _count("eviction.runs")),
@@ -164,8 +181,10 @@ _LIFECYCLE_TABLES: tuple[
     ),
     (
         "adaptive.bucket_rows",
-        lambda c: f"adaptive: {c['hash_bucket_size']:,} bucket rows a shard, a row of its own "
-        f"after {c['promote_after']} sightings",
+        lambda c: (
+            f"adaptive: {c['hash_bucket_size']:,} bucket rows a shard, a row of its own "
+            f"after {c['promote_after']} sightings"
+        ),
         [
             ("bucket rows", _count("adaptive.bucket_rows")),
             ("bucket memory", lambda a: _bytes(a["adaptive.bucket_bytes"])),
@@ -177,7 +196,7 @@ _LIFECYCLE_TABLES: tuple[
             ("bucket updates", _count("adaptive.bucket_updates")),
         ],
     ),
-)  # fmt: skip
+)
 
 
 def _print_lifecycle(shards: list[dict[str, Any]]) -> None:
@@ -200,10 +219,17 @@ def _component(data: dict[str, Any]) -> str:
 
 # The lifecycle options and their off values: describe prints those that are on.
 _LIFECYCLE_OFF = {
-    "use_hashtable": True, "capacity": 0, "placement": "row", "table_shard": -1,
-    "hash_bucket_size": 0, "promote_after": 0, "admit_after": 0, "steps_to_live": 0,
-    "min_l2_norm": 0.0, "evict_before_snapshot": False,
-}  # fmt: skip
+    "use_hashtable": True,
+    "capacity": 0,
+    "placement": "row",
+    "table_shard": -1,
+    "hash_bucket_size": 0,
+    "promote_after": 0,
+    "admit_after": 0,
+    "steps_to_live": 0,
+    "min_l2_norm": 0.0,
+    "evict_before_snapshot": False,
+}
 
 
 def _lifecycle_options(config: dict[str, Any]) -> str:
@@ -314,15 +340,28 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
         configs = [c.to_dict() for c in admin.list_tables()]
         if not args.json:
             _print_rows(
-                ["table", "dim", "optimizer", "initializer", "host cache", "gpu cache",
-                 "write policy"],
                 [
-                    [c["name"], c["dim"], _component(c["optimizer"]),
-                     _component(c["initializer"]), _mb(c["host_cache_bytes"]),
-                     _mb(c["gpu_cache_bytes"]), c["write_policy"]]
+                    "table",
+                    "dim",
+                    "optimizer",
+                    "initializer",
+                    "host cache",
+                    "gpu cache",
+                    "write policy",
+                ],
+                [
+                    [
+                        c["name"],
+                        c["dim"],
+                        _component(c["optimizer"]),
+                        _component(c["initializer"]),
+                        _mb(c["host_cache_bytes"]),
+                        _mb(c["gpu_cache_bytes"]),
+                        c["write_policy"],
+                    ]
                     for c in configs
                 ],
-            )  # fmt: skip
+            )
         return configs
     if args.action == "describe":
         shards = admin.describe(args.table)
@@ -335,12 +374,20 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
             _print_rows(
                 ["shard", "tier", "rows", "bytes", "scratch", "hits", "misses", "hit rate"],
                 [
-                    [s["shard_id"], t["name"], f"{t['rows']:,}", _mb(t["bytes"]),
-                     _mb(t["scratch_bytes"]), f"{t['hits']:,}", f"{t['misses']:,}",
-                     _hit_rate(t)]
-                    for s in shards for t in s["tiers"]
+                    [
+                        s["shard_id"],
+                        t["name"],
+                        f"{t['rows']:,}",
+                        _mb(t["bytes"]),
+                        _mb(t["scratch_bytes"]),
+                        f"{t['hits']:,}",
+                        f"{t['misses']:,}",
+                        _hit_rate(t),
+                    ]
+                    for s in shards
+                    for t in s["tiers"]
                 ],
-            )  # fmt: skip
+            )
             _print_lifecycle(shards)
         return shards
     if args.action == "stats":
@@ -349,41 +396,61 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
             # a reader's token is answered each shard's identity, life and data id only
             _print_rows(
                 ["shard", "address", "life", "data id"],
-                [[s["shard_id"], address, s["life"], s["data_id"]]
-                 for s, address in zip(shards, admin.addresses, strict=True)],
-            )  # fmt: skip
-            print("(this token's role is answered each shard's identity, life and data id "
-                  "only: its tables, memory and uptime need a trainer or admin token)")
+                [
+                    [s["shard_id"], address, s["life"], s["data_id"]]
+                    for s, address in zip(shards, admin.addresses, strict=True)
+                ],
+            )
+            print(
+                "(this token's role is answered each shard's identity, life and data id "
+                "only: its tables, memory and uptime need a trainer or admin token)"
+            )
             return shards
         if not args.json:
             _print_rows(
                 ["shard", "address", "tables", "rows (durable)", "rss", "peak rss", "uptime"],
                 [
-                    [s["shard_id"], address, len(s["tables"]),
-                     f"{sum(t['tiers'][-1]['rows'] for t in s['tables']):,}",
-                     _mb(s["rss_bytes"]), _mb(s["peak_rss_bytes"]), f"{s['uptime_s']:.0f} s"]
+                    [
+                        s["shard_id"],
+                        address,
+                        len(s["tables"]),
+                        f"{sum(t['tiers'][-1]['rows'] for t in s['tables']):,}",
+                        _mb(s["rss_bytes"]),
+                        _mb(s["peak_rss_bytes"]),
+                        f"{s['uptime_s']:.0f} s",
+                    ]
                     for s, address in zip(shards, admin.addresses, strict=True)
                 ],
-            )  # fmt: skip
+            )
             print()
             _print_rows(
                 ["shard", "table", "tier", "rows", "bytes", "hits", "misses", "hit rate"],
                 [
-                    [s["shard_id"], t["config"]["name"], tier["name"], f"{tier['rows']:,}",
-                     _mb(tier["bytes"]), f"{tier['hits']:,}", f"{tier['misses']:,}",
-                     _hit_rate(tier)]
-                    for s in shards for t in s["tables"] for tier in t["tiers"]
+                    [
+                        s["shard_id"],
+                        t["config"]["name"],
+                        tier["name"],
+                        f"{tier['rows']:,}",
+                        _mb(tier["bytes"]),
+                        f"{tier['hits']:,}",
+                        f"{tier['misses']:,}",
+                        _hit_rate(tier),
+                    ]
+                    for s in shards
+                    for t in s["tables"]
+                    for tier in t["tiers"]
                 ],
-            )  # fmt: skip
+            )
         return shards
     if args.action == "evict":
         result = admin.evict(args.table)
         if not args.json:
             shards = ", ".join(
                 f"shard {i}: {n:,} (step {step:,})"
-                for i, (n, step) in enumerate(zip(result["per_shard"], result["current_step"],
-                                                  strict=True))
-            )  # fmt: skip
+                for i, (n, step) in enumerate(
+                    zip(result["per_shard"], result["current_step"], strict=True)
+                )
+            )
             print(f"table {args.table!r}: evicted {result['removed']:,} rows ({shards})")
         return result
     if args.verb in ("save", "load"):
@@ -391,17 +458,18 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
             "save": (admin.save_snapshot, "saved snapshot {!r}: {:,} rows in {}"),
             "load": (admin.load_snapshot, "loaded snapshot {!r}: {:,} rows from {}"),
         }[args.verb]
-        result = _with_bar(lambda progress: action(args.name, progress=progress),
-                           f"{args.verb} {args.name}")  # fmt: skip
+        result = _with_bar(
+            lambda progress: action(args.name, progress=progress), f"{args.verb} {args.name}"
+        )
         if not args.json:
             print(done.format(args.name, result["rows"], result["path"]))
             if result.get("evicted"):
                 print(f"evicted {result['evicted']:,} rows first (evict_before_snapshot)")
         return result
     if args.verb in ("delete", "gc"):
-        removed = admin.delete_snapshot(args.name) if args.verb == "delete" else (
-            admin.gc_snapshots()
-        )  # fmt: skip
+        removed = (
+            admin.delete_snapshot(args.name) if args.verb == "delete" else (admin.gc_snapshots())
+        )
         if not args.json:
             print(f"removed {len(removed)} path(s)" + "".join(f"\n  {p}" for p in removed))
         return {"removed": removed}
@@ -410,9 +478,13 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
         _print_rows(
             ["snapshot", "complete", "shards", "tables (rows)"],
             [
-                [s["name"], "yes" if s["complete"] else "NO", s["num_shards"] or "-",
-                 ", ".join(f"{t} ({n:,})" for t, n in sorted(s["table_rows"].items()))]
+                [
+                    s["name"],
+                    "yes" if s["complete"] else "NO",
+                    s["num_shards"] or "-",
+                    ", ".join(f"{t} ({n:,})" for t, n in sorted(s["table_rows"].items())),
+                ]
                 for s in snapshots
             ],
-        )  # fmt: skip
+        )
     return snapshots

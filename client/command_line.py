@@ -111,7 +111,11 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         help = action.help or ""
         none = action.default is None or action.default is False
-        if action.option_strings and not none and action.default is not argparse.SUPPRESS \
-                and "default" not in help:  # fmt: skip
+        if (
+            action.option_strings
+            and not none
+            and action.default is not argparse.SUPPRESS
+            and "default" not in help
+        ):
             help += " (default: %(default)s)"
         return help

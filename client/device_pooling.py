@@ -172,9 +172,12 @@ def feature_parts(
     host = {name: _host(array) for name, array in arrays.items()}
     batch = COO(host["rows"], host["values"], coo.shape) if coo else host["keys"]
     bags = to_bags(
-        where, batch, host["offsets"], host["per_sample_weights"],
+        where,
+        batch,
+        host["offsets"],
+        host["per_sample_weights"],
         include_last_offset=include_last_offset,
-    )  # fmt: skip
+    )
     return _from_bags(where, bags, device)
 
 
@@ -225,8 +228,9 @@ def _coo(where: str, rows: torch.Tensor, values: torch.Tensor, shape: Any) -> _P
     # starts[i] = the number of entries of rows < i: where bag i begins among the sorted rows.
     starts = torch.searchsorted(ordered, torch.arange(bags, device=rows.device))
     bad = ((rows < 0) | (rows >= bags)).any()
-    return _Parts(where, values.to(torch.int64)[order], starts, None, (bags,), checks=[bad],
-                  order=order)  # fmt: skip
+    return _Parts(
+        where, values.to(torch.int64)[order], starts, None, (bags,), checks=[bad], order=order
+    )
 
 
 def _weighted(parts: _Parts, weights: torch.Tensor, keys_shape: tuple[int, ...]) -> _Parts | None:
@@ -285,20 +289,27 @@ class PoolingGroup:
         self.num_entries, self.num_bags = sum(nnz), sum(bags)
         entries, bag_base = np.cumsum([0, *nnz]), np.cumsum([0, *bags])
         self.features = {
-            spec.name: _Layout(int(bag_base[i]), int(bag_base[i + 1]), int(entries[i]),
-                               int(entries[i + 1]), p.shape)
+            spec.name: _Layout(
+                int(bag_base[i]),
+                int(bag_base[i + 1]),
+                int(entries[i]),
+                int(entries[i + 1]),
+                p.shape,
+            )
             for i, (spec, p) in enumerate(features)
-        }  # fmt: skip
+        }
         codes = [_CODES[spec.combiner] for spec, _ in features]
         table_of = [self.tables.index(spec.table) for spec, _ in features]
         lasts = [(p.last, p.nnz) for p in parts if p.last is not None]
         # Per-feature figures the device needs, in one copy: entry base, nnz, bags, table,
         # combiner, and the nnz each include_last_offset last offset must equal.
         meta = to_device(
-            np.array([*entries[:-1], *nnz, *bags, *table_of, *codes, *(n for _, n in lasts)],
-                     dtype=np.int64),
+            np.array(
+                [*entries[:-1], *nnz, *bags, *table_of, *codes, *(n for _, n in lasts)],
+                dtype=np.int64,
+            ),
             device,
-        )  # fmt: skip
+        )
         count = len(parts)
         base_d, nnz_d, bags_d, table_d, code_d = meta[: 5 * count].view(5, count)
         n, b = self.num_entries, self.num_bags
@@ -320,9 +331,13 @@ class PoolingGroup:
         weights = None
         if any(p.weights is not None for p in parts):
             weights = _cat(
-                [p.weights if p.weights is not None else keys.new_ones(p.nnz, dtype=torch.float32)
-                 for p in parts]
-            )  # fmt: skip
+                [
+                    p.weights
+                    if p.weights is not None
+                    else keys.new_ones(p.nnz, dtype=torch.float32)
+                    for p in parts
+                ]
+            )
             checks.append(~torch.isfinite(weights).all())
         bad = torch.stack(checks).any() if checks else None
 
@@ -353,9 +368,11 @@ class PoolingGroup:
         bounds = torch.searchsorted(
             sorted_tables[group_starts], torch.arange(tables + 1, dtype=torch.int32, device=device)
         )
-        host = torch.cat(
-            [bounds, ends[bounds[tables]].reshape(1), sorted_keys[group_starts]]
-        ).cpu().numpy()  # fmt: skip
+        host = (
+            torch.cat([bounds, ends[bounds[tables]].reshape(1), sorted_keys[group_starts]])
+            .cpu()
+            .numpy()
+        )
         u, live_entries = int(host[tables]), int(host[tables + 1])
         distinct = host[tables + 2 : tables + 2 + u]
         self.num_unique = u
@@ -389,9 +406,13 @@ class PoolingGroup:
             pooled = rows.new_zeros((self.num_bags, self.dim))
         else:
             pooled = F.embedding_bag(
-                self.index, rows, self.offsets, mode="sum",
-                per_sample_weights=self.coefficients, include_last_offset=True,
-            )  # fmt: skip
+                self.index,
+                rows,
+                self.offsets,
+                mode="sum",
+                per_sample_weights=self.coefficients,
+                include_last_offset=True,
+            )
         return {
             name: pooled[at.bags_lo : at.bags_hi].view(*at.shape, self.dim)
             for name, at in self.features.items()
@@ -408,17 +429,22 @@ class PoolingGroup:
                     f"{(*at.shape, self.dim)}, got {tuple(grad.shape)}"
                 )
         blocks = [
-            grads[name].reshape(-1, self.dim) if name in grads
+            grads[name].reshape(-1, self.dim)
+            if name in grads
             else torch.zeros((at.bags_hi - at.bags_lo, self.dim), device=self.device)
             for name, at in self.features.items()
-        ]  # fmt: skip
+        ]
         stacked = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         if self.index is None or self.num_unique == 0:
             return stacked.new_zeros((self.num_unique, self.dim))
         return F.embedding_bag(
-            self.transposed_bags, stacked, self.transposed_offsets, mode="sum",
-            per_sample_weights=self.transposed_coefficients, include_last_offset=True,
-        )  # fmt: skip
+            self.transposed_bags,
+            stacked,
+            self.transposed_offsets,
+            mode="sum",
+            per_sample_weights=self.transposed_coefficients,
+            include_last_offset=True,
+        )
 
     def touched(self, names: Sequence[str]) -> torch.Tensor:
         """[num_unique] bool: the distinct keys that some entry of these features holds."""
@@ -499,9 +525,12 @@ def _coefficients(
     # Per bag, in one call: the sum of the live weights (mean) and of their squares (sqrtn),
     # each bag summed in entry order, as np.bincount does on the host.
     sums = F.embedding_bag(
-        torch.arange(keys.shape[0], device=keys.device), torch.stack([live, live * live], 1),
-        offsets, mode="sum", include_last_offset=True,
-    )  # fmt: skip
+        torch.arange(keys.shape[0], device=keys.device),
+        torch.stack([live, live * live], 1),
+        offsets,
+        mode="sum",
+        include_last_offset=True,
+    )
     code = torch.repeat_interleave(code_d, bags_d, output_size=int(offsets.shape[0]) - 1)
     divisor = torch.where(
         code == _MEAN, sums[:, 0], torch.where(code == _SQRTN, sums[:, 1].sqrt(), 1.0)

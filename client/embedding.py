@@ -119,9 +119,7 @@ class EmbeddingClient(ClusterAdmin):
             chunk_bytes=chunk_bytes,
             one_message_bytes=one_message_bytes,
         )
-        self._pushes = Pushes(
-            self._transport, self._router, lambda table: self.table_step(table)
-        )
+        self._pushes = Pushes(self._transport, self._router, lambda table: self.table_step(table))
         self._fused = PushThenLookup(
             self._transport,
             self._router,
@@ -327,17 +325,22 @@ class EmbeddingClient(ClusterAdmin):
         keys and [B, dim] otherwise; `.push_gradients(grad_output)` trains. Combiners:
         tierps.client.pooling. `device` as in lookup_pooled_features."""
         where = f"table {table!r}"
-        value = keys if offsets is None and per_sample_weights is None else (
-            keys, offsets, per_sample_weights
-        )  # fmt: skip
+        value = (
+            keys
+            if offsets is None and per_sample_weights is None
+            else (keys, offsets, per_sample_weights)
+        )
         on = pooling_device({where: value}, device)
         if on is not None:
             spec = feature_spec(table, where, value, table, combiner)
             return PreparedDevice(self._row_calls, on, [spec], include_last_offset).fetch(create)
         batch = to_bags(
-            where, keys, offsets, per_sample_weights,
+            where,
+            keys,
+            offsets,
+            per_sample_weights,
             include_last_offset=include_last_offset,
-        )  # fmt: skip
+        )
         return self.lookup_pooled_features(
             {table: batch}, [Feature(table, table, combiner)], create=create
         )

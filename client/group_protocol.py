@@ -33,7 +33,7 @@ class PushGroup(Protocol):
 
     @property
     def mode(self) -> str:
-        """"sync": backward hands its pushes to push_together; "async": the module pushes
+        """ "sync": backward hands its pushes to push_together; "async": the module pushes
         them in its background thread and hands each push's future to track."""
         ...
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # torch is imported only by a call that pools on a torch devi
 
     from tierps.client.device_pooling import FeatureSpec, PoolingGroup
 
+
 @dataclass(frozen=True)
 class RowCalls:
     """The calls a pooled lookup makes on the cluster (an EmbeddingClient's)."""
@@ -110,9 +111,7 @@ class PooledLookup:
         distinct keys updated. `step` as in EmbeddingClient.push_gradients."""
         return self.push_keys(self.key_gradients(grad_outputs), step)
 
-    def push_keys(
-        self, pushes: dict[str, tuple[np.ndarray, np.ndarray]], step: int | None
-    ) -> int:
+    def push_keys(self, pushes: dict[str, tuple[np.ndarray, np.ndarray]], step: int | None) -> int:
         """The RPCs of push_gradients: the distinct keys' gradients of key_gradients, pushed
         (one call per shard). Returns the number of distinct keys updated."""
         return self._calls.push_unique(pushes, step)
@@ -124,11 +123,14 @@ class PooledLookup:
         grad_outputs = self._by_feature(grad_outputs)
         grads = {
             name: float_array(
-                f"feature {name!r}", "grad_output", grad, self.outputs[name].shape,
+                f"feature {name!r}",
+                "grad_output",
+                grad,
+                self.outputs[name].shape,
                 "that of the pooled output",
             )
             for name, grad in grad_outputs.items()
-        }  # fmt: skip
+        }
         pushes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for table, pooling in self._pooling.items():
             names = [name for name in pooling.rows if name in grads]
@@ -292,9 +294,7 @@ def prepare(
     pooling layout of a lookup_pooled_features, on the device pooling_device picks."""
     by_name = {feature.name: feature for feature in features}
     if len(by_name) != len(features):
-        repeated = sorted(
-            {f.name for f in features if sum(g.name == f.name for g in features) > 1}
-        )
+        repeated = sorted({f.name for f in features if sum(g.name == f.name for g in features) > 1})
         raise InvalidArgumentError(f"features expected distinct names, got {repeated} repeated")
     if by_name.keys() != batch.keys():
         missing = sorted(set(by_name) - set(batch))
@@ -311,8 +311,7 @@ def prepare(
         ]
         return PreparedDevice(calls, on, specs, include_last_offset)
     bags = {
-        name: _as_bags(f"feature {name!r}", batch[name], include_last_offset)
-        for name in by_name
+        name: _as_bags(f"feature {name!r}", batch[name], include_last_offset) for name in by_name
     }
     tables: dict[str, _TableKeys] = {}
     pooling: dict[str, _TablePooling] = {}

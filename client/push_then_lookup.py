@@ -97,8 +97,10 @@ class PushThenLookup:
             raise PushNotApplied(error) from None
         out = {name: np.empty((keys.size, dim), np.float32) for name, (dim, keys) in tables.items()}
         # each shard's push call and lookup call (None: it has no part of that one)
-        work = {shard: (push[0] if push else None, lookup[0] if lookup else None)
-                for shard, (push, lookup) in parts.items()}  # fmt: skip
+        work = {
+            shard: (push[0] if push else None, lookup[0] if lookup else None)
+            for shard, (push, lookup) in parts.items()
+        }
         pushed: set[int] = set()  # shards whose part of the push is applied
         push_failed: dict[int, ShardError] = {}
 
@@ -156,10 +158,12 @@ class PushThenLookup:
             return None
         request_bytes, bulk = _fused_bytes(push, lookup)
         request, fields = wire.encode_push_then_lookup_in_place(
-            [(name, dim, steps[name], (8 * keys.size, 4 * dim * keys.size))
-             for name, dim, keys, _ in push],
+            [
+                (name, dim, steps[name], (8 * keys.size, 4 * dim * keys.size))
+                for name, dim, keys, _ in push
+            ],
             [(name, dim, create, (wire_keys(keys),)) for name, dim, keys, _ in lookup],
-        )  # fmt: skip
+        )
         fill_push(push, fields, pushes)
         transport = self.transport
         identity = transport.push_identity(shard, [name for name, *_ in push])

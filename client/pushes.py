@@ -108,14 +108,20 @@ class Pushes:
         failed = error.failed or [error.shard_id]
         in_part = (
             f"; shard {error.shard_id} applied its part of tables {error.applied_tables} and "
-            f"not of the others" if error.applied_tables else ""
-        )  # fmt: skip
+            f"not of the others"
+            if error.applied_tables
+            else ""
+        )
         partial = ShardError(  # part of the push is in: its step stays taken; say where
-            error.shard_id, error.address, error.code,
+            error.shard_id,
+            error.address,
+            error.code,
             f"{error.details} (this push of tables {sorted(steps)} was applied on shards "
             f"{error.succeeded}, and not on shards {failed}{in_part}; send only the failed "
-            f"shards' part again, or nothing)", error.reason, error.facts,
-        )  # fmt: skip
+            f"shards' part again, or nothing)",
+            error.reason,
+            error.facts,
+        )
         partial.succeeded, partial.failed = error.succeeded, error.failed
         partial.applied_tables = error.applied_tables
         return partial

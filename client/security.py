@@ -100,8 +100,11 @@ def add_arguments(parser: Any) -> None:
     """The client's flags (argparse): --tls-ca, --tls-client-cert, --tls-client-key,
     --tls-server-name, --token-file; each defaults to its TIERPS_* environment variable."""
     group = parser.add_argument_group("TLS and token (client side)")
-    group.add_argument("--tls-ca", type=Path, help="PEM CA of the shards' certificates "
-                       "(turns TLS on; $TIERPS_TLS_CA)")  # fmt: skip
+    group.add_argument(
+        "--tls-ca",
+        type=Path,
+        help="PEM CA of the shards' certificates (turns TLS on; $TIERPS_TLS_CA)",
+    )
     group.add_argument(
         "--tls-client-cert",
         type=Path,
@@ -112,15 +115,25 @@ def add_arguments(parser: Any) -> None:
         type=Path,
         help="this client's PEM key, for mutual TLS ($TIERPS_TLS_KEY)",
     )
-    group.add_argument("--tls-server-name", help="the name in the shards' certificates, if "
-                       "not their addresses' host ($TIERPS_TLS_SERVER_NAME)")  # fmt: skip
-    group.add_argument("--token-file", type=Path, help="a file holding this client's bearer "
-                       "token ($TIERPS_TOKEN_FILE, or the token in $TIERPS_TOKEN)")  # fmt: skip
+    group.add_argument(
+        "--tls-server-name",
+        help="the name in the shards' certificates, if "
+        "not their addresses' host ($TIERPS_TLS_SERVER_NAME)",
+    )
+    group.add_argument(
+        "--token-file",
+        type=Path,
+        help="a file holding this client's bearer "
+        "token ($TIERPS_TOKEN_FILE, or the token in $TIERPS_TOKEN)",
+    )
 
 
 def from_args(args: Any) -> ChannelSecurity:
     """ChannelSecurity from add_arguments' flags, the environment filling what they leave."""
     return ChannelSecurity.from_env(
-        ca_file=args.tls_ca, cert_file=args.tls_client_cert, key_file=args.tls_client_key,
-        server_name=args.tls_server_name, token_file=args.token_file,
-    )  # fmt: skip
+        ca_file=args.tls_ca,
+        cert_file=args.tls_client_cert,
+        key_file=args.tls_client_key,
+        server_name=args.tls_server_name,
+        token_file=args.token_file,
+    )

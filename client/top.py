@@ -130,33 +130,38 @@ def frame(previous: Sample, current: Sample, addresses: list[str]) -> dict[str, 
                     into[f"new_{field}"] += tier[field] - old_tiers.get(tier["name"], {}).get(
                         field, 0
                     )
-        shards.append({
-            "shard_id": shard["shard_id"],
-            "address": addresses[index],
-            "rpc": rpcs,
-            "tiers": [
-                {
-                    "name": name,
-                    "rows": int(t["rows"]),
-                    "bytes": int(t["bytes"]),
-                    "hit_rate": _rate(t["new_hits"], t["new_misses"])
-                    if t["new_hits"] + t["new_misses"] > 0
-                    else _rate(t["hits"], t["misses"]),
-                    "hit_rate_over": "interval" if t["new_hits"] + t["new_misses"] > 0
-                    else "since start",
-                }
-                for name, t in tiers.items()
-            ],
-        })  # fmt: skip
+        shards.append(
+            {
+                "shard_id": shard["shard_id"],
+                "address": addresses[index],
+                "rpc": rpcs,
+                "tiers": [
+                    {
+                        "name": name,
+                        "rows": int(t["rows"]),
+                        "bytes": int(t["bytes"]),
+                        "hit_rate": _rate(t["new_hits"], t["new_misses"])
+                        if t["new_hits"] + t["new_misses"] > 0
+                        else _rate(t["hits"], t["misses"]),
+                        "hit_rate_over": "interval"
+                        if t["new_hits"] + t["new_misses"] > 0
+                        else "since start",
+                    }
+                    for name, t in tiers.items()
+                ],
+            }
+        )
     return {
         "interval_s": seconds,
         "shards": shards,
         "tables": [
-            {"name": name, **{k: (int(v) if not k.endswith("_per_s") else v)
-                              for k, v in figures.items()}}
+            {
+                "name": name,
+                **{k: (int(v) if not k.endswith("_per_s") else v) for k, v in figures.items()},
+            }
             for name, figures in sorted(tables.items())
         ],
-    }  # fmt: skip
+    }
 
 
 def _rate(hits: float, misses: float) -> float | None:
@@ -183,27 +188,47 @@ def render(figures: dict[str, Any]) -> Any:
         tiers.add_column(column, justify="left" if column == "tier" else "right")
     for shard in figures["shards"]:
         if shard["rpc"] is None:
-            rpc.add_row(str(shard["shard_id"]), shard["address"],
-                        "no metrics (start shards with --metrics)", "-", "-", "-")  # fmt: skip
+            rpc.add_row(
+                str(shard["shard_id"]),
+                shard["address"],
+                "no metrics (start shards with --metrics)",
+                "-",
+                "-",
+                "-",
+            )
         else:
             for method, call in shard["rpc"].items():
                 rate = f"{call['calls_per_s']:,.1f}"
-                rpc.add_row(str(shard["shard_id"]), shard["address"], method, rate,
-                            ms(call["p50_s"]), ms(call["p99_s"]))  # fmt: skip
+                rpc.add_row(
+                    str(shard["shard_id"]),
+                    shard["address"],
+                    method,
+                    rate,
+                    ms(call["p50_s"]),
+                    ms(call["p99_s"]),
+                )
         for tier in shard["tiers"]:
             rate = tier["hit_rate"]
             shown = "-" if rate is None else f"{rate:.1%}"
             if tier["hit_rate_over"] != "interval" and rate is not None:
                 shown += " (since start)"
-            tiers.add_row(str(shard["shard_id"]), tier["name"], f"{tier['rows']:,}",
-                          size(tier["bytes"]), shown)  # fmt: skip
+            tiers.add_row(
+                str(shard["shard_id"]),
+                tier["name"],
+                f"{tier['rows']:,}",
+                size(tier["bytes"]),
+                shown,
+            )
     tables = Table(title="tables", title_justify="left")
     for column in ("table", "rows", "looked up keys/s", "pushed keys/s"):
         tables.add_column(column, justify="left" if column == "table" else "right")
     for table in figures["tables"]:
-        tables.add_row(table["name"], f"{table['rows']:,}",
-                       f"{table['keys_looked_up_per_s']:,.0f}",
-                       f"{table['keys_pushed_per_s']:,.0f}")  # fmt: skip
+        tables.add_row(
+            table["name"],
+            f"{table['rows']:,}",
+            f"{table['keys_looked_up_per_s']:,.0f}",
+            f"{table['keys_pushed_per_s']:,.0f}",
+        )
     return Group(rpc, tiers, tables)
 
 

@@ -386,10 +386,7 @@ class EmbeddingBagCollection(nn.Module):
         # tables interleave
         tables = list(dict.fromkeys(feature.table for feature in self.features))
         self._keyed_names = [
-            feature.name
-            for table in tables
-            for feature in self.features
-            if feature.table == table
+            feature.name for table in tables for feature in self.features if feature.table == table
         ]
         # The background thread, started by the first task: the prefetched lookups and
         # (staleness 1) the pushes, in the order given, so that a lookup sees exactly the

@@ -126,10 +126,17 @@ class Transport:
         read-only view of that reply (no copy)."""
         calls = self.router.lookup_calls(tables)
         if out is None:
-            whole = {name for _, batches in calls for name, _, keys, _ in batches
-                     if read_only and keys.size == tables[name][1].size}  # fmt: skip
-            out = {name: np.empty((keys.size, dim), np.float32)
-                   for name, (dim, keys) in tables.items() if name not in whole}  # fmt: skip
+            whole = {
+                name
+                for _, batches in calls
+                for name, _, keys, _ in batches
+                if read_only and keys.size == tables[name][1].size
+            }
+            out = {
+                name: np.empty((keys.size, dim), np.float32)
+                for name, (dim, keys) in tables.items()
+                if name not in whole
+            }
         else:
             out = dict(out)
 
@@ -180,8 +187,10 @@ class Transport:
         )
         values = np.empty(reply_bytes(batches), np.uint8)  # the chunks land in place
         filled = 0
-        size = sum(wire.stream_bytes(name, dim, create, keys.size, 0, self.chunk_bytes)
-                   for name, dim, keys, _ in batches)  # fmt: skip
+        size = sum(
+            wire.stream_bytes(name, dim, create, keys.size, 0, self.chunk_bytes)
+            for name, dim, keys, _ in batches
+        )
         replies = self._streams[shard].Lookup(
             requests, timeout=self.link.timeout_s(), metadata=wire.declared(size)
         )
@@ -196,9 +205,11 @@ class Transport:
     def _reply_size_error(self, shard: int, batches: list[Batch], got: str) -> ShardError:
         names = sorted({name for name, *_ in batches})
         return ShardError(
-            shard, self.link.addresses[shard], grpc.StatusCode.INTERNAL,
+            shard,
+            self.link.addresses[shard],
+            grpc.StatusCode.INTERNAL,
             f"lookup reply of tables {names} expected {reply_bytes(batches)} bytes, got {got}",
-        )  # fmt: skip
+        )
 
     # -- pushes and assigns ----------------------------------------------------------------------
 
@@ -236,10 +247,14 @@ class Transport:
             request
             for name, dim, keys, grads in parts
             for request in wire.push_requests(
-                name, dim, steps[name], wire_keys(keys).tobytes(), grads.tobytes(),
+                name,
+                dim,
+                steps[name],
+                wire_keys(keys).tobytes(),
+                grads.tobytes(),
                 self.chunk_bytes,
             )
-        )  # fmt: skip
+        )
         size = sum(
             wire.stream_bytes(name, dim, steps[name], k.size, 4 * dim, self.chunk_bytes)
             for name, dim, k, _ in parts
@@ -275,17 +290,17 @@ class Transport:
                 self.chunk_bytes,
             )
         )
-        size = sum(wire.stream_bytes(name, dim, 0, keys.size, 4 * dim, self.chunk_bytes)
-                   for name, dim, keys, _ in batches)  # fmt: skip
+        size = sum(
+            wire.stream_bytes(name, dim, 0, keys.size, 4 * dim, self.chunk_bytes)
+            for name, dim, keys, _ in batches
+        )
         return self._streams[shard].Assign(
             requests, timeout=self.link.timeout_s(), metadata=wire.declared(size)
         )
 
     # -- the fan-out -----------------------------------------------------------------------------
 
-    def fan_out(
-        self, calls: list[tuple[int, Work]], call: Callable[[int, Work], Any]
-    ) -> list[Any]:
+    def fan_out(self, calls: list[tuple[int, Work]], call: Callable[[int, Work], Any]) -> list[Any]:
         """call(shard, work) for every call (work: its batches, or what the caller pairs
         with the shard), all at once but at most PIECES_AT_ONCE to one shard: a shard's
         calls go in that many lanes, each lane's calls one after another (a shard's
@@ -328,8 +343,11 @@ class Transport:
         if failures:
             # a shard counts only if every one of its calls went through (a part of more
             # than max_call_bytes goes as several calls, which may fail one by one)
-            failed = {shard for (shard, _), outcome in zip(calls, outcomes, strict=True)
-                      if isinstance(outcome, ShardError)}  # fmt: skip
+            failed = {
+                shard
+                for (shard, _), outcome in zip(calls, outcomes, strict=True)
+                if isinstance(outcome, ShardError)
+            }
             failures[0].succeeded = sorted({shard for shard, _ in calls} - failed)
             failures[0].failed = sorted(failed)
             raise failures[0]
@@ -345,9 +363,11 @@ def push_request(
     (its rows of pushes[table][1], at its positions) written straight into the message's
     bytes (wire.encode_batches_in_place): one copy of the gradients, no gather and join."""
     request, fields = wire.encode_batches_in_place(
-        [(name, dim, steps[name], (8 * keys.size, 4 * dim * keys.size))
-         for name, dim, keys, _ in batches]
-    )  # fmt: skip
+        [
+            (name, dim, steps[name], (8 * keys.size, 4 * dim * keys.size))
+            for name, dim, keys, _ in batches
+        ]
+    )
     fill_push(batches, fields, pushes)
     return request
 

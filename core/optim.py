@@ -378,4 +378,3 @@ class FTRL(Optimizer):
         quadratic = n_pow_new / self.lr + 2.0 * self.l2
         weights[...] = xp.where(xp.abs(z) > self.l1, (xp.sign(z) * self.l1 - z) / quadratic, 0.0)
         n[...] = n_new
-

@@ -36,17 +36,48 @@ RECBOLE_INSTALL = "pip install --no-deps recbole==1.2.1"
 TEST_FRACTION = 0.2
 MOVIELENS_TABLE = "movielens"  # the features' shared table (or "movielens.<feature>" each)
 MOVIELENS_FEATURES = (
-    "user_id", "item_id", "age", "gender", "occupation", "zip_prefix", "release_year", "genres",
-)  # fmt: skip
+    "user_id",
+    "item_id",
+    "age",
+    "gender",
+    "occupation",
+    "zip_prefix",
+    "release_year",
+    "genres",
+)
 SYNTHETIC_TABLE = "synthetic.criteo"  # the one table all synthetic slots share
 
 # Per-slot cardinalities of Criteo's 26 categorical features, as published with DLRM and
 # TorchRec: the Kaggle Display Advertising Challenge set (33,762,577 ids in all) and the
 # 1TB click logs (177,944,275).
 CRITEO_KAGGLE_CARDINALITIES = (
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
-    14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
-)  # fmt: skip
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
+)
 CRITEO_NUM_DENSE = 13
 
 
@@ -422,9 +453,17 @@ def load_movielens(
         )
     train, test = split_rows(labels.size, seed, test_fraction)
     return CTRDataset(
-        "movielens-100k", tuple(features), tables, columns, None, labels, train, test,
-        vocabularies, key_offsets,
-    )  # fmt: skip
+        "movielens-100k",
+        tuple(features),
+        tables,
+        columns,
+        None,
+        labels,
+        train,
+        test,
+        vocabularies,
+        key_offsets,
+    )
 
 
 # -- Criteo-like synthetic set --------------------------------------------------------------------
@@ -513,8 +552,14 @@ def load_synthetic(
     train, test = split_rows(samples, seed, test_fraction)
     return CTRDataset(
         f"synthetic-criteo ({num_slots} slots, Zipf {zipf_a})",
-        tuple(features), tables, columns, dense, labels, train, test,
-    )  # fmt: skip
+        tuple(features),
+        tables,
+        columns,
+        dense,
+        labels,
+        train,
+        test,
+    )
 
 
 def _bias_for_rate(logits: np.ndarray, rate: float) -> float:

@@ -150,9 +150,12 @@ class LocalEmbeddings(nn.Module):
             )
             rows = self._rows(table, np.concatenate(values))
             pooled = nn.functional.embedding_bag(
-                torch.from_numpy(rows), self.bags[_module_name(table)].weight,
-                torch.from_numpy(offsets), mode=combiner, sparse=True,
-            )  # fmt: skip
+                torch.from_numpy(rows),
+                self.bags[_module_name(table)].weight,
+                torch.from_numpy(offsets),
+                mode=combiner,
+                sparse=True,
+            )
             counts = [batch[name][1].size for name in names]
             out.update(zip(names, torch.split(pooled, counts), strict=True))
         return out
@@ -194,7 +197,7 @@ class TierpsEmbeddings(nn.Module):
                 optimizer=optimizer.for_tierps(),
                 seed=seed,
                 host_cache_bytes=host_cache_bytes,
-            )  # fmt: skip
+            )
             for name in _table_names(features)
         ]
 

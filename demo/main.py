@@ -112,82 +112,111 @@ def format_hit_rates(rates: dict[str, dict[str, Any]]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `tierps demo` flags."""
     parser.add_argument(
-        "--dataset", choices=("movielens", "synthetic"), default="movielens",
+        "--dataset",
+        choices=("movielens", "synthetic"),
+        default="movielens",
         help="movielens: MovieLens-100k from the recbole package; synthetic: Criteo-like",
-    )  # fmt: skip
-    parser.add_argument("--data-dir", type=Path, default=Path("tierps-data"),
-                        help="shards and snapshots go here (default ./tierps-data)")  # fmt: skip
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path("tierps-data"),
+        help="shards and snapshots go here (default ./tierps-data)",
+    )
     parser.add_argument("--epochs", type=int, help="default 5 (movielens), 1 (synthetic)")
-    parser.add_argument("--batch-size", type=int,
-                        help="default 256 (movielens), 1024 (synthetic)")  # fmt: skip
+    parser.add_argument("--batch-size", type=int, help="default 256 (movielens), 1024 (synthetic)")
     parser.add_argument("--dim", type=int, default=DEFAULT_DIM, help="embedding dim")
     parser.add_argument("--shards", type=int, default=2, help="shards of the local cluster")
     parser.add_argument("--seed", type=int, default=0, help="split, initial weights, order")
-    parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
-                        help=f"synthetic samples (default {DEFAULT_SAMPLES:,})")  # fmt: skip
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=DEFAULT_SAMPLES,
+        help=f"synthetic samples (default {DEFAULT_SAMPLES:,})",
+    )
     parser.add_argument("--lr", type=float, default=DEFAULT_LR, help="Adam's, sparse and dense")
     parser.add_argument(
-        "--host-cache-mb", type=int,
+        "--host-cache-mb",
+        type=int,
         help="host-tier budget per table and shard, MiB (default 64 movielens, 16 synthetic)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--gpu-cache-mb", type=int, default=0,
+        "--gpu-cache-mb",
+        type=int,
+        default=0,
         help="a GPU tier of this many MiB per table on each shard (needs cupy and a GPU; "
         "without one the shards warn and serve from the host tier)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--staleness", type=int,
+        "--staleness",
+        type=int,
         help="one trainer: 1 (the default) lets the next batch's lookup run before this "
         "step's push is applied, so lookups and pushes overlap the dense step; on MovieLens it "
         "trained 1.1-1.9x faster with the same test AUC over 5 epochs (0.7852 against 0.7843); "
         "0: each lookup sees every earlier push, exactly synchronous training (the library's "
         "default). With --trainers and --mode async: the bound k >= 1 on the steps of other "
         f"trainers' pushes a lookup may miss (default {DEFAULT_ASYNC_STALENESS})",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--trainers", type=int,
+        "--trainers",
+        type=int,
         help="train with this many data-parallel trainers under torchrun (each its share of "
         "every batch of --batch-size); default: one trainer in this process",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--mode", choices=("sync", "async"), default="sync",
+        "--mode",
+        choices=("sync", "async"),
+        default="sync",
         help="with --trainers: sync (default) trains as one trainer would on the whole batch; "
         "async lets each trainer push on its own, its lookups at most --staleness steps behind",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--torch-threads", type=int,
+        "--torch-threads",
+        type=int,
         help="torch's intra-op threads (default: the cores the shards leave, at most 4)",
-    )  # fmt: skip
+    )
     from tierps.client import security
     from tierps.server.cluster import add_server_security_arguments
 
     add_server_security_arguments(parser)
     security.add_arguments(parser)
     parser.add_argument(
-        "--keep-snapshots", type=int, default=1,
+        "--keep-snapshots",
+        type=int,
+        default=1,
         help="after saving, keep this many of the dataset's newest demo snapshots on the "
         "cluster (<data-dir>/snapshots on the demo's own) and delete the older ones; with "
         "--trainers, of the newest job checkpoints in <data-dir>/checkpoints made on this "
         "cluster, each with its snapshot (0: keep all)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--addresses",
         help="train on this running cluster (host:port, comma-separated, shard order) instead "
         "of starting one; default: $TIERPS_ADDRESSES when set",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--replace", action="store_true",
+        "--replace",
+        action="store_true",
         help="on a running cluster (--addresses, $TIERPS_ADDRESSES): drop the dataset's "
         "tables there (movielens, synthetic.criteo) and create them afresh; without it the "
         "demo refuses to touch a table it did not create",
-    )  # fmt: skip
+    )
 
 
 def _check(args: argparse.Namespace) -> str | None:
     """What is wrong with the flags, or None."""
-    for flag, low in (("epochs", 1), ("batch_size", 1), ("dim", 1), ("shards", 1),
-                      ("samples", 10), ("host_cache_mb", 0), ("gpu_cache_mb", 0), ("seed", 0),
-                      ("torch_threads", 1), ("keep_snapshots", 0)):  # fmt: skip
+    for flag, low in (
+        ("epochs", 1),
+        ("batch_size", 1),
+        ("dim", 1),
+        ("shards", 1),
+        ("samples", 10),
+        ("host_cache_mb", 0),
+        ("gpu_cache_mb", 0),
+        ("seed", 0),
+        ("torch_threads", 1),
+        ("keep_snapshots", 0),
+    ):
         value = getattr(args, flag)
         if value is not None and value < low:
             return f"--{flag.replace('_', '-')} expected >= {low}, got {value}"
@@ -412,10 +441,20 @@ def _train_on_cluster(args: argparse.Namespace, dataset: CTRDataset, started: fl
         ):
             try:
                 return _train_with_client(
-                    args, dataset, started, client, cluster, work,
-                    epochs=epochs, batch_size=batch_size, host_mb=host_mb, optimizer=optimizer,
-                    staleness=staleness, addresses=addresses, source=source,
-                )  # fmt: skip
+                    args,
+                    dataset,
+                    started,
+                    client,
+                    cluster,
+                    work,
+                    epochs=epochs,
+                    batch_size=batch_size,
+                    host_mb=host_mb,
+                    optimizer=optimizer,
+                    staleness=staleness,
+                    addresses=addresses,
+                    source=source,
+                )
             except BaseException:
                 if not INTERRUPTED.is_set():
                     raise
@@ -511,9 +550,14 @@ def _train_with_client(
             print(f"tierps demo: {refusal}", file=sys.stderr)
             return 1
     tables = create_tables(
-        client, dataset, dim=args.dim, seed=args.seed, optimizer=optimizer,
-        host_cache_bytes=host_mb << 20, drop_others=cluster is not None,
-    )  # fmt: skip
+        client,
+        dataset,
+        dim=args.dim,
+        seed=args.seed,
+        optimizer=optimizer,
+        host_cache_bytes=host_mb << 20,
+        drop_others=cluster is not None,
+    )
     if cluster is not None:  # its own snapshot dir, no save running: what a crash left
         left = client.gc_snapshots()
         if left:
@@ -540,9 +584,15 @@ def _train_with_client(
 
     try:
         results = train(
-            model, dataset, epochs=epochs, batch_size=batch_size, lr=args.lr,
-            seed=args.seed, progress="train", on_epoch=report,
-        )  # fmt: skip
+            model,
+            dataset,
+            epochs=epochs,
+            batch_size=batch_size,
+            lr=args.lr,
+            seed=args.seed,
+            progress="train",
+            on_epoch=report,
+        )
     finally:
         model.embeddings.close()  # its pushes are in before the snapshot
     name = _snapshot_name(client, args.dataset)
@@ -551,8 +601,10 @@ def _train_with_client(
     if args.keep_snapshots:
         pruned = prune_demo_snapshots(snapshots, args.dataset, args.keep_snapshots)
         if pruned:
-            print(f"deleted {len(pruned)} older demo snapshot(s) (--keep-snapshots "
-                  f"{args.keep_snapshots}): {', '.join(pruned)}")  # fmt: skip
+            print(
+                f"deleted {len(pruned)} older demo snapshot(s) (--keep-snapshots "
+                f"{args.keep_snapshots}): {', '.join(pruned)}"
+            )
     rates = tier_hit_rates(client, tables)
     print(
         f"done in {time.perf_counter() - started:.1f} s: test AUC {results[-1].test_auc:.4f}, "
@@ -582,10 +634,14 @@ def _train_with_torchrun(
     checkpoint_dir = args.data_dir / "checkpoints" / job
     work.job_dir = checkpoint_dir
     code = launch(
-        args, client.addresses, epochs=epochs, batch_size=batch_size,
-        staleness=staleness_of(args), checkpoint_dir=checkpoint_dir,
+        args,
+        client.addresses,
+        epochs=epochs,
+        batch_size=batch_size,
+        staleness=staleness_of(args),
+        checkpoint_dir=checkpoint_dir,
         torch_threads=max(1, torch.get_num_threads() // args.trainers),
-    )  # fmt: skip
+    )
     if code != 0:
         print(f"tierps demo: the trainers failed (torchrun exit code {code})", file=sys.stderr)
         return 1
@@ -594,8 +650,10 @@ def _train_with_torchrun(
             checkpoint_dir.parent, snapshots, args.dataset, args.keep_snapshots
         )
         if pruned:
-            print(f"deleted {len(pruned)} older job checkpoint(s) (--keep-snapshots "
-                  f"{args.keep_snapshots}): {', '.join(pruned)}")  # fmt: skip
+            print(
+                f"deleted {len(pruned)} older job checkpoint(s) (--keep-snapshots "
+                f"{args.keep_snapshots}): {', '.join(pruned)}"
+            )
     rates = tier_hit_rates(client, tables)
     print(
         f"done in {time.perf_counter() - started:.1f} s; job checkpoints in {checkpoint_dir}; "

@@ -273,10 +273,14 @@ def train(
     results = []
     for epoch in range(1, epochs + 1):
         train_loss, train_auc, seconds, samples = train_epoch(
-            model, dataset, dense_optimizer, sparse_optimizer, batch_size=batch_size,
+            model,
+            dataset,
+            dense_optimizer,
+            sparse_optimizer,
+            batch_size=batch_size,
             shuffle_seed=epoch_seed(seed, epoch),
             progress=None if progress is None else f"{progress} epoch {epoch}/{epochs}",
-        )  # fmt: skip
+        )
         test_loss, test_auc = evaluate(model, dataset, "test")
         result = EpochResult(
             epoch, train_loss, train_auc, test_loss, test_auc, seconds, samples / seconds

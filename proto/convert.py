@@ -19,10 +19,22 @@ _STRINGS = (
 )
 # Scalars whose presence is kept: an explicit 0 or false stays apart from unset.
 _OPTIONAL_INTS = (
-    "seed", "host_cache_bytes", "gpu_cache_bytes", "use_hashtable", "capacity", "table_shard",
-    "hash_bucket_size", "promote_after", "admit_after", "max_elements", "false_positive_rate",
-    "default_value", "steps_to_live", "min_l2_norm", "evict_before_snapshot",
-)  # fmt: skip
+    "seed",
+    "host_cache_bytes",
+    "gpu_cache_bytes",
+    "use_hashtable",
+    "capacity",
+    "table_shard",
+    "hash_bucket_size",
+    "promote_after",
+    "admit_after",
+    "max_elements",
+    "false_positive_rate",
+    "default_value",
+    "steps_to_live",
+    "min_l2_norm",
+    "evict_before_snapshot",
+)
 _COMPONENTS = ("initializer", "optimizer")
 
 

@@ -108,8 +108,9 @@ def stream_bytes(
     header = _nbytes(_request_pieces(table, dim, third, ()))
 
     def message(rows: int) -> int:
-        return header + sum(len(_length_field(4, size)) + size
-                            for size in (8 * rows, row_bytes * rows) if size)  # fmt: skip
+        return header + sum(
+            len(_length_field(4, size)) + size for size in (8 * rows, row_bytes * rows) if size
+        )
 
     step = max(1, chunk_bytes // (8 + row_bytes))
     full, rest = divmod(keys, step)
@@ -229,9 +230,13 @@ def encode_push_then_lookup_in_place(
     Both fields are written even when empty, as protobuf writes a submessage that is set."""
     push_pieces, lookup_pieces = _batches_pieces(push), _batches_pieces(lookup)
     data, views = _in_place(
-        [_length_field(1, _nbytes(push_pieces)), *push_pieces,
-         _length_field(2, _nbytes(lookup_pieces)), *lookup_pieces]
-    )  # fmt: skip
+        [
+            _length_field(1, _nbytes(push_pieces)),
+            *push_pieces,
+            _length_field(2, _nbytes(lookup_pieces)),
+            *lookup_pieces,
+        ]
+    )
     return data, _per_batch(push, views)
 
 

@@ -26,10 +26,11 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     from tierps.server.config import MAX_INFLIGHT_BYTES
 
     serve = commands.add_parser(
-        "serve", help="run one shard daemon",
+        "serve",
+        help="run one shard daemon",
         description="Run one shard. Flags win over the --config file. SIGTERM or SIGINT: "
         "stop taking calls, finish in-flight ones, flush, close RocksDB, exit 0.",
-    )  # fmt: skip
+    )
     serve.add_argument("--shard-id", type=int, help="this shard's id, 0..num-shards-1")
     serve.add_argument("--num-shards", type=int, help="shards in the cluster")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
@@ -39,68 +40,85 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     serve.add_argument("--grace-s", type=float, help="on stop, seconds in-flight calls may take")
     serve.add_argument(
-        "--gpu-cache-mb", type=int,
+        "--gpu-cache-mb",
+        type=int,
         help="GPU cache per table on this shard, MiB, for tables whose gpu_cache_bytes is 0 "
         "(needs cupy and a GPU; without one: a warning, and the host tier serves)",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--require-gpu", action="store_true", default=None,
+        "--require-gpu",
+        action="store_true",
+        default=None,
         help="exit with an error instead of serving without a GPU",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--gpu-arrays", choices=GPU_ARRAYS,
+        "--gpu-arrays",
+        choices=GPU_ARRAYS,
         help="auto: GPU tiers on cupy; numpy: the GPU tier's code on host arrays (tests)",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--flush-interval-s", type=float,
+        "--flush-interval-s",
+        type=float,
         help="write-back tables: write dirty rows to RocksDB at least this often, seconds; "
         "bounds what a crash can lose (default 30; 0: only at stop, snapshot and eviction)",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--sync-writes", action="store_true", default=None,
+        "--sync-writes",
+        action="store_true",
+        default=None,
         help="fsync RocksDB's log on every write: write-through updates survive a power loss "
         "too, not only a killed process (slower writes)",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--max-step-leap", type=int,
+        "--max-step-leap",
+        type=int,
         help="refuse a push more than this many steps past its table's largest step "
         "(default 10**9; 0: no limit; a table's first push may start anywhere)",
-    )  # fmt: skip
+    )
     security = serve.add_argument_group("security and limits (README, Security)")
     security.add_argument("--tls-cert", type=Path, help="PEM certificate: TLS on the port")
     security.add_argument("--tls-key", type=Path, help="PEM key of --tls-cert")
     security.add_argument(
-        "--tls-client-ca", type=Path,
+        "--tls-client-ca",
+        type=Path,
         help="mutual TLS: clients must show a certificate signed by this PEM CA",
-    )  # fmt: skip
+    )
     security.add_argument(
-        "--tokens-file", type=Path,
+        "--tokens-file",
+        type=Path,
         help="ROLE:TOKEN entries (roles admin, trainer, reader), one per line; without it "
         "$TIERPS_TOKENS is read; with neither, calls need no token",
-    )  # fmt: skip
+    )
     security.add_argument(
-        "--insecure", action="store_true", default=None,
+        "--insecure",
+        action="store_true",
+        default=None,
         help="serve on a non-loopback --host without TLS and tokens (a warning is logged)",
-    )  # fmt: skip
+    )
     security.add_argument("--metrics-host", help="bind address of /metrics (default: --host)")
     security.add_argument(
-        "--health-port", type=int,
+        "--health-port",
+        type=int,
         help="also serve health alone, in plaintext, on this port (probes that cannot speak "
         "TLS); its own threads, so data calls never starve it",
-    )  # fmt: skip
+    )
     security.add_argument(
-        "--max-calls", type=int, help="calls at once, health excepted (default 32); more are "
+        "--max-calls",
+        type=int,
+        help="calls at once, health excepted (default 32); more are "
         "refused with RESOURCE_EXHAUSTED",
-    )  # fmt: skip
+    )
     security.add_argument(
-        "--max-receiving-streams", type=int,
+        "--max-receiving-streams",
+        type=int,
         help="request streams waiting for their messages at once (default 8)",
-    )  # fmt: skip
+    )
     security.add_argument(
-        "--max-inflight-mb", type=int,
+        "--max-inflight-mb",
+        type=int,
         help="request bytes the shard's calls may hold at once, MiB (default "
         f"{MAX_INFLIGHT_BYTES >> 20})",
-    )  # fmt: skip
+    )
     security.add_argument(
         "--stream-idle-s", type=float, help="cancel a request stream silent this long (30)"
     )
@@ -120,27 +138,42 @@ def _serve(args: argparse.Namespace) -> int:
 
     logs.configure(args.log_level)
     flags = {
-        "shard_id": args.shard_id, "num_shards": args.num_shards, "host": args.host,
-        "port": args.port, "data_dir": args.data_dir, "snapshot_dir": args.snapshot_dir,
-        "metrics_port": args.metrics_port, "grace_s": args.grace_s,
+        "shard_id": args.shard_id,
+        "num_shards": args.num_shards,
+        "host": args.host,
+        "port": args.port,
+        "data_dir": args.data_dir,
+        "snapshot_dir": args.snapshot_dir,
+        "metrics_port": args.metrics_port,
+        "grace_s": args.grace_s,
         "gpu_cache_bytes": None if args.gpu_cache_mb is None else args.gpu_cache_mb << 20,
-        "require_gpu": args.require_gpu, "gpu_arrays": args.gpu_arrays,
-        "flush_interval_s": args.flush_interval_s, "sync_writes": args.sync_writes,
-        "tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_client_ca": args.tls_client_ca,
-        "tokens_file": args.tokens_file, "insecure": args.insecure,
-        "metrics_host": args.metrics_host, "health_port": args.health_port,
+        "require_gpu": args.require_gpu,
+        "gpu_arrays": args.gpu_arrays,
+        "flush_interval_s": args.flush_interval_s,
+        "sync_writes": args.sync_writes,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "tls_client_ca": args.tls_client_ca,
+        "tokens_file": args.tokens_file,
+        "insecure": args.insecure,
+        "metrics_host": args.metrics_host,
+        "health_port": args.health_port,
         "max_workers": args.max_calls,
         "max_receiving_streams": args.max_receiving_streams,
         "max_inflight_bytes": None if args.max_inflight_mb is None else args.max_inflight_mb << 20,
-        "stream_idle_s": args.stream_idle_s, "call_total_s": args.call_total_s,
+        "stream_idle_s": args.stream_idle_s,
+        "call_total_s": args.call_total_s,
         "max_step_leap": args.max_step_leap,
-    }  # fmt: skip
+    }
     try:
         if args.config is not None:
             config = ServerConfig.from_file(args.config, **flags)
         else:
-            missing = [f"--{k.replace('_', '-')}" for k in ("shard_id", "num_shards", "data_dir")
-                       if flags[k] is None]  # fmt: skip
+            missing = [
+                f"--{k.replace('_', '-')}"
+                for k in ("shard_id", "num_shards", "data_dir")
+                if flags[k] is None
+            ]
             if missing:
                 print(f"tierps serve: {', '.join(missing)} required (or --config)", file=sys.stderr)
                 return 2
@@ -155,14 +188,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _add_cluster(commands: argparse._SubParsersAction) -> None:
     cluster = commands.add_parser(
-        "cluster", help="run N shards on this machine until Ctrl-C",
+        "cluster",
+        help="run N shards on this machine until Ctrl-C",
         description="Start N shard daemons as subprocesses, wait until each is SERVING, print "
         "their addresses, and stop them all gracefully on Ctrl-C or SIGTERM. If a shard exits "
         "on its own (a crash, kill -9), the cluster prints which (its pid, exit code or "
         "signal, and log file), stops the other shards and exits with status 1: no shard "
         "serves another's keys, so a cluster missing one is not left running; start it again "
         "on the same --data-dir.",
-    )  # fmt: skip
+    )
     cluster.add_argument("--shards", type=int, required=True, help="number of shards")
     cluster.add_argument(
         "--base-port", type=int, help="shard i binds base-port + i (default: free)"
@@ -171,9 +205,10 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
     cluster.add_argument("--snapshot-dir", type=Path, help="shared snapshot directory")
     cluster.add_argument("--metrics", action="store_true", help="each shard serves /metrics")
     cluster.add_argument(
-        "--flush-interval-s", type=float,
+        "--flush-interval-s",
+        type=float,
         help="each shard's background flush interval, seconds (default 30; 0: off)",
-    )  # fmt: skip
+    )
     cluster.add_argument(
         "--sync-writes", action="store_true", help="each shard fsyncs every RocksDB write"
     )
@@ -200,9 +235,14 @@ def _cluster(args: argparse.Namespace) -> int:
     if args.flush_interval_s is not None:
         durability += ("--flush-interval-s", str(args.flush_interval_s))
     cluster = LocalCluster(
-        args.shards, args.data_dir, args.snapshot_dir, base_port=args.base_port,
-        metrics=args.metrics, extra_args=durability, security=security.from_args(args),
-    )  # fmt: skip
+        args.shards,
+        args.data_dir,
+        args.snapshot_dir,
+        base_port=args.base_port,
+        metrics=args.metrics,
+        extra_args=durability,
+        security=security.from_args(args),
+    )
     try:
         cluster.start()
     except (RuntimeError, TimeoutError, OSError) as error:  # start() stopped what it started
@@ -228,8 +268,9 @@ def _cluster(args: argparse.Namespace) -> int:
                     print(
                         f"tierps cluster: shard {shard_id} (pid {pid}) exited on its own "
                         f"({how}); its log: {log_file}; stopping the other shards",
-                        file=sys.stderr, flush=True,
-                    )  # fmt: skip
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 return 1
             time.sleep(0.2)
         print("stopping...", flush=True)
@@ -253,11 +294,12 @@ def _add_storage_demo(commands: argparse._SubParsersAction) -> None:
         "engine only, no cluster, no training)"
     )
     demo = commands.add_parser(
-        "storage-demo", help=about,
+        "storage-demo",
+        help=about,
         description=f"{about[0].upper()}{about[1:]}: look up each batch and push gradients for "
         "it, then print throughput, hit rates per tier and peak memory.",
         formatter_class=DefaultsHelpFormatter,
-    )  # fmt: skip
+    )
     demo.add_argument("--data-dir", type=Path, default=Path("tierps-data"), help="RocksDB here")
     demo.add_argument("--dim", type=int, default=32, help="embedding dim")
     demo.add_argument("--host-mb", type=int, default=64, help="host tier budget, MiB")
@@ -304,12 +346,13 @@ def build_parser() -> Parser:
 
     demo_main.add_arguments(
         commands.add_parser(
-            "demo", help="train DeepFM on MovieLens-100k through a local cluster",
+            "demo",
+            help="train DeepFM on MovieLens-100k through a local cluster",
             description="Train DeepFM (MovieLens-100k, or a Criteo-like synthetic set) through "
             "a local cluster; print logloss, AUC, samples/s and tier hit rates per epoch.",
             formatter_class=DefaultsHelpFormatter,
         )
-    )  # fmt: skip
+    )
     _add_storage_demo(commands)
     return parser
 
@@ -348,9 +391,13 @@ def _main(argv: list[str] | None) -> int:
     from tierps.server.storage_demo import run_storage_demo
 
     run_storage_demo(
-        args.data_dir, dim=args.dim, host_mb=args.host_mb, steps=args.steps,
-        batch=args.batch, keep=args.keep,
-    )  # fmt: skip
+        args.data_dir,
+        dim=args.dim,
+        host_mb=args.host_mb,
+        steps=args.steps,
+        batch=args.batch,
+        keep=args.keep,
+    )
     return 0
 
 

@@ -19,9 +19,11 @@ PARENT_PID_ENV = "TIERPS_PARENT_PID"  # set by LocalCluster: the daemon exits wi
 
 # `tierps serve` flags a LocalCluster passes on to every shard: (flag, attribute of args)
 SERVER_SECURITY_FLAGS = (
-    ("--tls-cert", "tls_cert"), ("--tls-key", "tls_key"),
-    ("--tls-client-ca", "tls_client_ca"), ("--tokens-file", "tokens_file"),
-)  # fmt: skip
+    ("--tls-cert", "tls_cert"),
+    ("--tls-key", "tls_key"),
+    ("--tls-client-ca", "tls_client_ca"),
+    ("--tokens-file", "tokens_file"),
+)
 
 
 def add_server_security_arguments(parser: Any) -> None:
@@ -151,11 +153,23 @@ class LocalCluster:
         data, port_file, _ = self._paths(shard_id)
         port = 0 if self.base_port is None else self.base_port + shard_id
         command = [
-            sys.executable, "-m", "tierps.server.cli", "serve",
-            "--shard-id", str(shard_id), "--num-shards", str(self.num_shards),
-            "--host", self.host, "--port", str(port), "--data-dir", str(data),
-            "--port-file", str(port_file),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "tierps.server.cli",
+            "serve",
+            "--shard-id",
+            str(shard_id),
+            "--num-shards",
+            str(self.num_shards),
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data),
+            "--port-file",
+            str(port_file),
+        ]
         if self.snapshot_dir is not None:
             command += ["--snapshot-dir", str(self.snapshot_dir)]
         if self.metrics:

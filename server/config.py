@@ -131,8 +131,10 @@ class ServerConfig:
             raise ValueError(
                 f"{owner}: field 'sync_writes' expected a bool, got {self.sync_writes!r}"
             )
-        if not (isinstance(self.flush_interval_s, int | float) and 0 <= self.flush_interval_s
-                < float("inf")):  # fmt: skip
+        if not (
+            isinstance(self.flush_interval_s, int | float)
+            and 0 <= self.flush_interval_s < float("inf")
+        ):
             raise ValueError(
                 f"{owner}: field 'flush_interval_s' expected seconds >= 0 (0: off), got "
                 f"{self.flush_interval_s!r}"

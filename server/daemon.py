@@ -92,9 +92,10 @@ class ShardServer:
         where = f"shard {config.shard_id}"
         # before the data dir is touched: a shard that would be left open does not start
         tokens: TokensFile | dict[str, str] | None = (
-            load_tokens(None) if config.tokens_file is None  # $TIERPS_TOKENS, or none
+            load_tokens(None)
+            if config.tokens_file is None  # $TIERPS_TOKENS, or none
             else TokensFile(config.tokens_file, where)  # read again when it changes
-        )  # fmt: skip
+        )
         tls = config.tls_cert is not None
         check_exposure(config.host, tls, tokens is not None, config.insecure, where)
         self.shard = Shard(config)
@@ -107,14 +108,21 @@ class ShardServer:
                 config.max_message_bytes, max_call_bytes, config.max_inflight_bytes
             )
             self.limits = CallLimits(
-                max_calls=config.max_workers, max_receiving=config.max_receiving_streams,
-                max_inflight_bytes=config.max_inflight_bytes, max_call_bytes=max_call_bytes,
-                max_message_bytes=receive, idle_s=config.stream_idle_s,
-                total_s=config.call_total_s, where=where, refused=self._refused,
-            )  # fmt: skip
+                max_calls=config.max_workers,
+                max_receiving=config.max_receiving_streams,
+                max_inflight_bytes=config.max_inflight_bytes,
+                max_call_bytes=max_call_bytes,
+                max_message_bytes=receive,
+                idle_s=config.stream_idle_s,
+                total_s=config.call_total_s,
+                where=where,
+                refused=self._refused,
+            )
             interceptors: list[grpc.ServerInterceptor] = [
-                self.limits, LifeCheck(self.shard), DecodeCheck(),  # last: see its docstring
-            ]  # fmt: skip
+                self.limits,
+                LifeCheck(self.shard),
+                DecodeCheck(),  # last: see its docstring
+            ]
             if tokens is not None:  # first: an unknown caller is refused before anything
                 interceptors.insert(0, AuthCheck(tokens, self._refused, where))
             # so_reuseport off: a port in use is an error, never two servers on one port.
@@ -185,8 +193,10 @@ class ShardServer:
         if self.health_port == 0:
             self.limits.close()
             self.shard.close()
-            raise OSError(f"shard {config.shard_id}: cannot bind the health port "
-                          f"{host_port(config.host, config.health_port)}")  # fmt: skip
+            raise OSError(
+                f"shard {config.shard_id}: cannot bind the health port "
+                f"{host_port(config.host, config.health_port)}"
+            )
 
     @property
     def address(self) -> str:
@@ -319,7 +329,7 @@ def serve(config: ServerConfig, *, port_file: Path | None = None) -> int:
                     "health_port": server.health_port,
                     "pid": os.getpid(),
                 }
-            )  # fmt: skip
+            )
         )
         os.replace(tmp, port_file)
     metrics_host = config.metrics_host or config.host
@@ -337,8 +347,9 @@ def serve(config: ServerConfig, *, port_file: Path | None = None) -> int:
         log.error(
             "stopped without a clean flush: %s; the rows updated since the last flush are "
             "not in RocksDB, and the next start reports an unclean stop to the clients",
-            error, extra={"shard_id": config.shard_id},
-        )  # fmt: skip
+            error,
+            extra={"shard_id": config.shard_id},
+        )
         return 1
     return 0
 

@@ -28,7 +28,11 @@ from tierps.core.errors import InvalidArgumentError, quoted
 from tierps.proto.wire import GENERATIONS_HEADER, PUSH_ID_HEADER
 
 __all__ = [
-    "GENERATIONS_HEADER", "PUSH_ID_HEADER", "PushId", "PushLedger", "parse_generations",
+    "GENERATIONS_HEADER",
+    "PUSH_ID_HEADER",
+    "PushId",
+    "PushLedger",
+    "parse_generations",
     "parse_push_id",
 ]
 
@@ -166,14 +170,12 @@ class PushLedger:
             for old in forgotten:
                 self._write(self.key(old), None)
         except Exception as error:  # noqa: BLE001 - the rows are in; say it, do not fail
-            log.warning("%s: could not keep the record of push %s: %s", self._where, push_id,
-                        error)  # fmt: skip
+            log.warning("%s: could not keep the record of push %s: %s", self._where, push_id, error)
 
     @property
     def size(self) -> int:
         with self._cond:
             return sum(len(calls) for calls in self._clients.values())
-
 
 
 def parse_generations(value: str) -> list[int]:

@@ -109,9 +109,21 @@ class _Expired(grpc.RpcError):
 class _Call:
     """One admitted call's share of the limits."""
 
-    __slots__ = ("method", "declared", "one_message", "context", "started", "waiting_since",
-                 "expired", "size", "received", "held", "receiving", "timed",
-                 "failed")  # fmt: skip
+    __slots__ = (
+        "method",
+        "declared",
+        "one_message",
+        "context",
+        "started",
+        "waiting_since",
+        "expired",
+        "size",
+        "received",
+        "held",
+        "receiving",
+        "timed",
+        "failed",
+    )
 
     def __init__(self, method: str, declared: str | None, one_message: bool) -> None:
         self.method = method
@@ -190,8 +202,10 @@ class CallLimits(grpc.ServerInterceptor):
         call.context = context
         declared = 0 if call.declared is None else _declared_bytes(call.declared)
         if declared is None:
-            why = (f"metadata '{REQUEST_BYTES_HEADER}' expected the call's request bytes (a "
-                   f"decimal integer >= 0), got {(call.declared or '')[:40]!r}")  # fmt: skip
+            why = (
+                f"metadata '{REQUEST_BYTES_HEADER}' expected the call's request bytes (a "
+                f"decimal integer >= 0), got {(call.declared or '')[:40]!r}"
+            )
             error = InvalidArgumentError(f"{self.where}: {why}", field=REQUEST_BYTES_HEADER)
             self._refused(call.method, status_of(error).name, "declared", why)
             abort(context, error)
@@ -213,34 +227,68 @@ class CallLimits(grpc.ServerInterceptor):
                     call.receiving = True
                 self._watched.add(call)
         if full:
-            self._refuse(call, context, "calls", Reason.TOO_MANY_CALLS,
-                         f"{self.max_calls} calls at once expected at most, and as many run "
-                         f"now; retry later", limit=self.max_calls)  # fmt: skip
+            self._refuse(
+                call,
+                context,
+                "calls",
+                Reason.TOO_MANY_CALLS,
+                f"{self.max_calls} calls at once expected at most, and as many run "
+                f"now; retry later",
+                limit=self.max_calls,
+            )
         if streams_full:
-            self._refuse(call, context, "streams", Reason.TOO_MANY_STREAMS,
-                         f"{self.max_receiving} request streams waiting for their messages "
-                         f"expected at most, and as many wait now; send the call when its "
-                         f"messages are ready, or retry later",
-                         limit=self.max_receiving)  # fmt: skip
+            self._refuse(
+                call,
+                context,
+                "streams",
+                Reason.TOO_MANY_STREAMS,
+                f"{self.max_receiving} request streams waiting for their messages "
+                f"expected at most, and as many wait now; send the call when its "
+                f"messages are ready, or retry later",
+                limit=self.max_receiving,
+            )
         if too_large:
-            self._refuse(call, context, "declared", Reason.CALL_TOO_LARGE,
-                         f"request of {declared} bytes declared ({REQUEST_BYTES_HEADER}), "
-                         f"expected at most {self.max_call_bytes} bytes per call; split the "
-                         f"batch", limit=self.max_call_bytes, bytes=declared)  # fmt: skip
+            self._refuse(
+                call,
+                context,
+                "declared",
+                Reason.CALL_TOO_LARGE,
+                f"request of {declared} bytes declared ({REQUEST_BYTES_HEADER}), "
+                f"expected at most {self.max_call_bytes} bytes per call; split the "
+                f"batch",
+                limit=self.max_call_bytes,
+                bytes=declared,
+            )
         if one_too_large:
-            self._refuse(call, context, "declared", Reason.MESSAGE_TOO_LARGE,
-                         f"request of {declared} bytes declared ({REQUEST_BYTES_HEADER}) is "
-                         f"too large for one message: expected at most "
-                         f"{self.max_message_bytes} bytes; send it as a stream",
-                         limit=self.max_message_bytes, bytes=declared)  # fmt: skip
+            self._refuse(
+                call,
+                context,
+                "declared",
+                Reason.MESSAGE_TOO_LARGE,
+                f"request of {declared} bytes declared ({REQUEST_BYTES_HEADER}) is "
+                f"too large for one message: expected at most "
+                f"{self.max_message_bytes} bytes; send it as a stream",
+                limit=self.max_message_bytes,
+                bytes=declared,
+            )
         if no_room:
-            size = (f"a one-message request of up to {reserve} bytes (the receive limit: it "
-                    f"declared none in {REQUEST_BYTES_HEADER})" if undeclared else
-                    f"request of {declared} bytes declared ({REQUEST_BYTES_HEADER})")  # fmt: skip
-            self._refuse(call, context, "bytes", Reason.BYTES_IN_FLIGHT,
-                         f"{size}, expected at most the {left} bytes left of this shard's "
-                         f"budget of {self.max_inflight_bytes} request bytes in flight; retry "
-                         f"later", limit=self.max_inflight_bytes, bytes=reserve)  # fmt: skip
+            size = (
+                f"a one-message request of up to {reserve} bytes (the receive limit: it "
+                f"declared none in {REQUEST_BYTES_HEADER})"
+                if undeclared
+                else f"request of {declared} bytes declared ({REQUEST_BYTES_HEADER})"
+            )
+            self._refuse(
+                call,
+                context,
+                "bytes",
+                Reason.BYTES_IN_FLIGHT,
+                f"{size}, expected at most the {left} bytes left of this shard's "
+                f"budget of {self.max_inflight_bytes} request bytes in flight; retry "
+                f"later",
+                limit=self.max_inflight_bytes,
+                bytes=reserve,
+            )
 
     def _take_bytes(self, call: _Call, size: int) -> None:
         """Count a message's bytes: those beyond what the call reserved are taken from the
@@ -256,18 +304,28 @@ class CallLimits(grpc.ServerInterceptor):
                 self.inflight_bytes += extra
                 call.held += extra
         if over_call:
-            raise self._refusal(call, "bytes", Reason.CALL_TOO_LARGE,
-                         f"request bytes expected at most {self.max_call_bytes} per call, and "
-                         f"a message of {size} bytes would pass it ({call.received} bytes of "
-                         f"this call received); split the batch",
-                         limit=self.max_call_bytes, bytes=call.received + size)  # fmt: skip
+            raise self._refusal(
+                call,
+                "bytes",
+                Reason.CALL_TOO_LARGE,
+                f"request bytes expected at most {self.max_call_bytes} per call, and "
+                f"a message of {size} bytes would pass it ({call.received} bytes of "
+                f"this call received); split the batch",
+                limit=self.max_call_bytes,
+                bytes=call.received + size,
+            )
         if over:
-            raise self._refusal(call, "bytes", Reason.BYTES_IN_FLIGHT,
-                         f"request bytes in flight expected at most {self.max_inflight_bytes} "
-                         f"on this shard, and a message of {size} bytes would pass it "
-                         f"({call.received} bytes of this call received, "
-                         f"{call.declared or 0} declared); split the batch, or retry "
-                         f"later", limit=self.max_inflight_bytes)  # fmt: skip
+            raise self._refusal(
+                call,
+                "bytes",
+                Reason.BYTES_IN_FLIGHT,
+                f"request bytes in flight expected at most {self.max_inflight_bytes} "
+                f"on this shard, and a message of {size} bytes would pass it "
+                f"({call.received} bytes of this call received, "
+                f"{call.declared or 0} declared); split the batch, or retry "
+                f"later",
+                limit=self.max_inflight_bytes,
+            )
 
     def _end_receiving(self, call: _Call) -> None:
         with self._lock:

@@ -113,8 +113,9 @@ class Lives:
                 f"client talked to (id {data_id}): its volume was wiped or replaced, and every "
                 f"update acknowledged before may be gone. Reload a snapshot, or accept the "
                 f"restart (EmbeddingClient.accept_restart()) to go on with the rows as they are",
-                reason=Reason.DATA_DIR_CHANGED, data_id=self.data_id,
-            )  # fmt: skip
+                reason=Reason.DATA_DIR_CHANGED,
+                data_id=self.data_id,
+            )
         life = int(life_text)
         lost = sorted(u for u in self.unclean if life <= u < self.life)
         if life < 1 or life > self.life:
@@ -130,8 +131,10 @@ class Lives:
             f"that life's last flush at {_timestamp(self.unclean.get(first))} may be lost. "
             f"Reload a snapshot, or accept the restart (EmbeddingClient.accept_restart()) to "
             f"go on with the rows as they are",
-            reason=Reason.SHARD_RESTARTED, life=self.life, lost_life=first,
-        )  # fmt: skip
+            reason=Reason.SHARD_RESTARTED,
+            life=self.life,
+            lost_life=first,
+        )
 
     def _tell_foreign(self, data_id: str) -> None:
         """Log once per other data dir a client came with: this shard's data was lost."""
@@ -142,5 +145,7 @@ class Lives:
         log.warning(
             "%s: a client knew another data dir of this shard (id %s; this one is %s): the "
             "data it held is not here, and the client is told (DATA_LOSS)",
-            self.where, data_id, self.data_id,
-        )  # fmt: skip
+            self.where,
+            data_id,
+            self.data_id,
+        )

@@ -138,8 +138,11 @@ def check_exposure(host: str, tls: bool, tokens: bool, insecure: bool, where: st
         )
     log.warning(
         "%s: serving on %s without %s (--insecure): anyone who reaches the port may read, "
-        "write and drop every table", where, host, missing,
-    )  # fmt: skip
+        "write and drop every table",
+        where,
+        host,
+        missing,
+    )
 
 
 # -- the interceptor ----------------------------------------------------------------------------
@@ -176,13 +179,20 @@ class TokensFile:
             if stamp != self._stamp:
                 self._stamp = stamp
                 self.tokens = load_tokens(self.path) or {}
-                log.warning("%s: tokens file %s changed: %d tokens now (%s)", self.where,
-                            self.path, len(self.tokens),
-                            ", ".join(f"{r}: {list(self.tokens.values()).count(r)}"
-                                      for r in ROLES))  # fmt: skip
+                log.warning(
+                    "%s: tokens file %s changed: %d tokens now (%s)",
+                    self.where,
+                    self.path,
+                    len(self.tokens),
+                    ", ".join(f"{r}: {list(self.tokens.values()).count(r)}" for r in ROLES),
+                )
         except (OSError, ValueError) as error:
-            log.error("%s: tokens file %s changed but cannot be used, the tokens in force "
-                      "stay: %s", self.where, self.path, error)  # fmt: skip
+            log.error(
+                "%s: tokens file %s changed but cannot be used, the tokens in force stay: %s",
+                self.where,
+                self.path,
+                error,
+            )
         finally:
             self._lock.release()
         return self.tokens
@@ -242,19 +252,23 @@ class AuthCheck(grpc.ServerInterceptor):
         role = self.role_of(details.invocation_metadata)
         if role is None:
             return self._refuse(
-                handler, method, UnauthenticatedError,
+                handler,
+                method,
+                UnauthenticatedError,
                 f"{method} expected metadata '{AUTH_HEADER}: {BEARER}TOKEN' with a token this "
                 f"shard knows, got none or an unknown one",
-            )  # fmt: skip
+            )
         if role == "admin":
             return handler
         if method not in ROLE_METHODS[role]:
             return self._refuse(
-                handler, method, PermissionDeniedError,
+                handler,
+                method,
+                PermissionDeniedError,
                 f"role {role!r} may not call {method} (it may call "
                 f"{', '.join(sorted(m.rsplit('/', 1)[1] for m in ROLE_METHODS[role]))})",
                 role=role,
-            )  # fmt: skip
+            )
         if role == "reader" and method in LOOKUPS:
             return self._reader_lookup(handler, method)
         if role == "reader" and method == STATS:
@@ -269,8 +283,10 @@ class AuthCheck(grpc.ServerInterceptor):
         one_message = method == _DATA + "LookupUnary"
 
         def refuse(index: int) -> PermissionDeniedError:
-            why = (f"role 'reader' may look up with create=false only; message {index} of "
-                   f"{method} has create=true")  # fmt: skip
+            why = (
+                f"role 'reader' may look up with create=false only; message {index} of "
+                f"{method} has create=true"
+            )
             error = PermissionDeniedError(
                 f"{self.where}: {why}", role="reader", method=method, field="create"
             )

@@ -55,7 +55,8 @@ def table_batches(
                 raise InvalidArgumentError(
                     f"message {index} of the stream: table {quoted(message.table)} expected in "
                     f"one batch per call, but it begins a second batch; send its keys together",
-                    table=message.table, field="table",
+                    table=message.table,
+                    field="table",
                 )
             if len(batches) == MAX_BATCHES_PER_CALL:
                 raise InvalidArgumentError(
@@ -67,8 +68,10 @@ def table_batches(
             if not 1 <= message.dim <= MAX_DIM:
                 raise InvalidArgumentError(
                     f"table {quoted(message.table)}: field 'dim' expected in [1, {MAX_DIM}], "
-                    f"got {message.dim}", table=message.table, field="dim",
-                )  # fmt: skip
+                    f"got {message.dim}",
+                    table=message.table,
+                    field="dim",
+                )
         else:
             first = batches[-1][0]
             for field in header:
@@ -77,8 +80,10 @@ def table_batches(
                     raise InvalidArgumentError(
                         f"message {index} of the stream: field '{field}' expected "
                         f"{expected!r} (as in the first message of table {first.table!r}) or "
-                        f"unset, got {value!r}", table=first.table, field=field,
-                    )  # fmt: skip
+                        f"unset, got {value!r}",
+                        table=first.table,
+                        field=field,
+                    )
         for field in bulk:
             data = getattr(message, field)
             batches[-1][1][field].append(data)
@@ -86,8 +91,10 @@ def table_batches(
         if total > max_bytes:
             raise ResourceExhaustedError(
                 f"request of {total}+ bulk bytes expected at most {max_bytes} bytes per call; "
-                f"split the batch", reason=Reason.CALL_TOO_LARGE, limit=max_bytes,
-            )  # fmt: skip
+                f"split the batch",
+                reason=Reason.CALL_TOO_LARGE,
+                limit=max_bytes,
+            )
     if not batches:
         raise InvalidArgumentError("request stream expected at least one message, got none")
     return [
@@ -126,8 +133,10 @@ def decode_keys(raw: bytes, table: str) -> np.ndarray:
     if len(raw) % 8:
         raise InvalidArgumentError(
             f"table {table!r}: field 'keys' expected a multiple of 8 bytes (little-endian "
-            f"int64), got {len(raw)} bytes", table=table, field="keys",
-        )  # fmt: skip
+            f"int64), got {len(raw)} bytes",
+            table=table,
+            field="keys",
+        )
     return np.frombuffer(raw, dtype="<i8")
 
 
@@ -142,8 +151,9 @@ def decode_rows(raw: bytes, field: str, table: str, n: int, dim: int) -> np.ndar
             f"table {table!r}: field '{field}' expected {n * row_bytes} bytes ({n} keys x dim "
             f"{dim} x 4-byte float32), got {len(raw)} bytes"
             + (f", not a multiple of 4*dim={row_bytes}" if len(raw) % row_bytes else ""),
-            table=table, field=field,
-        )  # fmt: skip
+            table=table,
+            field=field,
+        )
     return np.frombuffer(raw, dtype=WIRE_DTYPE).reshape(n, dim)
 
 
@@ -223,11 +233,15 @@ class EmbeddingServicer(_Servicer, pb_grpc.EmbeddingServiceServicer):
             raise ResourceExhaustedError(
                 f"tables {tables}: a lookup of {sum(batch.keys.size for batch in batches)} "
                 f"keys answers {reply_bytes} bytes, expected at most {max_reply_bytes} "
-                + ("(too large for one message: stream it, or split the batch)" if one
-                   else "per call; split the batch"),
+                + (
+                    "(too large for one message: stream it, or split the batch)"
+                    if one
+                    else "per call; split the batch"
+                ),
                 reason=Reason.MESSAGE_TOO_LARGE if one else Reason.CALL_TOO_LARGE,
-                limit=max_reply_bytes, bytes=reply_bytes,
-            )  # fmt: skip
+                limit=max_reply_bytes,
+                bytes=reply_bytes,
+            )
         return batches
 
     def _push_batches(self, messages: Iterable[pb.PushGradientsRequest]) -> list[PushBatch]:
@@ -389,8 +403,9 @@ class AdminServicer(_Servicer, pb_grpc.AdminServiceServicer):
         if request.phase not in phases:
             raise InvalidArgumentError(
                 f"SaveSnapshot: field 'phase' expected SAVE_PHASE_WRITE_PART or "
-                f"SAVE_PHASE_COMMIT (1 or 2), got {request.phase}", field="phase",
-            )  # fmt: skip
+                f"SAVE_PHASE_COMMIT (1 or 2), got {request.phase}",
+                field="phase",
+            )
         work = phases[request.phase](request.name, request.save_id)
         for progress in run_to_completion(work, name="save-snapshot"):
             yield _progress(progress)

@@ -163,17 +163,23 @@ class Shard:
             log.warning(
                 "%s starts on a new, empty data dir %s (data id %s): if this shard held rows "
                 "before, they are not here, and every client that knew them is told "
-                "(DATA_LOSS) at its next call", self.where, config.data_dir, self.data_id,
+                "(DATA_LOSS) at its next call",
+                self.where,
+                config.data_dir,
+                self.data_id,
                 extra={"shard_id": self.shard_id, "data_id": self.data_id},
-            )  # fmt: skip
+            )
         if not self.lives.ended_cleanly:
             log.warning(
                 "%s: its previous life %d ended without a clean stop (killed, crashed or lost "
-                "power); %s", self.where, self.lives.life - 1,
-                "clients that knew it are told, once" if self.lives.life - 1 in self.lives.unclean
+                "power); %s",
+                self.where,
+                self.lives.life - 1,
+                "clients that knew it are told, once"
+                if self.lives.life - 1 in self.lives.unclean
                 else "its tables are all write-through: nothing acknowledged is missing",
                 extra={"shard_id": self.shard_id, "life": self.lives.life},
-            )  # fmt: skip
+            )
 
     def _check_identity(self, data_dir: Path) -> tuple[str, float, bool]:
         """The data dir's identity (SHARD.json): the shard it belongs to, and an id and

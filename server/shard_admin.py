@@ -241,6 +241,9 @@ class ShardAdmin:
                 removed = snapshot_catalog.delete(
                     root, name, save_id=save_id, incomplete_only=incomplete_only
                 )
-        log.info("removed %d snapshot paths", len(removed),
-                 extra={"shard_id": self.shard_id, "removed": removed})  # fmt: skip
+        log.info(
+            "removed %d snapshot paths",
+            len(removed),
+            extra={"shard_id": self.shard_id, "removed": removed},
+        )
         return removed

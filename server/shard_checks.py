@@ -63,13 +63,16 @@ class RequestChecks:
         if owner is not None:
             if owner != self.shard_id:
                 chosen = (
-                    f"table_shard={config.table_shard}" if config.table_shard >= 0
+                    f"table_shard={config.table_shard}"
+                    if config.table_shard >= 0
                     else "table_shard=-1: the shard chosen from its name"
-                )  # fmt: skip
+                )
                 raise InvalidArgumentError(
                     f"table {config.name!r} is placed whole on shard {owner} "
                     f"(placement='table', {chosen}), not on {self.where}; send its keys "
-                    f"to shard {owner}", reason=Reason.NOT_OWNER, table=config.name,
+                    f"to shard {owner}",
+                    reason=Reason.NOT_OWNER,
+                    table=config.name,
                 )
             return
         index = first_foreign_key(config, keys, self.num_shards, self.shard_id)
@@ -78,7 +81,9 @@ class RequestChecks:
             raise InvalidArgumentError(
                 f"table {config.name!r}: key {int(keys[index])} at index {index} belongs to "
                 f"shard {shard}, not to {self.where} (a key k lives on shard "
-                f"k % {self.num_shards})", reason=Reason.NOT_OWNER, table=config.name,
+                f"k % {self.num_shards})",
+                reason=Reason.NOT_OWNER,
+                table=config.name,
             )
 
     def check_generation(self, table: EmbeddingTable, known: int) -> None:
@@ -90,5 +95,6 @@ class RequestChecks:
                 f"table {table.config.name!r} on {self.where}: this push was made against "
                 f"generation {known} of its rows, but they were replaced since: the table "
                 f"holds {generation.describe()}. Nothing was applied; look the rows up again "
-                f"before pushing", table=table.config.name,
+                f"before pushing",
+                table=table.config.name,
             )

@@ -54,4 +54,3 @@ class Gate:
             with self._cond:
                 self._exclusive = False
                 self._cond.notify_all()
-

@@ -50,6 +50,7 @@ class ShardHealth:
             if serving != self._serving:
                 self._serving = serving
                 if not self._store_ok:
-                    log.warning("%s: its store cannot write: %s", self.where,
-                                self.store.write_state.failure)  # fmt: skip
+                    log.warning(
+                        "%s: its store cannot write: %s", self.where, self.store.write_state.failure
+                    )
                 self.on_serving_change(serving)

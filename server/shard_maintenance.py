@@ -27,10 +27,17 @@ def log_eviction(table: EmbeddingTable, removed: int, cause: str, shard_id: int)
     """Log the rows an eviction removed from a table that evicts (none logged otherwise)."""
     if table.evicts:
         log.info(
-            "evicted %d rows of table %r (%s)", removed, table.config.name, cause,
-            extra={"shard_id": shard_id, "table": table.config.name,
-                   "rows_evicted": removed, "current_step": table.current_step},
-        )  # fmt: skip
+            "evicted %d rows of table %r (%s)",
+            removed,
+            table.config.name,
+            cause,
+            extra={
+                "shard_id": shard_id,
+                "table": table.config.name,
+                "rows_evicted": removed,
+                "current_step": table.current_step,
+            },
+        )
 
 
 class Maintenance:

@@ -129,7 +129,7 @@ def details(message: str) -> str:
     tail = _fitting(reversed(message), budget - _wire_bytes(message[:head]))
     tail = min(tail, len(message) - head)
     cut = len(message) - head - tail
-    return f"{message[:head]} …[{cut} chars cut]… {message[len(message) - tail:]}"
+    return f"{message[:head]} …[{cut} chars cut]… {message[len(message) - tail :]}"
 
 
 # Of a fact longer than this (a caller's 1 MiB table name) the status says nothing: the
@@ -149,9 +149,7 @@ class _Status(
     """A status to end a call with (grpc.Status is an interface without a constructor)."""
 
 
-def status_for(
-    error: BaseException, trailers: Any = None, **facts: str | int
-) -> grpc.Status:
+def status_for(error: BaseException, trailers: Any = None, **facts: str | int) -> grpc.Status:
     """The status a call failing with `error` ends with: its reason's code, its message
     (`details`), and a google.rpc.Status holding an ErrorInfo (reason, DOMAIN, `facts` and
     the error's own as metadata) in grpc-status-details-bin, after `trailers` (those the
@@ -204,8 +202,10 @@ def rpc(method: F) -> F:
         servicer.observe(name, grpc.StatusCode.CANCELLED.name, time.perf_counter() - started)
         log.info(
             "rpc %s ended by the transport (client cancel, deadline, or a message over the "
-            "size limit)", name, extra={"method": name, "code": "CANCELLED"},
-        )  # fmt: skip
+            "size limit)",
+            name,
+            extra={"method": name, "code": "CANCELLED"},
+        )
 
     def finish(servicer: Any, context: grpc.ServicerContext, started: float, error: Any) -> None:
         if error is not None and not context.is_active():
@@ -219,8 +219,12 @@ def rpc(method: F) -> F:
         if code is grpc.StatusCode.INTERNAL:
             log.error("rpc %s failed", name, exc_info=error, extra={"method": name})
         else:
-            log.info("rpc %s refused: %s", name, status.details,
-                     extra={"method": name, "code": code.name})  # fmt: skip
+            log.info(
+                "rpc %s refused: %s",
+                name,
+                status.details,
+                extra={"method": name, "code": code.name},
+            )
         context.abort_with_status(status)
 
     if inspect.isgeneratorfunction(method):
@@ -292,9 +296,11 @@ class DecodeCheck(grpc.ServerInterceptor):
                         f"{method}: request message {received} ({len(data)} bytes) expected a "
                         f"{expected} in protobuf's encoding, with every string field valid "
                         f"UTF-8, got bytes that do not decode as one ({error})",
-                        reason=Reason.UNDECODABLE_REQUEST, method=method, message=received,
+                        reason=Reason.UNDECODABLE_REQUEST,
+                        method=method,
+                        message=received,
                     )
-                )  # fmt: skip
+                )
 
         def checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
             for request in requests:

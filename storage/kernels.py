@@ -354,6 +354,7 @@ extern "C" __global__ void tierps_ftrl(float* arena, long long stride,
 }
 """
 
+
 class Launcher(Protocol):
     """Runs kernel `name` over `threads` threads (1-D). `args` are arrays (passed as device
     pointers), numpy scalars of the parameter's exact type, or None for a null pointer."""

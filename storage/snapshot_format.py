@@ -181,7 +181,6 @@ def write_json_atomic(path: Path, data: dict[str, Any], *, exclusive: bool = Fal
         tmp.unlink(missing_ok=True)
 
 
-
 def read_versioned_json(
     path: Path, what: str, error: type[Exception] = FailedPreconditionError
 ) -> Any:
@@ -198,8 +197,14 @@ def read_versioned_json(
 
 def _json_kind(value: Any) -> str:
     """What a JSON value is, in JSON's words, with the value when short: "a list [1, 2]"."""
-    kinds = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
-             (list, "a list"), (dict, "an object"))  # fmt: skip
+    kinds = (
+        (bool, "a boolean"),
+        (int, "an integer"),
+        (float, "a number"),
+        (str, "a string"),
+        (list, "a list"),
+        (dict, "an object"),
+    )
     kind = next((name for type_, name in kinds if isinstance(value, type_)), "null")
     text = json.dumps(value, default=str) if value is not None else ""
     return f"{kind} {text[:60]}{'...' if len(text) > 60 else ''}".rstrip()
@@ -220,8 +225,9 @@ def _check_file_entry(where: str, field: str, file: Any) -> None:
     expect_field(where, field, file, "an object (path, bytes, sha256)", isinstance(file, dict))
     path = file.get("path")
     expect_field(where, f"{field}.path", path, "a string", isinstance(path, str))
-    expect_field(where, f"{field}.bytes", file.get("bytes"), "an integer >= 0",
-                 is_count(file.get("bytes")))  # fmt: skip
+    expect_field(
+        where, f"{field}.bytes", file.get("bytes"), "an integer >= 0", is_count(file.get("bytes"))
+    )
     sha = file.get("sha256")
     expect_field(where, f"{field}.sha256", sha, "a string (hex SHA-256)", isinstance(sha, str))
 
@@ -233,41 +239,66 @@ def check_manifest_fields(manifest: dict[str, Any], where: str) -> None:
     crafted snapshot - SnapshotRefusedError, FAILED_PRECONDITION, naming the field, what was
     expected and what came - and never fails inside the code that reads it."""
     num_shards = manifest.get("num_shards")
-    expect_field(where, "num_shards", num_shards, "an integer >= 1",
-                 is_count(num_shards) and num_shards >= 1)  # fmt: skip
+    expect_field(
+        where, "num_shards", num_shards, "an integer >= 1", is_count(num_shards) and num_shards >= 1
+    )
     save_id = manifest.get("save_id")
-    expect_field(where, "save_id", save_id, f"a string matching {SAVE_ID_PATTERN.pattern}",
-                 isinstance(save_id, str)
-                 and bool(SAVE_ID_PATTERN.fullmatch(save_id)))  # fmt: skip
+    expect_field(
+        where,
+        "save_id",
+        save_id,
+        f"a string matching {SAVE_ID_PATTERN.pattern}",
+        isinstance(save_id, str) and bool(SAVE_ID_PATTERN.fullmatch(save_id)),
+    )
     created = manifest.get("created_unix")
-    expect_field(where, "created_unix", created, "a finite number (seconds since the epoch)",
-                 isinstance(created, int | float) and not isinstance(created, bool)
-                 and math.isfinite(created))  # fmt: skip
+    expect_field(
+        where,
+        "created_unix",
+        created,
+        "a finite number (seconds since the epoch)",
+        isinstance(created, int | float)
+        and not isinstance(created, bool)
+        and math.isfinite(created),
+    )
     tables = manifest.get("tables")
-    expect_field(where, "tables", tables, "an object (table name -> its entry)",
-                 isinstance(tables, dict))  # fmt: skip
+    expect_field(
+        where, "tables", tables, "an object (table name -> its entry)", isinstance(tables, dict)
+    )
     for name, entry in tables.items():
         at = f"tables.{name}"
-        expect_field(where, at, entry, "an object (config, layout, rows, parts)",
-                     isinstance(entry, dict))  # fmt: skip
+        expect_field(
+            where, at, entry, "an object (config, layout, rows, parts)", isinstance(entry, dict)
+        )
         for key in ("config", "layout"):
-            expect_field(where, f"{at}.{key}", entry.get(key), "an object",
-                         isinstance(entry.get(key), dict))  # fmt: skip
+            expect_field(
+                where, f"{at}.{key}", entry.get(key), "an object", isinstance(entry.get(key), dict)
+            )
         config_name = entry["config"].get("name")
-        expect_field(where, f"{at}.config.name", config_name, f"{name!r} (the table's key)",
-                     config_name == name)  # fmt: skip
-        expect_field(where, f"{at}.rows", entry.get("rows"), "an integer >= 0",
-                     is_count(entry.get("rows")))  # fmt: skip
+        expect_field(
+            where,
+            f"{at}.config.name",
+            config_name,
+            f"{name!r} (the table's key)",
+            config_name == name,
+        )
+        expect_field(
+            where, f"{at}.rows", entry.get("rows"), "an integer >= 0", is_count(entry.get("rows"))
+        )
         parts = entry.get("parts")
-        expect_field(where, f"{at}.parts", parts, "a list (one entry per part)",
-                     isinstance(parts, list))  # fmt: skip
+        expect_field(
+            where, f"{at}.parts", parts, "a list (one entry per part)", isinstance(parts, list)
+        )
         for index, part in enumerate(parts):
             here = f"{at}.parts[{index}]"
             expect_field(where, here, part, "an object", isinstance(part, dict))
             for key in ("shard_id", "rows"):
-                expect_field(where, f"{here}.{key}", part.get(key), "an integer >= 0",
-                             is_count(part.get(key)))  # fmt: skip
+                expect_field(
+                    where,
+                    f"{here}.{key}",
+                    part.get(key),
+                    "an integer >= 0",
+                    is_count(part.get(key)),
+                )
             for key, file in part.items():
                 if key.endswith("_file"):
                     _check_file_entry(where, f"{here}.{key}", file)
-

@@ -208,9 +208,10 @@ class Snapshot:
                 )
             for kind, file in self._part_files(part):
                 expected = (
-                    f"{self.save_id}/{name}.json" if kind == "header"
+                    f"{self.save_id}/{name}.json"
+                    if kind == "header"
                     else f"{self.save_id}/{name}/{table_name}.{kind}"
-                )  # fmt: skip
+                )
                 path = file["path"]
                 pure = PurePosixPath(path) if isinstance(path, str) else None
                 if pure is None or pure.is_absolute() or ".." in pure.parts or "\\" in path:
@@ -304,11 +305,17 @@ class Snapshot:
                             f"{where}: header file {file['path']} is corrupted: {error}"
                         ) from None
                     label = f"{where}: part header {file['path']}"
-                    expect_field(label, "(the header)", header, "an object",
-                                 isinstance(header, dict))  # fmt: skip
+                    expect_field(
+                        label, "(the header)", header, "an object", isinstance(header, dict)
+                    )
                     tables = header.get("tables")
-                    expect_field(label, "tables", tables, "an object (table name -> its entry)",
-                                 isinstance(tables, dict))  # fmt: skip
+                    expect_field(
+                        label,
+                        "tables",
+                        tables,
+                        "an object (table name -> its entry)",
+                        isinstance(tables, dict),
+                    )
                     headers[file["path"]] = header
                 header = headers[file["path"]]
                 written = header["tables"].get(table_name)
@@ -316,8 +323,13 @@ class Snapshot:
                     raise SnapshotRefusedError(
                         f"{where}: the part header {file['path']} has no table {table_name!r}"
                     )
-                expect_field(f"{where}: part header {file['path']}", f"tables.{table_name}",
-                             written, "an object", isinstance(written, dict))  # fmt: skip
+                expect_field(
+                    f"{where}: part header {file['path']}",
+                    f"tables.{table_name}",
+                    written,
+                    "an object",
+                    isinstance(written, dict),
+                )
                 checks = [
                     ("shard_id", header.get("shard_id"), part["shard_id"]),
                     ("num_shards", header.get("num_shards"), self.num_shards),
@@ -553,18 +565,26 @@ class Snapshot:
             return
         keys, count, seen = counts[:, 0], counts[:, 1], counts[:, 2]
         problems = [
-            ("keys expected >= 0 and strictly ascending (distinct)",
-             np.concatenate(([keys[0] < 0], keys[1:] <= keys[:-1]))),
-            (f"counts expected in [1, {limit}) (a key counted {limit} times has its row)",
-             (count < 1) | (count >= limit)),
-            (f"latest calls expected in [1, {calls}] (the counter's call clock)",
-             (seen < 1) | (seen > calls)),
-        ]  # fmt: skip
+            (
+                "keys expected >= 0 and strictly ascending (distinct)",
+                np.concatenate(([keys[0] < 0], keys[1:] <= keys[:-1])),
+            ),
+            (
+                f"counts expected in [1, {limit}) (a key counted {limit} times has its row)",
+                (count < 1) | (count >= limit),
+            ),
+            (
+                f"latest calls expected in [1, {calls}] (the counter's call clock)",
+                (seen < 1) | (seen > calls),
+            ),
+        ]
         if config.placement is not Placement.TABLE:
             problems.append(
-                (f"keys expected on shard {shard} (key % {self.num_shards} == {shard})",
-                 key_shards(config, keys, self.num_shards) != shard)
-            )  # fmt: skip
+                (
+                    f"keys expected on shard {shard} (key % {self.num_shards} == {shard})",
+                    key_shards(config, keys, self.num_shards) != shard,
+                )
+            )
         for what, bad in problems:
             if bad.any():
                 at = int(np.argmax(bad))
@@ -667,10 +687,11 @@ class Snapshot:
         for part in self.tables[table_name]["parts"]:
             for keys, rows, steps in self.read_part(table_name, part, chunk_rows):
                 mine = (
-                    slice(None) if owner == shard_id
-                    else slice(0) if owner is not None
+                    slice(None)
+                    if owner == shard_id
+                    else slice(0)
+                    if owner is not None
                     else np.flatnonzero(key_shards(config, keys, num_shards) == shard_id)
-                )  # fmt: skip
+                )
                 yield keys[mine], rows[mine], None if steps is None else steps[mine], keys.size
         self.check_disjoint(table_name)  # the parts read whole and verified: no repeats
-

@@ -123,8 +123,9 @@ def write_part(
                 if part_dir.exists():
                     shutil.rmtree(part_dir)
                 part_dir.mkdir()
-                yield from _write_part(staging, part, save_id, shard_id, num_shards, exports,
-                                       rows_estimate, name)  # fmt: skip
+                yield from _write_part(
+                    staging, part, save_id, shard_id, num_shards, exports, rows_estimate, name
+                )
             except OSError:
                 shutil.rmtree(part_dir, ignore_errors=True)
                 raise
@@ -169,9 +170,10 @@ def _write_part(
                     }
                     if "steps" in outs:  # no steps (an old export): 0, as a new row's
                         arrays["steps"] = (
-                            np.zeros(keys.size, STEP_DTYPE) if steps is None
+                            np.zeros(keys.size, STEP_DTYPE)
+                            if steps is None
                             else np.asarray(steps).astype(STEP_DTYPE, copy=False)
-                        )  # fmt: skip
+                        )
                     for kind, array in arrays.items():
                         data = _raw(array)
                         outs[kind].write(data)
@@ -367,4 +369,3 @@ def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
             raise full_error(error, f"snapshot {name!r}: its {MANIFEST}") from None
         raise
     return manifest
-

@@ -117,18 +117,27 @@ def collect_abandoned_parts(root: Path | None, shard_id: int, num_shards: int) -
         try:
             size = _collect_part(marker, staging, snapshot, part)
         except OSError as error:  # garbage left behind, nothing lost: say so
-            log.warning("shard %d: could not remove the abandoned snapshot part %s: %s",
-                        shard_id, staging / part, error)  # fmt: skip
+            log.warning(
+                "shard %d: could not remove the abandoned snapshot part %s: %s",
+                shard_id,
+                staging / part,
+                error,
+            )
             continue
         if size is None:
             continue
         removed[str(staging / part)] = size
         log.warning(
             "shard %d of %d: removed %s, %d bytes: snapshot %r's save %s was killed while "
-            "this shard wrote its part (never committed)", shard_id, num_shards,
-            staging / part, size, snapshot.name, staging.name,
+            "this shard wrote its part (never committed)",
+            shard_id,
+            num_shards,
+            staging / part,
+            size,
+            snapshot.name,
+            staging.name,
             extra={"shard_id": shard_id, "removed": str(staging / part), "bytes": size},
-        )  # fmt: skip
+        )
     return removed
 
 
@@ -167,4 +176,3 @@ def _collect_part(marker: Path, staging: Path, snapshot: Path, part: str) -> int
         return size
     finally:
         os.close(fd)
-

@@ -129,13 +129,15 @@ def check_direct_size(config: TableConfig, where: str, memory_bytes: int | None 
     per_row = direct_arena_bytes(1, config.stored_bytes)
     need = config.capacity * per_row
     check_memory_share(
-        where, "field 'capacity' (use_hashtable=False holds all its rows in memory)", need,
+        where,
+        "field 'capacity' (use_hashtable=False holds all its rows in memory)",
+        need,
         f"{config.capacity} rows x {per_row} bytes (dim {config.dim} with "
         f"{config.optimizer.kind}'s state, and the flags) = {need} bytes",
         "lower capacity, or use a hashed table (use_hashtable=True), whose host_cache_bytes "
         "budget keeps the other rows in RocksDB only",
         memory_bytes,
-    )  # fmt: skip
+    )
 
 
 def check_admission_size(config: TableConfig, where: str, memory_bytes: int | None = None) -> None:
@@ -144,12 +146,14 @@ def check_admission_size(config: TableConfig, where: str, memory_bytes: int | No
     check_memory_share's bound."""
     need = bloom_bytes(config)
     check_memory_share(
-        where, "field 'max_elements'", need,
+        where,
+        "field 'max_elements'",
+        need,
         f"max_elements={config.max_elements} at false_positive_rate="
         f"{config.false_positive_rate:g}: {need} bytes of Bloom filter counters on each shard",
         "lower max_elements, raise false_positive_rate, or use admission='counter'",
         memory_bytes,
-    )  # fmt: skip
+    )
 
 
 def check_bucket_size(config: TableConfig, where: str, memory_bytes: int | None = None) -> None:
@@ -157,11 +161,14 @@ def check_bucket_size(config: TableConfig, where: str, memory_bytes: int | None 
     memory on every shard - within check_memory_share's bound."""
     need = config.hash_bucket_size * config.row_bytes
     check_memory_share(
-        where, "field 'hash_bucket_size'", need,
+        where,
+        "field 'hash_bucket_size'",
+        need,
         f"hash_bucket_size={config.hash_bucket_size}: {config.hash_bucket_size} rows x "
         f"{config.row_bytes} bytes = {need} bytes on each shard",
-        "lower hash_bucket_size", memory_bytes,
-    )  # fmt: skip
+        "lower hash_bucket_size",
+        memory_bytes,
+    )
 
 
 def _options() -> Options:
@@ -328,16 +335,23 @@ class EmbeddingStore:
             try:
                 self._db.drop_column_family(family)
             except Exception as error:  # noqa: BLE001 - garbage left, nothing lost: say so
-                log.warning("shard %d: could not drop column family %r, which no table uses "
-                            "(left by a killed snapshot load): %s", self.shard_id, family,
-                            error)  # fmt: skip
+                log.warning(
+                    "shard %d: could not drop column family %r, which no table uses "
+                    "(left by a killed snapshot load): %s",
+                    self.shard_id,
+                    family,
+                    error,
+                )
                 continue
             dropped[family] = size
             log.warning(
                 "shard %d: dropped column family %r of %d bytes, which no table uses: a "
-                "snapshot load killed before it finished left it", self.shard_id, family, size,
+                "snapshot load killed before it finished left it",
+                self.shard_id,
+                family,
+                size,
                 extra={"shard_id": self.shard_id, "family": family, "bytes": size},
-            )  # fmt: skip
+            )
         return dropped
 
     def _write_options(self) -> WriteOptions:
@@ -406,9 +420,10 @@ class EmbeddingStore:
             return False
         self.recoveries += 1
         log.warning(
-            "shard %d: its store is writable again (it had failed: %s); every dirty row is "
-            "written", self.shard_id, failure,
-        )  # fmt: skip
+            "shard %d: its store is writable again (it had failed: %s); every dirty row is written",
+            self.shard_id,
+            failure,
+        )
         return True
 
     def _family(self, family: str) -> str:
@@ -507,8 +522,11 @@ class EmbeddingStore:
         except MemoryError as error:  # cupy's OutOfMemoryError: e.g. reopened on a fuller GPU
             log.warning(
                 "%s: its GPU cache of %d bytes does not fit the GPU now (%s): served from the "
-                "host tier and RocksDB", where, budget, error,
-            )  # fmt: skip
+                "host tier and RocksDB",
+                where,
+                budget,
+                error,
+            )
             return None
 
     def _usable_gpu(self, asked: str) -> ModuleType | None:
@@ -518,9 +536,10 @@ class EmbeddingStore:
         if xp is None and not self._gpu_warned:
             self._gpu_warned = True
             log.warning(
-                "%s, but no GPU is usable (%s): tables are served from the host tier and "
-                "RocksDB", asked, why,
-            )  # fmt: skip
+                "%s, but no GPU is usable (%s): tables are served from the host tier and RocksDB",
+                asked,
+                why,
+            )
         return xp
 
     def gpu_module(self) -> tuple[ModuleType | None, str]:
@@ -599,9 +618,12 @@ class EmbeddingStore:
         rows_family = self._family(f"{_CF_PREFIX}{config.name}@{tag}")
         buckets_family = f"{_BUCKETS_CF_PREFIX}{config.name}@{tag}"
         staged = StagedTable(
-            config, self._rocksdb_tier(rows_family, config.codec, where),
-            None, (rows_family, buckets_family), source=source,
-        )  # fmt: skip
+            config,
+            self._rocksdb_tier(rows_family, config.codec, where),
+            None,
+            (rows_family, buckets_family),
+            source=source,
+        )
         if config.promote_after:
             self._family(buckets_family)
             staged.buckets = self._rocksdb_tier(
@@ -626,10 +648,13 @@ class EmbeddingStore:
                 else:
                     batch.delete(_STEPS_PREFIX + name)
             replaced = {
-                table.config.name: (self._tables[table.config.name],
-                                    self._families(table.config.name))
-                for table in staged if table.config.name in self._tables
-            }  # fmt: skip
+                table.config.name: (
+                    self._tables[table.config.name],
+                    self._families(table.config.name),
+                )
+                for table in staged
+                if table.config.name in self._tables
+            }
             sync = WriteOptions()
             sync.sync = True
             self.write_state.check()
@@ -667,8 +692,9 @@ class EmbeddingStore:
             try:
                 self._db.drop_column_family(family)
             except Exception as error:  # garbage left behind, nothing lost: say so
-                log.warning("shard %d: could not drop column family %r: %s", self.shard_id,
-                            family, error)  # fmt: skip
+                log.warning(
+                    "shard %d: could not drop column family %r: %s", self.shard_id, family, error
+                )
 
     def table(self, name: str) -> EmbeddingTable:
         try:
@@ -676,8 +702,10 @@ class EmbeddingStore:
         except KeyError:
             raise TableNotFoundError(
                 f"shard {self.shard_id}: table {quoted(name)} not found; tables: "
-                f"{sorted(self._tables)}", table=name, shard=self.shard_id,
-            ) from None  # fmt: skip
+                f"{sorted(self._tables)}",
+                table=name,
+                shard=self.shard_id,
+            ) from None
 
     def tables(self) -> list[TableConfig]:
         return [table.config for table in self._tables.values()]

@@ -102,9 +102,12 @@ def push_request(call_bytes: int) -> bytes:
 def _held(sent: threading.Event, release: threading.Event) -> Iterator[pb.PushGradientsRequest]:
     keys = HOLDER_MESSAGE_BYTES // (8 + 4 * DIM)
     yield pb.PushGradientsRequest(
-        table="t", dim=DIM, step=1, keys=np.arange(keys, dtype="<i8").tobytes(),
+        table="t",
+        dim=DIM,
+        step=1,
+        keys=np.arange(keys, dtype="<i8").tobytes(),
         grads=np.zeros((keys, DIM), "<f4").tobytes(),
-    )  # fmt: skip
+    )
     sent.set()
     release.wait(120)
 
@@ -113,9 +116,15 @@ def measure(case: Case, directory: Path, certs: Certs, request: bytes) -> Result
     """Start a TLS + tokens shard, send CALLS copies of `request` at once as `case` says,
     and read what they cost it."""
     args = (
-        "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
-        "--tokens-file", str(tokens_file(directory)), "--flush-interval-s", "0",
-    )  # fmt: skip
+        "--tls-cert",
+        str(certs.server_cert),
+        "--tls-key",
+        str(certs.server_key),
+        "--tokens-file",
+        str(tokens_file(directory)),
+        "--flush-interval-s",
+        "0",
+    )
     if case.budget_mib is not None:
         args += ("--max-inflight-mb", str(case.budget_mib))
     security = ChannelSecurity(ca_file=certs.ca)
@@ -134,16 +143,20 @@ def measure(case: Case, directory: Path, certs: Certs, request: bytes) -> Result
         stub = pb_grpc.EmbeddingServiceStub(channel)
         channel.unary_unary(LOOKUP)(  # warm: TLS, the call path, the decoders
             wire.encode_batches([("t", DIM, 0, (np.arange(8, dtype="<i8"),))]),
-            timeout=30, metadata=trainer,
-        )  # fmt: skip
+            timeout=30,
+            metadata=trainer,
+        )
         release = threading.Event()
         holders = []
         if case.taken:
             declared = wire.declared(max_call_request_bytes(MAX_BATCH_BYTES))
             for _ in range(HOLDERS):
                 sent = threading.Event()
-                holders.append(stub.PushGradients.future(
-                    _held(sent, release), timeout=120, metadata=[*trainer, *declared]))  # fmt: skip
+                holders.append(
+                    stub.PushGradients.future(
+                        _held(sent, release), timeout=120, metadata=[*trainer, *declared]
+                    )
+                )
                 assert sent.wait(30), "a stream holding the budget did not start"
             time.sleep(0.5)  # its first message read, its declaration reserved
         metadata = [*token, *(wire.declared(len(request)) if case.declared else ())]
@@ -177,6 +190,8 @@ def table(results: list[Result]) -> str:
     lines = [f"{'case':<40} {'baseline MiB':>12} {'peak MiB':>9} {'grown MiB':>10}  codes"]
     for r in results:
         codes = ", ".join(f"{code} x{r.codes.count(code)}" for code in sorted(set(r.codes)))
-        lines.append(f"{r.case.name:<40} {r.baseline_kib / 1024:>12.0f} {r.peak_kib / 1024:>9.0f} "
-                     f"{r.grown_mib:>10.1f}  {codes}")  # fmt: skip
+        lines.append(
+            f"{r.case.name:<40} {r.baseline_kib / 1024:>12.0f} {r.peak_kib / 1024:>9.0f} "
+            f"{r.grown_mib:>10.1f}  {codes}"
+        )
     return "\n".join(lines)

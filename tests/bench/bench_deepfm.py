@@ -199,8 +199,14 @@ def zipf_dataset(ids: int, batch_size: int) -> data.CTRDataset:
     every = np.arange(samples, dtype=np.int64)
     return data.CTRDataset(
         f"zipf ({ZIPF_FEATURES} features x {ids:,} ids, Zipf {ZIPF_A}, {ZIPF_BAG} per bag)",
-        tuple(features), tables, columns, None, labels, every, every[:0],
-    )  # fmt: skip
+        tuple(features),
+        tables,
+        columns,
+        None,
+        labels,
+        every,
+        every[:0],
+    )
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -302,10 +308,12 @@ class TorchRecEmbeddings(FusedEmbeddings):
             mine = [f for f in self.features if f.table == name]
             configs.append(
                 torchrec.EmbeddingBagConfig(
-                    name=name, num_embeddings=spec.num_keys, embedding_dim=DIM,
+                    name=name,
+                    num_embeddings=spec.num_keys,
+                    embedding_dim=DIM,
                     feature_names=[f.name for f in mine],
                     pooling=pooling[one_pooling(dataset, mine)],
-                )  # fmt: skip
+                )
             )
         collection = torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
         _apply_optimizer_in_backward(
@@ -360,12 +368,16 @@ class FbgemmEmbeddings(FusedEmbeddings):
         tables = list(dataset.tables)
         mode = one_pooling(dataset, self.features)
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            [(dataset.tables[t].num_keys, DIM, EmbeddingLocation.HOST, ComputeDevice.CPU)
-             for t in tables],
+            [
+                (dataset.tables[t].num_keys, DIM, EmbeddingLocation.HOST, ComputeDevice.CPU)
+                for t in tables
+            ],
             feature_table_map=[tables.index(f.table) for f in self.features],
-            optimizer=EmbOptimType.EXACT_ADAGRAD, learning_rate=lr, eps=ADAGRAD_EPS,
+            optimizer=EmbOptimType.EXACT_ADAGRAD,
+            learning_rate=lr,
+            eps=ADAGRAD_EPS,
             pooling_mode=PoolingMode.SUM if mode == "sum" else PoolingMode.MEAN,
-        )  # fmt: skip
+        )
         with torch.no_grad():
             for rows, table in zip(self.tbe.split_embedding_weights(), tables, strict=True):
                 rows.copy_(torch.from_numpy(weights[table]))
@@ -416,9 +428,15 @@ class Trainer:
         chunk's training loss."""
         before = _cpu_seconds()
         loss, _, seconds, samples = training.train_epoch(
-            self.model, dataset, self.dense, self.sparse, batch_size=batch_size,
-            shuffle_seed=seed, max_batches=steps, steps=self.loop,
-        )  # fmt: skip
+            self.model,
+            dataset,
+            self.dense,
+            self.sparse,
+            batch_size=batch_size,
+            shuffle_seed=seed,
+            max_batches=steps,
+            steps=self.loop,
+        )
         self.model.embeddings.close()  # no background work left to run into the next chunk
         spent = _cpu_seconds()
         taken = min(steps, dataset.num_batches("train", batch_size))
@@ -535,19 +553,29 @@ def run(quick: bool, only: Sequence[str] = ()) -> dict[str, Any]:
     threads_before = torch.get_num_threads()
     torch.set_num_threads(1)
     results: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__, "grpcio": grpc.__version__,
-                    "numpy": np.__version__, "torchrec": _version("torchrec"),
-                    "fbgemm_gpu": _version("fbgemm_gpu"),
-                    "load_average_at_start": os.getloadavg()},
-        "model": {"row_floats": DIM, "embedding_dim": EMBEDDING_DIM,
-                  "hidden": list(DEFAULT_HIDDEN), "torch_threads": 1,
-                  "adagrad": {"lr": ADAGRAD_LR, "eps": ADAGRAD_EPS}, "adam_lr": ADAM_LR,
-                  "dense": f"torch.optim.Adam lr {DENSE_LR}"},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "grpcio": grpc.__version__,
+            "numpy": np.__version__,
+            "torchrec": _version("torchrec"),
+            "fbgemm_gpu": _version("fbgemm_gpu"),
+            "load_average_at_start": os.getloadavg(),
+        },
+        "model": {
+            "row_floats": DIM,
+            "embedding_dim": EMBEDDING_DIM,
+            "hidden": list(DEFAULT_HIDDEN),
+            "torch_threads": 1,
+            "adagrad": {"lr": ADAGRAD_LR, "eps": ADAGRAD_EPS},
+            "adam_lr": ADAM_LR,
+            "dense": f"torch.optim.Adam lr {DENSE_LR}",
+        },
         "shards": SHARDS,
         "skipped": skipped,
         "rows": [],
-    }  # fmt: skip
+    }
     own_group = False
     if "torchrec" not in skipped and not torch.distributed.is_initialized():
         # a world of 1 on gloo, as a CPU user runs DistributedModelParallel; an in-process store
@@ -621,8 +649,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
     rows = results["rows"]
     names = [c.name for c in CONTENDERS if any(c.name in r["contenders"] for r in rows)]
     colors = {"torchrec": "#2ca02c", "fbgemm": "#98df8a", "local": "#7f7f7f"}
-    tierps_colors = {"adagrad": ("#08519c", "#3182bd", "#9ecae1"),
-                     "adam": ("#a63603", "#e6550d", "#fdae6b")}  # fmt: skip
+    tierps_colors = {
+        "adagrad": ("#08519c", "#3182bd", "#9ecae1"),
+        "adam": ("#a63603", "#e6550d", "#fdae6b"),
+    }
     fig, ax = plt.subplots(figsize=(11, 6))
     width = 0.8 / len(names)
     for index, name in enumerate(names):
@@ -633,8 +663,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
         else:
             color = colors[contender.kind]
         hatch = "//" if contender.kind == "local" and contender.optimizer == "adam" else None
-        xs = [i + (index - (len(names) - 1) / 2) * width for i, r in enumerate(rows)
-              if name in r["contenders"]]  # fmt: skip
+        xs = [
+            i + (index - (len(names) - 1) / 2) * width
+            for i, r in enumerate(rows)
+            if name in r["contenders"]
+        ]
         ys = [r["contenders"][name]["samples_per_s"] for r in rows if name in r["contenders"]]
         ax.bar(xs, ys, width, color=color, hatch=hatch, edgecolor="white", label=contender.describe)
     labels = []
@@ -663,9 +696,12 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="shorter chunks, fewer rounds")
     parser.add_argument("--replot", action="store_true", help="redraw --png from --out")
     parser.add_argument(
-        "--case", action="append", default=[], choices=[case.name for case in CASES],
+        "--case",
+        action="append",
+        default=[],
+        choices=[case.name for case in CASES],
         help="run only this shape (repeatable; default: all)",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     if args.replot:
         plot(json.loads(args.out.read_text()), args.png)

@@ -125,8 +125,9 @@ def bench_apply(tables: dict[str, EmbeddingTable], rows: int, batch: int) -> dic
 
 def main() -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="default bench-results/direct"
-                        "[-quick].json")  # fmt: skip
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default bench-results/direct[-quick].json"
+    )
     parser.add_argument("--quick", action="store_true", help="100,000 rows, for a smoke run")
     args = parser.parse_args()
     out = args.out or Path(f"bench-results/direct{'-quick' if args.quick else ''}.json")
@@ -151,7 +152,7 @@ def main() -> int:
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
             "numpy": np.__version__,
-        },  # fmt: skip
+        },
         "rows": rows,
         "dim": dim,
         "optimizer": "adam",

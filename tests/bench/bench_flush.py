@@ -89,18 +89,23 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--out", type=Path, default=Path("bench-results/flush.json"))
     args = parser.parse_args()
-    results: dict[str, Any] = {"machine": platform.processor() or platform.machine(),
-                               "rows": args.rows}  # fmt: skip
+    results: dict[str, Any] = {
+        "machine": platform.processor() or platform.machine(),
+        "rows": args.rows,
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        config = TableConfig("t", DIM, optimizer=optim.Adam(lr=0.01),
-                             host_cache_bytes=args.rows * 900 + (64 << 20))  # fmt: skip
+        config = TableConfig(
+            "t", DIM, optimizer=optim.Adam(lr=0.01), host_cache_bytes=args.rows * 900 + (64 << 20)
+        )
         with EmbeddingStore(Path(tmp) / "db") as store:
             table = store.create_table(config)
             keys = np.arange(args.rows, dtype=np.int64)
             hot = keys[:256]
             results["no_flush"] = summary(lookups_while(table, hot, None)[0])
-            for name, chunk in (("background_256KiB", BACKGROUND_CHUNK_BYTES),
-                                ("stop_4MiB", FLUSH_CHUNK_BYTES)):  # fmt: skip
+            for name, chunk in (
+                ("background_256KiB", BACKGROUND_CHUNK_BYTES),
+                ("stop_4MiB", FLUSH_CHUNK_BYTES),
+            ):
                 for start in range(0, keys.size, 65536):  # every row dirty again
                     part = keys[start : start + 65536]
                     table.apply_gradients(part, np.ones((part.size, DIM), np.float32), 1)
@@ -108,18 +113,25 @@ def main() -> None:
                 latencies, took = lookups_while(
                     table, hot, lambda c=chunk, p=pause: table.flush(c, p)
                 )
-                results[name] = {**summary(latencies), "flush_s": took,
-                                 "flush_rows_per_s": args.rows / took}  # fmt: skip
-        for name, chunk in (("raw_write_256KiB_ms", BACKGROUND_CHUNK_BYTES),
-                            ("raw_write_4MiB_ms", FLUSH_CHUNK_BYTES)):  # fmt: skip
+                results[name] = {
+                    **summary(latencies),
+                    "flush_s": took,
+                    "flush_rows_per_s": args.rows / took,
+                }
+        for name, chunk in (
+            ("raw_write_256KiB_ms", BACKGROUND_CHUNK_BYTES),
+            ("raw_write_4MiB_ms", FLUSH_CHUNK_BYTES),
+        ):
             results[name] = raw_chunk_write_ms(Path(tmp) / name, chunk, config.stored_bytes)
     base = results["no_flush"]
     print(f"lookup of 256 hot keys, {args.rows} dirty rows (dim {DIM}, Adam)")
     print(f"{'while':<20}{'calls':>8}{'median ms':>11}{'p99 ms':>9}{'max ms':>9}{'flush s':>9}")
     for name in ("no_flush", "background_256KiB", "stop_4MiB"):
         r = results[name]
-        print(f"{name:<20}{r['calls']:>8}{r['median_ms']:>11.3f}{r['p99_ms']:>9.2f}"
-              f"{r['max_ms']:>9.2f}{r.get('flush_s', 0):>9.2f}")  # fmt: skip
+        print(
+            f"{name:<20}{r['calls']:>8}{r['median_ms']:>11.3f}{r['p99_ms']:>9.2f}"
+            f"{r['max_ms']:>9.2f}{r.get('flush_s', 0):>9.2f}"
+        )
     print(
         f"raw rocksdict write of one chunk: 256 KiB {results['raw_write_256KiB_ms']:.2f} ms, "
         f"4 MiB {results['raw_write_4MiB_ms']:.2f} ms"

@@ -317,16 +317,21 @@ def run(settings: Settings, device: torch.device) -> dict[str, Any]:
     results: dict[str, Any] = {
         "machine": machine(device),
         "shape": {
-            "batch": BATCH, "features": FEATURES, "ids_per_bag": [1, MAX_IDS], "vocab": VOCAB,
-            "zipf_alpha": ZIPF_ALPHA, "generated_batches": settings.batches,
+            "batch": BATCH,
+            "features": FEATURES,
+            "ids_per_bag": [1, MAX_IDS],
+            "vocab": VOCAB,
+            "zipf_alpha": ZIPF_ALPHA,
+            "generated_batches": settings.batches,
         },
         "settings": {
-            "repeats": settings.repeats, "min_seconds": settings.min_seconds,
+            "repeats": settings.repeats,
+            "min_seconds": settings.min_seconds,
             "warmup": settings.warmup,
             "statistic": "median wall seconds per step, device synchronized before and after",
         },
         "rows": [],
-    }  # fmt: skip
+    }
     for dim in settings.dims:
         for combiner in settings.combiners:
             row = bench_shape(batches, dim, combiner, settings, device)

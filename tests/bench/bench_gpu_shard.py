@@ -123,12 +123,19 @@ def main() -> int:
         device = name.decode() if isinstance(name, bytes) else str(name)
     results = {
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "gpu": device},
-        "keys": keys, "dim": args.dim, "batch": batch, "steps": steps, "zipf_a": ZIPF_A,
-        "optimizer": "adam", "gpu_rows": keys // 10, "host_rows": keys * 3 // 10,
-        "without_gpu_tier": without, "with_gpu_tier": gpu,
+        "keys": keys,
+        "dim": args.dim,
+        "batch": batch,
+        "steps": steps,
+        "zipf_a": ZIPF_A,
+        "optimizer": "adam",
+        "gpu_rows": keys // 10,
+        "host_rows": keys * 3 // 10,
+        "without_gpu_tier": without,
+        "with_gpu_tier": gpu,
         "lookup_ratio": gpu["lookup_keys_per_s"] / without["lookup_keys_per_s"],
         "train_ratio": gpu["train_keys_per_s"] / without["train_keys_per_s"],
-    }  # fmt: skip
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(f"device: {device}; {keys:,} keys, dim {args.dim}, Adam, Zipf({ZIPF_A}), batch {batch:,}")
@@ -140,8 +147,10 @@ def main() -> int:
             f"| {label} | {'/'.join(r['tiers'])} | {r['lookup_keys_per_s']:,.0f} | "
             f"{r['train_keys_per_s']:,.0f} | {rates} |"
         )
-    print(f"ratio with/without: lookup {results['lookup_ratio']:.2f}x, "
-          f"train {results['train_ratio']:.2f}x")  # fmt: skip
+    print(
+        f"ratio with/without: lookup {results['lookup_ratio']:.2f}x, "
+        f"train {results['train_ratio']:.2f}x"
+    )
     return 0
 
 

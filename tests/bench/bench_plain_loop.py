@@ -72,8 +72,14 @@ def dataset() -> data.CTRDataset:
     every = np.arange(samples, dtype=np.int64)
     return data.CTRDataset(
         f"zipf ({FEATURES} features x {IDS:,} ids, Zipf {ZIPF_A}, {BAG} per bag)",
-        tuple(features), tables, columns, None, labels, every, every[:0],
-    )  # fmt: skip
+        tuple(features),
+        tables,
+        columns,
+        None,
+        labels,
+        every,
+        every[:0],
+    )
 
 
 def cpu_seconds(shards_parent: int) -> dict[str, float]:
@@ -118,9 +124,15 @@ class Trainer:
         """samples/s of `steps` steps, and the CPU milliseconds a step took, per part."""
         before = cpu_seconds(shards_parent)
         _, _, seconds, samples = training.train_epoch(
-            self.model, corpus, self.dense, self.sparse, batch_size=BATCH,
-            shuffle_seed=seed, max_batches=steps, steps=self.steps,
-        )  # fmt: skip
+            self.model,
+            corpus,
+            self.dense,
+            self.sparse,
+            batch_size=BATCH,
+            shuffle_seed=seed,
+            max_batches=steps,
+            steps=self.steps,
+        )
         spent = cpu_seconds(shards_parent)
         self.model.embeddings.close()  # the next trainer pipelines the same tables
         taken = min(steps, corpus.num_batches("train", BATCH))
@@ -140,11 +152,25 @@ def baseline_chunk(
     """A chunk of the plain loop run by another interpreter (its own tierps), in a process
     of its own: a warm-up chunk, then the timed one."""
     done = subprocess.run(
-        [python, "-m", "tests.bench.bench_plain_loop", "--one-chunk", ",".join(addresses),
-         "--steps", str(steps), "--seed", str(seed), "--shards-parent", str(os.getpid())],
-        capture_output=True, text=True, check=False, timeout=600,
+        [
+            python,
+            "-m",
+            "tests.bench.bench_plain_loop",
+            "--one-chunk",
+            ",".join(addresses),
+            "--steps",
+            str(steps),
+            "--seed",
+            str(seed),
+            "--shards-parent",
+            str(os.getpid()),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
         env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
-    )  # fmt: skip
+    )
     if done.returncode != 0:
         raise RuntimeError(f"the baseline chunk failed:\n{done.stderr}")
     rate, cpu = json.loads(done.stdout.strip().splitlines()[-1])
@@ -198,9 +224,13 @@ def run(quick: bool, baseline_python: str | None) -> dict:
                     if index:
                         rates[name].append(rate)
                         cpus[name].append(cpu)
-                print(f"round {index}: " + ", ".join(
-                    f"{name} {values[-1]:,.0f}" for name, values in rates.items() if values
-                ), flush=True)  # fmt: skip
+                print(
+                    f"round {index}: "
+                    + ", ".join(
+                        f"{name} {values[-1]:,.0f}" for name, values in rates.items() if values
+                    ),
+                    flush=True,
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     medians = {name: statistics.median(values) for name, values in rates.items()}
@@ -242,8 +272,10 @@ def main() -> int:
     for name, rate in rates.items():
         cpu = results["cpu_ms_per_step"][name]
         parts = " / ".join(f"{cpu[part]:.1f}" for part in CPU_PARTS)
-        print(f"{name:15s} {rate:9,.0f} samples/s  {ratios[name]:.2f}x local  "
-              f"CPU ms a step (main / other threads / shards) {parts}")  # fmt: skip
+        print(
+            f"{name:15s} {rate:9,.0f} samples/s  {ratios[name]:.2f}x local  "
+            f"CPU ms a step (main / other threads / shards) {parts}"
+        )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2))

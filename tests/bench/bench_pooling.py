@@ -329,9 +329,12 @@ def bench_shape(
     if fbgemm is not None:
         steps[FBGEMM] = fbgemm
     check(
-        kernel(0), dense_step(0), dense_modules, batches[0],
+        kernel(0),
+        dense_step(0),
+        dense_modules,
+        batches[0],
         None if fbgemm is None else fbgemm(0),
-    )  # fmt: skip
+    )
     seconds = measure(steps, len(batches), settings)
     ids = statistics.mean(b.ids for b in batches)
     torch_best = min((TORCH_SPARSE, TORCH_DENSE), key=seconds.__getitem__)
@@ -414,16 +417,22 @@ def run(settings: Settings) -> dict[str, Any]:
     results: dict[str, Any] = {
         "machine": info,
         "shape": {
-            "batch": BATCH, "features": FEATURES, "ids_per_bag": [1, MAX_IDS], "vocab": VOCAB,
-            "zipf_alpha": ZIPF_ALPHA, "generated_batches": settings.batches,
+            "batch": BATCH,
+            "features": FEATURES,
+            "ids_per_bag": [1, MAX_IDS],
+            "vocab": VOCAB,
+            "zipf_alpha": ZIPF_ALPHA,
+            "generated_batches": settings.batches,
         },
         "settings": {
-            "repeats": settings.repeats, "min_seconds": settings.min_seconds,
-            "warmup": settings.warmup, "statistic": "median seconds per step",
+            "repeats": settings.repeats,
+            "min_seconds": settings.min_seconds,
+            "warmup": settings.warmup,
+            "statistic": "median seconds per step",
         },
         "fbgemm_optimizer": "exact_sgd (fused into backward)" if with_fbgemm else None,
         "rows": [],
-    }  # fmt: skip
+    }
     for dim in settings.dims:
         for combiner in settings.combiners:
             row = bench_shape(batches, dim, combiner, settings, with_fbgemm)

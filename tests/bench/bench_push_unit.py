@@ -45,10 +45,15 @@ def main() -> None:
         def batches() -> list[PushBatch]:
             step[0] += 1
             return [
-                PushBatch(name, args.dim, rng.choice(universe, args.keys, replace=False),
-                          rng.standard_normal((args.keys, args.dim), np.float32), step[0])
+                PushBatch(
+                    name,
+                    args.dim,
+                    rng.choice(universe, args.keys, replace=False),
+                    rng.standard_normal((args.keys, args.dim), np.float32),
+                    step[0],
+                )
                 for name in names
-            ]  # fmt: skip
+            ]
 
         def per_table(pushes: list[list[PushBatch]]) -> None:
             for push in pushes:
@@ -77,8 +82,10 @@ def main() -> None:
                 times[name].append((time.perf_counter() - started) / args.pushes)
         shard.close()
     base = statistics.median(times["table by table"])
-    print(f"{args.tables} tables x {args.keys} keys, dim {args.dim}, Adagrad; medians of "
-          f"{args.rounds} rounds of {args.pushes} pushes")  # fmt: skip
+    print(
+        f"{args.tables} tables x {args.keys} keys, dim {args.dim}, Adagrad; medians of "
+        f"{args.rounds} rounds of {args.pushes} pushes"
+    )
     for name, values in times.items():
         median = statistics.median(values)
         print(f"  {name:16s} {1e3 * median:8.3f} ms a push   {median / base:5.3f}x table by table")

@@ -21,12 +21,16 @@ from tests.refused_memory import CALL_MIB, CALLS, CASES, measure, push_request, 
 
 
 def main() -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip()  # fmt: skip
-    dirty = subprocess.run(["git", "status", "--porcelain", "server"], capture_output=True,
-                           text=True, check=False).stdout.strip()  # fmt: skip
-    print(f"server code: {commit}{' with server/ changed' if dirty else ''}; "
-          f"{CALLS} calls of {CALL_MIB} MiB each")  # fmt: skip
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "server"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    print(
+        f"server code: {commit}{' with server/ changed' if dirty else ''}; "
+        f"{CALLS} calls of {CALL_MIB} MiB each"
+    )
     request = push_request(CALL_MIB << 20)
     results = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -97,20 +97,26 @@ class EchoServers:
 
     def round_trip(self, requests: list[bytes], reply_bytes: list[int]) -> None:
         """Each shard's request bytes out and its reply bytes back, all shards at once."""
-        self._at_once([lambda i=i: self.calls[i](requests[i], reply_bytes[i]) for i in
-                       range(len(requests))])  # fmt: skip
+        self._at_once(
+            [lambda i=i: self.calls[i](requests[i], reply_bytes[i]) for i in range(len(requests))]
+        )
 
     def fill_raw(self, dim: int) -> None:
         """Every raw numpy server holds initial_rows(TABLE_KEYS, dim), SGD at LR."""
         shape = {"table_rows": TABLE_KEYS, "dim": dim, "lr": LR, "seed": ROW_SEED}
-        self._at_once([lambda f=raw["fill"]: f(json.dumps(shape).encode(), timeout=120.0)
-                       for raw in self.raw])  # fmt: skip
+        self._at_once(
+            [lambda f=raw["fill"]: f(json.dumps(shape).encode(), timeout=120.0) for raw in self.raw]
+        )
 
     def raw_call(self, method: str, requests: list[bytes]) -> list[bytes]:
         """The raw numpy servers' `method` (lookup, push) with each shard's request bytes,
         all shards at once; their replies."""
-        return self._at_once([lambda i=i: self.raw[i][method](requests[i], timeout=120.0)
-                              for i in range(len(requests))])  # fmt: skip
+        return self._at_once(
+            [
+                lambda i=i: self.raw[i][method](requests[i], timeout=120.0)
+                for i in range(len(requests))
+            ]
+        )
 
     def _at_once(self, calls: list[Callable[[], bytes]]) -> list[bytes]:
         """Runs the calls at once, the last in this thread (as the client does)."""
@@ -139,10 +145,21 @@ class Redis:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(root)],
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(root),
+            ],
             stdout=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         self.client = redis.Redis(port=self.port)
         deadline = time.monotonic() + 10
         while True:
@@ -227,29 +244,32 @@ def sweep(
     dims = dims or ((PLOT_DIM,) if quick else DIMS)
     rng = np.random.default_rng(0)
     results: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "grpcio": grpc.__version__},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "grpcio": grpc.__version__,
+        },
         "one_message_bytes": wire.ONE_MESSAGE_BYTES,
         "table_keys": TABLE_KEYS,
         "baseline": "raw gRPC unary echo of each shard's request and reply bytes, one message "
-                    "each way, no protobuf (tests/bench/echo_server.py)",
+        "each way, no protobuf (tests/bench/echo_server.py)",
         "raw_numpy": "the same work done the raw way (tests/bench/echo_server.py RawNumpy, in "
-                     "the echo's process, the same wire): rows in a dense numpy arena indexed "
-                     "by key; lookup = np.take into a reused buffer (mode=clip) then .tobytes() "
-                     "(faster than np.take(...).tobytes() at 4-16 MiB, equal at 1 MiB: "
-                     "docs/perf/profile-lookup.md, a raw server); push = arena[keys] -= lr * grads "
-                     "of views of the request, as np.take into the buffer, rows -= lr * grads, "
-                     "arena[keys] = rows (the same bits, about 2x faster); no checks; the "
-                     "client neither routes nor reassembles (requests built outside the "
-                     "timing, as for the echo). "
-                     "Checked once per dim to answer tierps' rows, before and after a push",
+        "the echo's process, the same wire): rows in a dense numpy arena indexed "
+        "by key; lookup = np.take into a reused buffer (mode=clip) then .tobytes() "
+        "(faster than np.take(...).tobytes() at 4-16 MiB, equal at 1 MiB: "
+        "docs/perf/profile-lookup.md, a raw server); push = arena[keys] -= lr * grads "
+        "of views of the request, as np.take into the buffer, rows -= lr * grads, "
+        "arena[keys] = rows (the same bits, about 2x faster); no checks; the "
+        "client neither routes nor reassembles (requests built outside the "
+        "timing, as for the echo). "
+        "Checked once per dim to answer tierps' rows, before and after a push",
         "lookup": "EmbeddingClient.lookup: a writable array in the keys' order; lookup_view: "
-                  "copy=False (a read-only view of the reply where one reply holds every row "
-                  "in order). A shard's reply of 8 MiB or more goes as 2-4 calls of 4 MiB or "
-                  "more at once (client.routing.LOOKUP_PIECE_BYTES); the echo sends one "
-                  "message",
+        "copy=False (a read-only view of the reply where one reply holds every row "
+        "in order). A shard's reply of 8 MiB or more goes as 2-4 calls of 4 MiB or "
+        "more at once (client.routing.LOOKUP_PIECE_BYTES); the echo sends one "
+        "message",
         "rows": [],
-    }  # fmt: skip
+    }
     if shutil.which("redis-server"):
         redis_server = Redis(root)
         try:
@@ -381,8 +401,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
         if results.get("redis_mget_s"):
             mget = results["redis_mget_s"]
             sizes = [b for b in batches if str(b) in mget]
-            ax.plot(sizes, [b / mget[str(b)] for b in sizes], ":", color="C2", marker="s",
-                    label=f"Redis {results['redis']} MGET (redis-py)")  # fmt: skip
+            ax.plot(
+                sizes,
+                [b / mget[str(b)] for b in sizes],
+                ":",
+                color="C2",
+                marker="s",
+                label=f"Redis {results['redis']} MGET (redis-py)",
+            )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(batches, [f"{b // 1024}k" for b in batches])
@@ -428,13 +454,23 @@ def concurrency(root: Path, batch: int = 65536, dim: int = 64, calls: int = 12) 
     when the machine has the cores for both clients and the shard."""
     context = multiprocessing.get_context("spawn")
     keys = np.random.default_rng(1).choice(TABLE_KEYS, batch, replace=False).astype(np.int64)
-    out: dict[str, Any] = {"batch": batch, "dim": dim, "calls_per_client": calls,
-                           "cpus": os.cpu_count()}  # fmt: skip
+    out: dict[str, Any] = {
+        "batch": batch,
+        "dim": dim,
+        "calls_per_client": calls,
+        "cpus": os.cpu_count(),
+    }
     with LocalCluster(1, root / "concurrency") as cluster:
         with EmbeddingClient(cluster.addresses) as client:
             tables = [populate(client, dim)]
-            client.create_table(TableConfig("other", dim, optimizer=optim.SGD(lr=0.01),
-                                            host_cache_bytes=TABLE_KEYS * dim * 8))  # fmt: skip
+            client.create_table(
+                TableConfig(
+                    "other",
+                    dim,
+                    optimizer=optim.SGD(lr=0.01),
+                    host_cache_bytes=TABLE_KEYS * dim * 8,
+                )
+            )
             client.assign("other", np.arange(TABLE_KEYS), np.zeros((TABLE_KEYS, dim), np.float32))
             tables.append("other")
         for clients in (1, 2, 1, 2):
@@ -576,14 +612,21 @@ def _pieces_shape(
     }
     fns["echo"] = lambda: echo.round_trip(key_bytes, rows_back)
     runs = [measure_together(fns) for _ in range(rounds)]
-    row = {"shards": shards, "dim": dim, "batch": keys.size,
-           "pieces": {f"{s >> 10}KiB": c for s, c in counts.items()}, "seconds": runs}  # fmt: skip
+    row = {
+        "shards": shards,
+        "dim": dim,
+        "batch": keys.size,
+        "pieces": {f"{s >> 10}KiB": c for s, c in counts.items()},
+        "seconds": runs,
+    }
     timings = " | ".join(
         " ".join(f"{name} {t * 1e3:5.1f}" for name, t in run.items()) for run in runs
     )
     pieces = " ".join(f"{name}:{c}" for name, c in row["pieces"].items())
-    print(f"shards={shards} dim={dim:>3} batch={keys.size:>6} {timings} ms; pieces {pieces}",
-          flush=True)  # fmt: skip
+    print(
+        f"shards={shards} dim={dim:>3} batch={keys.size:>6} {timings} ms; pieces {pieces}",
+        flush=True,
+    )
     return row
 
 
@@ -621,7 +664,7 @@ def profile(root: Path, seconds: float = 6.0, batch: int = 65536, dim: int = 64)
                     ],
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
-                )  # fmt: skip
+                )
                 for name, pid in pids.items()
             }
             time.sleep(0.5)
@@ -629,8 +672,10 @@ def profile(root: Path, seconds: float = 6.0, batch: int = 65536, dim: int = 64)
             while time.perf_counter() - started < seconds:
                 client.lookup(table, keys)
                 calls += 1
-            print(f"{batch} keys, dim {dim}: {(time.perf_counter() - started) / calls * 1e3:.1f}"
-                  f" ms per lookup ({calls} calls)")  # fmt: skip
+            print(
+                f"{batch} keys, dim {dim}: {(time.perf_counter() - started) / calls * 1e3:.1f}"
+                f" ms per lookup ({calls} calls)"
+            )
             for recorder in recorders.values():
                 recorder.wait()
     for name in pids:

@@ -92,8 +92,10 @@ for name, fn in calls.items():
                     counts[label] += 1
                     times[label] += event.cpu_time_total if not device else event.device_time_total
                     break
-        print(f"\n## {name}: {wall:.3f} ms a call (host wall, 20 calls); "
-              f"GPU kernels {kernel_us / 1e3:.3f} ms")
+        print(
+            f"\n## {name}: {wall:.3f} ms a call (host wall, 20 calls); "
+            f"GPU kernels {kernel_us / 1e3:.3f} ms"
+        )
         for label, count in sorted(counts.items(), key=lambda kv: -kv[1]):
             print(f"   {count:4d} x {label}  ({times[label] / 1e3:.3f} ms)")
         table = prof.key_averages().table(sort_by="count", row_limit=14, max_name_column_width=48)

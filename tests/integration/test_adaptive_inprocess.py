@@ -25,9 +25,14 @@ DIM = 4
 LR = 0.5
 SHARDS = 2
 CONFIG = TableConfig(
-    "clicks", DIM, initializer=init.Normal(0.0, 0.1), optimizer=optim.SGD(lr=LR), seed=4,
-    hash_bucket_size=5, promote_after=3,
-)  # fmt: skip
+    "clicks",
+    DIM,
+    initializer=init.Normal(0.0, 0.1),
+    optimizer=optim.SGD(lr=LR),
+    seed=4,
+    hash_bucket_size=5,
+    promote_after=3,
+)
 
 
 @pytest.fixture
@@ -108,9 +113,11 @@ def test_lookups_and_pushes_match_the_reference_across_two_shards(
         reference.push(keys, grads)
     probe = np.arange(-1, 80, dtype=np.int64)
     np.testing.assert_allclose(
-        client.lookup("clicks", probe, create=False), reference.lookup(probe, False),
-        rtol=1e-5, atol=1e-6,
-    )  # fmt: skip
+        client.lookup("clicks", probe, create=False),
+        reference.lookup(probe, False),
+        rtol=1e-5,
+        atol=1e-6,
+    )
     figures = totals(client, "clicks")
     assert figures["adaptive.keys_promoted"] == len(reference.own) > 0
     assert figures["adaptive.keys_counted"] == len(+reference.counts) > 0
@@ -122,8 +129,9 @@ def test_a_zipf_trace_gives_few_keys_their_own_row_and_describe_shows_it(
     cluster: tuple[list[ShardServer], EmbeddingClient],
 ) -> None:
     servers, client = cluster
-    config = TableConfig("views", 8, optimizer=optim.SGD(lr=0.1), hash_bucket_size=1000,
-                         promote_after=3)  # fmt: skip
+    config = TableConfig(
+        "views", 8, optimizer=optim.SGD(lr=0.1), hash_bucket_size=1000, promote_after=3
+    )
     client.create_table(config)
     client.create_table(TableConfig("plain", 8))
     rng = np.random.default_rng(1)
@@ -143,18 +151,30 @@ def test_a_zipf_trace_gives_few_keys_their_own_row_and_describe_shows_it(
     assert figures["adaptive.gradients_to_buckets"] > 0
     assert [d["lifecycle"] for d in client.describe("plain")] == [{}, {}]
 
-    base = [sys.executable, "-m", "tierps.server.cli", "admin",
-            "--addresses", ",".join(s.address for s in servers)]  # fmt: skip
-    done = subprocess.run([*base, "describe", "views"], capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "tierps.server.cli",
+        "admin",
+        "--addresses",
+        ",".join(s.address for s in servers),
+    ]
+    done = subprocess.run([*base, "describe", "views"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "adaptive: 1,000 bucket rows a shard, a row of its own after 3 sightings" in (
         done.stdout
     )
     lines = done.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("shard  bucket rows"))
-    for column in ("bucket memory", "keys counted", "sightings", "promoted", "bucket lookups",
-                   "bucket gradients", "bucket updates"):  # fmt: skip
+    for column in (
+        "bucket memory",
+        "keys counted",
+        "sightings",
+        "promoted",
+        "bucket lookups",
+        "bucket gradients",
+        "bucket updates",
+    ):
         assert column in lines[header]
     for shard_id, line in enumerate(lines[header + 1 : header + 3]):
         cells = line.split()
@@ -162,14 +182,18 @@ def test_a_zipf_trace_gives_few_keys_their_own_row_and_describe_shows_it(
         assert cells[0] == str(shard_id) and cells[1] == "1,000", line
         assert cells[-4:] == [
             f"{lifecycle[f'adaptive.{name}']:,.0f}"
-            for name in ("keys_promoted", "lookups_from_buckets", "gradients_to_buckets",
-                         "bucket_updates")
-        ], line  # fmt: skip
-    plain = subprocess.run([*base, "describe", "plain"], capture_output=True, text=True,
-                           timeout=60)  # fmt: skip
+            for name in (
+                "keys_promoted",
+                "lookups_from_buckets",
+                "gradients_to_buckets",
+                "bucket_updates",
+            )
+        ], line
+    plain = subprocess.run([*base, "describe", "plain"], capture_output=True, text=True, timeout=60)
     assert plain.returncode == 0 and "adaptive" not in plain.stdout, plain.stdout
-    as_json = subprocess.run([*base, "--json", "describe", "views"], capture_output=True,
-                             text=True, timeout=60)  # fmt: skip
+    as_json = subprocess.run(
+        [*base, "--json", "describe", "views"], capture_output=True, text=True, timeout=60
+    )
     assert as_json.returncode == 0, as_json.stderr
     shards = json.loads(as_json.stdout[as_json.stdout.index("[") :])
     assert [s["lifecycle"]["adaptive.keys_promoted"] for s in shards] == [

@@ -49,12 +49,25 @@ def test_describe_and_stats_show_no_hit_rate_before_any_lookup(
 
 
 def test_the_serving_log_line_writes_no_snapshot_dir_as_null(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "tierps.server.cli", "serve", "--shard-id", "0",
-               "--num-shards", "1", "--data-dir", str(tmp_path / "data")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "tierps.server.cli",
+        "serve",
+        "--shard-id",
+        "0",
+        "--num-shards",
+        "1",
+        "--data-dir",
+        str(tmp_path / "data"),
+    ]
     process = subprocess.Popen(
-        command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-    )  # fmt: skip
+    )
     deadline = threading.Timer(TIMEOUT_S, process.kill)  # bounds the read below
     deadline.start()
     try:

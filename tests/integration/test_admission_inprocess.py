@@ -23,13 +23,24 @@ DIM = 4
 LR = 0.5
 DEFAULT = 0.25
 COUNTER = TableConfig(
-    "clicks", DIM, initializer=init.Normal(0.0, 0.1), optimizer=optim.SGD(lr=LR), seed=4,
-    admit_after=3, default_value=DEFAULT,
-)  # fmt: skip
+    "clicks",
+    DIM,
+    initializer=init.Normal(0.0, 0.1),
+    optimizer=optim.SGD(lr=LR),
+    seed=4,
+    admit_after=3,
+    default_value=DEFAULT,
+)
 BLOOM = TableConfig(
-    "views", DIM, optimizer=optim.SGD(lr=LR), admit_after=3, admission="bloom",
-    max_elements=1000, false_positive_rate=1e-6, default_value=DEFAULT,
-)  # fmt: skip
+    "views",
+    DIM,
+    optimizer=optim.SGD(lr=LR),
+    admit_after=3,
+    admission="bloom",
+    max_elements=1000,
+    false_positive_rate=1e-6,
+    default_value=DEFAULT,
+)
 
 
 @pytest.fixture
@@ -110,31 +121,43 @@ def test_describe_and_the_admin_command_show_the_filter(
         assert lifecycle["admission.lookups_default"] == 5
     stats = client.stats()
     assert [t["lifecycle"] for t in stats[0]["tables"]] == [
-        client.describe("clicks")[0]["lifecycle"], {},
-    ]  # fmt: skip
+        client.describe("clicks")[0]["lifecycle"],
+        {},
+    ]
 
-    base = [sys.executable, "-m", "tierps.server.cli", "admin",
-            "--addresses", ",".join(s.address for s in servers)]  # fmt: skip
-    done = subprocess.run([*base, "describe", "clicks"], capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "tierps.server.cli",
+        "admin",
+        "--addresses",
+        ",".join(s.address for s in servers),
+    ]
+    done = subprocess.run([*base, "describe", "clicks"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "admission: counter filter, a row after 3 sightings; keys without one read 0.25" in (
         done.stdout
     )
     lines = done.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("shard  keys counted"))
-    for column in ("counters used", "filter memory", "sightings", "admitted",
-                   "default lookups", "gradients dropped"):  # fmt: skip
+    for column in (
+        "counters used",
+        "filter memory",
+        "sightings",
+        "admitted",
+        "default lookups",
+        "gradients dropped",
+    ):
         assert column in lines[header]
     for shard_id, line in enumerate(lines[header + 1 : header + 3]):
         cells = line.split()
         assert cells[0] == str(shard_id) and cells[1] == "5", line  # keys counted
         assert cells[-4:] == ["8", "0", "5", "3"], line  # sightings, admitted, defaults, dropped
-    plain = subprocess.run([*base, "describe", "plain"], capture_output=True, text=True,
-                           timeout=60)  # fmt: skip
+    plain = subprocess.run([*base, "describe", "plain"], capture_output=True, text=True, timeout=60)
     assert plain.returncode == 0 and "admission" not in plain.stdout, plain.stdout
-    as_json = subprocess.run([*base, "--json", "describe", "clicks"], capture_output=True,
-                             text=True, timeout=60)  # fmt: skip
+    as_json = subprocess.run(
+        [*base, "--json", "describe", "clicks"], capture_output=True, text=True, timeout=60
+    )
     assert as_json.returncode == 0, as_json.stderr
     described = json.loads(as_json.stdout[as_json.stdout.index("[") :])
     assert [d["lifecycle"]["admission.sightings"] for d in described] == [8, 8]

@@ -37,9 +37,13 @@ KEYS = np.arange(0, 5000, dtype=np.int64)
 
 def tierps(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tierps.server.cli", *args], capture_output=True, text=True,
-        timeout=TIMEOUT_S, stdin=subprocess.DEVNULL, env=env,
-    )  # fmt: skip
+        [sys.executable, "-m", "tierps.server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +118,11 @@ def test_snapshot_progress_in_a_pipe_and_on_a_terminal(
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24 x 100
     process = subprocess.Popen(
         [sys.executable, "-m", "tierps.server.cli", "admin", "snapshot", "load", "first-piped"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=child, env=env,
-    )  # fmt: skip
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=child,
+        env=env,
+    )
     os.close(child)
     seen = b""
     while True:
@@ -150,8 +157,11 @@ def test_a_missing_snapshot_lists_what_exists(
 def test_a_reader_that_goes_away_ends_it_quietly(env: dict[str, str]) -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "tierps.server.cli", "admin", "stats", "--json"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-    )  # fmt: skip
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     process.stdout.close()  # as `| head` does once it has its lines
     _, stderr = process.communicate(timeout=TIMEOUT_S)
     assert process.returncode == 141, stderr
@@ -230,8 +240,21 @@ def test_the_demo_trains_on_the_cluster_in_tierps_addresses(
     threads = torch.get_num_threads()  # the demo sets torch's threads: this process's too
     try:
         demo = tmp_path / "demo"
-        code = cli.main(["demo", "--dataset", "synthetic", "--samples", "2000", "--epochs",
-                         "1", "--batch-size", "512", "--data-dir", str(demo)])  # fmt: skip
+        code = cli.main(
+            [
+                "demo",
+                "--dataset",
+                "synthetic",
+                "--samples",
+                "2000",
+                "--epochs",
+                "1",
+                "--batch-size",
+                "512",
+                "--data-dir",
+                str(demo),
+            ]
+        )
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out

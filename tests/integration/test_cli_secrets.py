@@ -28,9 +28,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def tierps(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tierps.server.cli", *args], capture_output=True, text=True,
-        timeout=TIMEOUT_S, stdin=subprocess.DEVNULL, cwd=ROOT,
-    )  # fmt: skip
+        [sys.executable, "-m", "tierps.server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        stdin=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
 
 
 def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
@@ -53,9 +57,10 @@ def test_no_parser_matches_a_flag_by_its_prefix() -> None:
 def test_every_argument_parser_of_the_repository_turns_prefixes_off() -> None:
     """Scripts outside the `tierps` command (benchmarks, test helpers) too."""
     sources = [
-        path for folder in ("server", "client", "demo", "storage", "tests")
+        path
+        for folder in ("server", "client", "demo", "storage", "tests")
         for path in (ROOT / folder).rglob("*.py")
-    ]  # fmt: skip
+    ]
     calls = 0
     for path in sources:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -78,8 +83,17 @@ def test_every_argument_parser_of_the_repository_turns_prefixes_off() -> None:
 @pytest.mark.parametrize(
     "args",
     [
-        ["serve", "--shard-id", "0", "--num-shards", "1", "--data-dir", "d", "--token",
-         f"admin:{SECRET}"],
+        [
+            "serve",
+            "--shard-id",
+            "0",
+            "--num-shards",
+            "1",
+            "--data-dir",
+            "d",
+            "--token",
+            f"admin:{SECRET}",
+        ],
         ["serve", f"--token=admin:{SECRET}"],
         ["serve", "--tokens", f"admin:{SECRET}"],  # a prefix of --tokens-file
         ["cluster", "--shards", "1", "--data-dir", "d", "--token", f"admin:{SECRET}"],
@@ -89,7 +103,7 @@ def test_every_argument_parser_of_the_repository_turns_prefixes_off() -> None:
         ["demo", "--token", SECRET],
     ],
     ids=lambda args: " ".join(a for a in args if SECRET not in a),
-)  # fmt: skip
+)
 def test_a_token_on_the_command_line_is_refused_and_not_echoed(args: list[str]) -> None:
     done = tierps(*args)
     assert done.returncode == 2, done.stderr
@@ -117,9 +131,16 @@ def test_a_usage_error_hides_what_may_be_a_secret(args: list[str], expected: str
 
 def test_a_token_given_as_the_tokens_file_is_not_echoed(tmp_path: Path) -> None:
     done = tierps(
-        "serve", "--shard-id", "0", "--num-shards", "1", "--data-dir", str(tmp_path / "d"),
-        "--tokens-file", f"admin:{SECRET}",
-    )  # fmt: skip
+        "serve",
+        "--shard-id",
+        "0",
+        "--num-shards",
+        "1",
+        "--data-dir",
+        str(tmp_path / "d"),
+        "--tokens-file",
+        f"admin:{SECRET}",
+    )
     assert done.returncode == 1, done.stderr
     assert SECRET not in done.stdout + done.stderr
     assert "admin:<hidden>" in done.stderr  # the log line and the message
@@ -132,12 +153,30 @@ def test_a_serving_shard_logs_none_of_its_tokens(tmp_path: Path) -> None:
     tokens.write_text(f"admin:{SECRET}\nreader:{SECRET}-reader\n")
     port_file = tmp_path / "port"
     process = subprocess.Popen(
-        [sys.executable, "-m", "tierps.server.cli", "serve", "--shard-id", "0",
-         "--num-shards", "1", "--data-dir", str(tmp_path / "d"), "--tokens-file", str(tokens),
-         "--port-file", str(port_file), "--log-level", "debug"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "tierps.server.cli",
+            "serve",
+            "--shard-id",
+            "0",
+            "--num-shards",
+            "1",
+            "--data-dir",
+            str(tmp_path / "d"),
+            "--tokens-file",
+            str(tokens),
+            "--port-file",
+            str(port_file),
+            "--log-level",
+            "debug",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
         cwd=ROOT,
-    )  # fmt: skip
+    )
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while not port_file.exists() and process.poll() is None and time.monotonic() < deadline:

@@ -428,8 +428,10 @@ def test_features_over_two_tables_take_one_lookup_and_one_push_per_shard(
     before = data_calls(servers)
 
     pooled = client.lookup_pooled_features(batch, features)
-    grads = {name: normal(generator, (6, t.dim)) for name, t in
-             (("user", users), ("clicked", items), ("viewed", items))}  # fmt: skip
+    grads = {
+        name: normal(generator, (6, t.dim))
+        for name, t in (("user", users), ("clicked", items), ("viewed", items))
+    }
     pushed = pooled.push_gradients(grads)
 
     after = data_calls(servers)
@@ -907,7 +909,8 @@ def test_a_lookup_or_assign_failing_with_unavailable_is_retried(
 
 @pytest.mark.parametrize("after", [False, True], ids=["refused", "reply-lost"])
 def test_a_push_failing_with_unavailable_is_retried_and_applied_once(
-    faulty_shard: Callable[..., FaultyShard], make_client: Callable[..., EmbeddingClient],
+    faulty_shard: Callable[..., FaultyShard],
+    make_client: Callable[..., EmbeddingClient],
     after: bool,
 ) -> None:
     """A push failing with UNAVAILABLE is sent again with the same push id: refused before

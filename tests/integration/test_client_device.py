@@ -140,12 +140,17 @@ def test_lookup_pooled_on_a_device_names_the_table(client: EmbeddingClient) -> N
     prefix = twin_tables(client, {"t": 4}, seed=3)["t"]
     keys, offsets = np.array([3, 5, -1, 3, 7]), np.array([0, 2, 2])
     weights = np.array([1.0, 0.5, 2.0, 1.5, 1.0], np.float32)
-    host = client.lookup_pooled(f"{prefix}-host", keys, offsets, combiner="mean",
-                                per_sample_weights=weights)  # fmt: skip
+    host = client.lookup_pooled(
+        f"{prefix}-host", keys, offsets, combiner="mean", per_sample_weights=weights
+    )
     pooled = client.lookup_pooled(
-        f"{prefix}-device", torch.from_numpy(keys), torch.from_numpy(offsets), combiner="mean",
-        per_sample_weights=torch.from_numpy(weights), device="cpu",
-    )  # fmt: skip
+        f"{prefix}-device",
+        torch.from_numpy(keys),
+        torch.from_numpy(offsets),
+        combiner="mean",
+        per_sample_weights=torch.from_numpy(weights),
+        device="cpu",
+    )
     np.testing.assert_allclose(pooled.output.numpy(), host.output, atol=ATOL)
     with pytest.raises(
         InvalidArgumentError, match=r"^table '.*-device': offsets must not decrease"
@@ -173,9 +178,10 @@ def test_mixed_devices_are_refused_before_anything_is_sent(client: EmbeddingClie
         client.lookup_pooled_features({"a": (np.array([5]), meta), "b": np.array([[6]])}, features)
     with pytest.raises(InvalidArgumentError, match="feature 'a': field 'offsets' .* on cpu.* meta"):
         client.lookup_pooled_features(
-            {"a": (torch.tensor([100, 101]), meta), "b": torch.tensor([[102]])}, features,
+            {"a": (torch.tensor([100, 101]), meta), "b": torch.tensor([[102]])},
+            features,
             device="cpu",
-        )  # fmt: skip
+        )
     assert sum(shard["created"] for shard in client.describe(name)) == before
 
     pooled = client.lookup_pooled_features(
@@ -250,11 +256,15 @@ def test_module_on_a_device_matches_torch_embedding_bag_and_pushes_once_per_step
         for feature in ("m", "w"):
             assert got[feature].device == want[feature].device and got[feature].requires_grad
             np.testing.assert_allclose(
-                got[feature].detach().cpu().numpy(), want[feature].detach().cpu().numpy(),
-                atol=1e-5, err_msg=f"step {step} {feature}",
-            )  # fmt: skip
-        grad = {f: torch.from_numpy(rng.standard_normal((o.shape[0], 4), np.float32)).to(device)
-                for f, o in got.items()}  # fmt: skip
+                got[feature].detach().cpu().numpy(),
+                want[feature].detach().cpu().numpy(),
+                atol=1e-5,
+                err_msg=f"step {step} {feature}",
+            )
+        grad = {
+            f: torch.from_numpy(rng.standard_normal((o.shape[0], 4), np.float32)).to(device)
+            for f, o in got.items()
+        }
         sum((got[f] * grad[f]).sum() for f in got).backward()
         assert len(pushes) == step + 1  # one push for both features
         theirs.zero_grad()

@@ -114,8 +114,13 @@ def test_requests_built_in_place_are_protobufs_bytes(pushes: list) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(names, st.integers(1, 300), st.integers(0, 2**64 - 1), st.integers(0, 500),
-       st.integers(12, 5000))  # fmt: skip
+@given(
+    names,
+    st.integers(1, 300),
+    st.integers(0, 2**64 - 1),
+    st.integers(0, 500),
+    st.integers(12, 5000),
+)
 def test_declared_stream_bytes_are_protobufs_sizes(
     table: str, dim: int, step: int, n: int, chunk_bytes: int
 ) -> None:
@@ -153,10 +158,14 @@ def test_hand_decoding_reads_what_protobuf_reads(first: list, second: list, junk
     unknown fields of every wire type, decoded by hand and by protobuf."""
     unknown = (
         b"\x30\x05"  # field 6, varint
-        + b"\x39" + bytes(8)  # field 7, 64-bit
-        + b"\x42" + bytes([len(junk)]) + junk  # field 8, length-delimited
-        + b"\x4d" + bytes(4)  # field 9, 32-bit
-    )  # fmt: skip
+        + b"\x39"
+        + bytes(8)  # field 7, 64-bit
+        + b"\x42"
+        + bytes([len(junk)])
+        + junk  # field 8, length-delimited
+        + b"\x4d"
+        + bytes(4)  # field 9, 32-bit
+    )
     batches = b""
     for a, b in zip(first, second, strict=False):
         inner = b"".join(
@@ -171,9 +180,10 @@ def test_hand_decoding_reads_what_protobuf_reads(first: list, second: list, junk
         (b.table, b.dim, b.step, b.keys, b.grads) for b in theirs
     ]
     lookups = pb.LookupBatches(
-        batches=[pb.LookupRequest(table=t, dim=d, create=s % 2 == 1, keys=k)
-                 for t, d, s, k, _ in first]
-    ).SerializeToString()  # fmt: skip
+        batches=[
+            pb.LookupRequest(table=t, dim=d, create=s % 2 == 1, keys=k) for t, d, s, k, _ in first
+        ]
+    ).SerializeToString()
     ours_lookups = wire.decode_lookup_batches(lookups).batches
     theirs_lookups = pb.LookupBatches.FromString(lookups).batches
     assert [(b.table, b.dim, b.create, bytes(b.keys)) for b in ours_lookups] == [

@@ -199,15 +199,22 @@ SOURCE_SHARDS = 2
 ROUND_TRIP_TABLES = (
     # Host tier of 64 KiB per shard (~500 rows of 96 bytes): most rows live in RocksDB only.
     TableConfig(
-        "adam8", 8, initializer=init.Normal(std=0.1), optimizer=optim.Adam(lr=0.01), seed=7,
+        "adam8",
+        8,
+        initializer=init.Normal(std=0.1),
+        optimizer=optim.Adam(lr=0.01),
+        seed=7,
         host_cache_bytes=64 << 10,
     ),
     # Default host tier: every row fits, so at save time they are dirty in host memory.
     TableConfig(
-        "adagrad16", 16, initializer=init.Uniform(), seed=11,
+        "adagrad16",
+        16,
+        initializer=init.Uniform(),
+        seed=11,
         optimizer=optim.Adagrad(lr=0.05, initial_accumulator_value=0.1),
     ),
-)  # fmt: skip
+)
 KEYS_PER_TABLE = 3000
 STEPS = 3
 
@@ -391,8 +398,10 @@ def test_graceful_restart_keeps_tables_and_rows(tmp_path: Path) -> None:
             # The momentum table's rows are only dirty in the host tier: RocksDB has none.
             for shard in admin.describe("mom"):
                 tiers = {tier["name"]: tier["rows"] for tier in shard["tiers"]}
-                assert tiers == {"host": int(np.count_nonzero(keys % 2 == shard["shard_id"])),
-                                 "rocksdb": 0}  # fmt: skip
+                assert tiers == {
+                    "host": int(np.count_nonzero(keys % 2 == shard["shard_id"])),
+                    "rocksdb": 0,
+                }
         # Graceful stop (SIGTERM): every shard flushes its dirty rows and exits 0.
         assert cluster.stop() == [0, 0]
     finally:
@@ -431,9 +440,12 @@ def test_restart_with_another_shard_count_is_refused(tmp_path: Path) -> None:
 def test_sigkill_loses_only_unflushed_rows(tmp_path: Path) -> None:
     back = TableConfig("back", 4, initializer=init.Zeros(), optimizer=optim.SGD(lr=1.0))
     through = TableConfig(
-        "through", 4, initializer=init.Zeros(), optimizer=optim.SGD(lr=1.0),
+        "through",
+        4,
+        initializer=init.Zeros(),
+        optimizer=optim.SGD(lr=1.0),
         write_policy="write_through",
-    )  # fmt: skip
+    )
     keys = np.arange(400, dtype=np.int64)
     ones = np.ones((keys.size, 4), dtype=np.float32)
     with running(LocalCluster(2, tmp_path / "data", tmp_path / "snapshots")) as cluster:
@@ -723,13 +735,24 @@ def test_cli_snapshot_list_reports_refusal_like_other_commands(tmp_path: Path) -
 
 def test_cluster_command_serves_and_stops_on_sigint(tmp_path: Path) -> None:
     command = [
-        sys.executable, "-m", "tierps.server.cli", "cluster", "--shards", "2",
-        "--data-dir", str(tmp_path / "data"), "--snapshot-dir", str(tmp_path / "snapshots"),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "tierps.server.cli",
+        "cluster",
+        "--shards",
+        "2",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--snapshot-dir",
+        str(tmp_path / "snapshots"),
+    ]
     process = subprocess.Popen(
-        command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-    )  # fmt: skip
+    )
     lines: queue.Queue[str | None] = queue.Queue()
 
     def read() -> None:
@@ -855,11 +878,17 @@ def test_save_while_pushing_is_consistent(tmp_path: Path) -> None:
             count = -float(row[0])
             assert count == int(count)
             assert acked_before[shard] <= count <= sent_after[shard], (
-                shard, acked_before, count, sent_after,
-            )  # fmt: skip
+                shard,
+                acked_before,
+                count,
+                sent_after,
+            )
             assert count > 0
         # And no push was lost: the live value counts every acknowledged push.
         with Data(cluster.addresses) as data:
             live = data.lookup(table, keys)
-        assert_bits_equal(live, -np.array(acked, np.float32)[:, None] * np.ones(4, np.float32),
-                          "every acknowledged push applied once")  # fmt: skip
+        assert_bits_equal(
+            live,
+            -np.array(acked, np.float32)[:, None] * np.ones(4, np.float32),
+            "every acknowledged push applied once",
+        )

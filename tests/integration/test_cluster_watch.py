@@ -22,12 +22,23 @@ TIMEOUT_S = 60.0
 
 def test_a_killed_shard_is_named_and_the_cluster_stops(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    command = [sys.executable, "-m", "tierps.server.cli", "cluster", "--shards", "2",
-               "--data-dir", str(data)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "tierps.server.cli",
+        "cluster",
+        "--shards",
+        "2",
+        "--data-dir",
+        str(data),
+    ]
     process = subprocess.Popen(
-        command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-    )  # fmt: skip
+    )
     deadline = threading.Timer(TIMEOUT_S, process.kill)  # bounds the reads below
     deadline.start()
     pids: list[int] = []

@@ -61,8 +61,11 @@ def test_a_port_nothing_listens_on_points_at_the_addresses_of_a_restarted_cluste
 def test_an_address_without_a_port_is_refused_before_any_call(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(ValueError, match=r"address '127\.0\.0\.1' \(from the addresses given\) "
-                       r"expected host:port .*; got no port"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"address '127\.0\.0\.1' \(from the addresses given\) "
+        r"expected host:port .*; got no port",
+    ):
         EmbeddingClient(["127.0.0.1"])
     monkeypatch.setenv("TIERPS_ADDRESSES", "127.0.0.1:5000,localhost")
     with pytest.raises(ValueError, match=r"'localhost' \(from \$TIERPS_ADDRESSES\)"):
@@ -78,10 +81,21 @@ def test_an_address_without_a_port_is_refused_before_any_call(
 
 @pytest.mark.parametrize(
     "address",
-    ["127.0.0.1:50051", "[::1]:50051", "[fe80::1%eth0]:50051", "shard-0.tierps:50051",
-     "dns:///shard-0:50051", "dns:shard-0:50051", "DNS:shard-0:50051", "ipv4:127.0.0.1:50051",
-     "ipv6:[::1]:50051", "unix:/tmp/tierps.sock", "unix-abstract:tierps", "xds:///tierps"],
-)  # fmt: skip
+    [
+        "127.0.0.1:50051",
+        "[::1]:50051",
+        "[fe80::1%eth0]:50051",
+        "shard-0.tierps:50051",
+        "dns:///shard-0:50051",
+        "dns:shard-0:50051",
+        "DNS:shard-0:50051",
+        "ipv4:127.0.0.1:50051",
+        "ipv6:[::1]:50051",
+        "unix:/tmp/tierps.sock",
+        "unix-abstract:tierps",
+        "xds:///tierps",
+    ],
+)
 def test_every_form_of_address_grpc_takes_is_accepted(address: str) -> None:
     assert resolve_addresses([address], "EmbeddingClient") == [address]
 

@@ -31,8 +31,7 @@ FLUSH_INTERVAL_S = 0.5
 
 
 def counting(name: str, **fields: object) -> TableConfig:
-    return TableConfig(name, DIM, initializer=init.Zeros(), optimizer=optim.SGD(lr=1.0),
-                       **fields)  # type: ignore[arg-type]  # fmt: skip
+    return TableConfig(name, DIM, initializer=init.Zeros(), optimizer=optim.SGD(lr=1.0), **fields)  # type: ignore[arg-type]
 
 
 BACK = counting("back")  # write_back, the default
@@ -77,10 +76,13 @@ def free_base_port(count: int) -> int:
 @pytest.fixture
 def cluster(tmp_path: Path):
     cluster = LocalCluster(
-        2, tmp_path / "data", tmp_path / "snapshots", start_timeout_s=60,
+        2,
+        tmp_path / "data",
+        tmp_path / "snapshots",
+        start_timeout_s=60,
         base_port=free_base_port(2),
         extra_args=("--flush-interval-s", str(FLUSH_INTERVAL_S)),
-    )  # fmt: skip
+    )
     with cluster:
         yield cluster
 
@@ -127,9 +129,11 @@ def test_kill_9_keeps_write_through_and_flushed_write_back_and_tells_the_client(
         assert np.all(back[shard1] >= flushed[BACK.name][shard1])
         assert np.all(back[shard1] <= acked[BACK.name][shard1])
         lost = int((acked[BACK.name] - back)[shard1].sum())
-        print(f"kill -9: write_through lost 0, write_back lost {lost} of "
-              f"{int(acked[BACK.name][shard1].sum())} key-updates on the killed shard "
-              f"(all after the last flush)")  # fmt: skip
+        print(
+            f"kill -9: write_through lost 0, write_back lost {lost} of "
+            f"{int(acked[BACK.name][shard1].sum())} key-updates on the killed shard "
+            f"(all after the last flush)"
+        )
 
 
 def test_old_client_goes_on_after_accepting_and_after_a_clean_restart(
@@ -205,5 +209,7 @@ def test_full_disk_refuses_reports_not_serving_and_recovers_without_restart(
             rows = after.lookup("t", universe, create=False)
             assert np.array_equal(rows[:, 0].astype(np.int64), acked)
         reopened.stop()
-        print(f"full disk through the service: {int(acked.sum())} acknowledged key-updates, "
-              f"{len(codes)} pushes refused (RESOURCE_EXHAUSTED), lost 0")  # fmt: skip
+        print(
+            f"full disk through the service: {int(acked.sum())} acknowledged key-updates, "
+            f"{len(codes)} pushes refused (RESOURCE_EXHAUSTED), lost 0"
+        )

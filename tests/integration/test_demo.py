@@ -102,9 +102,12 @@ def _relative_difference(actual: np.ndarray, expected: np.ndarray) -> float:
 def _tierps(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "tierps.server.cli", *args],
-        capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=DEMO_TIMEOUT_S,
+        cwd=cwd,
         stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
 
 
 @requires_recbole
@@ -124,8 +127,19 @@ def test_demo_command_on_synthetic_data_runs_twice_in_one_data_dir(tmp_path: Pat
     """`tierps demo --dataset synthetic` with tiny sizes: exit 0, per-epoch AUC and tier hit
     rates printed, a snapshot saved; a second run over the first one's data dir works (that
     one one step stale: --staleness 1)."""
-    args = ("demo", "--dataset", "synthetic", "--samples", "3000", "--epochs", "2",
-            "--batch-size", "256", "--data-dir", str(tmp_path / "data"))  # fmt: skip
+    args = (
+        "demo",
+        "--dataset",
+        "synthetic",
+        "--samples",
+        "3000",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "256",
+        "--data-dir",
+        str(tmp_path / "data"),
+    )
     for run, staleness in ((1, "0"), (2, "1")):
         result = _tierps(*args, "--staleness", staleness, cwd=tmp_path)
         assert result.returncode == 0, f"run {run}:\n{result.stdout}\n{result.stderr}"
@@ -163,9 +177,21 @@ def test_demo_with_two_trainers_in_sync_mode_learns_as_one(tmp_path: Path) -> No
     per epoch, of which --keep-snapshots 2 keeps the newest two (the first run's deleted by
     the second), and the newest restores."""
     data_dir = tmp_path / "data"
-    args = ("demo", "--dataset", "synthetic", "--samples", "3000", "--epochs", "2",
-            "--batch-size", "256", "--data-dir", str(data_dir),
-            "--keep-snapshots", "2")  # fmt: skip
+    args = (
+        "demo",
+        "--dataset",
+        "synthetic",
+        "--samples",
+        "3000",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "256",
+        "--data-dir",
+        str(data_dir),
+        "--keep-snapshots",
+        "2",
+    )
     figures = {}
     for trainers, deleted in ((1, 1), (2, 3)):  # 3 checkpoints a job: its start, 2 epochs
         result = _tierps(*args, "--trainers", str(trainers), cwd=tmp_path)
@@ -202,9 +228,17 @@ def test_demo_with_two_trainers_in_sync_mode_learns_as_one(tmp_path: Path) -> No
 
 def test_storage_demo_still_runs(tmp_path: Path) -> None:
     result = _tierps(
-        "storage-demo", "--data-dir", str(tmp_path), "--steps", "2", "--batch", "512",
-        "--host-mb", "1", cwd=tmp_path,
-    )  # fmt: skip
+        "storage-demo",
+        "--data-dir",
+        str(tmp_path),
+        "--steps",
+        "2",
+        "--batch",
+        "512",
+        "--host-mb",
+        "1",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert "host tier: hit rate" in result.stdout
 
@@ -212,9 +246,10 @@ def test_storage_demo_still_runs(tmp_path: Path) -> None:
 def test_missing_recbole_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        importlib.util, "find_spec",
+        importlib.util,
+        "find_spec",
         lambda name, *a: None if name == "recbole" else real_find_spec(name, *a),
-    )  # fmt: skip
+    )
     with pytest.raises(data.DatasetUnavailableError) as raised:
         data.load_movielens()
     assert "pip install --no-deps recbole==1.2.1" in str(raised.value)
@@ -245,10 +280,12 @@ def test_movielens_loader_matches_the_files(movielens: data.CTRDataset) -> None:
     samples = [0, 1, 2, 777, 12_345, 54_321, 99_999]
     batch = movielens.batch(np.array(samples))
     by_feature = {
-        name: [movielens.decode(name, values[start:end]).tolist()
-               for start, end in itertools.pairwise([*offsets.tolist(), values.size])]
+        name: [
+            movielens.decode(name, values[start:end]).tolist()
+            for start, end in itertools.pairwise([*offsets.tolist(), values.size])
+        ]
         for name, (values, offsets) in batch.features.items()
-    }  # fmt: skip
+    }
     edges = [18, 25, 35, 45, 50, 56]
     for position, sample in enumerate(samples):
         user_id, item_id, rating, _ = inter[sample]
@@ -355,9 +392,15 @@ def test_batches_hold_each_chunks_samples_bag_by_bag(share: tuple[int, int]) -> 
     }
     features = tuple(data.SparseFeature(name, "t") for name in columns)
     dataset = data.CTRDataset(
-        "tiny", features, {}, columns, rng.random((samples, 2)).astype(np.float32),
-        rng.integers(0, 2, samples).astype(np.float32), np.arange(samples), np.arange(0),
-    )  # fmt: skip
+        "tiny",
+        features,
+        {},
+        columns,
+        rng.random((samples, 2)).astype(np.float32),
+        rng.integers(0, 2, samples).astype(np.float32),
+        np.arange(samples),
+        np.arange(0),
+    )
     order = np.random.default_rng(9).permutation(samples)
     rank, ranks = share
     chunks = [order[i : i + batch_size] for i in range(0, samples, batch_size)]

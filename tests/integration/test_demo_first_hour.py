@@ -43,9 +43,14 @@ def run_demo(*args: str, cwd: Path, addresses: str | None = None) -> subprocess.
     if addresses is not None:
         env["TIERPS_ADDRESSES"] = addresses
     return subprocess.run(
-        [sys.executable, "-m", "tierps.server.cli", "demo", *args], capture_output=True,
-        text=True, timeout=TIMEOUT_S, cwd=cwd, stdin=subprocess.DEVNULL, env=env,
-    )  # fmt: skip
+        [sys.executable, "-m", "tierps.server.cli", "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
 
 
 @requires_recbole
@@ -85,15 +90,17 @@ def test_on_a_running_cluster_replace_trains_and_its_snapshots_are_pruned(
     assert refused.returncode == 1 and "'synthetic.criteo'" in refused.stderr, refused.stderr
     saved = []
     for run in (1, 2):
-        result = run_demo(*TINY, "--replace", "--data-dir", data_dir, cwd=tmp_path,
-                          addresses=addresses)  # fmt: skip
+        result = run_demo(
+            *TINY, "--replace", "--data-dir", data_dir, cwd=tmp_path, addresses=addresses
+        )
         assert result.returncode == 0, f"run {run}:\n{result.stdout}\n{result.stderr}"
         saved.append(result.stdout.split("snapshot '")[1].split("'")[0])
     assert f"deleted 1 older demo snapshot(s) (--keep-snapshots 1): {saved[0]}" in result.stdout
     with EmbeddingClient(addresses.split(",")) as client:
         assert sorted(s["name"] for s in client.list_snapshots()) == [
-            saved[1], "users-own-snapshot"
-        ]  # fmt: skip
+            saved[1],
+            "users-own-snapshot",
+        ]
         assert {c.name for c in client.list_tables()} == {data.SYNTHETIC_TABLE, "users-own"}
     assert not (tmp_path / "data" / "demo-cluster-2").exists()  # no cluster of its own
 
@@ -105,8 +112,16 @@ def test_on_a_running_cluster_job_checkpoints_are_pruned_there(
     addresses = ",".join(f"127.0.0.1:{server.port}" for server in servers)
     data_dir = tmp_path / "data"
     for run in (1, 2):  # 2 checkpoints a job (its start, its epoch); 1 kept after each
-        result = run_demo(*TINY, "--trainers", "1", "--replace", "--data-dir", str(data_dir),
-                          cwd=tmp_path, addresses=addresses)  # fmt: skip
+        result = run_demo(
+            *TINY,
+            "--trainers",
+            "1",
+            "--replace",
+            "--data-dir",
+            str(data_dir),
+            cwd=tmp_path,
+            addresses=addresses,
+        )
         assert result.returncode == 0, f"run {run}:\n{result.stdout}\n{result.stderr}"
     assert "deleted 2 older job checkpoint(s) (--keep-snapshots 1)" in result.stdout
     (kept,) = data_dir.glob("checkpoints/*/*.pt")
@@ -150,9 +165,7 @@ def test_the_demo_cluster_keeps_only_the_tables_of_the_dataset_it_trains(tmp_pat
     ):
         assert [c.name for c in client.list_tables()] == [data.SYNTHETIC_TABLE]
         (info,) = client.list_snapshots()
-        assert info["name"] == snapshot.name and list(info["table_rows"]) == [
-            data.SYNTHETIC_TABLE
-        ]  # fmt: skip
+        assert info["name"] == snapshot.name and list(info["table_rows"]) == [data.SYNTHETIC_TABLE]
 
 
 def _processes_naming(text: str) -> list[str]:
@@ -180,16 +193,30 @@ def test_ctrl_c_stops_the_demo_with_one_line(
     (at a snapshot being written, if one is seen first); or SIGTERM to the demo alone, as
     `kill PID` sends it, which its torchrun (in a session of its own) does not hear."""
     data_dir = tmp_path / "data"
-    args = ["--dataset", "synthetic", "--samples", "20000", "--epochs", "30",
-            "--batch-size", "256", "--data-dir", str(data_dir)]  # fmt: skip
+    args = [
+        "--dataset",
+        "synthetic",
+        "--samples",
+        "20000",
+        "--epochs",
+        "30",
+        "--batch-size",
+        "256",
+        "--data-dir",
+        str(data_dir),
+    ]
     if trainers:
         args += ["--trainers", str(trainers)]
     env = {k: v for k, v in os.environ.items() if k != "TIERPS_ADDRESSES"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "tierps.server.cli", "demo", *args], cwd=tmp_path, env=env,
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, "-m", "tierps.server.cli", "demo", *args],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         out, err = _until_training(process, data_dir / "snapshots")
         if stop == "ctrl-c":

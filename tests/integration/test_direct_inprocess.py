@@ -35,9 +35,14 @@ from tierps.storage import TableConfig, init, optim
 CAPACITY = 50
 LR = 0.5
 DIRECT = TableConfig(
-    "d", DIM, initializer=init.Normal(0.0, 0.1), optimizer=optim.SGD(lr=LR), seed=11,
-    use_hashtable=False, capacity=CAPACITY,
-)  # fmt: skip
+    "d",
+    DIM,
+    initializer=init.Normal(0.0, 0.1),
+    optimizer=optim.SGD(lr=LR),
+    seed=11,
+    use_hashtable=False,
+    capacity=CAPACITY,
+)
 
 
 def test_a_direct_table_serves_keys_in_range_and_refuses_the_others(
@@ -69,13 +74,15 @@ def test_a_direct_table_serves_keys_in_range_and_refuses_the_others(
     refused(CODE.INVALID_ARGUMENT, lambda: lookup(stubs, "d", bad), *needles)
     refused(CODE.INVALID_ARGUMENT, lambda: lookup(stubs, "d", bad, create=False), *needles)
     refused(
-        CODE.INVALID_ARGUMENT, lambda: push(stubs, "d", bad, np.ones((2, DIM), np.float32), 2),
+        CODE.INVALID_ARGUMENT,
+        lambda: push(stubs, "d", bad, np.ones((2, DIM), np.float32), 2),
         *needles,
-    )  # fmt: skip
+    )
     refused(
-        CODE.INVALID_ARGUMENT, lambda: assign(stubs, "d", bad, np.ones((2, DIM), np.float32)),
+        CODE.INVALID_ARGUMENT,
+        lambda: assign(stubs, "d", bad, np.ones((2, DIM), np.float32)),
         *needles,
-    )  # fmt: skip
+    )
     huge = as_keys([2**62])
     refused(CODE.INVALID_ARGUMENT, lambda: lookup(stubs, "d", huge), f"got key {2**62} at index 0")
     assert_same_state(before, shard_state(server))
@@ -95,17 +102,23 @@ def test_a_key_out_of_range_in_a_later_batch_refuses_the_whole_call(
     good_keys = as_keys([1, 2, 3]).tobytes()
     bad_keys = as_keys([4, CAPACITY + 3, 5]).tobytes()
     values = np.ones((3, DIM), np.float32).tobytes()
-    pushes = [*wire.push_requests("t", DIM, 2, good_keys, values),
-              *wire.push_requests("d", DIM, 2, bad_keys, values)]  # fmt: skip
-    assigns = [pb.AssignRequest(table="t", dim=DIM, keys=good_keys, values=values),
-               pb.AssignRequest(table="d", dim=DIM, keys=bad_keys, values=values)]  # fmt: skip
+    pushes = [
+        *wire.push_requests("t", DIM, 2, good_keys, values),
+        *wire.push_requests("d", DIM, 2, bad_keys, values),
+    ]
+    assigns = [
+        pb.AssignRequest(table="t", dim=DIM, keys=good_keys, values=values),
+        pb.AssignRequest(table="d", dim=DIM, keys=bad_keys, values=values),
+    ]
     needles = ("table 'd'", f"got key {CAPACITY + 3} at index 1", f"[0, {CAPACITY})")
     refused(CODE.INVALID_ARGUMENT, lambda: call_raw(stubs, "PushGradients", pushes), *needles)
     refused(CODE.INVALID_ARGUMENT, lambda: call_raw(stubs, "Assign", assigns), *needles)
     assert_same_state(before, shard_state(server))
     # A training lookup too: table t's new keys get no row when table d's batch is refused.
-    lookups = [pb.LookupRequest(table="t", dim=DIM, create=True, keys=good_keys),
-               pb.LookupRequest(table="d", dim=DIM, create=True, keys=bad_keys)]  # fmt: skip
+    lookups = [
+        pb.LookupRequest(table="t", dim=DIM, create=True, keys=good_keys),
+        pb.LookupRequest(table="d", dim=DIM, create=True, keys=bad_keys),
+    ]
     refused(CODE.INVALID_ARGUMENT, lambda: call_raw(stubs, "Lookup", lookups), *needles)
     refused(
         CODE.INVALID_ARGUMENT,
@@ -126,9 +139,11 @@ def test_shard_i_of_two_holds_the_keys_of_its_residue_in_range(
     before = shard_state(server)
     # a key of this shard's residue beyond capacity: out of range
     refused(
-        CODE.INVALID_ARGUMENT, lambda: lookup(stubs, "d", [5, CAPACITY + 1]),
-        f"got key {CAPACITY + 1} at index 1", f"[0, {CAPACITY})",
-    )  # fmt: skip
+        CODE.INVALID_ARGUMENT,
+        lambda: lookup(stubs, "d", [5, CAPACITY + 1]),
+        f"got key {CAPACITY + 1} at index 1",
+        f"[0, {CAPACITY})",
+    )
     # a key of the other shard: refused by the shard check, as for any table
     refused(CODE.INVALID_ARGUMENT, lambda: lookup(stubs, "d", [4]), "key 4 at index 0", "shard 0")
     assert_same_state(before, shard_state(server))

@@ -23,9 +23,14 @@ from tierps.server.daemon import ShardServer
 ServerFactory = Callable[..., ShardServer]
 DIM = 4
 STALE = TableConfig(
-    "clicks", DIM, initializer=init.Normal(0.0, 0.1), optimizer=optim.SGD(lr=0.1), seed=3,
-    steps_to_live=5, host_cache_bytes=1024,  # a few rows in the cache, the rest in RocksDB
-)  # fmt: skip
+    "clicks",
+    DIM,
+    initializer=init.Normal(0.0, 0.1),
+    optimizer=optim.SGD(lr=0.1),
+    seed=3,
+    steps_to_live=5,
+    host_cache_bytes=1024,  # a few rows in the cache, the rest in RocksDB
+)
 SMALL = TableConfig(
     "views", DIM, optimizer=optim.SGD(lr=0.1), min_l2_norm=0.5, evict_before_snapshot=True
 )
@@ -63,9 +68,11 @@ def test_evict_removes_stale_rows_on_every_shard_and_sums_them(
     result = client.evict("clicks")
     per_shard = [sum(1 for k in gone if k % 2 == shard) for shard in range(2)]
     assert result == {
-        "table": "clicks", "removed": len(gone), "per_shard": per_shard,
+        "table": "clicks",
+        "removed": len(gone),
+        "per_shard": per_shard,
         "current_step": [current, current],
-    }  # fmt: skip
+    }
     keys = np.array(gone)
     np.testing.assert_array_equal(
         client.lookup("clicks", keys, create=False), STALE.initial_rows(keys)[:, :DIM]
@@ -81,8 +88,11 @@ def test_evict_removes_stale_rows_on_every_shard_and_sums_them(
     client.create_table(TableConfig("plain", DIM))
     client.push_gradients("plain", np.arange(4), np.ones((4, DIM), np.float32), step=100)
     assert client.evict("plain") == {
-        "table": "plain", "removed": 0, "per_shard": [0, 0], "current_step": [100, 100]
-    }  # fmt: skip
+        "table": "plain",
+        "removed": 0,
+        "per_shard": [0, 0],
+        "current_step": [100, 100],
+    }
     assert client.describe("plain")[0]["lifecycle"] == {}
 
 
@@ -95,9 +105,7 @@ def test_a_snapshot_of_a_table_with_evict_before_snapshot_lacks_the_evicted_rows
     keys = np.arange(60)
     values = (rng.standard_normal((60, DIM)) * 0.4).astype(np.float32)
     client.assign("views", keys, values)
-    small = sorted(
-        int(k) for k in keys if math.sqrt(sum(float(x) ** 2 for x in values[k])) < 0.5
-    )  # fmt: skip
+    small = sorted(int(k) for k in keys if math.sqrt(sum(float(x) ** 2 for x in values[k])) < 0.5)
     assert 0 < len(small) < 60
     saved = client.save_snapshot("day1")
     assert saved["evicted"] == len(small)
@@ -120,9 +128,13 @@ def test_the_admin_command_evicts_a_table(
     client.create_table(STALE)
     push_steps(client)
     command = [
-        sys.executable, "-m", "tierps.server.cli", "admin",
-        "--addresses", ",".join(s.address for s in servers),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "tierps.server.cli",
+        "admin",
+        "--addresses",
+        ",".join(s.address for s in servers),
+    ]
     done = subprocess.run([*command, "evict", "clicks"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "table 'clicks': evicted 20 rows (shard 0: 10 (step 7), shard 1: 10 (step 7))" in (
@@ -198,11 +210,19 @@ def test_a_key_pushed_twice_at_the_largest_step_is_refused_and_a_save_keeps_ever
         client.push_gradients("guarded", keys, np.ones((keys.size, DIM), np.float32), step=step)
     for _ in range(2):
         with pytest.raises(ShardError) as refused:
-            client.push_gradients("guarded", np.array([7]), np.ones((1, DIM), np.float32),
-                                  step=MAX_STEP)  # fmt: skip
+            client.push_gradients(
+                "guarded", np.array([7]), np.ones((1, DIM), np.float32), step=MAX_STEP
+            )
         assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
-        for needle in ("'guarded'", "shard 1", f"got {MAX_STEP}", "clock", "is 2",
-                       f"max_step_leap {DEFAULT_MAX_STEP_LEAP}", "--max-step-leap"):  # fmt: skip
+        for needle in (
+            "'guarded'",
+            "shard 1",
+            f"got {MAX_STEP}",
+            "clock",
+            "is 2",
+            f"max_step_leap {DEFAULT_MAX_STEP_LEAP}",
+            "--max-step-leap",
+        ):
             assert needle in refused.value.details, (needle, refused.value.details)
     assert [shard["current_step"] for shard in client.describe("guarded")] == [2, 2]
     saved = client.save_snapshot("kept")

@@ -25,9 +25,13 @@ DIM = 8
 KEYS = 2000  # distinct keys of the trace: ~10x what the GPU tier holds
 GPU_ROWS_BYTES = 24 << 10  # per table and shard: ~200 Adam rows of dim 8 with their index
 TABLE = TableConfig(
-    "items", DIM, initializer=init.Normal(0.0, 0.1), optimizer=optim.Adam(lr=0.01), seed=5,
+    "items",
+    DIM,
+    initializer=init.Normal(0.0, 0.1),
+    optimizer=optim.Adam(lr=0.01),
+    seed=5,
     host_cache_bytes=64 << 10,  # a few hundred rows on the host: the rest in RocksDB
-)  # fmt: skip
+)
 
 
 @pytest.fixture(params=["numpy", "cupy"])
@@ -176,9 +180,18 @@ def test_a_table_can_ask_for_its_own_gpu_cache_and_metrics_show_the_gpu_tier(
 
 def _serve(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     command = [
-        sys.executable, "-m", "tierps.server.cli", "serve", "--shard-id", "0",
-        "--num-shards", "1", "--data-dir", str(tmp_path / "data"), *flags,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "tierps.server.cli",
+        "serve",
+        "--shard-id",
+        "0",
+        "--num-shards",
+        "1",
+        "--data-dir",
+        str(tmp_path / "data"),
+        *flags,
+    ]
     return subprocess.run(
         command, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
     )

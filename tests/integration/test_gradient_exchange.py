@@ -54,14 +54,15 @@ def cases(world: int) -> dict[str, list[Pushes]]:
     empty = {t: (np.empty(0, np.int64), np.empty((0, DIMS[t]), np.float32)) for t in TABLES}
     mostly_owned_by_0 = [  # every rank's keys, but the last rank's are all owned by rank 0
         *(push(rng, TABLES, 60, 25) for _ in range(world - 1)),
-        {t: (np.arange(0, 60, world, dtype=np.int64), gradients(rng, 60 // world, DIMS[t]))
-         for t in TABLES},
-    ]  # fmt: skip
+        {
+            t: (np.arange(0, 60, world, dtype=np.int64), gradients(rng, 60 // world, DIMS[t]))
+            for t in TABLES
+        },
+    ]
     return {
         "tables of different dims": [push(rng, TABLES, 60, 30) for _ in range(world)],
         "a table on rank 0 only": [
-            push(rng, ("a", "b", "c") if rank == 0 else ("a", "c"), 40, 20)
-            for rank in range(world)
+            push(rng, ("a", "b", "c") if rank == 0 else ("a", "c"), 40, 20) for rank in range(world)
         ],
         "a rank with no keys of its own": [
             *(push(rng, TABLES, 60, 30) for _ in range(world - 1)),
@@ -154,8 +155,11 @@ def exchanged(
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a.view(np.uint32),
-                                                                        b.view(np.uint32))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    )
 
 
 def assert_owners_sums_are(owned: list[Pushes], expected: Pushes, world: int) -> None:
@@ -222,6 +226,9 @@ def test_ranks_whose_dims_of_a_table_differ_all_refuse_and_stay_in_step(
 
 def test_a_push_of_a_table_outside_the_group_is_refused_before_any_collective() -> None:
     pushes = {"z": (np.arange(2, dtype=np.int64), np.ones((2, 4), np.float32))}
-    with pytest.raises(ValueError, match=r"expected of the group's tables \['a', 'b', 'c'\], "
-                       r"got tables \['z'\] besides"):
+    with pytest.raises(
+        ValueError,
+        match=r"expected of the group's tables \['a', 'b', 'c'\], "
+        r"got tables \['z'\] besides",
+    ):
         exchange_gradients(pushes, TABLES)

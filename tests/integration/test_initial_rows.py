@@ -41,8 +41,9 @@ def test_rows_given_as_keys_and_values_are_the_tables_first_rows(
     _, client = cluster
     keys, values = np.array([10, 3, 7, 22, 5]), matrix(5)
     lr = 0.1
-    assert client.create_table(TableConfig("t", DIM, optimizer=optim.Adam(lr=lr)),
-                               initial=(keys, values))  # fmt: skip
+    assert client.create_table(
+        TableConfig("t", DIM, optimizer=optim.Adam(lr=lr)), initial=(keys, values)
+    )
     np.testing.assert_array_equal(client.lookup("t", keys, create=False), values)
     # The optimizer state is fresh: one Adam step matches torch's SparseAdam from these rows.
     grads = matrix(5, seed=1)
@@ -77,19 +78,29 @@ def test_rows_read_from_a_file(
 
 
 BAD: dict[str, tuple[Callable[[Path], Any], list[str]]] = {
-    "wrong dim": (lambda p: (np.arange(3), np.zeros((3, DIM + 1), np.float32)),
-                  ["'initial values'", f"(3, {DIM})", f"(3, {DIM + 1})"]),
-    "NaN": (lambda p: (np.arange(2), np.array([[0, 0, np.nan, 0], [0] * 4], np.float32)),
-            ["'initial values'", "finite", "nan"]),
-    "repeated key": (lambda p: (np.array([4, 1, 4]), np.zeros((3, DIM), np.float32)),
-                     ["distinct", "key 4 2 times"]),
-    "negative key": (lambda p: (np.array([1, -3]), np.zeros((2, DIM), np.float32)),
-                     [">= 0", "-3 at index 1"]),
+    "wrong dim": (
+        lambda p: (np.arange(3), np.zeros((3, DIM + 1), np.float32)),
+        ["'initial values'", f"(3, {DIM})", f"(3, {DIM + 1})"],
+    ),
+    "NaN": (
+        lambda p: (np.arange(2), np.array([[0, 0, np.nan, 0], [0] * 4], np.float32)),
+        ["'initial values'", "finite", "nan"],
+    ),
+    "repeated key": (
+        lambda p: (np.array([4, 1, 4]), np.zeros((3, DIM), np.float32)),
+        ["distinct", "key 4 2 times"],
+    ),
+    "negative key": (
+        lambda p: (np.array([1, -3]), np.zeros((2, DIM), np.float32)),
+        [">= 0", "-3 at index 1"],
+    ),
     "missing file": (lambda p: p / "none.npy", ["could not be read", "none.npy"]),
     "other suffix": (lambda p: p / "rows.csv", ["expected a .npy or .npz path", "rows.csv"]),
-    "beyond a direct table": (lambda p: (np.array([0, 8]), np.zeros((2, DIM), np.float32)),
-                              ["[0, 8)", "capacity", "got 8 at index 1"]),
-}  # fmt: skip
+    "beyond a direct table": (
+        lambda p: (np.array([0, 8]), np.zeros((2, DIM), np.float32)),
+        ["[0, 8)", "capacity", "got 8 at index 1"],
+    ),
+}
 
 
 @pytest.mark.parametrize("case", BAD, ids=list(BAD))
@@ -128,10 +139,18 @@ def test_the_admin_command_creates_a_table_from_a_file_read_on_its_side(
     (tmp_path / "items.json").write_text(json.dumps(config.to_dict()))
     np.save(tmp_path / "items.npy", matrix(9))
     command = [
-        sys.executable, "-m", "tierps.server.cli", "admin",
-        "--addresses", ",".join(s.address for s in servers),
-        "create", "--config", str(tmp_path / "items.json"), "--init", str(tmp_path / "items.npy"),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "tierps.server.cli",
+        "admin",
+        "--addresses",
+        ",".join(s.address for s in servers),
+        "create",
+        "--config",
+        str(tmp_path / "items.json"),
+        "--init",
+        str(tmp_path / "items.npy"),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "table 'items' created on 2 shards, initial rows from" in done.stdout

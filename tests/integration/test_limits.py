@@ -207,9 +207,11 @@ def test_a_refused_1gib_push_costs_at_most_the_byte_budget_and_a_few_messages(
         peak = _status_kib(pid, "VmHWM")
         grown_kib = peak - before_rss
         bound_kib = (BUDGET_MIB << 10) + (6 + 10) * (wire.CHUNK_BYTES >> 10)
-        print(f"refused 1 GiB push: peak RSS {peak / 1024:.0f} MiB, grown {grown_kib / 1024:.1f} "
-              f"MiB over {before_rss / 1024:.0f} MiB; bound "
-              f"{bound_kib / 1024:.0f} MiB")  # fmt: skip
+        print(
+            f"refused 1 GiB push: peak RSS {peak / 1024:.0f} MiB, grown {grown_kib / 1024:.1f} "
+            f"MiB over {before_rss / 1024:.0f} MiB; bound "
+            f"{bound_kib / 1024:.0f} MiB"
+        )
         assert grown_kib <= bound_kib
         deadline = time.monotonic() + 5
         while _status_kib(pid, "VmRSS") > before_rss + 8 * (wire.CHUNK_BYTES >> 10):
@@ -262,10 +264,12 @@ def test_a_declared_1gib_push_is_refused_before_a_message_is_read(tmp_path: Path
         peak = _status_kib(pid, "VmHWM")
         grown_kib = peak - before_rss
         bound_kib = 4 * (wire.CHUNK_BYTES >> 10)
-        print(f"refused declared 1 GiB push in {elapsed * 1e3:.0f} ms: peak RSS "
-              f"{peak / 1024:.0f} MiB, grown {grown_kib / 1024:.1f} MiB over "
-              f"{before_rss / 1024:.0f} MiB; bound "
-              f"{bound_kib / 1024:.0f} MiB")  # fmt: skip
+        print(
+            f"refused declared 1 GiB push in {elapsed * 1e3:.0f} ms: peak RSS "
+            f"{peak / 1024:.0f} MiB, grown {grown_kib / 1024:.1f} MiB over "
+            f"{before_rss / 1024:.0f} MiB; bound "
+            f"{bound_kib / 1024:.0f} MiB"
+        )
         assert grown_kib <= bound_kib
         assert client.describe("t")[0]["current_step"] == 0  # nothing of the push was applied
 
@@ -304,8 +308,9 @@ def test_declared_calls_reserve_the_budget_and_one_past_it_is_refused(
             started.append(threading.Event())
             keys = np.arange(index * n, (index + 1) * n)
             stream = held_push(dim, keys, index + 1, started[index], go)
-            calls.append(stub.PushGradients.future(
-                stream, timeout=30, metadata=wire.declared(declared)))  # fmt: skip
+            calls.append(
+                stub.PushGradients.future(stream, timeout=30, metadata=wire.declared(declared))
+            )
         assert all(event.wait(10) for event in started)
         # a stream's first message is on its way once its generator is asked for the second:
         # the shard admits the call (and reserves its bytes) a moment later
@@ -317,9 +322,11 @@ def test_declared_calls_reserve_the_budget_and_one_past_it_is_refused(
         with pytest.raises(grpc.RpcError) as refused:
             stub.PushGradients(third, timeout=30, metadata=wire.declared(declared))
         assert refused.value.code() is CODE.RESOURCE_EXHAUSTED
-        assert (f"shard 0: request of {declared} bytes declared (tierps-request-bytes), expected "
-                f"at most the {budget - 2 * declared} bytes left of this shard's budget of "
-                f"{budget}") in refused.value.details()  # fmt: skip
+        assert (
+            f"shard 0: request of {declared} bytes declared (tierps-request-bytes), expected "
+            f"at most the {budget - 2 * declared} bytes left of this shard's budget of "
+            f"{budget}"
+        ) in refused.value.details()
         go.set()
         assert [call.result().num_keys for call in calls] == [n, n]
         after = client.lookup("t", np.arange(3 * n))
@@ -438,12 +445,12 @@ def test_refused_one_message_calls_cost_the_shard_one_window_each(
     code, words = EXPECTED[case.name]
     window = dict(RECEIVE_WINDOW_OPTIONS)["grpc.http2.lookahead_bytes"]
     bound_kib = (
-        result.admitted_bytes
-        + refused_memory.CALLS * window
-        + SLACK_MESSAGES * wire.CHUNK_BYTES
-    ) >> 10  # fmt: skip
-    print(f"\n{refused_memory.table([result])}\nbound: {bound_kib / 1024:.0f} MiB over the "
-          f"baseline; refusal: {result.details[:200]}")  # fmt: skip
+        result.admitted_bytes + refused_memory.CALLS * window + SLACK_MESSAGES * wire.CHUNK_BYTES
+    ) >> 10
+    print(
+        f"\n{refused_memory.table([result])}\nbound: {bound_kib / 1024:.0f} MiB over the "
+        f"baseline; refusal: {result.details[:200]}"
+    )
     assert result.codes == (code.name,) * refused_memory.CALLS
     assert words in result.details
     assert result.peak_kib - result.baseline_kib <= bound_kib
@@ -490,17 +497,20 @@ def test_an_undeclared_one_message_data_call_reserves_the_receive_limit(
         sent, go = threading.Event(), threading.Event()
         declared = wire.stream_bytes("t", dim, 1, n, 4 * dim, 1 << 20)
         holder = stub.PushGradients.future(
-            held_push(dim, np.arange(n), 1, sent, go), timeout=30,
+            held_push(dim, np.arange(n), 1, sent, go),
+            timeout=30,
             metadata=wire.declared(declared),
-        )  # fmt: skip
+        )
         try:
             assert sent.wait(10)
             with pytest.raises(grpc.RpcError) as refused:
                 lookup(lookup_batch, timeout=10)
             assert refused.value.code() is CODE.RESOURCE_EXHAUSTED
-            assert (f"a one-message request of up to {budget} bytes (the receive limit: it "
-                    f"declared none in tierps-request-bytes), expected at most the "
-                    f"{budget - declared} bytes left") in refused.value.details()  # fmt: skip
+            assert (
+                f"a one-message request of up to {budget} bytes (the receive limit: it "
+                f"declared none in tierps-request-bytes), expected at most the "
+                f"{budget - declared} bytes left"
+            ) in refused.value.details()
             assert lookup(lookup_batch, timeout=10, metadata=wire.declared(len(lookup_batch)))
             tables = pb_grpc.AdminServiceStub(channel).ListTables(pb.ListTablesRequest())
             assert [t.name for t in tables.tables] == ["t"]

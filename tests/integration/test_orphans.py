@@ -97,8 +97,10 @@ for _ in write_part(root, name, save_id, int(shard), int(shards), [(config, chun
 def child(script: str, *args: object) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", script, *map(str, args)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for(process: subprocess.Popen[str], word: str) -> str:
@@ -196,9 +198,11 @@ def test_staged_families_of_loads_killed_mid_staging_are_dropped_at_the_next_ope
     finally:
         store.close()
     restarted, restarted_data = tree_bytes(path), tree_bytes(path, info_logs=False)
-    print(f"\ndata dir: {before} bytes before ({before_data} without RocksDB's info logs), "
-          f"{after_kills} after 3 kills mid-staging, {restarted} after the restart "
-          f"({restarted_data})")  # fmt: skip
+    print(
+        f"\ndata dir: {before} bytes before ({before_data} without RocksDB's info logs), "
+        f"{after_kills} after 3 kills mid-staging, {restarted} after the restart "
+        f"({restarted_data})"
+    )
     assert after_kills > before + (10 << 20)
     # the rows: RocksDB's tables and write-ahead log, exactly; its OPTIONS and MANIFEST files
     # are rewritten at each open, a few KiB either way
@@ -222,8 +226,9 @@ def test_the_family_a_load_replaced_is_dropped_when_the_load_was_killed_after_it
         assert "table.t" not in Rdict.list_cf(str(path))
         keys, bits = rows_bits(store)  # the load's rows are the live ones: it was installed
         assert np.array_equal(keys, np.arange(1000))
-        assert np.array_equal(bits, np.full((1000, TABLE.row_width), 0.25, np.float32).view(
-            np.uint32))  # fmt: skip
+        assert np.array_equal(
+            bits, np.full((1000, TABLE.row_width), 0.25, np.float32).view(np.uint32)
+        )
     finally:
         store.close()
 
@@ -245,8 +250,9 @@ def test_a_part_whose_writer_was_killed_is_removed_at_the_shards_start_and_nothi
     abandoned = root / "daily" / "killedsave" / part_name(0, 2)
     writing = root / "daily" / "livesave" / part_name(0, 2)
     assert (abandoned / "t.keys").stat().st_size == 80_000  # the first chunk's keys
-    abandoned_bytes = tree_bytes(abandoned) + (abandoned.parent / f".{abandoned.name}.writing"
-                                               ).stat().st_size  # fmt: skip
+    abandoned_bytes = (
+        tree_bytes(abandoned) + (abandoned.parent / f".{abandoned.name}.writing").stat().st_size
+    )
 
     config = TableConfig("t", DIM)
 
@@ -264,8 +270,9 @@ def test_a_part_whose_writer_was_killed_is_removed_at_the_shards_start_and_nothi
     kept.pop(abandoned.parent / f".{abandoned.name}.writing")
 
     with caplog.at_level(logging.WARNING, logger="tierps.storage"):
-        shard = Shard(ServerConfig(shard_id=0, num_shards=2, data_dir=tmp_path / "d0",
-                                   snapshot_dir=root))  # fmt: skip
+        shard = Shard(
+            ServerConfig(shard_id=0, num_shards=2, data_dir=tmp_path / "d0", snapshot_dir=root)
+        )
     shard.close()
     assert not abandoned.exists()
     assert not (abandoned.parent / f".{abandoned.name}.writing").exists()
@@ -277,8 +284,9 @@ def test_a_part_whose_writer_was_killed_is_removed_at_the_shards_start_and_nothi
     Snapshot(root, "committed").verify()
 
     kill_9(live)  # now that writer is dead too: the next start removes its part
-    shard = Shard(ServerConfig(shard_id=0, num_shards=2, data_dir=tmp_path / "d0",
-                               snapshot_dir=root))  # fmt: skip
+    shard = Shard(
+        ServerConfig(shard_id=0, num_shards=2, data_dir=tmp_path / "d0", snapshot_dir=root)
+    )
     shard.close()
     assert not writing.exists()
     assert (root / "uncommitted" / "waiting" / f"{part_name(0, 2)}.json").exists()

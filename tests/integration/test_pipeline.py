@@ -163,9 +163,11 @@ def test_staleness_0_trains_exactly_as_torch(cluster: tuple[EmbeddingClient, lis
 
     got, rows, lookups = tierps_schedule(client, servers, steps, staleness=0)
     want, history = torch_schedule(
-        start, steps, lambda p: torch.optim.SparseAdam(p, lr=0.01, betas=(0.8, 0.95), eps=1e-6),
+        start,
+        steps,
+        lambda p: torch.optim.SparseAdam(p, lr=0.01, betas=(0.8, 0.95), eps=1e-6),
         stale=False,
-    )  # fmt: skip
+    )
 
     assert lookups == len(servers) * STEPS  # no prefetched lookup was made twice
     assert_schedules_agree(got, rows, want, history[-1], ATOL, ATOL)

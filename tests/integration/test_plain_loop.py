@@ -57,9 +57,7 @@ def batches_of(steps: list) -> list[dict[str, np.ndarray]]:
     return [{name: KEYS[rows[name]] for name in rows} for rows, _ in steps]
 
 
-def plain_loop(
-    module: Any, steps: list, synchronous: bool = False
-) -> list[dict[str, np.ndarray]]:
+def plain_loop(module: Any, steps: list, synchronous: bool = False) -> list[dict[str, np.ndarray]]:
     """The steps through the plain loop; `synchronous`: flush() after each backward, so
     that backward returns once its push is applied. Returns each step's outputs."""
     outputs = []
@@ -90,15 +88,18 @@ def test_the_plain_loop_trains_as_torch_with_one_call_per_shard_a_step(cluster: 
     got = plain_loop(module, steps)
     rows = client.lookup("t", KEYS, create=False)  # sees the last push, still held till now
 
-    made = {m: [n - b for n, b in zip(served(servers, m), was, strict=True)]
-            for m, was in before.items()}  # fmt: skip
+    made = {
+        m: [n - b for n, b in zip(served(servers, m), was, strict=True)]
+        for m, was in before.items()
+    }
     # alone: the first forward's lookup, the last push (sent by the client's read) and the read
     assert made == {"Lookup": [2, 2], "PushGradients": [1, 1], "PushThenLookup": [STEPS - 1] * 2}
     want, history = torch_schedule(start, steps, torch_adam, stale=False)
     for t, (have, expected) in enumerate(zip(got, want, strict=True)):
         for name in expected:
-            np.testing.assert_allclose(have[name], expected[name], rtol=0, atol=ATOL,
-                                       err_msg=f"step {t} {name}")  # fmt: skip
+            np.testing.assert_allclose(
+                have[name], expected[name], rtol=0, atol=ATOL, err_msg=f"step {t} {name}"
+            )
     np.testing.assert_allclose(rows, history[-1], rtol=0, atol=ATOL, err_msg="final rows")
 
     client.drop_table("t")  # again, through the synchronous loop
@@ -135,15 +136,21 @@ def test_two_modules_on_their_own_tables_train_as_torch(cluster: Cluster) -> Non
         ) * torch.nn.functional.embedding_bag(
             torch.from_numpy(rows[::-1].copy()), weights["u"], mode="mean"
         )
-        np.testing.assert_allclose(ours.detach().numpy(), theirs.detach().numpy(), rtol=0,
-                                   atol=ATOL, err_msg=f"step {step}")  # fmt: skip
+        np.testing.assert_allclose(
+            ours.detach().numpy(),
+            theirs.detach().numpy(),
+            rtol=0,
+            atol=ATOL,
+            err_msg=f"step {step}",
+        )
         ((ours - target) ** 2).sum().backward()
         ((theirs - target) ** 2).sum().backward()
         reference.step()
         reference.zero_grad()
     for table, weight in weights.items():
-        np.testing.assert_allclose(client.lookup(table, KEYS, create=False),
-                                   weight.detach().numpy(), rtol=0, atol=ATOL)  # fmt: skip
+        np.testing.assert_allclose(
+            client.lookup(table, KEYS, create=False), weight.detach().numpy(), rtol=0, atol=ATOL
+        )
 
 
 def test_eval_and_no_grad_between_steps_see_the_held_push(cluster: Cluster) -> None:
@@ -171,11 +178,13 @@ def test_eval_and_no_grad_between_steps_see_the_held_push(cluster: Cluster) -> N
         after = torch.nn.functional.embedding_bag(
             torch.from_numpy(steps[0][0]["a"]), torch.from_numpy(history[t + 1]), mode="sum"
         )
-        np.testing.assert_allclose(out["a"].numpy(), after.numpy(), rtol=0, atol=ATOL,
-                                   err_msg=f"after step {t}")  # fmt: skip
+        np.testing.assert_allclose(
+            out["a"].numpy(), after.numpy(), rtol=0, atol=ATOL, err_msg=f"after step {t}"
+        )
     module.flush()
-    np.testing.assert_allclose(client.lookup("t", KEYS, create=False), history[-1], rtol=0,
-                               atol=ATOL)  # fmt: skip
+    np.testing.assert_allclose(
+        client.lookup("t", KEYS, create=False), history[-1], rtol=0, atol=ATOL
+    )
     assert sum(shard["created"] for shard in client.describe("t")) == 0  # none for `unseen`
 
 
@@ -203,10 +212,12 @@ def test_an_exception_in_a_step_leaves_the_other_steps_as_torch(cluster: Cluster
     want, history = torch_schedule(start, kept, torch_adam, stale=False)
     for t, (have, expected) in enumerate(zip(outputs[:1] + outputs[2:], want, strict=True)):
         for name in expected:
-            np.testing.assert_allclose(have[name], expected[name], rtol=0, atol=ATOL,
-                                       err_msg=f"step {t} {name}")  # fmt: skip
-    np.testing.assert_allclose(client.lookup("t", KEYS, create=False), history[-1], rtol=0,
-                               atol=ATOL)  # fmt: skip
+            np.testing.assert_allclose(
+                have[name], expected[name], rtol=0, atol=ATOL, err_msg=f"step {t} {name}"
+            )
+    np.testing.assert_allclose(
+        client.lookup("t", KEYS, create=False), history[-1], rtol=0, atol=ATOL
+    )
 
 
 def test_a_failed_push_is_raised_once_by_the_next_call_naming_its_backward_and_tables(
@@ -290,11 +301,14 @@ def test_a_push_no_forward_follows_is_applied_at_interpreter_exit(
         client.create_table(TableConfig("t", DIM, optimizer=optim.SGD(lr=0.5)))
         keys = np.arange(5, dtype=np.int64)
         start = client.lookup("t", keys)
-        done = subprocess.run([sys.executable, "-c", AT_EXIT, server.address],
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", AT_EXIT, server.address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         counts = np.bincount(np.arange(8) % 5, minlength=5).astype(np.float32)
         np.testing.assert_array_equal(
             client.lookup("t", keys, create=False), start - np.float32(0.5) * counts[:, None]
         )
-

@@ -60,14 +60,15 @@ LR = 0.5
 def _protobufs(pushes: list, lookups: list) -> pb.PushThenLookupRequest:
     return pb.PushThenLookupRequest(
         push=pb.PushGradientsBatches(
-            batches=[pb.PushGradientsRequest(table=t, dim=d, step=s, keys=k, grads=g)
-                     for t, d, s, k, g in pushes]
+            batches=[
+                pb.PushGradientsRequest(table=t, dim=d, step=s, keys=k, grads=g)
+                for t, d, s, k, g in pushes
+            ]
         ),
         lookup=pb.LookupBatches(
-            batches=[pb.LookupRequest(table=t, dim=d, create=c, keys=k)
-                     for t, d, c, k in lookups]
+            batches=[pb.LookupRequest(table=t, dim=d, create=c, keys=k) for t, d, c, k in lookups]
         ),
-    )  # fmt: skip
+    )
 
 
 def _encoded(pushes: list, lookups: list) -> bytes:
@@ -134,10 +135,12 @@ def _call(channel: grpc.Channel, pushes: list, lookups: list) -> tuple[np.ndarra
     """A raw PushThenLookup: pushes (table, dim, step, keys, grads), lookups (table, dim,
     create, keys); returns (the rows [n, dim] of every lookup batch, num_keys)."""
     request = _encoded(
-        [(t, d, s, k.astype("<i8").tobytes(), g.astype("<f4").tobytes())
-         for t, d, s, k, g in pushes],
+        [
+            (t, d, s, k.astype("<i8").tobytes(), g.astype("<f4").tobytes())
+            for t, d, s, k, g in pushes
+        ],
         [(t, d, c, k.astype("<i8").tobytes()) for t, d, c, k in lookups],
-    )  # fmt: skip
+    )
     values, num_keys = wire.push_then_lookup_reply(channel.unary_unary(METHOD)(request, timeout=10))
     return np.frombuffer(values, "<f4").reshape(-1, lookups[0][1]), num_keys
 
@@ -169,19 +172,21 @@ def test_a_shard_applies_the_push_then_serves_the_lookup_or_refuses_both(
         refused = {
             "a non-finite gradient": ([("t", DIM, 2, pushed, nan)], [("t", DIM, True, new)]),
             "a lookup of the wrong dim": (
-                [("t", DIM, 2, pushed, grads)], [("t", DIM + 1, True, new)]
+                [("t", DIM, 2, pushed, grads)],
+                [("t", DIM + 1, True, new)],
             ),
             "an unknown table in the push": (
                 [("t", DIM, 2, pushed, grads), ("absent", DIM, 2, pushed, grads)],
                 [("t", DIM, True, new)],
             ),
-        }  # fmt: skip
+        }
         for why, (pushes, lookups) in refused.items():
             with pytest.raises(grpc.RpcError) as raised:
                 _call(channel, pushes, lookups)
             assert raised.value.code() in (
-                grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
-            ), why  # fmt: skip
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.NOT_FOUND,
+            ), why
             trailing = dict(raised.value.trailing_metadata() or ())
             assert wire.PUSHED_HEADER not in trailing, why  # the push is not in
             assert_same_state(before, state([server]))
@@ -241,8 +246,13 @@ def _train(module: Any, batches: list[dict[str, np.ndarray]], fused: bool) -> li
         out = module(batch)
         loss = (out["a"] ** 2).sum() + (out["b"] - 1).abs().sum()
         loss.backward()
-        got.extend([out["a"].detach().numpy().copy(), out["b"].detach().numpy().copy(),
-                    loss.detach().numpy().copy()])  # fmt: skip
+        got.extend(
+            [
+                out["a"].detach().numpy().copy(),
+                out["b"].detach().numpy().copy(),
+                loss.detach().numpy().copy(),
+            ]
+        )
 
     if fused:
         for batch in module.pipeline(batches):
@@ -270,12 +280,16 @@ def test_a_pipeline_sends_one_call_per_shard_a_step_and_trains_bit_for_bit_as_be
     runs = {}
     for fused in (False, True):
         features = _tables(client, "fused" if fused else "separate")
-        before = [{m: calls(s, m) for m in ("PushThenLookup", "PushGradientsUnary",
-                                             "LookupUnary")} for s in two_shards]  # fmt: skip
+        before = [
+            {m: calls(s, m) for m in ("PushThenLookup", "PushGradientsUnary", "LookupUnary")}
+            for s in two_shards
+        ]
         with tierps_torch.EmbeddingBagCollection(client, features, staleness=1) as module:
             got = _train(module, _batches(seed=6), fused)
-        made = [{m: calls(s, m) - n for m, n in counts.items()}
-                for s, counts in zip(two_shards, before, strict=True)]  # fmt: skip
+        made = [
+            {m: calls(s, m) - n for m, n in counts.items()}
+            for s, counts in zip(two_shards, before, strict=True)
+        ]
         runs[fused] = (got, _rows(client, features), made)
     (separate, separate_rows, separate_calls), (fused, fused_rows, fused_calls) = runs.values()
     for index, (have, want) in enumerate(zip(fused, separate, strict=True)):
@@ -366,12 +380,14 @@ class OlderShard:
     def __init__(self, shard: ShardServer) -> None:
         self.channel = grpc.insecure_channel(shard.address, options=wire.channel_options())
         self.known = {
-            f"/{service.full_name}/{method.name}": (method.client_streaming,
-                                                     method.server_streaming)
+            f"/{service.full_name}/{method.name}": (
+                method.client_streaming,
+                method.server_streaming,
+            )
             for service in pb.DESCRIPTOR.services_by_name.values()
             for method in service.methods
             if method.name != "PushThenLookup"
-        }  # fmt: skip
+        }
         self.unknown = 0  # calls of a method it does not know
         self.server = grpc.server(ThreadPoolExecutor(8), options=wire.channel_options())
         self.server.add_generic_rpc_handlers((self,))  # type: ignore[arg-type]
@@ -444,7 +460,7 @@ def test_a_lookup_failing_after_its_push_keeps_the_push_and_says_so(
                     initializer=init.Zeros(),
                     optimizer=optim.SGD(lr=1.0),
                     host_cache_bytes=64 << 10,
-                )  # fmt: skip
+                )
             )
             client.push_gradients("t", resident, minus_one)
             filler = fill(fs, leave_bytes=64 << 10)
@@ -735,9 +751,11 @@ def test_a_held_push_is_sent_at_interpreter_exit(
     config = sgd_table("t", DIM, LR)
     client.create_table(config)
     done = subprocess.run(
-        [sys.executable, "-c", AT_EXIT, server.address], capture_output=True, text=True,
+        [sys.executable, "-c", AT_EXIT, server.address],
+        capture_output=True,
+        text=True,
         timeout=120,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr
     keys = np.arange(5, dtype=np.int64)
     counts = np.bincount((np.arange(8) % 5), minlength=keys.size).astype(np.float32)

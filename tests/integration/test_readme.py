@@ -88,8 +88,11 @@ def test_the_venv_is_activated_before_a_block_runs_bare_tierps_or_python() -> No
     blocks = list(BLOCK.finditer(text))
     (setup,) = [m for m in blocks if "python3 -m venv .venv" in m["code"]]
     bare = re.compile(r"^(?:tierps|python) ", re.M)
-    later = next(m for m in blocks if m.start() > setup.end() and (
-        m["lang"] == "python" or bare.search(m["code"])))  # fmt: skip
+    later = next(
+        m
+        for m in blocks
+        if m.start() > setup.end() and (m["lang"] == "python" or bare.search(m["code"]))
+    )
     between = text[setup.end() : later.start()]
     assert "source .venv/bin/activate" in between, between
 
@@ -101,9 +104,14 @@ class Background:
     def __init__(self, block: Block, cwd: Path, env: dict[str, str], text: str) -> None:
         self.block = block
         self.process = subprocess.Popen(
-            ["bash", "-e", "-c", block.code], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            ["bash", "-e", "-c", block.code],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.output = ""
         selector = selectors.DefaultSelector()
         selector.register(self.process.stdout, selectors.EVENT_READ)
@@ -161,10 +169,14 @@ def test_every_block_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyP
                 )
             else:
                 result = subprocess.run(
-                    ["bash", "-e", "-o", "pipefail", "-c", block.code], cwd=tmp_path, env=env,
-                    capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
+                    ["bash", "-e", "-o", "pipefail", "-c", block.code],
+                    cwd=tmp_path,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=COMMAND_TIMEOUT_S,
                     stdin=subprocess.DEVNULL,
-                )  # fmt: skip
+                )
                 assert result.returncode == 0, (
                     f"{block.where} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
                 )

@@ -135,12 +135,11 @@ def test_a_call_over_the_per_call_limit_is_call_too_large(
     _create(server)
     stubs = connect(server)
     declared = 64 << 20
-    messages = wire.push_requests("t", DIM, 1, np.arange(10, dtype="<i8").tobytes(),
-                                  np.zeros((10, DIM), "<f4").tobytes())  # fmt: skip
+    messages = wire.push_requests(
+        "t", DIM, 1, np.arange(10, dtype="<i8").tobytes(), np.zeros((10, DIM), "<f4").tobytes()
+    )
     refused = _refused(
-        lambda: stubs.embedding.PushGradients(
-            messages, timeout=T, metadata=wire.declared(declared)
-        )
+        lambda: stubs.embedding.PushGradients(messages, timeout=T, metadata=wire.declared(declared))
     )
     assert refused.code() is CODE.RESOURCE_EXHAUSTED
     reason, facts = error_info(refused)
@@ -173,9 +172,7 @@ def test_a_push_against_replaced_rows_is_table_replaced(
     generation = server.shard.store.table("t").generation.id
     request = _push_request("t", np.arange(4))
     refused = _refused(
-        lambda: _push_one(
-            connect(server), request, (wire.GENERATIONS_HEADER, str(generation + 1))
-        )
+        lambda: _push_one(connect(server), request, (wire.GENERATIONS_HEADER, str(generation + 1)))
     )
     assert refused.code() is CODE.ABORTED
     assert error_info(refused) == ("TABLE_REPLACED", {"table": "t", "shard": "0"})
@@ -315,8 +312,11 @@ def test_reworded_a_push_against_replaced_rows_learns_the_new_generation(
     with pytest.raises(ShardError) as raised:
         trainer.push_gradients("t", keys, grads)
     error = raised.value
-    assert (error.code, error.reason, error.details) == (CODE.ABORTED, Reason.TABLE_REPLACED,
-                                                         REWORDED)  # fmt: skip
+    assert (error.code, error.reason, error.details) == (
+        CODE.ABORTED,
+        Reason.TABLE_REPLACED,
+        REWORDED,
+    )
     assert error.facts == {"table": "t", "shard": "0"}
     trainer.push_gradients("t", keys, grads)  # against the loaded generation: applied
     step = np.float32(LR) * grads
@@ -373,8 +373,11 @@ def test_a_refusal_without_error_info_is_a_shard_error_without_a_reason() -> Non
         server.stop(None)
     error = raised.value
     assert (error.code, error.details, error.reason, error.facts) == (
-        CODE.NOT_FOUND, "words of an older server", None, {},
-    )  # fmt: skip
+        CODE.NOT_FOUND,
+        "words of an older server",
+        None,
+        {},
+    )
     assert str(error) == f"shard 0 at {address}: NOT_FOUND: words of an older server"
 
 

@@ -36,8 +36,12 @@ def _identity(data: bytes) -> bytes:
 
 def _call(channel: grpc.Channel, method: str, kind: str, messages: list[bytes]) -> Any:
     """A generic call sending `messages` as raw bytes; a response stream is drained."""
-    make = {"uu": channel.unary_unary, "us": channel.unary_stream,
-            "su": channel.stream_unary, "ss": channel.stream_stream}[kind]  # fmt: skip
+    make = {
+        "uu": channel.unary_unary,
+        "us": channel.unary_stream,
+        "su": channel.stream_unary,
+        "ss": channel.stream_stream,
+    }[kind]
     call = make(method, request_serializer=_identity, response_deserializer=_identity)
     request = iter(messages) if kind[0] == "s" else messages[0]
     reply = call(request, timeout=T)
@@ -97,9 +101,12 @@ def test_a_push_stream_with_an_undecodable_second_message_changes_nothing(
     keys = np.arange(6, dtype="<i8")
     before = _rows(stubs, keys)
     good = pb.PushGradientsRequest(
-        table="t", dim=DIM, step=1, keys=keys.tobytes(),
+        table="t",
+        dim=DIM,
+        step=1,
+        keys=keys.tobytes(),
         grads=np.ones((keys.size, DIM), "<f4").tobytes(),
-    ).SerializeToString()  # fmt: skip
+    ).SerializeToString()
     with pytest.raises(grpc.RpcError) as refused:
         _call(stubs.channel, DATA + "PushGradients", "su", [good, BAD_UTF8])
     assert refused.value.code() is CODE.INVALID_ARGUMENT, refused.value.details()

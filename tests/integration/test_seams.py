@@ -46,8 +46,7 @@ CODE = grpc.StatusCode
 
 
 def counting(name: str, **fields: Any) -> TableConfig:
-    return TableConfig(name, DIM, initializer=init.Zeros(), optimizer=optim.SGD(lr=1.0),
-                       **fields)  # fmt: skip
+    return TableConfig(name, DIM, initializer=init.Zeros(), optimizer=optim.SGD(lr=1.0), **fields)
 
 
 def ones(keys: np.ndarray) -> np.ndarray:
@@ -142,10 +141,13 @@ def test_a_storage_failure_between_tables_is_named_and_a_resend_applies_only_the
         batches = [PushBatch(name, DIM, keys, ones(keys), 1) for name in ("a", "b")]
         durable = shard.store.table("b").durable
         real_write = durable.write
-        failures = iter([
-            BackendError("rocksdb backend failed to write table 'b' (injected)")
-            if failure == "backend" else out_of_memory()
-        ])  # fmt: skip
+        failures = iter(
+            [
+                BackendError("rocksdb backend failed to write table 'b' (injected)")
+                if failure == "backend"
+                else out_of_memory()
+            ]
+        )
 
         def failing_write(*args: Any, **kwargs: Any) -> Any:
             failure = next(failures, None)
@@ -239,17 +241,16 @@ def test_a_push_id_is_applied_once_across_a_clean_restart(tmp_path: Path, policy
 
 
 @pytest.mark.parametrize("header", ["no-colon", ":5", "a:b", "x" * 65 + ":1", "a b:1"])
-def test_a_malformed_push_id_is_refused_and_applies_nothing(shard_server: Any, connect: Any,
-                                                            header: str) -> None:  # fmt: skip
+def test_a_malformed_push_id_is_refused_and_applies_nothing(
+    shard_server: Any, connect: Any, header: str
+) -> None:
     server = shard_server()
     with EmbeddingClient([f"127.0.0.1:{server.port}"]) as client:
         client.create_table(counting("t"))
     stubs = connect(server)
     keys = np.arange(3, dtype=np.int64)
     request = wire.encode_batches([("t", DIM, 1, (keys.tobytes(), ones(keys).tobytes()))])
-    push = stubs.channel.unary_unary(
-        "/tierps.v1.EmbeddingService/PushGradientsUnary"
-    )
+    push = stubs.channel.unary_unary("/tierps.v1.EmbeddingService/PushGradientsUnary")
     with pytest.raises(grpc.RpcError) as raised:
         push(request, metadata=((wire.PUSH_ID_HEADER, header),), timeout=10)
     assert raised.value.code() is CODE.INVALID_ARGUMENT
@@ -317,8 +318,10 @@ def test_pushes_during_a_load_are_refused_or_kept_and_the_trainer_is_told(
     assert kept > 0 and outcomes[-1][1] > loaded_at
     # every push acknowledged against the loaded rows is in them; none before was
     assert final == saved + kept, (final, saved, kept, codes.count("ok"))
-    print(f"pushes during a load: {codes.count('ok')} acknowledged, {kept} after the load "
-          f"(all kept), {codes.count('UNAVAILABLE')} refused as UNAVAILABLE, 1 ABORTED")
+    print(
+        f"pushes during a load: {codes.count('ok')} acknowledged, {kept} after the load "
+        f"(all kept), {codes.count('UNAVAILABLE')} refused as UNAVAILABLE, 1 ABORTED"
+    )
 
 
 # -- a shard knows its data dir --------------------------------------------------------------
@@ -326,9 +329,12 @@ def test_pushes_during_a_load_are_refused_or_kept_and_the_trainer_is_told(
 
 def test_a_wiped_data_dir_is_told_to_the_clients_that_knew_the_old_one(tmp_path: Path) -> None:
     cluster = LocalCluster(
-        2, tmp_path / "data", tmp_path / "snapshots", start_timeout_s=60,
+        2,
+        tmp_path / "data",
+        tmp_path / "snapshots",
+        start_timeout_s=60,
         base_port=free_base_port(2),
-    )  # fmt: skip
+    )
     keys = np.arange(40, dtype=np.int64)
     with cluster, EmbeddingClient(cluster.addresses) as client:
         client.create_table(counting("t", write_policy="write_through"))
@@ -358,15 +364,16 @@ def test_a_call_naming_too_many_tables_is_refused_before_any_lookup(
     stubs = connect(server)
     lookup = stubs.channel.unary_unary("/tierps.v1.EmbeddingService/LookupUnary")
     key = np.array([1], dtype=np.int64).tobytes()
-    for count, code in ((MAX_BATCHES_PER_CALL, CODE.NOT_FOUND),
-                        (40_000, CODE.INVALID_ARGUMENT)):  # fmt: skip
+    for count, code in ((MAX_BATCHES_PER_CALL, CODE.NOT_FOUND), (40_000, CODE.INVALID_ARGUMENT)):
         request = wire.encode_batches([(f"unknown-{i}", DIM, 0, (key,)) for i in range(count)])
         started = time.process_time()
         with pytest.raises(grpc.RpcError) as raised:
             lookup(request, timeout=60)
         assert raised.value.code() is code, raised.value.details()[:300]
-        print(f"{count} unknown tables: {raised.value.code().name} after "
-              f"{time.process_time() - started:.2f} s of this process's CPU")
+        print(
+            f"{count} unknown tables: {raised.value.code().name} after "
+            f"{time.process_time() - started:.2f} s of this process's CPU"
+        )
     assert str(MAX_BATCHES_PER_CALL) in raised.value.details()
 
 
@@ -389,10 +396,12 @@ def test_shard_checks_every_table_before_it_locks_any(tmp_path: Path) -> None:
         shard.admin.create_table(counting("a"))
         keys = np.arange(3, dtype=np.int64)
         with pytest.raises(InvalidArgumentError):
-            shard.push_gradients([
-                PushBatch("a", DIM, keys, ones(keys), 1),
-                PushBatch("a", DIM + 1, keys, np.ones((3, DIM + 1), np.float32), 1),
-            ])
+            shard.push_gradients(
+                [
+                    PushBatch("a", DIM, keys, ones(keys), 1),
+                    PushBatch("a", DIM + 1, keys, np.ones((3, DIM + 1), np.float32), 1),
+                ]
+            )
         shard.push_gradients([PushBatch("a", DIM, keys, ones(keys), 1)])
         rows = shard.lookup([_lookup("a", keys)])[0]
         np.testing.assert_array_equal(rows, np.ones((keys.size, DIM), np.float32))
@@ -412,9 +421,12 @@ def test_a_client_reaches_a_restarted_shard_within_a_second_of_it_serving(
     serves again; capped at 1 s (client.admin.RECONNECT_OPTIONS, +-20% jitter), it comes
     within 1.2 s: the bound below leaves room for a slow machine, not for the default."""
     cluster = LocalCluster(
-        1, tmp_path / "data", tmp_path / "snapshots", start_timeout_s=60,
+        1,
+        tmp_path / "data",
+        tmp_path / "snapshots",
+        start_timeout_s=60,
         base_port=free_base_port(1),
-    )  # fmt: skip
+    )
     keys = np.arange(10, dtype=np.int64)
     with cluster, EmbeddingClient(cluster.addresses, timeout_s=2.0) as client:
         client.create_table(counting("t"))

@@ -114,8 +114,10 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(
 def _lookup_stream(create: bool) -> Callable[[grpc.Channel, Any], Any]:
     def call(channel: grpc.Channel, md: Any) -> Any:
         keys = np.arange(3, dtype="<i8").tobytes()
-        requests = [pb.LookupRequest(table="t", dim=DIM, create=False, keys=keys[:8]),
-                    pb.LookupRequest(create=create, keys=keys[8:])]  # fmt: skip
+        requests = [
+            pb.LookupRequest(table="t", dim=DIM, create=False, keys=keys[:8]),
+            pb.LookupRequest(create=create, keys=keys[8:]),
+        ]
         stub = pb_grpc.EmbeddingServiceStub(channel)
         return list(stub.Lookup(iter(requests), metadata=md, timeout=5))
 
@@ -229,8 +231,11 @@ def test_each_role_may_make_its_rpcs_and_is_refused_the_others(
                 else:
                     assert code is CODE.PERMISSION_DENIED, f"{role} {name}: {code}"
                     assert _rows(server) == rows, f"{role}'s refused {name} changed rows"
-        for md in ([], [("authorization", "Bearer not-a-token-of-this-shard")],
-                   [("authorization", TOKENS["admin"])]):  # fmt: skip  # no "Bearer "
+        for md in (
+            [],
+            [("authorization", "Bearer not-a-token-of-this-shard")],
+            [("authorization", TOKENS["admin"])],
+        ):  # no "Bearer "
             for name, (call, _) in CALLS.items():
                 assert _code(call, channel, md) is CODE.UNAUTHENTICATED, (name, md)
     stats = refusals.labels("/tierps.v1.AdminService/Stats", "PERMISSION_DENIED", "role")
@@ -294,9 +299,11 @@ def test_a_reader_serves_over_tls_without_a_refusal_and_learns_the_life(
     answered the shard's identity and life only), so serving makes no refusal: nothing
     counted in tierps_refusals_total, no WARNING. Pushes, creates and drops stay refused."""
     server = shard_server(
-        tls_cert=certs.server_cert, tls_key=certs.server_key, tls_client_ca=certs.ca,
+        tls_cert=certs.server_cert,
+        tls_key=certs.server_key,
+        tls_client_ca=certs.ca,
         tokens_file=tokens_file(tmp_path),
-    )  # fmt: skip
+    )
     mutual = {"ca_file": certs.ca, "cert_file": certs.client_cert, "key_file": certs.client_key}
 
     def client(role: str) -> EmbeddingClient:
@@ -330,9 +337,12 @@ def test_a_reader_serves_over_tls_without_a_refusal_and_learns_the_life(
     assert (stats["shard_id"], stats["num_shards"]) == (0, 1)
     assert f"{stats['data_id']}/{stats['life']}" == server.shard.lives.header()
     # `tierps admin stats` with a reader's token shows what it is answered, and says so
-    for name, value in (("TIERPS_TLS_CA", certs.ca), ("TIERPS_TLS_CERT", certs.client_cert),
-                        ("TIERPS_TLS_KEY", certs.client_key),
-                        ("TIERPS_TOKEN", TOKENS["reader"])):  # fmt: skip
+    for name, value in (
+        ("TIERPS_TLS_CA", certs.ca),
+        ("TIERPS_TLS_CERT", certs.client_cert),
+        ("TIERPS_TLS_KEY", certs.client_key),
+        ("TIERPS_TOKEN", TOKENS["reader"]),
+    ):
         monkeypatch.setenv(name, str(value))
     capsys.readouterr()
     assert cli.main(["admin", "--addresses", server.address, "stats"]) == 0
@@ -368,8 +378,11 @@ def test_tokens_come_from_the_environment_and_bad_entries_are_refused(
             CODE.PERMISSION_DENIED
         )
         assert _code(describe, channel, []) is CODE.UNAUTHENTICATED
-    for text, why in (("admin:short", "16 characters"), ("root:" + "x" * 20, "ROLE one of"),
-                      ("", "at least one")):  # fmt: skip
+    for text, why in (
+        ("admin:short", "16 characters"),
+        ("root:" + "x" * 20, "ROLE one of"),
+        ("", "at least one"),
+    ):
         with pytest.raises(ValueError, match=why) as refused:
             security.parse_tokens(text, "test")
         assert "x" * 20 not in str(refused.value)
@@ -396,18 +409,23 @@ def test_a_local_cluster_passes_tls_and_tokens_to_its_shards(tmp_path: Path, cer
     from tierps.server.cluster import LocalCluster, server_security_args
 
     flags = argparse.Namespace(
-        tls_cert=certs.server_cert, tls_key=certs.server_key, tls_client_ca=certs.ca,
+        tls_cert=certs.server_cert,
+        tls_key=certs.server_key,
+        tls_client_ca=certs.ca,
         tokens_file=tokens_file(tmp_path),
-    )  # fmt: skip
+    )
     mutual = {"ca_file": certs.ca, "cert_file": certs.client_cert, "key_file": certs.client_key}
     with LocalCluster(
-        2, tmp_path / "cluster", extra_args=server_security_args(flags),
+        2,
+        tmp_path / "cluster",
+        extra_args=server_security_args(flags),
         security=ChannelSecurity(**mutual),
-    ) as cluster:  # fmt: skip
+    ) as cluster:
         with EmbeddingClient(
-            cluster.addresses, timeout_s=10,
+            cluster.addresses,
+            timeout_s=10,
             security=ChannelSecurity(**mutual, token=TOKENS["admin"]),
-        ) as client:  # fmt: skip
+        ) as client:
             client.create_table(TableConfig(name="t", dim=DIM))
             assert client.lookup("t", np.arange(4)).shape == (4, DIM)
         with (
@@ -481,10 +499,23 @@ def test_tierps_serve_binds_an_ipv6_literal_host(tmp_path: Path) -> None:
     port_file = tmp_path / "shard.port"
     log = tmp_path / "shard.log"
     command = [
-        sys.executable, "-m", "tierps.server.cli", "serve", "--shard-id", "0", "--num-shards", "1",
-        "--host", "::1", "--port", "0",
-        "--data-dir", str(tmp_path / "data"), "--port-file", str(port_file),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "tierps.server.cli",
+        "serve",
+        "--shard-id",
+        "0",
+        "--num-shards",
+        "1",
+        "--host",
+        "::1",
+        "--port",
+        "0",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--port-file",
+        str(port_file),
+    ]
     with open(log, "wb") as output:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=output, stderr=output)
     try:

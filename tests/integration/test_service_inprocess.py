@@ -523,10 +523,13 @@ def test_a_call_carrying_several_tables_answers_what_separate_calls_answer(
     grads_w = normal(generator, (4, 2 * DIM))
     for stubs in (together, apart):
         two_tables(stubs)
-    lookups = [*wire.lookup_requests("t", DIM, keys_t.tobytes(), create=True),
-               *wire.lookup_requests("w", 2 * DIM, keys_w.tobytes(), create=False)]  # fmt: skip
-    rows = np.frombuffer(wire.join_values(together.embedding.Lookup(iter(lookups), timeout=T)),
-                         "<f4")  # fmt: skip
+    lookups = [
+        *wire.lookup_requests("t", DIM, keys_t.tobytes(), create=True),
+        *wire.lookup_requests("w", 2 * DIM, keys_w.tobytes(), create=False),
+    ]
+    rows = np.frombuffer(
+        wire.join_values(together.embedding.Lookup(iter(lookups), timeout=T)), "<f4"
+    )
     np.testing.assert_array_equal(rows[: 3 * DIM].reshape(3, DIM), lookup(apart, "t", keys_t))
     np.testing.assert_array_equal(
         rows[3 * DIM :].reshape(4, 2 * DIM), lookup(apart, "w", keys_w, 2 * DIM, create=False)
@@ -556,22 +559,37 @@ def test_a_bad_batch_of_a_later_table_refuses_the_whole_call_and_changes_nothing
     nan = np.ones((3, 2 * DIM), np.float32)
     nan[2, 1] = np.nan
     cases = {
-        "NaN in the second table": (good + list(wire.push_requests(
-            "w", 2 * DIM, 2, KEYS_3, nan.tobytes())), CODE.INVALID_ARGUMENT, "finite"),
-        "unknown second table": (good + list(wire.push_requests(
-            "nope", DIM, 2, KEYS_3, GRADS_3)), CODE.NOT_FOUND, "nope"),
-        "a table in two batches": (good + list(wire.push_requests(
-            "w", 2 * DIM, 2, KEYS_3, np.ones((3, 2 * DIM), np.float32).tobytes())) + good,
-            CODE.INVALID_ARGUMENT, "one batch per call"),
-    }  # fmt: skip
+        "NaN in the second table": (
+            good + list(wire.push_requests("w", 2 * DIM, 2, KEYS_3, nan.tobytes())),
+            CODE.INVALID_ARGUMENT,
+            "finite",
+        ),
+        "unknown second table": (
+            good + list(wire.push_requests("nope", DIM, 2, KEYS_3, GRADS_3)),
+            CODE.NOT_FOUND,
+            "nope",
+        ),
+        "a table in two batches": (
+            good
+            + list(
+                wire.push_requests(
+                    "w", 2 * DIM, 2, KEYS_3, np.ones((3, 2 * DIM), np.float32).tobytes()
+                )
+            )
+            + good,
+            CODE.INVALID_ARGUMENT,
+            "one batch per call",
+        ),
+    }
     for name, (messages, code, needle) in cases.items():
         refused(code, lambda m=messages: call_raw(stubs, "PushGradients", m), needle)
         assert_same_state(before, shard_state(server))
         if "NaN" in name:
             continue  # lookups carry no values
         # The same batches as a training lookup: refused before any row is created.
-        lookups = [pb.LookupRequest(table=m.table, dim=m.dim, create=True, keys=m.keys)
-                   for m in messages]  # fmt: skip
+        lookups = [
+            pb.LookupRequest(table=m.table, dim=m.dim, create=True, keys=m.keys) for m in messages
+        ]
         refused(code, lambda m=lookups: call_raw(stubs, "Lookup", m), needle)
         assert_same_state(before, shard_state(server))
 
@@ -608,11 +626,13 @@ def test_the_one_message_forms_answer_what_the_streams_answer(
         pb.LookupRequest(table="w", dim=2 * DIM, create=True, keys=keys_w.tobytes()),
     ]
     pushes = [
-        pb.PushGradientsRequest(table="t", dim=DIM, step=1, keys=keys_t.tobytes(),
-                                grads=grads_t.tobytes()),
-        pb.PushGradientsRequest(table="w", dim=2 * DIM, step=3, keys=keys_w.tobytes(),
-                                grads=grads_w.tobytes()),
-    ]  # fmt: skip
+        pb.PushGradientsRequest(
+            table="t", dim=DIM, step=1, keys=keys_t.tobytes(), grads=grads_t.tobytes()
+        ),
+        pb.PushGradientsRequest(
+            table="w", dim=2 * DIM, step=3, keys=keys_w.tobytes(), grads=grads_w.tobytes()
+        ),
+    ]
     for _ in range(2):
         reply = unary.embedding.LookupUnary(pb.LookupBatches(batches=lookups), timeout=T)
         streamed = wire.join_values(stream.embedding.Lookup(iter(lookups), timeout=T))
@@ -624,8 +644,10 @@ def test_the_one_message_forms_answer_what_the_streams_answer(
         assert pushed.num_keys == stream.embedding.PushGradients(iter(pushes), timeout=T).num_keys
     # Refused as the streams are, changing nothing.
     before = shard_state(unary_server)
-    bad = [pushes[0], pb.PushGradientsRequest(table="nope", dim=DIM, step=1, keys=KEYS_3,
-                                              grads=GRADS_3)]  # fmt: skip
+    bad = [
+        pushes[0],
+        pb.PushGradientsRequest(table="nope", dim=DIM, step=1, keys=KEYS_3, grads=GRADS_3),
+    ]
     refused(
         CODE.NOT_FOUND,
         lambda: unary.embedding.PushGradientsUnary(pb.PushGradientsBatches(batches=bad)),

@@ -39,9 +39,11 @@ def test_restart_on_the_same_data_dir_keeps_tables_rows_and_optimizer_state(
     data_dir = tmp_path / "shard"
     adagrad = TableConfig("ada", DIM, optimizer=optim.Adagrad(lr=0.1, eps=1e-8), seed=1)
     adam = TableConfig(
-        "adam", 4, optimizer=optim.Adam(lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8),
+        "adam",
+        4,
+        optimizer=optim.Adam(lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8),
         host_cache_bytes=8192,  # most rows only in RocksDB
-    )  # fmt: skip
+    )
     server = shard_server(data_dir=data_dir)
     stubs = connect(server)
     for config in (adagrad, adam):
@@ -118,7 +120,8 @@ def test_a_data_dir_is_refused_as_another_shard_or_shard_count(
         assert f"shard {shard_id} of {num_shards}" in message, message
     identity = json.loads((data_dir / "SHARD.json").read_text())
     assert {key: identity[key] for key in ("shard_id", "num_shards")} == {
-        "shard_id": 0, "num_shards": 2
+        "shard_id": 0,
+        "num_shards": 2,
     }
     assert_same_state(before, shard_state(shard_server(0, 2, data_dir=data_dir)))
 

@@ -57,7 +57,7 @@ def make_cluster(root: Path, tag: str) -> list[Shard]:
                 snapshot_dir=root / "snapshots",
                 tables=TABLES,
             )
-        )  # fmt: skip
+        )
         for i in range(SHARDS)
     ]
 
@@ -93,9 +93,10 @@ def state(shards: list[Shard]) -> list[dict[str, Any]]:
             chunks = list(table.durable.export(1000))
             keys = np.concatenate([k for k, _ in chunks]) if chunks else np.empty(0, np.int64)
             rows = (
-                np.concatenate([r for _, r in chunks]) if chunks
+                np.concatenate([r for _, r in chunks])
+                if chunks
                 else np.empty((0, config.stored_width), np.float32)
-            )  # fmt: skip
+            )
             tables[config.name] = (
                 config,
                 table.current_step,
@@ -403,31 +404,51 @@ def _tables_as_list(manifest: dict[str, Any]) -> None:
 
 WRONG_TYPES: dict[str, tuple[Callable[[dict[str, Any]], None], list[str]]] = {
     "tables a list": (_tables_as_list, ["'tables'", "expected an object", "got a list"]),
-    "num_shards a string": (_set("num_shards", "2"), ["'num_shards'", "an integer >= 1",
-                                                      'got a string "2"']),
+    "num_shards a string": (
+        _set("num_shards", "2"),
+        ["'num_shards'", "an integer >= 1", 'got a string "2"'],
+    ),
     "save_id a number": (_set("save_id", 7), ["'save_id'", "a string", "got an integer 7"]),
-    "created_unix a string": (_set("created_unix", "now"),
-                              ["'created_unix'", 'got a string "now"']),
+    "created_unix a string": (
+        _set("created_unix", "now"),
+        ["'created_unix'", 'got a string "now"'],
+    ),
     "a table entry a list": (_set("tables/ada", []), ["'tables.ada'", "got a list"]),
-    "parts an object": (_set("tables/ada/parts", {}), ["'tables.ada.parts'", "a list",
-                                                       "got an object"]),
+    "parts an object": (
+        _set("tables/ada/parts", {}),
+        ["'tables.ada.parts'", "a list", "got an object"],
+    ),
     "rows a string": (_set("tables/ada/rows", "1"), ["'tables.ada.rows'", "an integer >= 0"]),
-    "a part's shard_id a float": (_set("tables/ada/parts/1/shard_id", 1.0),
-                                  ["'tables.ada.parts[1].shard_id'", "got a number 1.0"]),
-    "a part a string": (_set("tables/ada/parts/0", "part"), ["'tables.ada.parts[0]'",
-                                                             "an object", "got a string"]),
-    "a file's bytes a boolean": (_set("tables/ada/parts/0/keys_file/bytes", True),
-                                 ["'tables.ada.parts[0].keys_file.bytes'", "got a boolean"]),
-    "a file entry a string": (_set("tables/adam16/parts/1/rows_file", "x.rows"),
-                              ["'tables.adam16.parts[1].rows_file'", "an object"]),
+    "a part's shard_id a float": (
+        _set("tables/ada/parts/1/shard_id", 1.0),
+        ["'tables.ada.parts[1].shard_id'", "got a number 1.0"],
+    ),
+    "a part a string": (
+        _set("tables/ada/parts/0", "part"),
+        ["'tables.ada.parts[0]'", "an object", "got a string"],
+    ),
+    "a file's bytes a boolean": (
+        _set("tables/ada/parts/0/keys_file/bytes", True),
+        ["'tables.ada.parts[0].keys_file.bytes'", "got a boolean"],
+    ),
+    "a file entry a string": (
+        _set("tables/adam16/parts/1/rows_file", "x.rows"),
+        ["'tables.adam16.parts[1].rows_file'", "an object"],
+    ),
     "config a list": (_set("tables/ada/config", []), ["'tables.ada.config'", "an object"]),
-    "config named another table": (_set("tables/ada/config/name", "adam16"),
-                                   ["'tables.ada.config.name'", "'ada'", "adam16"]),
-    "created_unix NaN": (_set("created_unix", float("nan")),
-                         ["'created_unix'", "a finite number", "got a number NaN"]),
-    "a config's lr Infinity": (_set("tables/ada/config/optimizer/lr", float("inf")),
-                               ["'ada'", "'lr'", "inf"]),
-}  # fmt: skip
+    "config named another table": (
+        _set("tables/ada/config/name", "adam16"),
+        ["'tables.ada.config.name'", "'ada'", "adam16"],
+    ),
+    "created_unix NaN": (
+        _set("created_unix", float("nan")),
+        ["'created_unix'", "a finite number", "got a number NaN"],
+    ),
+    "a config's lr Infinity": (
+        _set("tables/ada/config/optimizer/lr", float("inf")),
+        ["'ada'", "'lr'", "inf"],
+    ),
+}
 
 
 @pytest.fixture
@@ -604,8 +625,10 @@ def test_every_crafted_snapshot_is_refused_by_every_shard_with_no_live_row_chang
                 list(shard.admin.load_snapshot(name))
         refused += 1
         changed += changed_rows(before, state(shards))
-    print(f"\n{refused} crafted snapshots refused by each of {SHARDS} shards, "
-          f"{changed} live rows changed")  # fmt: skip
+    print(
+        f"\n{refused} crafted snapshots refused by each of {SHARDS} shards, "
+        f"{changed} live rows changed"
+    )
     assert refused == len(CASES) >= 16
     assert changed == 0
 

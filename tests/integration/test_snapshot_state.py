@@ -33,13 +33,16 @@ TABLES = (
     TableConfig("ttl", DIM, optimizer=optim.Adagrad(), steps_to_live=3),
     TableConfig("counter", DIM, optimizer=optim.Adagrad(), admit_after=3),
     TableConfig(
-        "bloom", DIM, optimizer=optim.Adagrad(), admit_after=3, admission=Admission.BLOOM,
-        max_elements=4096, false_positive_rate=0.01,
+        "bloom",
+        DIM,
+        optimizer=optim.Adagrad(),
+        admit_after=3,
+        admission=Admission.BLOOM,
+        max_elements=4096,
+        false_positive_rate=0.01,
     ),
-    TableConfig(
-        "adaptive", DIM, optimizer=optim.Adagrad(), hash_bucket_size=6, promote_after=3
-    ),
-)  # fmt: skip
+    TableConfig("adaptive", DIM, optimizer=optim.Adagrad(), hash_bucket_size=6, promote_after=3),
+)
 KEYS = np.arange(0, 240, dtype=np.int64)
 
 
@@ -53,7 +56,7 @@ def cluster(root: Path, tag: str, n: int) -> list[Shard]:
                 snapshot_dir=root / "snapshots",
                 tables=TABLES,
             )
-        )  # fmt: skip
+        )
         for i in range(n)
     ]
 
@@ -221,8 +224,10 @@ def test_the_next_step_and_an_evict_are_the_same_after_a_round_trip(
         removed[tag] = np.setdiff1d(before, after)
     for tag in "bce":
         assert np.array_equal(removed["a"], removed[tag]), tag
-    print(f"\nsnapshot state: {len(TABLES)} lifecycle tables identical after 2->2, 2->3 and "
-          f"2->1; evict removed the same {removed['a'].size} keys on all four")  # fmt: skip
+    print(
+        f"\nsnapshot state: {len(TABLES)} lifecycle tables identical after 2->2, 2->3 and "
+        f"2->1; evict removed the same {removed['a'].size} keys on all four"
+    )
 
 
 def check_resharded_step(a: list[Shard], c: list[Shard], promoted: np.ndarray) -> None:
@@ -295,9 +300,10 @@ def test_a_version_2_snapshot_still_loads_with_rows_only(clusters: dict[str, Any
             list(shard.admin.load_snapshot("old"))
         for config in TABLES:
             parts = [
-                chunk for part in opened.tables[config.name]["parts"]
+                chunk
+                for part in opened.tables[config.name]["parts"]
                 for chunk in opened.read_part(config.name, part)
-            ]  # fmt: skip
+            ]
             keys = np.concatenate([k for k, _, _ in parts])
             rows = np.concatenate([r for _, r, _ in parts])[np.argsort(keys)]
             got_keys, got = stored(shards, config.name)

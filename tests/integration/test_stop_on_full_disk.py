@@ -42,11 +42,29 @@ class Shard:
         port_file = data_dir.parent / "port"
         port_file.unlink(missing_ok=True)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tierps.server.cli", "serve", "--shard-id", "0",
-             "--num-shards", "1", "--data-dir", str(data_dir), "--port", str(port),
-             "--port-file", str(port_file), "--flush-interval-s", "0"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "tierps.server.cli",
+                "serve",
+                "--shard-id",
+                "0",
+                "--num-shards",
+                "1",
+                "--data-dir",
+                str(data_dir),
+                "--port",
+                str(port),
+                "--port-file",
+                str(port_file),
+                "--flush-interval-s",
+                "0",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + TIMEOUT_S
         while not port_file.exists():
             if self.process.poll() is not None or time.monotonic() > deadline:

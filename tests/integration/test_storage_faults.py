@@ -95,8 +95,10 @@ def test_full_disk_write_back_loses_nothing_and_recovers(full_disk: Path, gpu: b
     store.close()
     with EmbeddingStore(full_disk / "db", gpu_arrays="numpy") as reopened:
         assert lost_and_extra(reopened, "t", acked) == (0, 0)
-    print(f"full disk, write_back: {int(acked.sum())} acknowledged key-updates, "
-          f"{refused} pushes refused, lost 0")  # fmt: skip
+    print(
+        f"full disk, write_back: {int(acked.sum())} acknowledged key-updates, "
+        f"{refused} pushes refused, lost 0"
+    )
 
 
 def sighting_state(table: EmbeddingTable) -> dict[str, object]:

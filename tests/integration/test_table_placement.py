@@ -43,9 +43,13 @@ def table(name: str, placement: str = "table", table_shard: int = -1, **fields: 
     fields.setdefault("optimizer", optim.Adam(lr=0.05))
     fields.setdefault("initializer", init.Normal(std=0.5))
     return TableConfig(
-        name, DIM, placement=placement, table_shard=table_shard, seed=fields.pop("seed", 3),
+        name,
+        DIM,
+        placement=placement,
+        table_shard=table_shard,
+        seed=fields.pop("seed", 3),
         **fields,
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture
@@ -430,9 +434,10 @@ def test_snapshots_reshard_a_placed_table_onto_its_new_owner(tmp_path: Path) -> 
                 assert not np.array_equal(after[2][config.name], weights[config.name])
                 for num_shards in (3, 1):
                     assert_bits_equal(
-                        after[num_shards][config.name], after[2][config.name],
+                        after[num_shards][config.name],
+                        after[2][config.name],
                         f"{config.name}: a further step on {num_shards} shards",
-                    )  # fmt: skip
+                    )
 
         # Back to 2 shards: the 3-shard snapshot puts the tables on their owners among 2.
         client_two.load_snapshot("from-three")

@@ -31,14 +31,20 @@ def _configs() -> list[EmbeddingBagConfig]:
     """Two tables, one shared by two features (summed), one averaged."""
     return [
         EmbeddingBagConfig(
-            num_embeddings=20, embedding_dim=DIM, name="users_items",
-            feature_names=["user", "item"], pooling=PoolingType.SUM,
+            num_embeddings=20,
+            embedding_dim=DIM,
+            name="users_items",
+            feature_names=["user", "item"],
+            pooling=PoolingType.SUM,
         ),
         EmbeddingBagConfig(
-            num_embeddings=7, embedding_dim=DIM, name="genres",
-            feature_names=["genre"], pooling=PoolingType.MEAN,
+            num_embeddings=7,
+            embedding_dim=DIM,
+            name="genres",
+            feature_names=["genre"],
+            pooling=PoolingType.MEAN,
         ),
-    ]  # fmt: skip
+    ]
 
 
 def _batch(rng: np.random.Generator) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
@@ -118,9 +124,12 @@ def test_dlrm_with_tierps_module_trains_as_torchrec_dlrm(
             for name, weight in weights.items():
                 rows = client.lookup(name, np.arange(weight.shape[0]), create=False)
                 np.testing.assert_allclose(
-                    rows, weight.detach().numpy(), rtol=0, atol=1e-5,
+                    rows,
+                    weight.detach().numpy(),
+                    rtol=0,
+                    atol=1e-5,
                     err_msg=f"table {name}, step {step}",
-                )  # fmt: skip
+                )
         assert [p for p, _ in model.named_parameters() if "sparse_arch" in p] == []
 
 
@@ -139,8 +148,10 @@ def test_configs_make_tables_and_the_tables_describe_themselves_as_configs(
         ]
         made = client.table_config("genres")
         assert (made.dim, made.optimizer, made.initializer) == (
-            DIM, optim.Adagrad(lr=0.05), init.Zeros()
-        )  # fmt: skip
+            DIM,
+            optim.Adagrad(lr=0.05),
+            init.Zeros(),
+        )
         # no initializer given: TorchRec's default range for the table's num_embeddings
         default = EmbeddingBagConfig(num_embeddings=16, embedding_dim=2, name="plain")
         EmbeddingBagCollection.from_torchrec(client, [default], optimizer=optim.SGD(lr=1.0))
@@ -207,15 +218,21 @@ def test_features_whose_tables_interleave_come_out_in_torchrecs_order(
         features = [Feature("x", "a"), Feature("y", "c"), Feature("z", "a")]
         ebc = EmbeddingBagCollection(client, features)
         configs = [  # the same tables, with rows TorchRec can allocate
-            EmbeddingBagConfig(num_embeddings=10, embedding_dim=c.embedding_dim, name=c.name,
-                               feature_names=c.feature_names, pooling=c.pooling)
+            EmbeddingBagConfig(
+                num_embeddings=10,
+                embedding_dim=c.embedding_dim,
+                name=c.name,
+                feature_names=c.feature_names,
+                pooling=c.pooling,
+            )
             for c in ebc.embedding_bag_configs()
-        ]  # fmt: skip
+        ]
         reference = torchrec.EmbeddingBagCollection(tables=configs)
         kjt = KeyedJaggedTensor(
-            keys=["x", "y", "z"], values=torch.tensor([1, 2, 3, 4, 5, 6]),
+            keys=["x", "y", "z"],
+            values=torch.tensor([1, 2, 3, 4, 5, 6]),
             lengths=torch.tensor([1, 1, 1, 1, 1, 1]),
-        )  # fmt: skip
+        )
         with torch.no_grad():
             ours, theirs = ebc(kjt), reference(kjt)
         assert isinstance(ours, KeyedTensor)

@@ -59,9 +59,12 @@ def test_kjt_in_keyed_tensor_out_matches_torch(
             end = begin + int(count.sum())
             offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(count, 0)[:-1]])
             want[feature] = torch.nn.functional.embedding_bag(
-                values[begin:end], params[table], offsets, mode="sum",
+                values[begin:end],
+                params[table],
+                offsets,
+                mode="sum",
                 per_sample_weights=weights[begin:end],
-            )  # fmt: skip
+            )
         for feature, tensor in out.to_dict().items():
             torch.testing.assert_close(tensor, want[feature], rtol=0, atol=1e-6)
         torch.testing.assert_close(out.values(), torch.cat([want["user"], want["genres"]], 1))

@@ -171,9 +171,11 @@ def test_a_table_matches_the_reference_model(store: EmbeddingStore, fields: dict
         if step % 5 == 0:  # evaluation lookups neither count nor promote
             probe = rng.integers(0, 400, 50)
             np.testing.assert_allclose(
-                table.lookup(probe, create=False), reference.lookup(probe, create=False),
-                rtol=1e-5, atol=1e-6,
-            )  # fmt: skip
+                table.lookup(probe, create=False),
+                reference.lookup(probe, create=False),
+                rtol=1e-5,
+                atol=1e-6,
+            )
     assert promoted_mid_run
     stored = export_dict(table)
     assert sorted(stored) == sorted(reference.own)

@@ -41,9 +41,7 @@ DEFAULT = -0.5
 
 def batches(rng: np.random.Generator, universe: int, count: int, size: int) -> list[np.ndarray]:
     """Random int64 key batches with repeats (keys 0..universe-1, skewed to small ones)."""
-    return [
-        (rng.zipf(1.3, size) % universe).astype(np.int64) for _ in range(count)
-    ]  # fmt: skip
+    return [(rng.zipf(1.3, size) % universe).astype(np.int64) for _ in range(count)]
 
 
 # -- the filters against a dict -----------------------------------------------------------------
@@ -63,8 +61,13 @@ def test_bloom_size_follows_the_standard_formulas() -> None:
 
 def test_counters_are_the_smallest_type_that_holds_admit_after() -> None:
     assert [counter_dtype(a) for a in (1, 255, 256, 65535, 65536, 2**32)] == [
-        np.uint8, np.uint8, np.uint16, np.uint16, np.uint32, np.uint64,
-    ]  # fmt: skip
+        np.uint8,
+        np.uint8,
+        np.uint16,
+        np.uint16,
+        np.uint32,
+        np.uint64,
+    ]
     config = TableConfig("t", DIM, admit_after=300, admission="bloom", max_elements=1000)
     assert bloom_bytes(config) == 9586 * 2
     assert bloom_bytes(TableConfig("t", DIM, admit_after=3)) == 0
@@ -165,9 +168,10 @@ def test_make_filter_follows_the_config() -> None:
     assert make_filter(TableConfig("t", DIM)) is None
     assert isinstance(make_filter(TableConfig("t", DIM, admit_after=2)), CounterFilter)
     bloom = make_filter(
-        TableConfig("t", DIM, admit_after=2, admission="bloom", max_elements=500,
-                    false_positive_rate=0.05)
-    )  # fmt: skip
+        TableConfig(
+            "t", DIM, admit_after=2, admission="bloom", max_elements=500, false_positive_rate=0.05
+        )
+    )
     assert isinstance(bloom, BloomFilter)
     assert (bloom.size, bloom.hash_functions) == bloom_size(500, 0.05)
 
@@ -231,9 +235,15 @@ def admission_config(admission: str, **fields: Any) -> TableConfig:
         fields.setdefault("max_elements", 10000)
         fields.setdefault("false_positive_rate", 1e-9)
     return TableConfig(
-        "items", DIM, initializer=init.Normal(0.0, 0.1), optimizer=optim.SGD(lr=LR), seed=11,
-        admission=admission, default_value=DEFAULT, **fields,
-    )  # fmt: skip
+        "items",
+        DIM,
+        initializer=init.Normal(0.0, 0.1),
+        optimizer=optim.SGD(lr=LR),
+        seed=11,
+        admission=admission,
+        default_value=DEFAULT,
+        **fields,
+    )
 
 
 def grads_for(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -259,9 +269,11 @@ def test_a_table_matches_the_reference_model(
         if step % 5 == 0:  # evaluation lookups neither count nor admit
             probe = rng.integers(0, 400, 50)
             np.testing.assert_allclose(
-                table.lookup(probe, create=False), reference.lookup(probe, create=False),
-                rtol=1e-5, atol=1e-5,
-            )  # fmt: skip
+                table.lookup(probe, create=False),
+                reference.lookup(probe, create=False),
+                rtol=1e-5,
+                atol=1e-5,
+            )
     stored = export_dict(table)
     assert sorted(stored) == sorted(reference.rows)
     for key, row in reference.rows.items():

@@ -323,10 +323,14 @@ def test_every_serve_command_parses_with_the_real_cli(monkeypatch: pytest.Monkey
         secured = None not in (ns.tls_cert, ns.tls_key, ns.tls_client_ca, ns.tokens_file)
         assert secured or (where == "Dockerfile CMD" and ns.insecure), where
         config = ServerConfig(
-            shard_id=ns.shard_id, num_shards=ns.num_shards, data_dir=ns.data_dir,
-            snapshot_dir=ns.snapshot_dir, host=ns.host, port=ns.port,
+            shard_id=ns.shard_id,
+            num_shards=ns.num_shards,
+            data_dir=ns.data_dir,
+            snapshot_dir=ns.snapshot_dir,
+            host=ns.host,
+            port=ns.port,
             metrics_port=ns.metrics_port,
-        )  # fmt: skip
+        )
         assert config.host == "0.0.0.0", where
         assert config.port != 0 and config.metrics_port not in (None, 0, config.port), where
         assert config.snapshot_dir is not None, where
@@ -465,8 +469,11 @@ def secret_mounts(pod_spec: dict[str, Any]) -> dict[str, str]:
     """{mount path: Secret name} of a pod spec's single container."""
     (container,) = pod_spec["containers"]
     secrets = {v["name"]: v["secret"]["secretName"] for v in pod_spec["volumes"] if "secret" in v}
-    return {m["mountPath"]: secrets[m["name"]] for m in container["volumeMounts"]
-            if m["name"] in secrets}  # fmt: skip
+    return {
+        m["mountPath"]: secrets[m["name"]]
+        for m in container["volumeMounts"]
+        if m["name"] in secrets
+    }
 
 
 def created_secrets() -> dict[str, dict[str, str]]:
@@ -504,8 +511,9 @@ def expected_addresses(where: str, count: int) -> list[str]:
     """The addresses of shards 0..count-1 as each place reaches them."""
     if where == "compose":
         services = shard_services()
-        return [f"shard-{i}:{flag(services[f'shard-{i}']['command'], '--port')}"
-                for i in range(count)]  # fmt: skip
+        return [
+            f"shard-{i}:{flag(services[f'shard-{i}']['command'], '--port')}" for i in range(count)
+        ]
     if where == "host":  # the gRPC port each shard service publishes on loopback
         published = []
         for i in range(count):
@@ -703,8 +711,11 @@ def test_make_secrets_writes_keys_and_tokens_for_their_owner_and_group(checkout:
     mounted = [secrets / Path(s["file"]).name for s in compose()["secrets"].values()]
     if os.geteuid() == 0:
         for groups in ((gid,), ()):
-            read = subprocess.run(as_user(["cat", *map(str, mounted)], CONTAINER_UID, groups),
-                                  capture_output=True, timeout=10)  # fmt: skip
+            read = subprocess.run(
+                as_user(["cat", *map(str, mounted)], CONTAINER_UID, groups),
+                capture_output=True,
+                timeout=10,
+            )
             assert (read.returncode == 0) == bool(groups), (groups, read.stderr)
     # a second run keeps every file, and takes back modes an older run left; a .env there
     # keeps its own lines and mode (it may hold other secrets)
@@ -713,20 +724,34 @@ def test_make_secrets_writes_keys_and_tokens_for_their_owner_and_group(checkout:
     env_file = checkout / "deploy" / ".env"
     env_file.write_text("REGISTRY_PASSWORD=hunter2\n" + env_file.read_text())
     env_file.chmod(0o600)
-    again = subprocess.run(as_user(["bash", "deploy/make-secrets.sh", "deploy/secrets"]),
-                           cwd=checkout, capture_output=True, text=True, timeout=60)  # fmt: skip
+    again = subprocess.run(
+        as_user(["bash", "deploy/make-secrets.sh", "deploy/secrets"]),
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert again.returncode == 0, again.stderr
     assert (secrets / "tokens").read_text() == tokens and mode(secrets / "tokens") == 0o640
     assert mode(env_file) == 0o600
     assert env_file.read_text() == f"REGISTRY_PASSWORD=hunter2\nTIERPS_SECRETS_GID={gid}\n"
     # a directory git would commit is refused, and left as it was
     if shutil.which("git"):
-        subprocess.run(as_user(["git", "init", "-q", "."]), cwd=checkout, check=True,
-                       env={**os.environ, "HOME": str(checkout)})  # fmt: skip
+        subprocess.run(
+            as_user(["git", "init", "-q", "."]),
+            cwd=checkout,
+            check=True,
+            env={**os.environ, "HOME": str(checkout)},
+        )
         shutil.copy(ROOT / ".gitignore", checkout / ".gitignore")
-        refused = subprocess.run(as_user(["bash", "deploy/make-secrets.sh", "./secrets"]),
-                                 cwd=checkout, capture_output=True, text=True, timeout=60,
-                                 env={**os.environ, "HOME": str(checkout)})  # fmt: skip
+        refused = subprocess.run(
+            as_user(["bash", "deploy/make-secrets.sh", "./secrets"]),
+            cwd=checkout,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "HOME": str(checkout)},
+        )
         assert refused.returncode == 2, refused.stderr
         assert "expected a directory git ignores" in refused.stderr
         assert "and not ignored" in refused.stderr and not (checkout / "secrets").exists()
@@ -735,9 +760,14 @@ def test_make_secrets_writes_keys_and_tokens_for_their_owner_and_group(checkout:
 def secured_config(root: Path, data_dir: Path, **fields: Any) -> ServerConfig:
     secrets = root / "deploy" / "secrets"
     return ServerConfig(
-        data_dir=data_dir, tls_cert=secrets / "tls.crt", tls_key=secrets / "tls.key",
-        tls_client_ca=secrets / "ca.crt", tokens_file=secrets / "tokens", grace_s=1.0, **fields,
-    )  # fmt: skip
+        data_dir=data_dir,
+        tls_cert=secrets / "tls.crt",
+        tls_key=secrets / "tls.key",
+        tls_client_ca=secrets / "ca.crt",
+        tokens_file=secrets / "tokens",
+        grace_s=1.0,
+        **fields,
+    )
 
 
 def client_security(root: Path, token_file: str) -> Any:
@@ -745,9 +775,11 @@ def client_security(root: Path, token_file: str) -> Any:
 
     secrets = root / "deploy" / "secrets"
     return ChannelSecurity(
-        ca_file=secrets / "ca.crt", cert_file=secrets / "client.crt",
-        key_file=secrets / "client.key", token=(secrets / token_file).read_text().strip(),
-    )  # fmt: skip
+        ca_file=secrets / "ca.crt",
+        cert_file=secrets / "client.crt",
+        key_file=secrets / "client.key",
+        token=(secrets / token_file).read_text().strip(),
+    )
 
 
 @needs_openssl
@@ -770,9 +802,12 @@ def test_readme_tierps_commands_run_with_tls_and_tokens_against_real_shards(
             clusters[count] = []
             for shard_id in range(count):
                 config = secured_config(
-                    checkout, checkout / f"data-{count}-{shard_id}", shard_id=shard_id,
-                    num_shards=count, snapshot_dir=checkout / "snapshots",
-                )  # fmt: skip
+                    checkout,
+                    checkout / f"data-{count}-{shard_id}",
+                    shard_id=shard_id,
+                    num_shards=count,
+                    snapshot_dir=checkout / "snapshots",
+                )
                 server, _ = create_server(config)
                 server.start()
                 clusters[count].append(server)
@@ -837,9 +872,10 @@ def test_readme_token_rotation_runs_as_a_non_root_user_against_a_running_shard(
     server, port = create_server(config)
     server.start()
     channel = ChannelSecurity(
-        ca_file=secrets / "ca.crt", cert_file=secrets / "client.crt",
+        ca_file=secrets / "ca.crt",
+        cert_file=secrets / "client.crt",
         key_file=secrets / "client.key",
-    ).channel(f"localhost:{port}")  # fmt: skip
+    ).channel(f"localhost:{port}")
     stub = pb_grpc.AdminServiceStub(channel)
 
     def code(token: str) -> grpc.StatusCode:
@@ -869,8 +905,13 @@ def test_readme_token_rotation_runs_as_a_non_root_user_against_a_running_shard(
 
     def run(step: int) -> None:
         script = "set -euo pipefail\n" + "\n".join(steps[step])
-        done = subprocess.run(as_user(["bash", "-c", script]), cwd=checkout,
-                              capture_output=True, text=True, timeout=30)  # fmt: skip
+        done = subprocess.run(
+            as_user(["bash", "-c", script]),
+            cwd=checkout,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert done.returncode == 0, f"step {step}: {done.stderr}"
 
     old = (secrets / "trainer_token").read_text().strip()

@@ -243,9 +243,12 @@ def test_a_fixed_batch_pools_as_the_host_and_the_oracle(
     host = as_value(keys, offsets, weights)
     value = as_value(on(device, keys), on(device, offsets), on(device, weights))
     check_against_host(
-        [("f", value, "t", combiner)], [("f", host, "t", combiner)], {"t": DIM}, device,
+        [("f", value, "t", combiner)],
+        [("f", host, "t", combiner)],
+        {"t": DIM},
+        device,
         include_last=fmt == "csr-last",
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -656,8 +659,10 @@ def test_cuda_pools_as_the_cpu_path() -> None:
     for device in ("cpu", "cuda"):
         groups, outputs = run_device(zipf_call(device), dims, device)
         rng = np.random.default_rng(4)
-        grads = {n: torch.from_numpy(rng.random(tuple(o.shape), np.float32)).to(device)
-                 for n, o in outputs.items()}  # fmt: skip
+        grads = {
+            n: torch.from_numpy(rng.random(tuple(o.shape), np.float32)).to(device)
+            for n, o in outputs.items()
+        }
         pushed = groups[0].host_gradients(grads)
         results[device] = ({n: o.cpu().numpy() for n, o in outputs.items()}, pushed)
     for name, want in results["cpu"][0].items():

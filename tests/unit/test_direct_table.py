@@ -121,9 +121,10 @@ def test_the_first_key_out_of_range_is_named_and_padding_is_not_refused(
 def test_keys_in_range_and_padding_behave_as_in_a_hashed_table(store: EmbeddingStore) -> None:
     direct = store.create_table(direct_config("direct", write_policy="write_through"))
     hashed = store.create_table(
-        TableConfig("hashed", DIM, initializer=init.Normal(0.0, 0.1), seed=3,
-                    optimizer=optim.Adam(lr=0.1))
-    )  # fmt: skip
+        TableConfig(
+            "hashed", DIM, initializer=init.Normal(0.0, 0.1), seed=3, optimizer=optim.Adam(lr=0.1)
+        )
+    )
     rng = np.random.default_rng(0)
     for step in range(1, 30):
         keys = rng.integers(-2, CAPACITY, 12).astype(np.int64)  # padding and repeats
@@ -252,8 +253,13 @@ def test_a_direct_table_too_large_for_memory_is_refused_and_not_kept(tmp_path: P
         with pytest.raises(ResourceExhaustedError) as raised:
             store.create_table(config)
         message = str(raised.value)
-        for needle in ("table 'huge' on shard 0", f"{2**40} rows x 50 bytes", "at most",
-                       "lower capacity", "use_hashtable=True"):  # fmt: skip
+        for needle in (
+            "table 'huge' on shard 0",
+            f"{2**40} rows x 50 bytes",
+            "at most",
+            "lower capacity",
+            "use_hashtable=True",
+        ):
             assert needle in message, (needle, message)
         assert store.tables() == []
     with EmbeddingStore(tmp_path / "db") as reopened:

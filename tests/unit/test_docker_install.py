@@ -70,8 +70,11 @@ def context_files() -> list[str]:
     context by the dockerignore."""
     listed = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     rules = ignore_rules()
     kept = []
     for path in listed:
@@ -125,10 +128,24 @@ def test_the_wheel_built_from_what_the_dockerfile_copies_holds_every_package(
     source = image / install_source.lstrip("/")
     wheels = tmp_path / "wheels"
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "--no-cache-dir", "--disable-pip-version-check", "-w", str(wheels), str(source)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-cache-dir",
+            "--disable-pip-version-check",
+            "-w",
+            str(wheels),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert built.returncode == 0, f"{built.stdout}\n{built.stderr}"
     (wheel,) = wheels.glob("tierps-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())

@@ -36,9 +36,14 @@ SETUPS: dict[str, dict[str, Any]] = {
 
 def config_of(setup: str, **fields: Any) -> TableConfig:
     return TableConfig(
-        "t", DIM, initializer=init.Normal(0.0, 0.5), optimizer=optim.Adagrad(lr=LR), seed=7,
-        **SETUPS[setup], **fields,
-    )  # fmt: skip
+        "t",
+        DIM,
+        initializer=init.Normal(0.0, 0.5),
+        optimizer=optim.Adagrad(lr=LR),
+        seed=7,
+        **SETUPS[setup],
+        **fields,
+    )
 
 
 def open_table(path: Path, config: TableConfig) -> tuple[EmbeddingStore, EmbeddingTable]:
@@ -66,9 +71,10 @@ class Oracle:
 
     def stale(self, steps_to_live: int) -> set[int]:
         return {
-            key for key, step in self.last.items()
+            key
+            for key, step in self.last.items()
             if self.current - max(step, self.first) >= steps_to_live
-        }  # fmt: skip
+        }
 
 
 def push(
@@ -129,9 +135,12 @@ def test_steps_to_live_removes_rows_not_updated_for_that_many_steps(
         assert table.evict() == 0  # nothing is stale any more
         eviction = table.stats()["eviction"]
         assert eviction == {
-            "removed_total": len(gone), "last_removed": 0, "runs": 2,
-            "current_step": 30, "first_step": 1,
-        }  # fmt: skip
+            "removed_total": len(gone),
+            "last_removed": 0,
+            "runs": 2,
+            "current_step": 30,
+            "first_step": 1,
+        }
 
 
 @pytest.mark.parametrize("setup", ["host", "spilled", "direct"])

@@ -34,9 +34,14 @@ from tierps.storage.admission import DEFAULT_COUNTER_KEYS, CounterFilter, make_f
 DIM = 4
 WHERE = "table 'g' on shard 0"
 COUNT_FIELDS = (  # counts in stats(); a filter's slots and bytes may grow and stay grown
-    "keys_counted", "counters_used", "sightings", "keys_admitted", "keys_dropped",
-    "lookups_default", "gradients_dropped",
-)  # fmt: skip
+    "keys_counted",
+    "counters_used",
+    "sightings",
+    "keys_admitted",
+    "keys_dropped",
+    "lookups_default",
+    "gradients_dropped",
+)
 
 # What overflows float32 from finite input, per optimizer: Adam squares the gradient into v
 # (1e20**2 is inf), SGD with a huge lr moves the weights past float32's range.
@@ -534,10 +539,18 @@ def test_a_push_beyond_max_step_leap_is_refused_naming_step_clock_and_limit(open
     table = opened(max_step_leap=LEAP).create_table(config(steps_to_live=LIVE))
     push(table, keys_of(0, 1), grads(2), step=5)
     message = refused(
-        table, keys_of(1, 2), grads(2), 5 + LEAP + 1,
-        "'step'", f"at most {5 + LEAP}", "clock", "is 5", f"max_step_leap {LEAP}",
-        f"got {5 + LEAP + 1}", "--max-step-leap",
-    )  # fmt: skip
+        table,
+        keys_of(1, 2),
+        grads(2),
+        5 + LEAP + 1,
+        "'step'",
+        f"at most {5 + LEAP}",
+        "clock",
+        "is 5",
+        f"max_step_leap {LEAP}",
+        f"got {5 + LEAP + 1}",
+        "--max-step-leap",
+    )
     assert "shard 0" in message
     assert push(table, keys_of(1, 2), grads(2), step=5 + LEAP) == 2  # at the limit: taken
     assert table.leap_step == 5 + LEAP  # and held back by the eviction guard, as before

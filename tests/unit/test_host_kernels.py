@@ -66,8 +66,16 @@ def test_lookup_matches_the_array_code(eviction: str) -> None:
         np.testing.assert_array_equal(outs[0], outs[1])
         assert np.isnan(outs[0][got]).all() and not np.isnan(np.delete(outs[0], got, 0)).any()
     assert (compiled.hits, compiled.misses) == (reference.hits, reference.misses)
-    scores = [dict(zip(*t.index.export()[:1], t.index._scores[t.index.find(t.index.export()[0])],
-                       strict=True)) for t in (compiled, reference)]  # fmt: skip
+    scores = [
+        dict(
+            zip(
+                *t.index.export()[:1],
+                t.index._scores[t.index.find(t.index.export()[0])],
+                strict=True,
+            )
+        )
+        for t in (compiled, reference)
+    ]
     assert scores[0] == scores[1]
 
 
@@ -171,9 +179,7 @@ def test_refused_train_changes_nothing_and_undo_puts_rows_back() -> None:
     dim = 4
     config = TableConfig("t", dim, optimizer=optim.Adam(), steps_to_live=10)
     keys = np.arange(50, dtype=np.int64)
-    stored = np.concatenate(
-        [config.initial_rows(keys), np.zeros((50, 2), np.float32)], axis=1
-    )  # fmt: skip
+    stored = np.concatenate([config.initial_rows(keys), np.zeros((50, 2), np.float32)], axis=1)
     compiled, _ = _tiers(config, keys, stored)
     snapshot = compiled.find(keys)
     grads = np.full((50, dim), 1e-3, np.float32)
@@ -203,9 +209,12 @@ def _dim_beside_the_stream_threshold(optimizer: optim.Optimizer, streamed: bool)
     side = [
         dim
         for dim in dims
-        if (4 * TableConfig("t", dim, optimizer=optimizer).row_width
-            >= host_kernels.TRAIN_STREAM_BYTES) is streamed
-    ]  # fmt: skip
+        if (
+            4 * TableConfig("t", dim, optimizer=optimizer).row_width
+            >= host_kernels.TRAIN_STREAM_BYTES
+        )
+        is streamed
+    ]
     return side[0] if streamed else side[-1]
 
 
@@ -306,8 +315,11 @@ def test_rocksdb_reads_only_keys_in_the_stored_range(tmp_path: Path) -> None:
     with EmbeddingStore(tmp_path / "s") as store:
         durable = store.table("t").durable
         assert durable.may_hold(np.array([9, 10, 100, 101], np.int64)).tolist() == [
-            False, True, True, False,
-        ]  # fmt: skip
+            False,
+            True,
+            True,
+            False,
+        ]
         assert durable.may_hold(np.array([10, 100], np.int64)) is None  # all within
 
 
@@ -352,12 +364,15 @@ def test_each_training_loop_is_cached_on_disk_apart(tmp_path: Path) -> None:
     first, second = (
         ast.literal_eval(
             subprocess.run(
-                [sys.executable, "-c", _TRAIN_TWO], env=env, capture_output=True, text=True,
+                [sys.executable, "-c", _TRAIN_TWO],
+                env=env,
+                capture_output=True,
+                text=True,
                 check=True,
             ).stdout
         )
         for _ in range(2)
-    )  # fmt: skip
+    )
     # SGD: w = 1 - 0.5 * 1. Momentum: b = 0.5 * 1 + 1, w = 1 - 0.5 * b.
     rows = [[[0.5, 0.5]], [[0.25, 0.25, 1.5, 1.5]]]
     assert [trained for trained, _, _ in first] == [trained for trained, _, _ in second] == rows

@@ -56,9 +56,7 @@ def under(modules: list[str], prefixes: tuple[str, ...]) -> list[str]:
 
 
 def test_a_trainer_imports_no_storage_engine_server_or_cupy() -> None:
-    modules = loaded_after(
-        "import tierps.client, tierps.client.torch, tierps.client.distributed"
-    )
+    modules = loaded_after("import tierps.client, tierps.client.torch, tierps.client.distributed")
     assert "tierps.client.distributed" in modules and "tierps.core.config" in modules
     assert under(modules, NOT_IN_A_TRAINER) == []
 
@@ -66,9 +64,7 @@ def test_a_trainer_imports_no_storage_engine_server_or_cupy() -> None:
 def test_core_imports_nothing_above_it_and_no_cupy() -> None:
     names = sorted(p.stem for p in (ROOT / PACKAGE_DIRS["tierps.core"]).glob("*.py"))
     assert "config" in names and "ownership" in names
-    imports = "; ".join(
-        f"import tierps.core.{name}" for name in names if name != "__init__"
-    )
+    imports = "; ".join(f"import tierps.core.{name}" for name in names if name != "__init__")
     modules = loaded_after(imports)
     assert "tierps.core.ownership" in modules
     assert under(modules, (*ABOVE_CORE, "rocksdict", "cupy")) == []
@@ -230,9 +226,8 @@ def import_graph() -> dict[str, set[str]]:
     counting it would make every package that re-exports its own modules a cycle."""
     modules = modules_by_name()
     return {
-        module: {
-            name for name in imported_names(path, module, modules) if name in modules
-        } - {module}
+        module: {name for name in imported_names(path, module, modules) if name in modules}
+        - {module}
         for module, path in modules.items()
     }
 

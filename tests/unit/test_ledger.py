@@ -65,8 +65,9 @@ def test_a_second_call_of_one_id_waits_for_the_first(tmp_path: Path) -> None:
         assert seen == [{"t": 2}]
 
 
-@pytest.mark.parametrize("value", ["", "x", ":1", "a:", "a:-1", "a b:1", "é:1", "a:" + "9" * 20,
-                                   "a" * 65 + ":1"])  # fmt: skip
+@pytest.mark.parametrize(
+    "value", ["", "x", ":1", "a:", "a:-1", "a b:1", "é:1", "a:" + "9" * 20, "a" * 65 + ":1"]
+)
 def test_a_malformed_push_id_is_the_callers_error(value: str) -> None:
     with pytest.raises(InvalidArgumentError, match="tierps-push-id"):
         parse_push_id(value)

@@ -88,8 +88,9 @@ def test_durability_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="sync_writes"):
         ServerConfig(0, 1, tmp_path, sync_writes="yes")
     toml = tmp_path / "shard.toml"
-    toml.write_text(f'shard_id = 0\nnum_shards = 1\ndata_dir = "{tmp_path}"\n'
-                    "flush_interval_s = 5\n")  # fmt: skip
+    toml.write_text(
+        f'shard_id = 0\nnum_shards = 1\ndata_dir = "{tmp_path}"\nflush_interval_s = 5\n'
+    )
     assert ServerConfig.from_file(toml).flush_interval_s == 5
 
 

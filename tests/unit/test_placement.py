@@ -61,9 +61,13 @@ def test_name_chosen_owner_depends_on_the_name_only() -> None:
     for hash_seed in ("1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
         out = subprocess.run(
-            [sys.executable, "-c", script], capture_output=True, text=True, env=env,
-            timeout=60, check=True,
-        )  # fmt: skip
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=True,
+        )
         assert json.loads(out.stdout) == here
 
 

@@ -19,9 +19,15 @@ ADAPT = TableConfig(
     "a", 2, optimizer=optim.SGD(), hash_bucket_size=3, promote_after=4, steps_to_live=9
 )
 WHOLE = TableConfig(
-    "w", 2, optimizer=optim.SGD(), placement=Placement.TABLE, table_shard=1,
-    admit_after=3, admission=Admission.BLOOM, max_elements=64,
-)  # fmt: skip
+    "w",
+    2,
+    optimizer=optim.SGD(),
+    placement=Placement.TABLE,
+    table_shard=1,
+    admit_after=3,
+    admission=Admission.BLOOM,
+    max_elements=64,
+)
 
 
 def save(root: Path, config: TableConfig, states: list[dict]) -> Snapshot:
@@ -40,16 +46,23 @@ def test_keyed_counts_go_by_key_and_the_rest_by_the_documented_rules(tmp_path: P
         np.array([[1, 2, 7], [3, 1, 1]], np.int64),  # keys 1, 3 on shard 1 of 2
     ]
     states = [
-        {"current_step": 7, "first_step": 2, "buckets": buckets[i], "promotion": promotion[i],
-         "promotion_calls": 7 + i}
+        {
+            "current_step": 7,
+            "first_step": 2,
+            "buckets": buckets[i],
+            "promotion": promotion[i],
+            "promotion_calls": 7 + i,
+        }
         for i in range(2)
-    ]  # fmt: skip
+    ]
     states[1].update(current_step=9, first_step=3)
     opened = save(tmp_path, ADAPT, states)
     for i in range(2):  # the same shard count: each part's own state, as it was
         got = opened.state_for_shard("a", i, 2)
-        assert (got["current_step"], got["first_step"]) == (states[i]["current_step"],
-                                                            states[i]["first_step"])  # fmt: skip
+        assert (got["current_step"], got["first_step"]) == (
+            states[i]["current_step"],
+            states[i]["first_step"],
+        )
         assert np.array_equal(got["buckets"], buckets[i])
         assert np.array_equal(got["promotion"], promotion[i])
     got = [opened.state_for_shard("a", i, 3) for i in range(3)]

@@ -128,8 +128,12 @@ def test_the_manifest_records_layouts_headers_and_its_own_checksum(tmp_path: Pat
     assert manifest[CHECKSUM] == manifest_checksum(manifest)
     layout = manifest["tables"]["t"]["layout"]
     assert layout == {
-        "dim": 4, "optimizer": "adagrad", "row_width": 8, "key_dtype": "<i8", "row_dtype": "<f4"
-    }  # fmt: skip
+        "dim": 4,
+        "optimizer": "adagrad",
+        "row_width": 8,
+        "key_dtype": "<i8",
+        "row_dtype": "<f4",
+    }
     for part in manifest["tables"]["t"]["parts"]:
         header = snapshot / part["header_file"]["path"]
         data = header.read_bytes()

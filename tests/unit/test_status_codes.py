@@ -43,18 +43,27 @@ CODE = grpc.StatusCode
         (InvalidArgumentError("x"), CODE.INVALID_ARGUMENT, Reason.INVALID_ARGUMENT),
         (StorageFullError("disk full"), CODE.RESOURCE_EXHAUSTED, Reason.STORAGE_FULL),
         (DataLossError("corrupt"), CODE.DATA_LOSS, Reason.DATA_CORRUPT),
-        (DataLossError("restarted", reason=Reason.SHARD_RESTARTED), CODE.DATA_LOSS,
-         Reason.SHARD_RESTARTED),
+        (
+            DataLossError("restarted", reason=Reason.SHARD_RESTARTED),
+            CODE.DATA_LOSS,
+            Reason.SHARD_RESTARTED,
+        ),
         (BackendError("rocksdb busy"), CODE.UNAVAILABLE, Reason.BACKEND_FAILED),
-        (ResourceExhaustedError("over", reason=Reason.CALL_TOO_LARGE), CODE.RESOURCE_EXHAUSTED,
-         Reason.CALL_TOO_LARGE),
+        (
+            ResourceExhaustedError("over", reason=Reason.CALL_TOO_LARGE),
+            CODE.RESOURCE_EXHAUSTED,
+            Reason.CALL_TOO_LARGE,
+        ),
         (TableReplacedError("replaced"), CODE.ABORTED, Reason.TABLE_REPLACED),
         (MemoryError(), CODE.RESOURCE_EXHAUSTED, Reason.OUT_OF_MEMORY),
-        (CupyLikeOutOfMemory("out of memory allocating 1 GiB"), CODE.RESOURCE_EXHAUSTED,
-         Reason.OUT_OF_MEMORY),
+        (
+            CupyLikeOutOfMemory("out of memory allocating 1 GiB"),
+            CODE.RESOURCE_EXHAUSTED,
+            Reason.OUT_OF_MEMORY,
+        ),
         (KeyError("bug"), CODE.INTERNAL, Reason.INTERNAL),
     ],
-)  # fmt: skip
+)
 def test_each_error_has_its_code_and_reason(
     error: BaseException, code: grpc.StatusCode, reason: Reason
 ) -> None:
@@ -73,7 +82,7 @@ def test_a_status_keeps_the_calls_trailers_and_carries_the_reason_and_facts() ->
     status = status_for(error, (applied,), shard=3)
     assert status.code is CODE.RESOURCE_EXHAUSTED and status.details == "table 'b': disk full"
     assert status.trailing_metadata[0] == applied
-    (key, value), = status.trailing_metadata[1:]  # fmt: skip
+    ((key, value),) = status.trailing_metadata[1:]
     assert key == "grpc-status-details-bin"
     rich = status_pb2.Status.FromString(value)
     assert (rich.code, rich.message) == (CODE.RESOURCE_EXHAUSTED.value[0], status.details)

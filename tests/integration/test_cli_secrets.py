@@ -21,6 +21,8 @@ from tierps.client.command_line import Parser
 from tierps.demo import trainers
 from tierps.server import cli
 
+pytestmark = pytest.mark.slow  # real `tierps` subprocesses
+
 TIMEOUT_S = 60.0
 SECRET = "s3cret-do-not-print-0123456789"
 ROOT = Path(__file__).resolve().parents[2]

@@ -26,6 +26,8 @@ import torch.multiprocessing as torch_mp  # noqa: E402
 
 from tierps.client.distributed import exchange_gradients, key_owners  # noqa: E402
 
+pytestmark = pytest.mark.slow  # spawned gloo ranks
+
 Pushes = dict[str, tuple[np.ndarray, np.ndarray]]
 TABLES = ("a", "b", "c")
 DIMS = {"a": 1, "b": 4, "c": 16}  # several dims, one of them 1 (a column of one value)

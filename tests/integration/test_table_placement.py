@@ -350,6 +350,7 @@ def snapshot_parts(path: Path, name: str) -> dict[int, int]:
     return {p["shard_id"]: p["rows"] for p in manifest["tables"][name]["parts"]}
 
 
+@pytest.mark.slow  # subprocess clusters
 def test_snapshots_reshard_a_placed_table_onto_its_new_owner(tmp_path: Path) -> None:
     """2 -> 3 -> 1 shards and back to 2: each load puts a placed table whole on its owner
     among the new shards, with the same rows and optimizer state, bit for bit; a further

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.commands import serve_command
 from tierps.client import EmbeddingClient, TableConfig
 from tierps.server import cli
 from tierps.server.daemon import ShardServer
@@ -49,18 +49,7 @@ def test_describe_and_stats_show_no_hit_rate_before_any_lookup(
 
 
 def test_the_serving_log_line_writes_no_snapshot_dir_as_null(tmp_path: Path) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "tierps.server.cli",
-        "serve",
-        "--shard-id",
-        "0",
-        "--num-shards",
-        "1",
-        "--data-dir",
-        str(tmp_path / "data"),
-    ]
+    command = serve_command(str(tmp_path / "data"))
     process = subprocess.Popen(
         command,
         stdin=subprocess.DEVNULL,

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tests.commands import serve_command
 from tierps.client.command_line import Parser
 from tierps.demo import trainers
 from tierps.server import cli
@@ -155,16 +156,7 @@ def test_a_serving_shard_logs_none_of_its_tokens(tmp_path: Path) -> None:
     tokens.write_text(f"admin:{SECRET}\nreader:{SECRET}-reader\n")
     port_file = tmp_path / "port"
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tierps.server.cli",
-            "serve",
-            "--shard-id",
-            "0",
-            "--num-shards",
-            "1",
-            "--data-dir",
+        serve_command(
             str(tmp_path / "d"),
             "--tokens-file",
             str(tokens),
@@ -172,7 +164,7 @@ def test_a_serving_shard_logs_none_of_its_tokens(tmp_path: Path) -> None:
             str(port_file),
             "--log-level",
             "debug",
-        ],
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

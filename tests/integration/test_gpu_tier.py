@@ -8,7 +8,6 @@ metrics."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.commands import serve_command
 from tierps.client import EmbeddingClient, TableConfig, init, optim
 from tierps.core.xp import gpu_module
 from tierps.server.daemon import ShardServer
@@ -179,19 +179,7 @@ def test_a_table_can_ask_for_its_own_gpu_cache_and_metrics_show_the_gpu_tier(
 
 
 def _serve(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "tierps.server.cli",
-        "serve",
-        "--shard-id",
-        "0",
-        "--num-shards",
-        "1",
-        "--data-dir",
-        str(tmp_path / "data"),
-        *flags,
-    ]
+    command = serve_command(str(tmp_path / "data"), *flags)
     return subprocess.run(
         command, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
     )

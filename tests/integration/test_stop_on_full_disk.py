@@ -10,7 +10,6 @@ import json
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
+from tests.commands import serve_command
 from tests.fault_fs import fill, small_tmpfs
 from tierps.client import EmbeddingClient, ShardError, TableConfig, optim
 from tierps.server.lives import LIVES_FILE
@@ -42,16 +42,7 @@ class Shard:
         port_file = data_dir.parent / "port"
         port_file.unlink(missing_ok=True)
         self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tierps.server.cli",
-                "serve",
-                "--shard-id",
-                "0",
-                "--num-shards",
-                "1",
-                "--data-dir",
+            serve_command(
                 str(data_dir),
                 "--port",
                 str(port),
@@ -59,7 +50,7 @@ class Shard:
                 str(port_file),
                 "--flush-interval-s",
                 "0",
-            ],
+            ),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

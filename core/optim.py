@@ -65,6 +65,16 @@ def _f32(value: float) -> float:
     return float(np.float32(value))
 
 
+def _check_eps_in_float32(owner: str, eps: float, zero_case: str) -> None:
+    """eps > 0 once rounded to float32 (the rows' type): else `zero_case` divides 0 by
+    sqrt(0) + 0 and makes NaN."""
+    if _f32(eps) == 0.0:
+        raise ValueError(
+            f"{owner}: field 'eps' expected > 0 as float32 (>= {_f32(1e-45):.3g}; else "
+            f"{zero_case} gives 0 / (sqrt(0) + 0) = NaN), got {eps!r}"
+        )
+
+
 @dataclass(frozen=True)
 class TorchReference:
     """The torch.optim optimizer a config equals, for the parity tests (tests/optimizers.py
@@ -260,12 +270,8 @@ class Adam(Optimizer):
         check_range("optim.Adam", "beta2", self.beta2, 0.0, 1.0, high_open=True)
         check_range("optim.Adam", "eps", self.eps, 0.0, _INF, low_open=True)
         _check_float32(self)
-        if _f32(self.eps) == 0.0:  # m / (sqrt(v) + eps) at m = v = 0 is 0 / 0
-            raise ValueError(
-                f"optim.Adam: field 'eps' expected > 0 as float32 (>= {_f32(1e-45):.3g}; "
-                f"else a zero gradient component gives 0 / (sqrt(0) + 0) = NaN), got "
-                f"{self.eps!r}"
-            )
+        # m / (sqrt(v) + eps) at m = v = 0 is 0 / 0
+        _check_eps_in_float32("optim.Adam", self.eps, "a zero gradient component")
 
     def state_fill(self) -> tuple[float, ...]:
         return (0.0, 0.0)
@@ -305,12 +311,8 @@ class RMSprop(Optimizer):
         check_range("optim.RMSprop", "alpha", self.alpha, 0.0, 1.0, high_open=True)
         check_range("optim.RMSprop", "eps", self.eps, 0.0, _INF, low_open=True)
         _check_float32(self)
-        if _f32(self.eps) == 0.0:  # g / (sqrt(v) + eps) at g = v = 0 is 0 / 0
-            raise ValueError(
-                f"optim.RMSprop: field 'eps' expected > 0 as float32 (>= {_f32(1e-45):.3g}; "
-                f"else a zero gradient component of a fresh row gives 0 / (sqrt(0) + 0) = "
-                f"NaN), got {self.eps!r}"
-            )
+        # g / (sqrt(v) + eps) at g = v = 0 is 0 / 0
+        _check_eps_in_float32("optim.RMSprop", self.eps, "a zero gradient component of a fresh row")
 
     def state_fill(self) -> tuple[float, ...]:
         return (0.0,)

@@ -308,6 +308,33 @@ if numba is not None:
             codes[i] = code
 
     @jit_kernel
+    def k_rehash(keys, values, scores, leaving, table, new_values, new_scores, mask):
+        """HashTable._rebuilt's fill in one pass: every live key of a table (its columns
+        keys, values, scores), but those of the slots where `leaving` is True (an empty
+        `leaving`: none), into an empty table of mask + 1 slots (table, new_values,
+        new_scores), in slot order. Its keys are distinct, so each takes the first EMPTY
+        slot from its home without looking for itself. Returns how many it placed, -1 if
+        the new table had no room (the caller sizes it so that it has)."""
+        placed = 0
+        skip = leaving.shape[0] > 0
+        for s in range(keys.shape[0]):
+            key = keys[s]
+            if key <= _TOMBSTONE or (skip and leaving[s]):
+                continue
+            pos = home_slot(key, mask)
+            probes = 0
+            while table[pos] != _EMPTY:
+                probes += 1
+                if probes > mask:
+                    return -1
+                pos = (pos + 1) & mask
+            table[pos] = key
+            new_values[pos] = values[s]
+            new_scores[pos] = scores[s]
+            placed += 1
+        return placed
+
+    @jit_kernel
     def k_find_rows(table, values, mask, keys, n, arena, out, width, zero_misses, slots, has_slots):
         for i in range(n):
             slot = _probe(table, mask, keys[i])

@@ -54,6 +54,7 @@ from tierps.storage import host_kernels
 from tierps.storage.hash_table import HashTable
 
 _INITIAL_ROWS = 1024
+ARENA_GROWTH = 4  # a host arena's capacity grows this many times at a step (see _grow)
 _DIRTY_FLAG_BYTES = 1
 _FREE_LIST_BYTES = 8
 SCRATCH_SHRINK_CALLS = 64  # see CacheTier._scratch_rows
@@ -183,10 +184,10 @@ class CacheTier(Tier):
 
     Calls take and return numpy arrays, as every tier's do; a GPU tier copies keys and rows
     to the device on the way in and found rows back on the way out, and keeps its index,
-    arena, dirty flags and free list on the device. A host arena grows by doubling with
-    ndarray.resize, which reallocates in place (large blocks move by mremap, without a second
-    copy in memory), never beyond the rows the budget allows; a GPU tier (on cupy, or
-    preallocate=True) takes its whole budget when made. Freed rows are reused first. When
+    arena, dirty flags and free list on the device. A host arena grows with the rows it
+    holds (see _grow), never beyond the rows the budget allows, so a table's memory is
+    what its rows take whatever its budget; a GPU tier (on cupy, or preallocate=True)
+    takes its whole budget when made. Freed rows are reused first. When
     full, the rows with the lowest LRU/LFU score spill to the tier below; rows of the batch
     being stored are never chosen.
 
@@ -218,7 +219,11 @@ class CacheTier(Tier):
         # kernels as HashTable's: None runs the compiled GPU kernels on cupy (the array code
         # on numpy); a kernels.Launcher runs them through it (tests: a host build on numpy)
         self.index = HashTable(start, eviction=config.eviction, xp=xp, kernels=kernels)
-        self.arena = xp.empty((start, self.width), dtype=xp.float32)
+        self.arena = (
+            host_kernels.aligned_empty(start, self.width)
+            if xp is np
+            else xp.empty((start, self.width), dtype=xp.float32)
+        )
         self.dirty = xp.zeros(start, dtype=bool)
         self._free = xp.empty(0, dtype=xp.int64)  # row ids released by eviction
         self._high = 0  # row ids >= _high were never used
@@ -236,20 +241,21 @@ class CacheTier(Tier):
         return self._trains_in_place
 
     def _grow(self, rows: int) -> None:
-        """Numpy only: a device tier is allocated whole and never grows. A large arena
-        grows in place (ndarray.resize: mremap, no second copy in memory); a small one
-        into a new array (np.empty: pages only as rows are written, huge pages where the
-        system gives them, where resize would zero every new row first), which holds the
-        old one beside it for a moment: at most a quarter more memory."""
-        if self.arena.shape[0] * 4 <= rows:
-            arena = np.empty((rows, self.width), dtype=np.float32)
-            arena[: self.arena.shape[0]] = self.arena
-            dirty = np.zeros(rows, dtype=bool)
-            dirty[: self.dirty.shape[0]] = self.dirty
-            self.arena, self.dirty = arena, dirty
-            return
-        self.arena.resize((rows, self.width), refcheck=False)  # no views are ever kept
-        self.dirty.resize(rows, refcheck=False)
+        """Numpy only: a device tier is allocated whole and never grows. The arena moves to
+        a new array of `rows` rows and the rows in use (below the high mark) are copied
+        over; rows above it were never written and are not. The new array takes memory
+        only for the pages rows are written to (np.empty: huge pages where the system gives
+        them), so its capacity above the rows in use costs address space, not memory: the
+        arena grows ARENA_GROWTH times at a step, and all the steps together copy at most
+        a third of its capacity. For a moment the rows in use are held twice; the budget's
+        rows are never exceeded. Cache-line aligned, so that a row of 64 bytes is one
+        cache line."""
+        used = self._high
+        arena = host_kernels.aligned_empty(rows, self.width)
+        arena[:used] = self.arena[:used]
+        dirty = np.zeros(rows, dtype=bool)
+        dirty[:used] = self.dirty[:used]
+        self.arena, self.dirty = arena, dirty
 
     @property
     def compiled(self) -> bool:
@@ -348,7 +354,7 @@ class CacheTier(Tier):
             if rebuilt is not None:
                 self.index.install(rebuilt)  # the victims are not in it
             old_slots = self.index.find(keys[present]) if rebuilt is not None else slots[present]
-            ids, free_after, high_after = self._take_rows(fits, victim_ids)
+            ids, at, free_after, high_after = self._take_rows(fits, victim_ids)
             new_slots = self.index.insert_absent(keys if every else keys[placed], room_made=True)
             self.index.values[new_slots] = ids
             self.index.touch(old_slots)
@@ -373,14 +379,16 @@ class CacheTier(Tier):
         self._free, self._high = free_after, high_after
         self.arena[present_ids] = present_rows
         self.dirty[present_ids] = present_dirty
-        self.arena[ids] = placed_rows
-        self.dirty[ids] = placed_dirty
+        self.arena[at] = placed_rows
+        self.dirty[at] = placed_dirty
 
-    def _take_rows(self, count: int, freeing: Any) -> tuple[Any, Any, int]:
+    def _take_rows(self, count: int, freeing: Any) -> tuple[Any, Any, Any, int]:
         """Row ids for `count` new rows - freed ones first, then those of `freeing` (rows
-        let go of by this call), then never used ones - with the free list and the high
-        mark after taking them; nothing changes until the caller assigns those two. A host
-        arena grows now, if it must, never beyond max_rows."""
+        let go of by this call), then never used ones - as an array and as what indexes
+        the arena at them (a slice where they are one run of never used rows, as on a
+        first touch: the rows are then copied in one block), with the free list and the
+        high mark after taking them; nothing changes until the caller assigns those two.
+        A host arena grows now, if it must, never beyond max_rows."""
         xp = self.xp
         free = xp.concatenate([self._free, freeing]) if freeing.size else self._free
         reused = free[:count]
@@ -392,9 +400,12 @@ class CacheTier(Tier):
                 f"needs {high} (a bookkeeping error; nothing was changed)"
             )
         if high > self.arena.shape[0]:
-            self._grow(min(self.max_rows, max(high, 2 * self.arena.shape[0])))
-        ids = xp.concatenate([reused, xp.arange(self._high, high, dtype=xp.int64)])
-        return ids, free[count:], high
+            self._grow(min(self.max_rows, max(high, ARENA_GROWTH * self.arena.shape[0])))
+        never_used = xp.arange(self._high, high, dtype=xp.int64)
+        if reused.shape[0] == 0:
+            return never_used, slice(self._high, high), free[count:], high
+        ids = xp.concatenate([reused, never_used])
+        return ids, ids, free[count:], high
 
     def train_resident(
         self, keys: np.ndarray, grads: np.ndarray, step: int, stamp: int | None
@@ -610,14 +621,21 @@ class CacheTier(Tier):
         return {
             "rows": self.rows,
             "capacity_rows": self.max_rows,
-            "bytes": int(self.arena.nbytes + self.dirty.nbytes + self._free.nbytes)
-            + self.index.nbytes,
+            "bytes": self._arena_bytes() + int(self._free.nbytes) + self.index.nbytes,
             # working memory of pushes, beside the budget: at most the arena's size again
             "scratch_bytes": int(self._scratch.nbytes),
             "dirty_rows": int(self.xp.count_nonzero(self.dirty[: self._high])),
             "hits": self.hits,
             "misses": self.misses,
         }
+
+    def _arena_bytes(self) -> int:
+        """Memory the arena and its dirty flags take: all of it on a device (allocated
+        whole); on the host their rows below the high mark, the only ones ever written
+        (the capacity above it is address space only: see _grow)."""
+        if self.xp is not np:
+            return int(self.arena.nbytes + self.dirty.nbytes)
+        return self._high * (self.width * self.arena.itemsize + self.dirty.itemsize)
 
     def close(self) -> None:
         """Drop the arrays: a GPU tier's memory returns to cupy's pool now, not at exit."""

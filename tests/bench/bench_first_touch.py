@@ -184,7 +184,8 @@ def main() -> int:
             pythons = args.python if round_ % 2 == 0 else args.python[::-1]
             for python in pythons:
                 result = run_child(python, spec)
-                result["python"] = python
+                # an interpreter is named only where several are compared
+                result["python"] = python if len(args.python) > 1 else "python"
                 runs.setdefault((python, *spec.values()), []).append(result)
                 print(
                     f"round {round_ + 1}: {python} dim {spec['dim']} {spec['optimizer']} "

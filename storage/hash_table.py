@@ -364,8 +364,11 @@ class HashTable:
         scores, rebuilt into `slots` slots without tombstones. Exception-safe and leaves
         this table as it was: the new arrays are allocated and filled while the old ones
         are put aside, and put back whatever happens (out of memory on the GPU, a
-        MemoryError on the host)."""
+        MemoryError on the host). On the host's compiled kernels, one pass over the slots
+        (host_kernels.k_rehash) instead of the array code's gathers, claim and scatters."""
         xp = self.xp
+        if self.compiled_on_host:
+            return self._rebuilt_compiled(slots, leaving)
         old = (self._keys, self.values, self._scores, self._size, self._used)
         live = xp.nonzero(self._keys > TOMBSTONE)[0]
         if leaving is not None and leaving.shape[0]:
@@ -384,6 +387,25 @@ class HashTable:
         finally:
             self._install(*old[:3])
             self._size, self._used = old[3], old[4]
+
+    def _rebuilt_compiled(self, slots: int, leaving: Any) -> Rebuilt:
+        """_rebuilt by host_kernels.k_rehash: the new arrays are filled without touching
+        this table's."""
+        keys, values, scores = self._allocate(slots)
+        skip = _NO_FLAGS
+        if leaving is not None and leaving.shape[0]:
+            skip = np.zeros(self.slots, dtype=bool)
+            skip[leaving] = True
+        size = self._size - (0 if leaving is None else int(leaving.shape[0]))
+        placed = host_kernels.k_rehash(
+            self._keys, self.values, self._scores, skip, keys, values, scores, slots - 1
+        )
+        if placed != size:
+            raise RuntimeError(
+                f"HashTable: rebuilding into {slots} slots expected to place {size} live "
+                f"keys, placed {placed} (a bookkeeping error; the table is as it was)"
+            )
+        return Rebuilt(keys, values, scores, size=size)
 
     def find_rows(
         self, keys: Any, arena: Any, width: int | None = None, *, out: Any = None
@@ -448,9 +470,15 @@ class HashTable:
         ids = np.empty(keys.shape[0], dtype=np.int64)
         nothing = np.empty((keys.shape[0], 0), dtype=np.float32)
         hits, _ = self._lookup(
-            keys, nothing, nothing, _NO_FLAGS, ids, _NO_FLAGS, _NO_SLOTS,
+            keys,
+            nothing,
+            nothing,
+            _NO_FLAGS,
+            ids,
+            _NO_FLAGS,
+            _NO_SLOTS,
             host_kernels.LOOKUP_ROW_IDS,
-        )  # fmt: skip
+        )
         return ids, hits
 
     def _lookup(
@@ -469,9 +497,21 @@ class HashTable:
         if not lfu:
             self._tick += 1
         hits, listed = host_kernels.k_lookup(
-            self._keys, self.values, self._scores, self._mask, keys, arena, out, dirty,
-            slots, found_dirty, missed, mode, self._tick, lfu,
-        )  # fmt: skip
+            self._keys,
+            self.values,
+            self._scores,
+            self._mask,
+            keys,
+            arena,
+            out,
+            dirty,
+            slots,
+            found_dirty,
+            missed,
+            mode,
+            self._tick,
+            lfu,
+        )
         return int(hits), int(listed)
 
     def remove_slots(self, slots: Any) -> None:

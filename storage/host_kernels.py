@@ -309,6 +309,33 @@ if numba is not None:
             codes[i] = code
 
     @jit_kernel
+    def k_rehash(keys, values, scores, leaving, table, new_values, new_scores, mask):
+        """HashTable._rebuilt's fill in one pass: every live key of a table (its columns
+        keys, values, scores), but those of the slots where `leaving` is True (an empty
+        `leaving`: none), into an empty table of mask + 1 slots (table, new_values,
+        new_scores), in slot order. Its keys are distinct, so each takes the first EMPTY
+        slot from its home without looking for itself. Returns how many it placed, -1 if
+        the new table had no room (the caller sizes it so that it has)."""
+        placed = 0
+        skip = leaving.shape[0] > 0
+        for s in range(keys.shape[0]):
+            key = keys[s]
+            if key <= _TOMBSTONE or (skip and leaving[s]):
+                continue
+            pos = home_slot(key, mask)
+            probes = 0
+            while table[pos] != _EMPTY:
+                probes += 1
+                if probes > mask:
+                    return -1
+                pos = (pos + 1) & mask
+            table[pos] = key
+            new_values[pos] = values[s]
+            new_scores[pos] = scores[s]
+            placed += 1
+        return placed
+
+    @jit_kernel
     def k_find_rows(table, values, mask, keys, n, arena, out, width, zero_misses, slots, has_slots):
         for i in range(n):
             slot = _probe(table, mask, keys[i])
@@ -324,9 +351,21 @@ if numba is not None:
 
     @jit_kernel
     def k_lookup(
-        table, values, scores, mask, keys, arena, out, dirty, slots, found_dirty, missed,
-        mode, tick, lfu,
-    ):  # fmt: skip
+        table,
+        values,
+        scores,
+        mask,
+        keys,
+        arena,
+        out,
+        dirty,
+        slots,
+        found_dirty,
+        missed,
+        mode,
+        tick,
+        lfu,
+    ):
         """The host tier's find in one pass: out[i] = the first out.shape[1] columns of the
         row of keys[i] (left as it was for a miss) and the eviction touch of each hit (LRU:
         score = tick; LFU: +1 per occurrence). `mode` bits say what else it writes:
@@ -501,9 +540,19 @@ if numba is not None:
             new[dim + c] = n_new
 
     def _train(
-        arena, ids, grads, p, size, refuse, backup, was_dirty, stamp, has_stamp, row_width,
+        arena,
+        ids,
+        grads,
+        p,
+        size,
+        refuse,
+        backup,
+        was_dirty,
+        stamp,
+        has_stamp,
+        row_width,
         dirty,
-    ):  # fmt: skip
+    ):
         """One optimizer step in place on rows arena[ids] (unique) with grads [n, dim];
         size: weight and state slots. Row by row: the new values are computed
         (_update_row: this copy's row update), and with refuse, checked to be finite; the
@@ -626,9 +675,20 @@ class NumbaLauncher:
             arena, _, ids, grads, n, dim, _, *hyper = args
             empty = np.empty((n, 0), np.float32)  # nothing to put back: no refusal
             dirty = np.empty(arena.shape[0], dtype=bool)  # scratch: fused_apply sets none
-            _trainer(name)(arena, ids, grads[:n, :dim], _float32(hyper), _KERNEL_SLOTS[name],
-                           False, empty, np.empty(n, bool), np.empty(0, np.float32), False,
-                           arena.shape[1], dirty)  # fmt: skip
+            _trainer(name)(
+                arena,
+                ids,
+                grads[:n, :dim],
+                _float32(hyper),
+                _KERNEL_SLOTS[name],
+                False,
+                empty,
+                np.empty(n, bool),
+                np.empty(0, np.float32),
+                False,
+                arena.shape[1],
+                dirty,
+            )
         else:
             raise ValueError(f"host kernels: field 'name' expected a kernel name, got {name!r}")
 
@@ -692,8 +752,13 @@ def initial_rows(config: TableConfig, keys: Any, weights: Any = None) -> Any:
     out = np.empty((keys.shape[0], config.row_width), dtype=np.float32)
     below_high = np.nextafter(np.float32(initializer.high), np.float32(initializer.low))
     k_uniform_rows(
-        keys, seed_stream(config.seed, 0), float(initializer.high - initializer.low),
-        float(initializer.low), below_high, out,
-        np.asarray(config.optimizer.state_fill(), dtype=np.float32), config.dim,
-    )  # fmt: skip
+        keys,
+        seed_stream(config.seed, 0),
+        float(initializer.high - initializer.low),
+        float(initializer.low),
+        below_high,
+        out,
+        np.asarray(config.optimizer.state_fill(), dtype=np.float32),
+        config.dim,
+    )
     return out

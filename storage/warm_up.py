@@ -29,6 +29,7 @@ def warm_up() -> float:
     keys = np.arange(1, 9, dtype=np.int64)
     table = HashTable(16)
     table.insert(keys)
+    table.reserve(64)  # a rebuild (growth), as a table's first calls make
     table.find(keys)
     table.find_rows(keys, np.zeros((8, 4), np.float32))
     for optimizer in optim.OPTIMIZERS.values():  # each one's training loop

@@ -3,7 +3,8 @@
     python -m tests.bench.bench_storage [--out bench-results/storage.json] [--quick]
     python -m tests.bench.bench_storage --host-lookup [--dims 16 64 128]   # that case only
 
-Prints a table and writes the figures as JSON. Not part of the test run.
+Prints a table and writes the figures as JSON. Not part of the test run. A first touch of
+new keys, per host budget, is tests/bench/bench_first_touch.py's.
 """
 
 from __future__ import annotations
@@ -201,42 +202,6 @@ def bench_host_insert(n: int) -> dict:
     }
 
 
-def bench_first_touch(root: Path, n: int, dim: int = 64) -> dict:
-    """EmbeddingTable.lookup of n new keys on an empty table (RocksDB miss, initial rows,
-    host insert): each repeat on a new table. Baseline: np.take of n rows of an arena of
-    the same shape (what a lookup of resident rows would move)."""
-    rng = np.random.default_rng(4)
-    keys = rng.choice(2**40, n, replace=False).astype(np.int64)
-    arena = rng.standard_normal((n, dim), dtype=np.float32)
-    ids = rng.permutation(n)
-    ours_t, base_t = [], []
-    with EmbeddingStore(root / "first") as store:
-        for repeat in range(REPEATS):
-            config = TableConfig(
-                f"first{repeat}", dim, optimizer=optim.SGD(), host_cache_bytes=n * 400 + (64 << 20)
-            )
-            table = store.create_table(config)
-            started = time.perf_counter()
-            table.lookup(keys)
-            ours_t.append(time.perf_counter() - started)
-            assert table.stats()["tiers"]["host"]["rows"] == n
-            store.drop_table(config.name)
-            started = time.perf_counter()
-            np.take(arena, ids, axis=0)
-            base_t.append(time.perf_counter() - started)
-    ours_s, base_s = statistics.median(ours_t), statistics.median(base_t)
-    return {
-        "keys": n,
-        "dim": dim,
-        "ours_s": ours_s,
-        "ours_keys_per_s": n / ours_s,
-        "target_keys_per_s": 2e6,
-        "baseline_s": base_s,
-        "ratio": base_s / ours_s,
-        "baseline": "np.take of as many rows (a lookup of resident rows)",
-    }
-
-
 def bench_zipf(root: Path, host_mb: int, steps: int, dim: int = 64) -> dict:
     """The storage demo's Zipf(1.05) trace over a key space 4x the host budget, in a
     subprocess so that its peak RSS is the workload's own. The bound is the budget x 1.15
@@ -305,7 +270,6 @@ def main() -> int:
             "warm_up_s": warm_up_s,
             "host_lookup": bench_host_lookup(root, 1_000_000 // scale),
             "host_insert": bench_host_insert(1_000_000 // scale),
-            "first_touch": bench_first_touch(root, 1_000_000 // scale),
             "rocksdb_cold_lookup": bench_rocksdb_cold(root, 200_000 // scale),
             "apply_gradients_adam": bench_apply(
                 root, optim.Adam(), 1_000_000 // scale, 65536 // scale, 64
@@ -335,16 +299,11 @@ def main() -> int:
         f"| host lookup, same, output reused (out=) | {u['ours_s'] * 1e3:.0f} ms | np.take(out=, "
         f"mode='clip') {u['baseline_s'] * 1e3:.0f} ms | {u['ratio']:.2f}x (>= 0.9x) |"
     )
-    i, f = results["host_insert"], results["first_touch"]
+    i = results["host_insert"]
     print(
         f"| host index insert, {i['keys']:,} new keys | {i['ours_keys_per_s']:,.0f} keys/s | "
         f"numpy array code {i['keys'] / i['baseline_s']:,.0f} keys/s | {i['ratio']:.1f}x "
         f"(>= 10M keys/s) |"
-    )
-    print(
-        f"| first touch, {f['keys']:,} new keys, dim {f['dim']} | {f['ours_keys_per_s']:,.0f} "
-        f"keys/s | np.take of as many rows {f['baseline_s'] * 1e3:.0f} ms | {f['ratio']:.2f}x "
-        f"(>= 2M keys/s) |"
     )
     for variant in ("read_only", "read_and_promote"):
         v = r[variant]

@@ -164,6 +164,7 @@ def live_store(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # a subprocess
 def test_staged_families_of_loads_killed_mid_staging_are_dropped_at_the_next_open(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, children: list[subprocess.Popen[str]]
 ) -> None:

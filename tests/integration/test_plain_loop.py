@@ -293,6 +293,7 @@ sys.exit(0)  # the module unclosed
 """
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_push_no_forward_follows_is_applied_at_interpreter_exit(
     shard_server: Callable[..., ShardServer],
 ) -> None:

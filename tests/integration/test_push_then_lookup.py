@@ -740,6 +740,7 @@ sys.exit(0)  # the pipeline suspended, the module unclosed
 """
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_held_push_is_sent_at_interpreter_exit(
     shard_server: ServerFactory, make_client: Callable[..., EmbeddingClient]
 ) -> None:

@@ -401,6 +401,7 @@ def test_a_shard_off_loopback_without_tls_and_tokens_refuses_to_start(
     assert "without tokens (--insecure)" in caplog.text
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_local_cluster_passes_tls_and_tokens_to_its_shards(tmp_path: Path, certs: Certs) -> None:
     """`tierps cluster`'s flags (tierps.server.cluster.server_security_args) reach every
     shard subprocess; the cluster checks their health over TLS with a client certificate."""
@@ -438,6 +439,7 @@ def test_a_local_cluster_passes_tls_and_tokens_to_its_shards(tmp_path: Path, cer
         assert refused.value.code is CODE.UNAUTHENTICATED
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_token_is_rotated_by_editing_the_tokens_file_without_a_restart(
     shard_server: Callable[..., ShardServer], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -492,6 +494,7 @@ def test_host_port_brackets_ipv6_literals_only() -> None:
     assert security.is_loopback("::1") and security.is_loopback("[::1]")
 
 
+@pytest.mark.slow  # a subprocess
 @pytest.mark.skipif(not has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
 def test_tierps_serve_binds_an_ipv6_literal_host(tmp_path: Path) -> None:
     """`tierps serve --host ::1` (a real subprocess) binds [::1]:port, says so, and serves

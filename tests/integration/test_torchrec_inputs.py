@@ -139,6 +139,7 @@ def test_without_torchrec_a_kjt_gives_a_keyed_pooled(
         torch.testing.assert_close(out["user"], want["user"], rtol=0, atol=0)
 
 
+@pytest.mark.slow  # a subprocess
 def test_importing_the_client_does_not_import_torchrec() -> None:
     code = (
         "import sys, tierps.client, tierps.client.torch; "

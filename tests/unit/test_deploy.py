@@ -782,6 +782,7 @@ def client_security(root: Path, token_file: str) -> Any:
     )
 
 
+@pytest.mark.slow  # a subprocess
 @needs_openssl
 def test_readme_tierps_commands_run_with_tls_and_tokens_against_real_shards(
     checkout: Path,
@@ -849,6 +850,7 @@ def test_readme_tierps_commands_run_with_tls_and_tokens_against_real_shards(
                 server.stop()
 
 
+@pytest.mark.slow  # a subprocess
 @needs_openssl
 def test_readme_token_rotation_runs_as_a_non_root_user_against_a_running_shard(
     checkout: Path, caplog: pytest.LogCaptureFixture

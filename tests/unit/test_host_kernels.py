@@ -356,6 +356,7 @@ print(out)
 """
 
 
+@pytest.mark.slow  # a subprocess
 def test_each_training_loop_is_cached_on_disk_apart(tmp_path: Path) -> None:
     """The training loops, one compiled copy per optimizer kernel, load from numba's disk
     cache in a second process (no compile), each its own: SGD's loop is not loaded for

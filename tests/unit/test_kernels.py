@@ -944,6 +944,7 @@ print(" ".join(f for f in m.__cpu_dispatch__ if f.startswith("AVX512") or f == "
 """
 
 
+@pytest.mark.slow  # a subprocess
 def test_ftrl_power_holds_without_numpys_avx512_kernels() -> None:
     """numpy picks its float32 power kernel by CPU at import: run the FTRL cases again in a
     process where NPY_DISABLE_CPU_FEATURES turns its AVX-512 code off, so both are proven."""

@@ -19,7 +19,9 @@ flush, close) sends a held push first, and so does any call of the client on the
 tables (a lookup, a push, describe, a snapshot: tierps.client.in_flight), another module's
 lookup of a shared table among them; a push no call follows is sent by the module's
 finalizer, or at interpreter exit. A failed push is raised by the module's next call, once,
-naming the backward and tables it came from. A batch on a GPU pushes at backward.
+naming the backward and tables it came from. A batch on a GPU pushes at backward. So
+backward's return is not the push's acknowledgement: `flush()` is (it returns once every push
+is applied, or raises); a process killed before that loses the held push.
 
 Pipelining: `module.pipeline(loader)` yields the loader's batches and looks each next batch
 up in a background thread while the current one trains, so the trainer and the shards work

@@ -426,7 +426,7 @@ class Trainer:
     ) -> tuple[float, dict[str, float], float]:
         """samples/s, the CPU milliseconds a step took (CPU_PARTS: where they went), and the
         chunk's training loss."""
-        before = _cpu_seconds()
+        before = cpu_seconds()
         loss, _, seconds, samples = training.train_epoch(
             self.model,
             dataset,
@@ -438,25 +438,27 @@ class Trainer:
             steps=self.loop,
         )
         self.model.embeddings.close()  # no background work left to run into the next chunk
-        spent = _cpu_seconds()
+        spent = cpu_seconds()
         taken = min(steps, dataset.num_batches("train", batch_size))
         cpu = {part: 1000 * (spent[part] - before[part]) / taken for part in CPU_PARTS}
         return samples / seconds, cpu, loss
 
 
-def _cpu_seconds() -> dict[str, float]:
-    """CPU seconds so far of this thread, this process's other threads, and the shards
-    (this process's child processes, read from /proc; 0 where there is no /proc)."""
+def cpu_seconds(shards_parent: int | None = None) -> dict[str, float]:
+    """CPU seconds so far of this thread, this process's other threads, and the shards (the
+    processes whose parent is `shards_parent`, by default this process; read from /proc, 0
+    where there is no /proc)."""
     main, process = time.thread_time(), time.process_time()
     shards = 0.0
     me, tick = os.getpid(), os.sysconf("SC_CLK_TCK")
+    parent = me if shards_parent is None else shards_parent
     for entry in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = entry.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue  # exited meanwhile
-        if int(fields[1]) == me:  # ppid; then utime and stime, in clock ticks
-            shards += (int(fields[11]) + int(fields[12])) / tick
+        if int(fields[1]) == parent and int(entry.parent.name) != me:  # ppid
+            shards += (int(fields[11]) + int(fields[12])) / tick  # utime + stime, in ticks
     return {"trainer_main_thread": main, "trainer_other_threads": process - main, "shards": shards}
 
 

@@ -29,13 +29,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tests.bench.bench_deepfm import cpu_seconds
 from tierps.client import EmbeddingClient
 from tierps.demo import data, training
 from tierps.demo.deepfm import DeepFM, initial_weights
@@ -80,22 +80,6 @@ def dataset() -> data.CTRDataset:
         every,
         every[:0],
     )
-
-
-def cpu_seconds(shards_parent: int) -> dict[str, float]:
-    """CPU seconds so far of this thread, this process's other threads, and the shards (the
-    processes whose parent is `shards_parent`, this one left out), read from /proc."""
-    main, process = time.thread_time(), time.process_time()
-    shards = 0.0
-    me, tick = os.getpid(), os.sysconf("SC_CLK_TCK")
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = entry.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited meanwhile
-        if int(fields[1]) == shards_parent and int(entry.parent.name) != me:
-            shards += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-    return {"trainer_main_thread": main, "trainer_other_threads": process - main, "shards": shards}
 
 
 def plain(model: DeepFM) -> Callable[[Iterable[data.Batch]], Iterator[data.Batch]]:

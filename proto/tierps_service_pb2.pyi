@@ -104,6 +104,54 @@ class AssignResponse(_message.Message):
     num_keys: int
     def __init__(self, num_keys: _Optional[int] = ...) -> None: ...
 
+class FollowRequest(_message.Message):
+    __slots__ = ("shard", "shard_count", "cursors", "max_batch_rows")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CURSORS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    shard_count: int
+    cursors: _containers.RepeatedCompositeFieldContainer[FollowCursor]
+    max_batch_rows: int
+    def __init__(self, shard: _Optional[int] = ..., shard_count: _Optional[int] = ..., cursors: _Optional[_Iterable[_Union[FollowCursor, _Mapping]]] = ..., max_batch_rows: _Optional[int] = ...) -> None: ...
+
+class FollowCursor(_message.Message):
+    __slots__ = ("table", "cursor")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    cursor: str
+    def __init__(self, table: _Optional[str] = ..., cursor: _Optional[str] = ...) -> None: ...
+
+class ChangeBatch(_message.Message):
+    __slots__ = ("table", "config", "resync", "resync_done", "keys", "values", "removed", "cursor", "head", "head_unix_s", "oldest_change_unix_s", "dropped")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_DONE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    HEAD_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_CHANGE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    config: TableConfig
+    resync: bool
+    resync_done: bool
+    keys: bytes
+    values: bytes
+    removed: bytes
+    cursor: str
+    head: int
+    head_unix_s: float
+    oldest_change_unix_s: float
+    dropped: bool
+    def __init__(self, table: _Optional[str] = ..., config: _Optional[_Union[TableConfig, _Mapping]] = ..., resync: _Optional[bool] = ..., resync_done: _Optional[bool] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., removed: _Optional[bytes] = ..., cursor: _Optional[str] = ..., head: _Optional[int] = ..., head_unix_s: _Optional[float] = ..., oldest_change_unix_s: _Optional[float] = ..., dropped: _Optional[bool] = ...) -> None: ...
+
 class Component(_message.Message):
     __slots__ = ("kind", "params")
     class ParamsEntry(_message.Message):
@@ -267,14 +315,16 @@ class TableDescription(_message.Message):
     def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., shard_id: _Optional[int] = ..., num_shards: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., initialized: _Optional[int] = ..., created: _Optional[int] = ..., lifecycle: _Optional[_Mapping[str, float]] = ..., current_step: _Optional[int] = ..., keys_looked_up: _Optional[int] = ..., keys_pushed: _Optional[int] = ..., generation: _Optional[int] = ..., generation_snapshot: _Optional[str] = ...) -> None: ...
 
 class SaveSnapshotRequest(_message.Message):
-    __slots__ = ("name", "phase", "save_id")
+    __slots__ = ("name", "phase", "save_id", "base")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
     name: str
     phase: SavePhase
     save_id: str
-    def __init__(self, name: _Optional[str] = ..., phase: _Optional[_Union[SavePhase, str]] = ..., save_id: _Optional[str] = ...) -> None: ...
+    base: str
+    def __init__(self, name: _Optional[str] = ..., phase: _Optional[_Union[SavePhase, str]] = ..., save_id: _Optional[str] = ..., base: _Optional[str] = ...) -> None: ...
 
 class LoadSnapshotRequest(_message.Message):
     __slots__ = ("name",)
@@ -303,7 +353,7 @@ class ListSnapshotsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SnapshotInfo(_message.Message):
-    __slots__ = ("name", "complete", "num_shards", "created_unix", "table_rows")
+    __slots__ = ("name", "complete", "num_shards", "created_unix", "table_rows", "base", "chain")
     class TableRowsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -316,12 +366,16 @@ class SnapshotInfo(_message.Message):
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     TABLE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
     name: str
     complete: bool
     num_shards: int
     created_unix: float
     table_rows: _containers.ScalarMap[str, int]
-    def __init__(self, name: _Optional[str] = ..., complete: _Optional[bool] = ..., num_shards: _Optional[int] = ..., created_unix: _Optional[float] = ..., table_rows: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    base: str
+    chain: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., complete: _Optional[bool] = ..., num_shards: _Optional[int] = ..., created_unix: _Optional[float] = ..., table_rows: _Optional[_Mapping[str, int]] = ..., base: _Optional[str] = ..., chain: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListSnapshotsResponse(_message.Message):
     __slots__ = ("snapshots",)

@@ -347,6 +347,99 @@ class EmbeddingService:
             _registered_method=True)
 
 
+class ChangeServiceStub:
+    """---------------------------------------------------------------------------------------------
+    Replication: a read-only replica follows a training shard's changed rows
+    ---------------------------------------------------------------------------------------------
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Follow = channel.unary_stream(
+                '/tierps.v1.ChangeService/Follow',
+                request_serializer=tierps_dot_proto_dot_tierps__service__pb2.FollowRequest.SerializeToString,
+                response_deserializer=tierps_dot_proto_dot_tierps__service__pb2.ChangeBatch.FromString,
+                _registered_method=True)
+
+
+class ChangeServiceServicer:
+    """---------------------------------------------------------------------------------------------
+    Replication: a read-only replica follows a training shard's changed rows
+    ---------------------------------------------------------------------------------------------
+
+    """
+
+    def Follow(self, request, context):
+        """The rows of this shard's tables changed since the follower's cursors, weights only,
+        in batches, then, as more change, more batches, until the follower cancels. A table
+        whose cursor this shard cannot answer (none given, another journal: the shard restarted
+        or loaded a snapshot since, or older than the changes it keeps) is resynced: every row
+        of the follower's keys is sent, between a batch with resync set and one with
+        resync_done set. Each table's last batch of a round carries the cursor covering every
+        change sent; a round with no change sends one batch per table with its cursor (a
+        heartbeat) at most every heartbeat interval. gRPC's flow control is the back-pressure:
+        the shard reads the next batch only when the previous one was sent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ChangeServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Follow': grpc.unary_stream_rpc_method_handler(
+                    servicer.Follow,
+                    request_deserializer=tierps_dot_proto_dot_tierps__service__pb2.FollowRequest.FromString,
+                    response_serializer=tierps_dot_proto_dot_tierps__service__pb2.ChangeBatch.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'tierps.v1.ChangeService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('tierps.v1.ChangeService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ChangeService:
+    """---------------------------------------------------------------------------------------------
+    Replication: a read-only replica follows a training shard's changed rows
+    ---------------------------------------------------------------------------------------------
+
+    """
+
+    @staticmethod
+    def Follow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tierps.v1.ChangeService/Follow',
+            tierps_dot_proto_dot_tierps__service__pb2.FollowRequest.SerializeToString,
+            tierps_dot_proto_dot_tierps__service__pb2.ChangeBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class AdminServiceStub:
     """---------------------------------------------------------------------------------------------
     Administration (each call acts on the shard it is sent to; a cluster-wide admin call is the

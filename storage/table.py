@@ -54,6 +54,7 @@ from tierps.core.validation import (
 from tierps.storage import fallbacks, host_kernels
 from tierps.storage.adaptive import BucketRows
 from tierps.storage.admission import CounterFilter, make_filter
+from tierps.storage.changes import ChangeJournal, Cursor
 from tierps.storage.fallbacks import Fallback, Gathered, RowOrigin
 from tierps.storage.tiers import DurableTier, Spill, Tier
 
@@ -172,6 +173,8 @@ class EmbeddingTable:
         self.evictions = 0  # evict calls that ran
         self.evicted_total = 0  # rows removed by them
         self.evicted_last = 0  # rows removed by the latest one
+        # the keys whose rows changed, for incremental snapshots and replicas (changes.py)
+        self.changes = ChangeJournal()
 
     # -- the cascade ---------------------------------------------------------------------
 
@@ -354,6 +357,8 @@ class EmbeddingTable:
                     log.warning(
                         "%s: lookup answered without caching its rows: %s", self.where, error
                     )
+                if created:  # new rows; a promoted one did not change
+                    self.changes.record(keys[made])
         self.created += created
         self.lookups_default += int(np.count_nonzero(origin == _REFUSED))
         if self.buckets is not None:
@@ -482,9 +487,15 @@ class EmbeddingTable:
         where = f"{self.where}: apply_gradients"
         step = push.step
         keys, grads = self._summed_by_key(keys, grads)
+        pushed = keys  # what this push may change: recorded once stored (changes.py)
         keys, grads, resident = self._train_resident(where, push, keys, grads, step)
         if keys.size == 0:
-            return lambda: resident
+
+            def trained_in_place() -> int:
+                self.changes.record(pushed)
+                return resident
+
+            return trained_in_place
         gathered = self._gather(keys, sight=True)  # gather
         origin = gathered.origin  # split by origin
         own = (origin == _TIER) | (origin == _INITIALIZER)
@@ -498,6 +509,7 @@ class EmbeddingTable:
 
         def store() -> int:
             self._store(own_keys, rows, np.ones(own_keys.size, dtype=bool))  # store
+            self.changes.record(pushed)
             self.gradients_dropped += int(np.count_nonzero(origin == _REFUSED))
             self.created += int(np.count_nonzero(origin == _INITIALIZER))
             return resident + int(np.count_nonzero(own | shared))
@@ -646,6 +658,7 @@ class EmbeddingTable:
         with self._lock:
             rows = self._fresh(unique, weights=values[valid[first]])
             self._store(unique, rows, np.ones(unique.size, dtype=bool))
+            self.changes.record(unique)
         return int(unique.size)
 
     def restore(self, keys: Any, rows: Any) -> None:
@@ -660,6 +673,7 @@ class EmbeddingTable:
         with self._lock:
             rows = self.codec.widen(rows, self.current_step)
             self._store(keys, rows, np.ones(keys.size, dtype=bool))
+            self.changes.record(keys)
 
     def flush(
         self,
@@ -808,11 +822,51 @@ class EmbeddingTable:
                     gone = keys[doomed]
                     for tier in self.tiers:
                         tier.remove(gone)
+                    self.changes.record(gone)
                     removed += gone.size
             self.evictions += 1
             self.evicted_total += removed
             self.evicted_last = removed
         return removed
+
+    def remove(self, keys: Any) -> None:
+        """Remove the rows of keys (int64 [n]; absent keys and keys < 0 are ignored) from
+        every tier: they read their initial row again, as keys never seen. A replica's
+        resync removes this way the rows its training shard no longer holds."""
+        keys = as_keys(f"{self.where}: remove", keys)
+        keys = np.unique(keys[keys >= 0])
+        if keys.size == 0:
+            return
+        with self._lock:
+            for tier in self.tiers:
+                tier.remove(keys)
+            self.changes.record(keys)
+
+    def cursor(self) -> Cursor:
+        """The change journal's head: every change of this table so far (changes.py)."""
+        with self._lock:
+            return self.changes.cursor()
+
+    def changed_since(self, cursor: Cursor) -> tuple[np.ndarray, Cursor] | None:
+        """(the distinct keys, ascending, whose rows changed after cursor; the cursor that
+        covers them), or None where this table's journal cannot tell (another journal: a
+        restart or a load since; or older than the journal holds). Read their rows with
+        read_stored: a row read after this call is at least as new as the change."""
+        with self._lock:
+            return self.changes.since(cursor)
+
+    def read_stored(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(the keys of distinct keys >= 0 that have a stored row, those rows float32
+        [k, stored_width] as the tiers hold them now, the keys without one), storing,
+        promoting and sighting nothing, as peek."""
+        with self._lock:
+            initialized = self.initialized
+            try:
+                gathered = self._gather(keys, sight=False)
+            finally:
+                self.initialized = initialized
+        held = gathered.origin == _TIER
+        return keys[held], gathered.rows[held], keys[~held]
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

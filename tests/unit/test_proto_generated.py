@@ -42,7 +42,11 @@ def test_generated_grpc_module_imports_messages_from_the_tierps_namespace() -> N
     source = (PROTO_DIR / "tierps_service_pb2_grpc.py").read_text()
     assert "from tierps.proto import tierps_service_pb2" in source
     assert pb.DESCRIPTOR.package == "tierps.v1"
-    assert set(pb.DESCRIPTOR.services_by_name) == {"EmbeddingService", "AdminService"}
+    assert set(pb.DESCRIPTOR.services_by_name) == {
+        "EmbeddingService",
+        "AdminService",
+        "ChangeService",
+    }
 
 
 # -- every rpc and field is commented ---------------------------------------------------------

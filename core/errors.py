@@ -24,6 +24,8 @@ class Reason(StrEnum):
     FAILED_PRECONDITION = "FAILED_PRECONDITION"  # e.g. a table exists with another config
     TABLE_REPLACED = "TABLE_REPLACED"  # a push against rows a load replaced: look up again
     TABLE_LOADING = "TABLE_LOADING"  # the table is being replaced by a load: send it after
+    READ_ONLY = "READ_ONLY"  # a replica: writes go to the training cluster it follows
+    SNAPSHOT_NEEDED = "SNAPSHOT_NEEDED"  # a kept incremental snapshot builds on this one
     # A limit of the shard (RESOURCE_EXHAUSTED).
     MESSAGE_TOO_LARGE = "MESSAGE_TOO_LARGE"  # over one message (either way): send as a stream
     CALL_TOO_LARGE = "CALL_TOO_LARGE"  # request or reply over the per-call bytes: split it

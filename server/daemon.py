@@ -41,7 +41,12 @@ from tierps.server.security import (
     load_tokens,
     server_credentials,
 )
-from tierps.server.servicers import AdminServicer, EmbeddingServicer, add_embedding_service
+from tierps.server.servicers import (
+    AdminServicer,
+    ChangeServicer,
+    EmbeddingServicer,
+    add_embedding_service,
+)
 from tierps.server.shard import Shard
 from tierps.server.status import DecodeCheck, refusal
 from tierps.storage.warm_up import warm_up
@@ -140,6 +145,9 @@ class ShardServer:
             add_embedding_service(EmbeddingServicer(self.shard, self._observe), self._server)
             pb_grpc.add_AdminServiceServicer_to_server(
                 AdminServicer(self.shard, self._observe), self._server
+            )
+            pb_grpc.add_ChangeServiceServicer_to_server(
+                ChangeServicer(self.shard, self._observe), self._server
             )
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
             reflection.enable_server_reflection(

@@ -37,6 +37,7 @@ MIN_TOKEN_CHARS = 16
 HEALTH_SERVICE = "/grpc.health.v1.Health/"
 _DATA = f"/{pb.DESCRIPTOR.services_by_name['EmbeddingService'].full_name}/"
 _ADMIN = f"/{pb.DESCRIPTOR.services_by_name['AdminService'].full_name}/"
+_CHANGES = f"/{pb.DESCRIPTOR.services_by_name['ChangeService'].full_name}/"
 LOOKUPS = frozenset({_DATA + "Lookup", _DATA + "LookupUnary"})
 STATS = _ADMIN + "Stats"
 # The rpcs of each role but admin (which may make every call, reflection included).
@@ -51,6 +52,8 @@ ROLE_METHODS: dict[str, frozenset[str]] = {
         | {_ADMIN + m for m in ("ListTables", "DescribeTable", "Stats")}
     ),
     "reader": frozenset({*LOOKUPS, _ADMIN + "ListTables", STATS}),
+    # a replica following a training shard: its changed rows (weights only) and where it is
+    "replica": frozenset({_CHANGES + "Follow", _ADMIN + "ListTables", STATS}),
 }
 # The Stats fields a reader is answered: which shard it is and the life a client sends back.
 # Not the tables' rows, bytes and hit rates, memory, flush times or the metrics port: a

@@ -439,3 +439,9 @@ class AdminServicer(_Servicer, pb_grpc.AdminServiceServicer):
         stats = self.shard.stats()
         stats["tables"] = [_description(table) for table in stats["tables"]]
         return pb.StatsResponse(**stats)
+
+
+class ChangeServicer(_Servicer, pb_grpc.ChangeServiceServicer):
+    @rpc
+    def Follow(self, request: pb.FollowRequest, context: Any) -> Iterator:
+        yield from self.shard.change_feed(request).batches(context.is_active)

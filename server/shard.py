@@ -19,6 +19,7 @@ import numpy as np
 
 from tierps.core.config import WritePolicy
 from tierps.core.xp import gpu_arrays
+from tierps.server.change_feed import ChangeFeed
 from tierps.server.config import ServerConfig
 from tierps.server.ledger import KEY_PREFIX as PUSH_RECORDS
 from tierps.server.ledger import PushId, PushLedger
@@ -371,6 +372,16 @@ class Shard:
                 self.admin.check_not_replacing(batch.table, "assign")
                 checked.append((target, *target.check_values(batch.keys, batch.values)))
             return sum(target.assign_checked(*args) for target, *args in checked)
+
+    def change_feed(self, request: Any) -> ChangeFeed:
+        """A follower's Follow stream of this shard's changed rows (server/change_feed.py);
+        each of its reads is a data call's section of the gate."""
+        return ChangeFeed(
+            lambda: [config.name for config in self.store.tables()],
+            self.store.table,
+            request,
+            self._gate.shared,
+        )
 
     # -- figures -----------------------------------------------------------------------------
 

@@ -45,6 +45,8 @@ CODE_OF: dict[Reason, grpc.StatusCode] = {
     Reason.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.TABLE_REPLACED: grpc.StatusCode.ABORTED,  # rows replaced under the caller
     Reason.TABLE_LOADING: grpc.StatusCode.UNAVAILABLE,  # a table being replaced: retry
+    Reason.READ_ONLY: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.SNAPSHOT_NEEDED: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.MESSAGE_TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.CALL_TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.BYTES_IN_FLIGHT: grpc.StatusCode.RESOURCE_EXHAUSTED,

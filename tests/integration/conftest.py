@@ -28,6 +28,7 @@ class Stubs:
     embedding: pb_grpc.EmbeddingServiceStub
     admin: pb_grpc.AdminServiceStub
     health: health_pb2_grpc.HealthStub
+    changes: pb_grpc.ChangeServiceStub
 
     def close(self) -> None:
         self.channel.close()
@@ -55,6 +56,7 @@ def open_stubs(
         embedding=pb_grpc.EmbeddingServiceStub(channel),
         admin=pb_grpc.AdminServiceStub(channel),
         health=health_pb2_grpc.HealthStub(channel),
+        changes=pb_grpc.ChangeServiceStub(channel),
     )
 
 

@@ -12,24 +12,27 @@ are read again, unchanged); recording too little would lose an update, which is 
 table records inside the critical section that stores the rows.
 
 A journal lives in memory, as long as its table object: a restart or a snapshot load makes a
-new one, with a new id, and a cursor of another id is not valid here. It keeps at most
-`max_keys` keys (with repeats): older batches are let go, and a cursor older than the oldest
-batch held is not valid either. A reader holding a cursor that is not valid starts over
+new one, with a new id, and a cursor of another id is not valid here. Older batches merge
+into one of their distinct keys (a cursor inside it is told a few keys too many); past
+`max_keys` keys the oldest are let go, and a cursor older than what is held is not valid
+either. A reader holding a cursor that is not valid starts over
 from the whole table (a replica's resync, a full diff for an incremental snapshot).
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
-# 32 MiB of int64 keys a table: at 100,000 key-updates a second, 40 s of changes
+# 32 MiB of int64 keys a table at most: with merging (ChangeJournal), the distinct keys of
+# a table changed since its oldest cursor; at 100,000 distinct key-updates a second, 40 s
 DEFAULT_MAX_KEYS = 1 << 22
+MAX_BATCHES = 4096  # then the older half is merged: a follower's read stays short
 
 
 @dataclass(frozen=True)
@@ -53,16 +56,29 @@ class Cursor:
 
 class ChangeJournal:
     """The keys a table changed, in batches numbered from 1 (0: before the first). Thread
-    safe; the table records and reads it under its own lock (see the module's docstring)."""
+    safe; the table records and reads it under its own lock (see the module's docstring).
 
-    def __init__(self, max_keys: int = DEFAULT_MAX_KEYS) -> None:
-        if max_keys < 1:
-            raise ValueError(f"max_keys expected >= 1, got {max_keys}")
+    Bounded two ways. Past `max_batches` batches, the older half is merged into one batch of
+    their distinct keys covering their positions: a cursor inside it is told all of them,
+    some changed before it (more than needed, never less), and a table's journal then holds
+    at most its distinct changed keys, however long it trained. Past `max_keys` keys held,
+    the oldest batches are let go and cursors before them are no longer valid."""
+
+    def __init__(self, max_keys: int = DEFAULT_MAX_KEYS, max_batches: int = MAX_BATCHES) -> None:
+        if max_keys < 1 or max_batches < 2:
+            raise ValueError(
+                f"max_keys expected >= 1 and max_batches >= 2, got {max_keys} and {max_batches}"
+            )
         self.id = uuid.uuid4().hex
         self.max_keys = max_keys
+        self.max_batches = max_batches
         self._lock = threading.Lock()
-        self._batches: deque[tuple[int, float, np.ndarray]] = deque()  # (position, time, keys)
-        self._held = 0  # keys in _batches
+        # batches in position order: the last position each covers, when its first change
+        # was recorded, its keys (a recorded batch covers one position, a merged one several)
+        self._last: list[int] = []
+        self._times: list[float] = []
+        self._keys: list[np.ndarray] = []
+        self._held = 0  # keys in _keys
         self.head = 0  # the newest batch's position
         self.head_time = time.time()  # when it was recorded (the journal's start before one)
         self.oldest = 0  # a cursor at or after this position is valid
@@ -85,12 +101,26 @@ class ChangeJournal:
         with self._lock:
             self.head += 1
             self.head_time = time.time()
-            self._batches.append((self.head, self.head_time, keys))
+            self._last.append(self.head)
+            self._times.append(self.head_time)
+            self._keys.append(keys)
             self._held += keys.size
-            while self._held > self.max_keys and len(self._batches) > 1:
-                position, _, dropped = self._batches.popleft()
-                self._held -= dropped.size
-                self.oldest = position
+            if len(self._keys) > 1 and (
+                len(self._keys) > self.max_batches or self._held > self.max_keys
+            ):
+                self._merge_older_half()
+            while self._held > self.max_keys and len(self._keys) > 1:
+                self.oldest = self._last.pop(0)
+                self._times.pop(0)
+                self._held -= self._keys.pop(0).size
+
+    def _merge_older_half(self) -> None:
+        half = max(2, len(self._keys) // 2)
+        merged = np.unique(np.concatenate(self._keys[:half]))
+        self._held += merged.size - sum(keys.size for keys in self._keys[:half])
+        self._last[:half] = [self._last[half - 1]]
+        self._times[:half] = [self._times[0]]
+        self._keys[:half] = [merged]
 
     def valid(self, cursor: Cursor) -> bool:
         """Whether changes since cursor can be told: same journal, not older than what is
@@ -107,18 +137,17 @@ class ChangeJournal:
             head = Cursor(self.id, self.head)
             if cursor.position == self.head:
                 return np.empty(0, dtype=np.int64), head
-            # batches are in position order: skip those at or before the cursor
-            picked = [keys for position, _, keys in self._batches if position > cursor.position]
+            first = bisect.bisect_right(self._last, cursor.position)  # batches after cursor
+            picked = self._keys[first:]
         return np.unique(np.concatenate(picked)), head
 
     def time_of(self, position: int) -> float | None:
-        """When the batch at position was recorded; None if not held."""
+        """When the first change of the batch holding position was recorded (for a merged
+        batch, its oldest change); None if not held."""
         with self._lock:
-            if not self._batches:
-                return None
-            index = position - self._batches[0][0]  # positions are consecutive
-            if 0 <= index < len(self._batches):
-                return self._batches[index][1]
+            index = bisect.bisect_left(self._last, position)
+            if position > self.oldest and index < len(self._last):
+                return self._times[index]
         return None
 
     def stats(self) -> dict[str, int | float | str]:
@@ -129,4 +158,5 @@ class ChangeJournal:
                 "head_time": self.head_time,
                 "oldest": self.oldest,
                 "keys_held": self._held,
+                "batches": len(self._keys),
             }

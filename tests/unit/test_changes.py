@@ -48,6 +48,32 @@ def test_journal_refuses_cursors_it_cannot_answer() -> None:
     assert journal.time_of(0) is None
 
 
+@pytest.mark.parametrize("max_batches", [2, 5, 4096])
+def test_merged_batches_tell_every_change_since_a_cursor(max_batches: int) -> None:
+    """Against the record itself: the keys since each cursor are at least those recorded
+    after it (a merged batch may add some recorded before), never a key not recorded."""
+    journal = ChangeJournal(max_batches=max_batches)
+    rng = np.random.default_rng(max_batches)
+    recorded: list[np.ndarray] = []
+    cursors = [journal.cursor()]
+    for _ in range(60):
+        keys = rng.integers(0, 200, rng.integers(1, 9))
+        journal.record(keys)
+        recorded.append(keys)
+        cursors.append(journal.cursor())
+        assert journal.stats()["batches"] <= max_batches
+    everything = set(np.concatenate(recorded).tolist())
+    for cursor in cursors:
+        told, head = journal.since(cursor)
+        truth = set(np.concatenate(recorded[cursor.position :] or [np.empty(0, np.int64)]).tolist())
+        assert truth <= set(told.tolist()) <= everything
+        assert head == cursors[-1]
+        if max_batches == 4096:
+            assert set(told.tolist()) == truth
+        when = journal.time_of(cursor.position + 1)
+        assert (when is None) == (cursor == head)
+
+
 def test_cursor_round_trips_as_text() -> None:
     cursor = Cursor("ab12", 77)
     assert Cursor.decoded(cursor.encoded()) == cursor

@@ -23,7 +23,12 @@ from tierps.core.errors import DOMAIN, Reason
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto.convert import table_config_to_dict, table_config_to_proto
-from tierps.proto.wire import APPLIED_TABLES_HEADER, PUSHED_HEADER, channel_options
+from tierps.proto.wire import (
+    APPLIED_TABLES_HEADER,
+    PUSHED_HEADER,
+    SNAPSHOT_DIFFS_HEADER,
+    channel_options,
+)
 
 T = TypeVar("T")
 Progress = Callable[[int, int], None]  # (rows done, rows in all) across the cluster
@@ -450,16 +455,20 @@ class ClusterAdmin:
         self,
         calls: Callable[[int, pb_grpc.AdminServiceStub], Iterator[pb.SnapshotProgress]],
         progress: Progress | None,
+        trailers: list[dict[str, str]] | None = None,
     ) -> list[pb.SnapshotProgress]:
         """Run a progress-streaming call on every shard; report summed progress, from the
         moment every shard has reported (so the total does not grow as shards start); return
-        each shard's last message."""
+        each shard's last message (and, into trailers, each shard's trailing metadata)."""
         lock = threading.Lock()
         figures: list[tuple[int, int] | None] = [None] * len(self.addresses)
+        if trailers is not None:
+            trailers[:] = [{} for _ in self.addresses]
 
         def follow(shard_id: int, stub: pb_grpc.AdminServiceStub) -> pb.SnapshotProgress:
             last = None
-            for last in calls(shard_id, stub):
+            call = calls(shard_id, stub)
+            for last in call:
                 with lock:
                     figures[shard_id] = (last.rows_done, last.rows_total)
                     if progress is not None and None not in figures:
@@ -471,19 +480,31 @@ class ClusterAdmin:
                     grpc.StatusCode.UNKNOWN,
                     "the progress stream ended before it said done",
                 )
+            if trailers is not None:
+                trailers[shard_id] = dict(getattr(call, "trailing_metadata", lambda: ())() or ())
             return last
 
         return self._each(follow)
 
-    def save_snapshot(self, name: str, *, progress: Progress | None = None) -> dict[str, Any]:
+    def save_snapshot(
+        self, name: str, *, base: str | None = None, progress: Progress | None = None
+    ) -> dict[str, Any]:
         """Every shard writes its part (pushes each shard receives while it cuts its part
-        wait); then shard 0 checks the parts and writes the manifest."""
+        wait); then shard 0 checks the parts and writes the manifest. base: the complete
+        snapshot an incremental snapshot builds on (None: a full snapshot): only the rows
+        changed since base was cut, and tombstones of the rows removed since, are written;
+        the result's "diffs" says, per shard, how each table's changes were found ("journal":
+        its change journal; "compare": the table compared with the base chain's rows, after
+        a restart, a load or another shard count; "all": a table the base lacks)."""
         self.check_topology()
         save_id = uuid.uuid4().hex
-        part = pb.SaveSnapshotRequest(name=name, phase=pb.SAVE_PHASE_WRITE_PART, save_id=save_id)
+        part = pb.SaveSnapshotRequest(
+            name=name, phase=pb.SAVE_PHASE_WRITE_PART, save_id=save_id, base=base or ""
+        )
         commit = pb.SaveSnapshotRequest(name=name, phase=pb.SAVE_PHASE_COMMIT, save_id=save_id)
+        trailers: list[dict[str, str]] = []
         try:
-            parts = self._stream(lambda i, stub: stub.SaveSnapshot(part), progress)
+            parts = self._stream(lambda i, stub: stub.SaveSnapshot(part), progress, trailers)
             last = self._on(
                 0, lambda i, stub: list(stub.SaveSnapshot(commit, timeout=self.timeout_s))
             )[-1]
@@ -495,6 +516,8 @@ class ClusterAdmin:
             "rows": sum(p.rows_done for p in parts),
             "path": last.path,
             "evicted": sum(p.rows_evicted for p in parts),  # evict_before_snapshot's rows
+            "base": base or "",
+            "diffs": [json.loads(t.get(SNAPSHOT_DIFFS_HEADER, "{}")) for t in trailers],
         }
 
     def load_snapshot(self, name: str, *, progress: Progress | None = None) -> dict[str, Any]:

@@ -105,7 +105,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     top.add_argument("--once", action="store_true", help="print one frame and exit (scripts)")
     snapshot = actions.add_parser("snapshot", help="save, load or list snapshots")
     verbs = snapshot.add_subparsers(dest="verb", required=True)
-    verbs.add_parser("save", help="save a consistent snapshot of every table").add_argument("name")
+    save = verbs.add_parser("save", help="save a consistent snapshot of every table")
+    save.add_argument("name")
+    save.add_argument(
+        "--base",
+        default="",
+        help="an incremental snapshot: only the rows changed since the complete snapshot BASE "
+        "was cut, and the rows removed since (loading it loads BASE's chain too)",
+    )
     verbs.add_parser("load", help="load a snapshot (any shard count)").add_argument("name")
     verbs.add_parser("list", help="the snapshots in the snapshot directory")
     verbs.add_parser("delete", help="remove a snapshot, complete or not").add_argument("name")
@@ -458,13 +465,17 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
             "save": (admin.save_snapshot, "saved snapshot {!r}: {:,} rows in {}"),
             "load": (admin.load_snapshot, "loaded snapshot {!r}: {:,} rows from {}"),
         }[args.verb]
+        options = {"base": args.base} if args.verb == "save" and args.base else {}
         result = _with_bar(
-            lambda progress: action(args.name, progress=progress), f"{args.verb} {args.name}"
+            lambda progress: action(args.name, progress=progress, **options),
+            f"{args.verb} {args.name}",
         )
         if not args.json:
             print(done.format(args.name, result["rows"], result["path"]))
             if result.get("evicted"):
                 print(f"evicted {result['evicted']:,} rows first (evict_before_snapshot)")
+            if result.get("base"):
+                print(f"incremental over {result['base']!r}: changes found by " + _diffs(result))
         return result
     if args.verb in ("delete", "gc"):
         removed = (
@@ -476,15 +487,33 @@ def _act(admin: EmbeddingClient, args: argparse.Namespace) -> Any:
     snapshots = admin.list_snapshots()
     if not args.json:
         _print_rows(
-            ["snapshot", "complete", "shards", "tables (rows)"],
+            ["snapshot", "complete", "shards", "chain", "tables (rows)"],
             [
                 [
                     s["name"],
                     "yes" if s["complete"] else "NO",
                     s["num_shards"] or "-",
+                    " -> ".join(s["chain"]) or "full" if s["complete"] else "-",
                     ", ".join(f"{t} ({n:,})" for t, n in sorted(s["table_rows"].items())),
                 ]
                 for s in snapshots
             ],
         )
     return snapshots
+
+
+def _diffs(result: dict[str, Any]) -> str:
+    """How an incremental save found each table's changes, per shard: "ada: journal (shards
+    0, 1), compare (shard 2)"."""
+    found: dict[str, dict[str, list[int]]] = {}
+    for shard, diffs in enumerate(result["diffs"]):
+        for table, diff in diffs.items():
+            found.setdefault(table, {}).setdefault(diff, []).append(shard)
+    return "; ".join(
+        f"{table}: "
+        + ", ".join(
+            f"{diff} (shard{'s' if len(shards) > 1 else ''} {', '.join(map(str, shards))})"
+            for diff, shards in sorted(by.items())
+        )
+        for table, by in sorted(found.items())
+    )

@@ -407,9 +407,11 @@ class EmbeddingClient(ClusterAdmin):
         self._in_flight.wait([table])
         return super().evict(table)
 
-    def save_snapshot(self, name: str, *, progress: Progress | None = None) -> dict[str, Any]:
+    def save_snapshot(
+        self, name: str, *, base: str | None = None, progress: Progress | None = None
+    ) -> dict[str, Any]:
         self._in_flight.wait()
-        return super().save_snapshot(name, progress=progress)
+        return super().save_snapshot(name, base=base, progress=progress)
 
     def load_snapshot(self, name: str, *, progress: Progress | None = None) -> dict[str, Any]:
         self._in_flight.wait()

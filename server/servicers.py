@@ -396,9 +396,12 @@ class AdminServicer(_Servicer, pb_grpc.AdminServiceServicer):
 
     @rpc
     def SaveSnapshot(self, request: pb.SaveSnapshotRequest, context: Any) -> Iterator:
-        phases: dict[int, Callable[[str, str], Iterator[Progress]]] = {
-            pb.SAVE_PHASE_WRITE_PART: self.shard.admin.save_part,
-            pb.SAVE_PHASE_COMMIT: self.shard.admin.commit_snapshot,
+        admin = self.shard.admin
+        phases: dict[int, Callable[[], Iterator[Progress]]] = {
+            pb.SAVE_PHASE_WRITE_PART: lambda: admin.save_part(
+                request.name, request.save_id, request.base
+            ),
+            pb.SAVE_PHASE_COMMIT: lambda: admin.commit_snapshot(request.name, request.save_id),
         }
         if request.phase not in phases:
             raise InvalidArgumentError(
@@ -406,8 +409,10 @@ class AdminServicer(_Servicer, pb_grpc.AdminServiceServicer):
                 f"SAVE_PHASE_COMMIT (1 or 2), got {request.phase}",
                 field="phase",
             )
-        work = phases[request.phase](request.name, request.save_id)
-        for progress in run_to_completion(work, name="save-snapshot"):
+        for progress in run_to_completion(phases[request.phase](), name="save-snapshot"):
+            if progress.done and progress.diffs:
+                diffs = json.dumps(progress.diffs)
+                context.set_trailing_metadata(((wire.SNAPSHOT_DIFFS_HEADER, diffs),))
             yield _progress(progress)
 
     @rpc

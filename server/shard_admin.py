@@ -22,16 +22,20 @@ from tierps.server.shard_maintenance import log_eviction
 from tierps.server.shard_stats import KeyCounts
 from tierps.storage import (
     EmbeddingStore,
+    EmbeddingTable,
     FailedPreconditionError,
     InvalidArgumentError,
     ResourceExhaustedError,
     TableConfig,
     snapshot_catalog,
+    snapshot_chain,
     snapshot_format,
     snapshot_writer,
 )
+from tierps.storage.changes import Cursor
 from tierps.storage.snapshot_format import Progress
 from tierps.storage.snapshot_reader import Snapshot
+from tierps.storage.snapshot_writer import TableCut
 
 SNAPSHOT_CHUNK_ROWS = 65536
 log = logging.getLogger("tierps.server")
@@ -109,15 +113,24 @@ class ShardAdmin:
             )
         return Path(self.config.snapshot_dir)
 
-    def save_part(self, name: str, save_id: str) -> Iterator[Progress]:
+    def save_part(self, name: str, save_id: str, base: str = "") -> Iterator[Progress]:
         """Write this shard's part of snapshot `name`. Data calls wait while every table is
         flushed and a RocksDB snapshot of each is taken (the cut); the files are written from
         those snapshots afterwards, while the shard serves again. Tables with
         evict_before_snapshot are evicted first, inside the cut; every Progress says how many
-        rows that removed (rows_evicted), and so does the log."""
+        rows that removed (rows_evicted), and so does the log.
+
+        base: the complete snapshot an incremental part builds on ("": a full part). Each
+        table then writes only its rows changed since the base's cut and the tombstones of
+        its keys removed since: from its change journal where the base's cursor for it is
+        still answerable here (the base has this shard count, and no restart, load or
+        journal overflow came between), else by comparing it with the base chain's rows of
+        this shard; a table the base lacks writes every row. The last Progress and the log
+        say which (diffs)."""
         root = self._snapshot_root()
         snapshot_format.check_name(name)
         snapshot_format.check_save_id(save_id)
+        chain = snapshot_chain.open_chain(root, snapshot_format.check_name(base)) if base else None
         with self._admin:
             snapshot_writer.check_new(root, name)  # a refused save must not have evicted anything
             with self._gate.exclusive():
@@ -130,15 +143,90 @@ class ShardAdmin:
                         evicted += removed
                 # rows with their step stamps, and the rest of the training state (clock,
                 # bucket rows, admission and promotion counts), all as of this cut
-                exports = [
-                    (t.config, t.export_stored(SNAPSHOT_CHUNK_ROWS), t.export_state())
-                    for t in tables
-                ]
+                cuts = [self._cut(table, chain) for table in tables]
             estimate = sum(t.durable.stats()["rows"] for t in tables)
+            link = None
+            if chain is not None:
+                link = snapshot_writer.BaseLink(
+                    base, chain[0].save_id, chain[0].manifest[snapshot_format.CHECKSUM]
+                )
+            diffs = {cut.config.name: cut.diff for cut in cuts if cut.diff}
+            if diffs:
+                log.info(
+                    "snapshot %r on base %r: tables' changes found by %s",
+                    name,
+                    base,
+                    diffs,
+                    extra={"shard_id": self.shard_id, "diffs": diffs},
+                )
             for progress in snapshot_writer.write_part(
-                root, name, save_id, self.shard_id, self.num_shards, exports, estimate
+                root, name, save_id, self.shard_id, self.num_shards, cuts, estimate, link
             ):
-                yield dataclasses.replace(progress, rows_evicted=evicted)
+                yield dataclasses.replace(progress, rows_evicted=evicted, diffs=diffs)
+
+    def _cut(self, table: EmbeddingTable, chain: list[Snapshot] | None) -> TableCut:
+        """A table's share of this shard's part, taken inside the cut (see save_part)."""
+        config = table.config
+        cursor = table.cursor()  # before the export: a change after it is read again later
+        state = table.export_state()
+        if chain is None:
+            chunks = table.export_stored(SNAPSHOT_CHUNK_ROWS)
+            return TableCut(config, chunks, state, cursor.encoded())
+        base = chain[0]
+        if base.configs.get(config.name) != config:  # new since the base, or another config
+            chunks = table.export_stored(SNAPSHOT_CHUNK_ROWS)
+            return TableCut(config, chunks, state, cursor.encoded(), snapshot_format.DIFF_ALL)
+        changed = self._changed_since(table, base)
+        if changed is not None:
+            keys, head = changed
+            chunks, gone = self._read_changed(table, keys)
+            return TableCut(
+                config, chunks, state, head.encoded(), snapshot_format.DIFF_JOURNAL, lambda: gone
+            )
+        comparison = snapshot_chain.Comparison(
+            lambda: snapshot_chain.ShardRows.of_chain(
+                chain, config.name, self.shard_id, self.num_shards
+            )
+        )
+        return TableCut(
+            config,
+            comparison.changed(table.export_stored(SNAPSHOT_CHUNK_ROWS)),
+            state,
+            cursor.encoded(),
+            snapshot_format.DIFF_COMPARE,
+            comparison.tombstones,
+        )
+
+    def _changed_since(
+        self, table: EmbeddingTable, base: Snapshot
+    ) -> tuple[np.ndarray, Cursor] | None:
+        """The table's keys changed since the base's cut of this shard's part, from its
+        journal; None where the journal cannot tell (another shard count, an unreadable
+        cursor, another journal or one that let that position go)."""
+        if base.num_shards != self.num_shards or base.version < snapshot_format.INCREMENTAL_VERSION:
+            return None
+        parts = base.tables[table.config.name]["parts"]
+        part = next(p for p in parts if int(p["shard_id"]) == self.shard_id)
+        try:
+            cursor = Cursor.decoded(part["cursor"])
+        except ValueError:
+            return None
+        return table.changed_since(cursor)
+
+    @staticmethod
+    def _read_changed(
+        table: EmbeddingTable, keys: np.ndarray
+    ) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray | None]], np.ndarray]:
+        """The stored rows of keys (ascending) as chunks (keys, rows, steps), and the keys
+        without a stored row (removed since: tombstones), read now (inside the cut)."""
+        chunks, gone = [], []
+        width = table.config.row_width
+        for start in range(0, keys.size, SNAPSHOT_CHUNK_ROWS):
+            held, rows, absent = table.read_stored(keys[start : start + SNAPSHOT_CHUNK_ROWS])
+            steps = table.codec.steps(rows) if table.step_slots else None
+            chunks.append((held, np.ascontiguousarray(rows[:, :width]), steps))
+            gone.append(absent)
+        return chunks, np.concatenate(gone) if gone else np.empty(0, np.int64)
 
     def commit_snapshot(self, name: str, save_id: str) -> Iterator[Progress]:
         """Write snapshot `name`'s manifest once every part of save `save_id` is there and
@@ -162,9 +250,14 @@ class ShardAdmin:
         staged, so none is acknowledged and then replaced); only when all of it passed do
         data calls wait (health NOT_SERVING) while one atomic RocksDB write swaps the staged
         tables in, each with a new generation naming the snapshot. A refused or failed load
-        leaves every live row as it was and drops what it staged."""
+        leaves every live row as it was and drops what it staged.
+
+        An incremental snapshot loads its chain (snapshot_chain): every link checked so,
+        each table staged from the oldest link it needs, then each newer link's rows put and
+        tombstones deleted in the same staging; the training state is the newest link's."""
         root = self._snapshot_root()
-        opened = Snapshot(root, name)
+        chain = snapshot_chain.open_chain(root, name)
+        opened = chain[0]
         for config in opened.configs.values():
             try:
                 self.checks.owner(config)
@@ -174,15 +267,24 @@ class ShardAdmin:
                     f"shards: {error}"
                 ) from None
             self.store.check_creatable(config)  # before anything is staged
-        opened.check_files()
-        opened.check_headers()
+        for link in chain:
+            link.check_files()
+            link.check_headers()
+        links = {
+            table_name: snapshot_chain.table_links(chain, table_name)
+            for table_name in opened.configs
+        }
         # every part's state files read and checked (the other shards' too) before any
         # row is staged; this shard's share resolved (see snapshot_format.CARRIES for a reshard)
         states = {
             table_name: opened.state_for_shard(table_name, self.shard_id, self.num_shards)
             for table_name in opened.configs
         }
-        total = opened.rows_total
+        total = sum(
+            int(link.tables[table_name]["rows"])
+            for table_name, used in links.items()
+            for link in used
+        )
         done = kept = 0
         with self._admin:
             staged: list[Any] = []
@@ -197,14 +299,20 @@ class ShardAdmin:
                     if stage.buckets is not None and "buckets" in state:
                         index = np.arange(config.hash_bucket_size, dtype=np.int64)
                         stage.buckets.write(index, state["buckets"])
-                    for keys, rows, steps, scanned in opened.rows_and_steps_for_shard(
-                        table_name, self.shard_id, self.num_shards, SNAPSHOT_CHUNK_ROWS
-                    ):
-                        if keys.size:
-                            stage.rows.write(keys, config.codec.widen(rows, steps))
-                        done += scanned
-                        kept += keys.size
-                        yield Progress(done, total, str(opened.path), rows_kept=kept)
+                    for depth, link in enumerate(links[table_name]):  # oldest first
+                        # a link's tombstones and rows are distinct keys: either order works
+                        gone = link.tombstones_for_shard(table_name, self.shard_id, self.num_shards)
+                        kept -= stage.rows.remove(gone) if gone.size else 0
+                        for keys, rows, steps, scanned in link.rows_and_steps_for_shard(
+                            table_name, self.shard_id, self.num_shards, SNAPSHOT_CHUNK_ROWS
+                        ):
+                            if keys.size:
+                                # a newer link's row replaces a staged one: count new keys only
+                                known = int(stage.rows.contains(keys).sum()) if depth else 0
+                                stage.rows.write(keys, config.codec.widen(rows, steps))
+                                kept += keys.size - known
+                            done += scanned
+                            yield Progress(done, total, str(opened.path), rows_kept=kept)
                 with self._gate.exclusive():
                     self.health.set_loading(True)
                     try:

@@ -1,5 +1,6 @@
-"""The snapshots in a snapshot directory: listing them, deleting one (or one save's
-files of it), and collecting what failed saves left behind."""
+"""The snapshots in a snapshot directory: listing them (with each incremental's chain of
+bases), deleting one (or one save's files of it; never a snapshot a kept incremental's chain
+needs), and collecting what failed saves left behind (never a complete snapshot)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tierps.core.errors import FailedPreconditionError, SnapshotNotFoundError
+from tierps.core.errors import FailedPreconditionError, Reason, SnapshotNotFoundError
 from tierps.storage.snapshot_format import (
     MANIFEST,
     NAME_PATTERN,
@@ -21,7 +22,9 @@ from tierps.storage.snapshot_format import (
 
 
 def list_snapshots(root: Path) -> list[dict[str, Any]]:
-    """Every snapshot directory under root, complete or not, in name order."""
+    """Every snapshot directory under root, complete or not, in name order; an incremental
+    one with its base and chain (its bases, newest first, down to a full snapshot, as far as
+    they are there)."""
     out: list[dict[str, Any]] = []
     if not Path(root).is_dir():
         return out
@@ -36,6 +39,8 @@ def list_snapshots(root: Path) -> list[dict[str, Any]]:
             "num_shards": 0,
             "created_unix": 0.0,
             "table_rows": {},
+            "base": "",
+            "chain": [],
         }
         if (path / MANIFEST).exists():
             try:
@@ -50,9 +55,23 @@ def list_snapshots(root: Path) -> list[dict[str, Any]]:
                     num_shards=manifest["num_shards"],
                     created_unix=manifest["created_unix"],
                     table_rows={t: e["rows"] for t, e in manifest["tables"].items()},
+                    base=manifest.get("base", ""),
                 )
         out.append(info)
+    bases = {info["name"]: info["base"] for info in out if info["complete"]}
+    for info in out:
+        link = info["base"]
+        while link and link not in info["chain"] and link != info["name"]:
+            info["chain"].append(link)
+            link = bases.get(link, "")
     return out
+
+
+def dependents(root: Path, name: str) -> list[str]:
+    """The complete snapshots whose chain needs snapshot `name` (its incrementals, theirs,
+    ...), in name order."""
+    bases = {info["name"]: info["chain"] for info in list_snapshots(root) if info["complete"]}
+    return sorted(other for other, chain in bases.items() if name in chain)
 
 
 def delete(root: Path, name: str, *, save_id: str = "", incomplete_only: bool = False) -> list[str]:
@@ -85,6 +104,15 @@ def delete(root: Path, name: str, *, save_id: str = "", incomplete_only: bool = 
         raise FailedPreconditionError(
             f"snapshot {name!r} in {root} is complete; incomplete_only deletes only snapshots "
             f"without a {MANIFEST}"
+        )
+    needed_by = dependents(root, name) if complete else []
+    if needed_by:
+        raise FailedPreconditionError(
+            f"snapshot {name!r} in {root} is needed by the incremental snapshots "
+            f"{', '.join(needed_by)}, which build on it; delete those first (newest first), "
+            f"or keep it",
+            reason=Reason.SNAPSHOT_NEEDED,
+            snapshot=name,
         )
     _remove(path)
     return [str(path)]

@@ -11,6 +11,8 @@ what the writer (snapshot_writer), the reader (snapshot_reader) and the catalog
       .../<table>.promotion  (promote_after)      int64 [c, 3]: key, sightings, latest call
       .../<table>.admission  (admit_after)        counter: int64 [c, 3] as promotion;
                                                   bloom: the m counters (uint8..uint64, LE)
+      .../<table>.tombstones (incremental only)   int64 keys, strictly ascending: rows
+                                                  removed since the base was cut
       <save-id>/part-00000-of-00002.json          the part's header: for each table its config,
                                                   layout (dim, optimizer, row_width, dtypes),
                                                   rows, and each file's size and SHA-256
@@ -18,6 +20,16 @@ what the writer (snapshot_writer), the reader (snapshot_reader) and the catalog
                                                   removed (snapshot_writing_marker)
       MANIFEST.json                               written last and exclusively; a snapshot
                                                   without it is incomplete, never loaded
+
+Format version 4 adds incremental snapshots and cursors. Every part header records, per table,
+the cursor of the table's change journal at the cut (storage/changes.py), which a later
+incremental save asks the journal about. An incremental snapshot's manifest names its `base`
+(a complete snapshot, full or incremental) with the base's save id and manifest checksum, so a
+base deleted and saved again under its name is not taken for the old one; each of its parts
+holds, per table, only the rows changed since the base's cut (`diff`: "journal" or "compare",
+how they were found) plus the tombstones of keys removed since, or every row of a table the
+base lacks (`diff` "all"); the small state (clock, counts, bucket rows) is whole in every
+link. Loading resolves the chain newest -> base -> ... -> full (storage/snapshot_chain.py).
 
 Format version 3: a part holds all training state (CARRIES says what, and how each piece
 loads into another shard count): rows, step stamps, and in the header's "state" the step
@@ -37,15 +49,17 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tierps.core.config import TableConfig
 from tierps.core.errors import FailedPreconditionError, InvalidArgumentError
 
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (2, 3)  # version 2 snapshots load too: rows only (see CARRIES)
+FORMAT_VERSION = 4
+# version 2 snapshots load too: rows only (see CARRIES); version 3: no cursors, never a base
+READABLE_VERSIONS = (2, 3, 4)
+INCREMENTAL_VERSION = 4  # the first version that may have a base and cursors
 MANIFEST = "MANIFEST.json"
 CHECKSUM = "manifest_sha256"  # the manifest's field holding the SHA-256 of the rest of it
 KEY_DTYPE = "<i8"
@@ -75,6 +89,13 @@ CARRIES: dict[str, str] = {
     "not_carried": "figures (sightings, keys_admitted, lookups and gradients to buckets, "
     "evictions) and the eviction guard's held-back leap step start over at a load",
 }
+# How an incremental part found a table's rows (its part entry's "diff"): the journal's
+# changed keys since the base's cursor; a comparison of the table with the base chain's rows;
+# or every row, where the base has no such table (or one of another config).
+DIFF_JOURNAL = "journal"
+DIFF_COMPARE = "compare"
+DIFF_ALL = "all"
+DIFFS = (DIFF_JOURNAL, DIFF_COMPARE, DIFF_ALL)
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 SAVE_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -89,7 +110,8 @@ class SnapshotRefusedError(FailedPreconditionError):
 class Progress:
     """How far a save or load is: rows written (save) or read (load), of rows_total;
     rows_kept: rows a load stored on this shard; rows_evicted: rows a save removed before
-    its cut (evict_before_snapshot)."""
+    its cut (evict_before_snapshot); diffs: an incremental save's tables -> how their
+    changed rows were found (DIFFS)."""
 
     rows_done: int
     rows_total: int
@@ -97,6 +119,7 @@ class Progress:
     rows_kept: int = 0
     done: bool = False
     rows_evicted: int = 0
+    diffs: dict[str, str] = field(default_factory=dict)
 
 
 def check_name(name: Any) -> str:
@@ -260,6 +283,7 @@ def check_manifest_fields(manifest: dict[str, Any], where: str) -> None:
         and not isinstance(created, bool)
         and math.isfinite(created),
     )
+    incremental = _check_base_fields(manifest, where)
     tables = manifest.get("tables")
     expect_field(
         where, "tables", tables, "an object (table name -> its entry)", isinstance(tables, dict)
@@ -302,3 +326,49 @@ def check_manifest_fields(manifest: dict[str, Any], where: str) -> None:
             for key, file in part.items():
                 if key.endswith("_file"):
                     _check_file_entry(where, f"{here}.{key}", file)
+            if manifest.get("format_version", 0) >= INCREMENTAL_VERSION:
+                cursor = part.get("cursor")
+                expect_field(
+                    where,
+                    f"{here}.cursor",
+                    cursor,
+                    "a string (JOURNAL:POSITION, the table's journal at the cut)",
+                    isinstance(cursor, str),
+                )
+            if incremental:
+                diff = part.get("diff")
+                expect_field(where, f"{here}.diff", diff, f"one of {DIFFS}", diff in DIFFS)
+                tombstones = part.get("tombstones")
+                expect_field(
+                    where, f"{here}.tombstones", tombstones, "an integer >= 0", is_count(tombstones)
+                )
+
+
+def _check_base_fields(manifest: dict[str, Any], where: str) -> bool:
+    """A version 4 manifest's base: "" (a full snapshot) or a snapshot name, then its
+    save_id and manifest checksum. True for an incremental snapshot."""
+    if manifest.get("format_version", 0) < INCREMENTAL_VERSION:
+        return False
+    base = manifest.get("base")
+    expect_field(
+        where,
+        "base",
+        base,
+        "a string: empty (a full snapshot) or the name of the snapshot it builds on",
+        isinstance(base, str) and (not base or bool(NAME_PATTERN.fullmatch(base))),
+    )
+    if not base:
+        return False
+    save_id = manifest.get("base_save_id")
+    expect_field(
+        where,
+        "base_save_id",
+        save_id,
+        f"a string matching {SAVE_ID_PATTERN.pattern}",
+        isinstance(save_id, str) and bool(SAVE_ID_PATTERN.fullmatch(save_id)),
+    )
+    checksum = manifest.get("base_manifest_sha256")
+    expect_field(
+        where, "base_manifest_sha256", checksum, "a string (hex SHA-256)", isinstance(checksum, str)
+    )
+    return True

@@ -43,6 +43,7 @@ from tierps.storage.admission import bloom_size, counter_dtype
 from tierps.storage.snapshot_format import (
     CHECKSUM,
     COUNT_DTYPE,
+    DIFF_ALL,
     KEY_DTYPE,
     MANIFEST,
     ROW_DTYPE,
@@ -97,6 +98,10 @@ class Snapshot:
         self.manifest = read_versioned_json(self.path / MANIFEST, where, SnapshotRefusedError)
         check_manifest_fields(self.manifest, where)
         self.version = int(self.manifest["format_version"])
+        # an incremental snapshot's base, pinned by save id and manifest checksum ("": full)
+        self.base: str = self.manifest.get("base", "")
+        self.base_save_id: str = self.manifest.get("base_save_id", "")
+        self.base_manifest_sha256: str = self.manifest.get("base_manifest_sha256", "")
         try:
             self.num_shards = int(self.manifest["num_shards"])
             self.save_id = check_save_id(self.manifest["save_id"])
@@ -159,6 +164,8 @@ class Snapshot:
                     sizes.append((file, file["bytes"] - file["bytes"] % 24))
                 else:
                     sizes.append((file, size))
+            if self.base:
+                sizes.append((part["tombstones_file"], 8 * int(part["tombstones"])))
             for file, expected in sizes:
                 if file["bytes"] != expected:
                     raise SnapshotRefusedError(
@@ -192,7 +199,8 @@ class Snapshot:
                 f"expected one part per shard 0..{self.num_shards - 1}, got shards {shards}"
             )
         config = self.configs[table_name]
-        kinds = sorted(["header", "keys", "rows", *self.state_kinds(config)])
+        tombstones = ["tombstones"] if self.base else []
+        kinds = sorted(["header", "keys", "rows", *self.state_kinds(config), *tombstones])
         for part in entry["parts"]:
             name = part_name(part["shard_id"], self.num_shards)
             found = sorted(kind for kind, _ in self._part_files(part))
@@ -316,6 +324,19 @@ class Snapshot:
                         "an object (table name -> its entry)",
                         isinstance(tables, dict),
                     )
+                    base = header.get("base") or {}
+                    pinned = {
+                        "name": self.base,
+                        "save_id": self.base_save_id,
+                        "manifest_sha256": self.base_manifest_sha256,
+                    }
+                    expected = pinned if self.base else {}
+                    if base != expected:
+                        raise SnapshotRefusedError(
+                            f"{where}: the manifest's base disagrees with the part header the "
+                            f"shard wrote ({file['path']}): manifest {expected or None}, header "
+                            f"{base or None}"
+                        )
                     headers[file["path"]] = header
                 header = headers[file["path"]]
                 written = header["tables"].get(table_name)
@@ -338,6 +359,9 @@ class Snapshot:
                     ("layout", written.get("layout"), entry.get("layout")),
                     ("rows", written.get("rows"), part["rows"]),
                     ("state", written.get("state"), part.get("state")),
+                    ("cursor", written.get("cursor"), part.get("cursor")),
+                    ("diff", written.get("diff"), part.get("diff")),
+                    ("tombstones", written.get("tombstones"), part.get("tombstones")),
                 ]
                 for kind, manifest_file in self._part_files(part):
                     if kind != "header":
@@ -463,11 +487,61 @@ class Snapshot:
                     f"{shard}), got key {int(keys[wrong[0]])}, which belongs to part "
                     f"{int(shards[wrong[0]])} (a key in two parts, or a part of another snapshot)"
                 )
-        if not config.use_hashtable and int(keys[-1]) >= config.capacity:
+        if keys.size and not config.use_hashtable and int(keys[-1]) >= config.capacity:
             raise SnapshotRefusedError(
                 f"{label}: keys expected below the direct table's capacity {config.capacity}, "
                 f"got key {int(keys[-1])}"
             )
+
+    def builds_on_base(self, table_name: str) -> bool:
+        """Whether this snapshot's rows of a table are changes over its base's (an
+        incremental part whose diff is not "all"); False for a full snapshot. Parts that
+        disagree (some "all", some not) are refused: a save decides "all" for every shard."""
+        if not self.base:
+            return False
+        diffs = {part["diff"] == DIFF_ALL for part in self.tables[table_name]["parts"]}
+        if len(diffs) > 1:
+            raise SnapshotRefusedError(
+                f"snapshot {self.name!r}: table {table_name!r}: parts expected to agree on "
+                f"whether they hold every row (diff 'all'), got some that do and some that "
+                f"do not"
+            )
+        return not diffs.pop()
+
+    def read_tombstones(self, table_name: str, part: dict[str, Any]) -> np.ndarray:
+        """One incremental part's tombstones (int64, ascending): the keys removed since the
+        base, read whole, the SHA-256 compared and the keys checked as a part's keys are
+        (distinct, ascending, >= 0, on the part's shard). Empty for a full snapshot."""
+        if not self.base:
+            return np.empty(0, np.int64)
+        config = self.configs[table_name]
+        where = self._part_where(table_name, part)
+        file = part["tombstones_file"]
+        data = self._resolve(where, "tombstones", file).read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != file["sha256"] or len(data) != file["bytes"]:
+            raise SnapshotRefusedError(
+                f"{where}: tombstones file {file['path']} is corrupted: expected sha256 "
+                f"{file['sha256']} of {file['bytes']} bytes, got {digest} of {len(data)}"
+            )
+        keys = np.frombuffer(data, KEY_DTYPE).astype(np.int64)
+        self._check_keys(where, file["path"], config, int(part["shard_id"]), keys, -1)
+        return keys
+
+    def tombstones_for_shard(self, table_name: str, shard_id: int, num_shards: int) -> np.ndarray:
+        """The tombstones of shard `shard_id` of `num_shards` (key % num_shards == shard_id,
+        or all of a table placed whole on its owner), from every part, every part's read
+        and checked (read_tombstones)."""
+        config = self.configs[table_name]
+        owner = single_shard(config, num_shards)
+        mine = []
+        for part in self.tables[table_name]["parts"]:
+            keys = self.read_tombstones(table_name, part)
+            if owner is not None:
+                mine.append(keys if owner == shard_id else keys[:0])
+            else:
+                mine.append(keys[key_shards(config, keys, num_shards) == shard_id])
+        return np.sort(np.concatenate(mine)) if mine else np.empty(0, np.int64)
 
     def check_disjoint(self, table_name: str) -> None:
         """A table placed whole may have rows in several parts (a loader takes them from
@@ -661,6 +735,7 @@ class Snapshot:
                 for _ in self.read_part(table_name, part):
                     pass
                 self.read_state(table_name, part)
+                self.read_tombstones(table_name, part)
             self.check_disjoint(table_name)
 
     def rows_for_shard(

@@ -6,16 +6,23 @@ Each save writes under its own save id, so two saves under one name (two cluster
 snapshot directory) never touch each other's files, and only one of them can commit the
 manifest. A save refuses (FailedPreconditionError) to write a row with a non-finite value or
 keys out of order, rather than write a snapshot no load would accept.
+
+An incremental save writes the same part, from cuts that hold only the changed rows and the
+tombstones of removed keys (TableCut.diff, TableCut.tombstones), and names its base in every
+part header; the commit checks the parts agree on it and records it in the manifest.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import shutil
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +41,7 @@ from tierps.storage.snapshot_format import (
     CARRIES,
     CHECKSUM,
     COUNT_DTYPE,
+    DIFFS,
     FORMAT_VERSION,
     KEY_DTYPE,
     MANIFEST,
@@ -63,6 +71,45 @@ def full_error(error: OSError, what: str) -> ResourceExhaustedError:
         f"space, or delete snapshots (tierps admin snapshot delete NAME / snapshot gc)",
         reason=Reason.STORAGE_FULL,
     )
+
+
+@dataclass(frozen=True)
+class BaseLink:
+    """The complete snapshot an incremental one builds on, pinned: its name, save id and
+    manifest checksum (a snapshot deleted and saved again under the name is another)."""
+
+    name: str
+    save_id: str
+    manifest_sha256: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"name": self.name, "save_id": self.save_id, "manifest_sha256": self.manifest_sha256}
+
+
+@dataclass
+class TableCut:
+    """One table's share of a part, as of the cut. chunks: in key order, each (keys, rows
+    [c, row_width]) or (keys, rows, steps: int64 last-update steps, or None), as
+    EmbeddingTable.export_stored gives them; state: as EmbeddingTable.export_state gives it
+    (the step clock, bucket rows, admission and promotion counts; empty: an empty table's);
+    cursor: the table's journal cursor at the cut (Cursor.encoded()). In an incremental
+    part: diff (snapshot_format.DIFFS) says how the rows were found, and tombstones, asked
+    once the chunks are written, gives the keys removed since the base (int64, ascending)."""
+
+    config: TableConfig
+    chunks: Iterable[tuple[Any, ...]]
+    state: dict[str, Any] = dataclass_field(default_factory=dict)
+    cursor: str = ""
+    diff: str = ""
+    tombstones: Callable[[], np.ndarray] | None = None
+
+    @classmethod
+    def of(cls, export: TableCut | tuple[Any, ...]) -> TableCut:
+        """A TableCut as it is, or from a (config, chunks) or (config, chunks, state) tuple."""
+        if isinstance(export, TableCut):
+            return export
+        config, chunks, *rest = export
+        return cls(config, chunks, rest[0] if rest else {})
 
 
 def check_new(root: Path, name: str) -> None:
@@ -97,16 +144,15 @@ def write_part(
     save_id: str,
     shard_id: int,
     num_shards: int,
-    exports: Iterable[tuple[Any, ...]],
+    exports: Iterable[TableCut | tuple[Any, ...]],
     rows_estimate: int,
+    base: BaseLink | None = None,
 ) -> Iterator[Progress]:
-    """Write one shard's part from each table's export, yielding progress after every chunk;
-    the last Progress has done=True. Each export is (config, chunks) or (config, chunks,
-    state): chunks in key order, each (keys, rows [c, row_width]) or (keys, rows, steps:
-    int64 last-update steps, or None), as EmbeddingTable.export_stored gives them; state as
-    EmbeddingTable.export_state gives it (the step clock, bucket rows, admission and
-    promotion counts; none: an empty table's). A non-finite value or keys out of order are
-    refused (FailedPreconditionError) and the part is removed."""
+    """Write one shard's part from each table's cut (a TableCut, or a (config, chunks[,
+    state]) tuple: see TableCut.of), yielding progress after every chunk; the last Progress
+    has done=True. base: the snapshot an incremental part builds on (None: a full one); each
+    of its tables then writes its tombstones and its diff. A non-finite value or keys out of
+    order are refused (FailedPreconditionError) and the part is removed."""
     snapshot = snapshot_path(root, name)
     staging = snapshot / check_save_id(save_id)
     check_new(root, name)
@@ -124,7 +170,7 @@ def write_part(
                     shutil.rmtree(part_dir)
                 part_dir.mkdir()
                 yield from _write_part(
-                    staging, part, save_id, shard_id, num_shards, exports, rows_estimate, name
+                    staging, part, save_id, shard_id, num_shards, exports, rows_estimate, name, base
                 )
             except OSError:
                 shutil.rmtree(part_dir, ignore_errors=True)
@@ -141,16 +187,18 @@ def _write_part(
     save_id: str,
     shard_id: int,
     num_shards: int,
-    exports: Iterable[tuple[Any, ...]],
+    exports: Iterable[TableCut | tuple[Any, ...]],
     rows_estimate: int,
     name: str,
+    base: BaseLink | None,
 ) -> Iterator[Progress]:
     part_dir = staging / part
     tables: dict[str, Any] = {}
     done = 0
     try:
-        for config, chunks, *rest in exports:
-            table_state = rest[0] if rest else {}
+        for export in exports:
+            cut = TableCut.of(export)
+            config, chunks, table_state = cut.config, cut.chunks, cut.state
             where = f"snapshot {name!r}: table {config.name!r} on shard {shard_id}"
             rows_in_table = 0
             kinds = ("keys", "rows", "steps") if config.steps_to_live else ("keys", "rows")
@@ -192,7 +240,11 @@ def _write_part(
                 "layout": layout(config),
                 "rows": rows_in_table,
                 "state": _write_state(where, part_dir, config, table_state, paths, digests),
+                "cursor": cut.cursor,
             }
+            if base is not None:
+                entry["diff"] = cut.diff
+                entry["tombstones"] = _write_tombstones(where, part_dir, cut, paths, digests)
             for kind, path in paths.items():
                 entry[f"{kind}_file"] = {
                     "path": f"{save_id}/{part}/{path.name}",
@@ -208,6 +260,7 @@ def _write_part(
         "save_id": save_id,
         "shard_id": shard_id,
         "num_shards": num_shards,
+        "base": None if base is None else base.to_dict(),
         "tables": tables,
     }
     write_json_atomic(staging / f"{part}.json", header)
@@ -290,6 +343,31 @@ def _write_state(
     return out
 
 
+def _write_tombstones(
+    where: str, part_dir: Path, cut: TableCut, paths: dict[str, Path], digests: dict[str, Any]
+) -> int:
+    """Write a table's tombstones file into an incremental part (adding it to paths and
+    digests); returns how many keys. Keys must be distinct, ascending and >= 0
+    (FailedPreconditionError otherwise), and diff one of DIFFS."""
+    if cut.diff not in DIFFS:
+        raise ValueError(f"{where}: diff expected one of {DIFFS}, got {cut.diff!r}")
+    keys = np.empty(0, np.int64) if cut.tombstones is None else np.asarray(cut.tombstones())
+    keys = keys.astype(KEY_DTYPE, copy=False)
+    if keys.size and (keys[0] < 0 or bool(np.any(keys[1:] <= keys[:-1]))):
+        raise FailedPreconditionError(
+            f"{where}: tombstones expected distinct, ascending and >= 0, got {keys[:8]}...; "
+            f"nothing was committed"
+        )
+    paths["tombstones"] = part_dir / f"{cut.config.name}.tombstones"
+    data = _raw(keys)
+    with open(paths["tombstones"], "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+    digests["tombstones"] = hashlib.sha256(data)
+    return int(keys.size)
+
+
 def _file_entry(path: Path, relative: str) -> dict[str, Any]:
     data = path.read_bytes()
     return {"path": relative, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -307,6 +385,7 @@ def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
     parts: dict[int, dict[str, Any]] = {}
     headers: dict[int, dict[str, Any]] = {}
     num_shards = None
+    bases: set[str] = set()
     for path in sorted((snapshot / check_save_id(save_id)).glob("part-*-of-*.json")):
         summary = read_versioned_json(path, f"snapshot {name!r}: part header {path.name}")
         if summary.get("save_id") != save_id:
@@ -322,12 +401,18 @@ def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
             )
         parts[summary["shard_id"]] = summary
         headers[summary["shard_id"]] = _file_entry(path, f"{save_id}/{path.name}")
+        bases.add(json.dumps(summary.get("base"), sort_keys=True))
     missing = sorted(set(range(num_shards or 1)) - set(parts))
     if num_shards is None or missing:
         raise FailedPreconditionError(
             f"snapshot {name!r} is incomplete: save {save_id} has no part from shards "
             f"{missing} of {num_shards or '?'}"
         )
+    if len(bases) != 1:
+        raise FailedPreconditionError(
+            f"snapshot {name!r}: parts of save {save_id} disagree on their base: {sorted(bases)}"
+        )
+    base = json.loads(bases.pop()) or {}
     tables: dict[str, Any] = {}
     for shard_id in range(num_shards):
         for table_name, entry in parts[shard_id]["tables"].items():
@@ -347,7 +432,11 @@ def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
                     "rows": entry["rows"],
                     "header_file": headers[shard_id],
                     "state": entry["state"],
-                    **{key: value for key, value in entry.items() if key.endswith("_file")},
+                    **{
+                        key: value
+                        for key, value in entry.items()
+                        if key.endswith("_file") or key in ("cursor", "diff", "tombstones")
+                    },
                 }
             )
     manifest: dict[str, Any] = {
@@ -356,9 +445,13 @@ def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
         "save_id": save_id,
         "num_shards": num_shards,
         "created_unix": time.time(),
+        "base": base.get("name", ""),
         "carries": CARRIES,
         "tables": tables,
     }
+    if base:
+        manifest["base_save_id"] = base["save_id"]
+        manifest["base_manifest_sha256"] = base["manifest_sha256"]
     manifest[CHECKSUM] = manifest_checksum(manifest)
     try:
         write_json_atomic(snapshot / MANIFEST, manifest, exclusive=True)

@@ -538,7 +538,7 @@ def test_the_good_snapshot_round_trips_bit_exactly(clusters: tuple[list[Shard], 
     save(shards, "again")
     for name in ("good", "again"):
         manifest = json.loads((root / name / MANIFEST).read_text())
-        assert manifest["format_version"] == 3
+        assert manifest["format_version"] == 4
         assert manifest[CHECKSUM] == manifest_checksum(manifest)
     for config in TABLES:
         for shard in range(SHARDS):

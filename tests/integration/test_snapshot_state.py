@@ -154,7 +154,7 @@ def clusters(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 def test_the_manifest_says_what_it_carries(clusters: dict[str, Any]) -> None:
     manifest = json.loads((clusters["root"] / "snapshots" / "s" / MANIFEST).read_text())
-    assert manifest["format_version"] == 3
+    assert manifest["format_version"] == 4
     assert manifest["carries"] == CARRIES
     for piece in ("step_clock", "admission_bloom", "bucket_rows", "not_carried"):
         assert piece in manifest["carries"]

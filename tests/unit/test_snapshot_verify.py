@@ -124,7 +124,7 @@ def test_a_save_refuses_non_finite_values_and_keys_out_of_order(tmp_path: Path) 
 def test_the_manifest_records_layouts_headers_and_its_own_checksum(tmp_path: Path) -> None:
     snapshot = save(tmp_path, ROW, [np.arange(0, 20, 2), np.arange(1, 20, 2)])
     manifest = json.loads((snapshot / MANIFEST).read_text())
-    assert manifest["format_version"] == FORMAT_VERSION == 3
+    assert manifest["format_version"] == FORMAT_VERSION == 4
     assert manifest[CHECKSUM] == manifest_checksum(manifest)
     layout = manifest["tables"]["t"]["layout"]
     assert layout == {

@@ -62,7 +62,10 @@ def main() -> None:
         root = Path(tmp) / "snapshots"
         shard = Shard(
             ServerConfig(
-                shard_id=0, num_shards=1, data_dir=Path(tmp) / "data", snapshot_dir=root,
+                shard_id=0,
+                num_shards=1,
+                data_dir=Path(tmp) / "data",
+                snapshot_dir=root,
                 tables=(TABLE,),
             )
         )
@@ -109,8 +112,10 @@ def main() -> None:
         "met": all(ratio <= 0.03 for ratio in ratios.values()),
         "machine": platform.platform(),
     }
-    print(f"{args.rows:,} rows (dim {DIM}, Adagrad), {args.changed:.0%} changed, "
-          f"median of {args.rounds} rounds")
+    print(
+        f"{args.rows:,} rows (dim {DIM}, Adagrad), {args.changed:.0%} changed, "
+        f"median of {args.rounds} rounds"
+    )
     print(f"{'save':<12} {'seconds':>9} {'MiB':>9}")
     for name, figures in medians.items():
         print(f"{name:<12} {figures['seconds']:>9.3f} {figures['bytes'] / 2**20:>9.2f}")

@@ -4,13 +4,15 @@ local cluster, and report what happened.
     tierps demo [--dataset movielens|synthetic] [--data-dir ./tierps-data] [--epochs N]
                 [--batch-size B] [--dim D] [--shards 2] [--seed S] [--samples N]
                 [--staleness 0|1]   (default 1: a lookup may miss the previous push)
-                [--trainers N [--mode sync|async] [--staleness K]]
+                [--trainers N [--mode sync|async] [--staleness K]] [--serve]
 
 It starts a LocalCluster (shards under <data-dir>/demo-cluster-<shards>, snapshots under
 <data-dir>/snapshots), drops the tables left by an earlier run (any dataset's) and creates
 this dataset's afresh (on a running cluster given instead, it drops its own tables only
 with --replace), trains with a progress bar, prints per epoch the train and test logloss and AUC,
-samples/s and each tier's hit rate, saves a snapshot, and stops the cluster. With --trainers
+samples/s and each tier's hit rate, saves a snapshot, and stops the cluster. With --serve, a
+read-only replica shard follows the cluster while it trains (tierps serve --follow), and each
+epoch's report adds the test AUC computed from lookups on the replica and its lag. With --trainers
 N, N data-parallel trainers under torchrun train instead (tierps.demo.trainers), each on its
 share of every batch, saving a job checkpoint after each epoch.
 
@@ -195,6 +197,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "of starting one; default: $TIERPS_ADDRESSES when set",
     )
     parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="run one read-only replica shard beside the cluster (under <data-dir>/demo-replica) "
+        "that follows it while it trains, and print after each epoch the test AUC computed "
+        "from lookups on the replica, and its lag (one trainer only)",
+    )
+    parser.add_argument(
         "--replace",
         action="store_true",
         help="on a running cluster (--addresses, $TIERPS_ADDRESSES): drop the dataset's "
@@ -224,6 +233,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--lr expected > 0, got {args.lr}"
     if args.trainers is not None and args.trainers < 1:
         return f"--trainers expected >= 1, got {args.trainers}"
+    if args.serve and args.trainers is not None:
+        return "--serve expected with one trainer (no --trainers), got --trainers too"
     if args.staleness is not None:
         if args.trainers is None:
             expected, ok = "0 or 1 with one trainer", args.staleness in (0, 1)
@@ -571,6 +582,93 @@ def _train_with_client(
             args, client, tables, epochs, batch_size, started, snapshots, work
         )
     model = build_tierps_model(client, dataset, dim=args.dim, seed=args.seed, staleness=staleness)
+    with contextlib.ExitStack() as serving:
+        replica = None
+        if args.serve:
+            replica = serving.enter_context(_Replica(args, client, dataset, tables))
+        return _train_one(
+            args, dataset, started, client, tables, model, replica, snapshots, epochs, batch_size
+        )
+
+
+class _Replica:
+    """--serve: one replica shard following the cluster (LocalCluster(follow=...)), a client
+    of it, and a copy of the model whose embeddings it serves; `report` evaluates that copy
+    with the trained model's dense weights, as a serving system would after a checkpoint."""
+
+    def __init__(
+        self, args: argparse.Namespace, client: EmbeddingClient, dataset: Any, tables: list[str]
+    ) -> None:
+        from tierps.server.cluster import LocalCluster, server_security_args
+
+        self.args, self.client, self.dataset, self.tables = args, client, dataset, tables
+        self.cluster = LocalCluster(
+            1,
+            args.data_dir / "demo-replica",
+            None,
+            extra_args=server_security_args(args),
+            security=client.security,
+            own_session=True,
+            follow=client.addresses,
+        )
+        self.reader: EmbeddingClient | None = None
+        self.model: Any = None
+
+    def __enter__(self) -> _Replica:
+        from tierps.client import EmbeddingClient
+        from tierps.demo.training import build_tierps_model
+
+        self.cluster.start()
+        self.reader = EmbeddingClient(self.cluster.addresses, security=self.client.security)
+        self.model = build_tierps_model(
+            self.reader, self.dataset, dim=self.args.dim, seed=self.args.seed
+        )
+        print(f"replica serving at {', '.join(self.cluster.addresses)}, following the cluster")
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            if self.reader is not None:
+                self.reader.close()
+        finally:
+            self.cluster.stop()
+
+    def lag(self) -> tuple[float, int]:
+        """(seconds, changes) the replica is behind, the largest over the tables."""
+        assert self.reader is not None
+        seconds, changes = 0.0, 0
+        for table in self.tables:
+            for shard in self.reader.describe(table):
+                lifecycle = shard.get("lifecycle", {})
+                seconds = max(seconds, float(lifecycle.get("replica.lag_s", 0.0)))
+                changes = max(changes, int(lifecycle.get("replica.lag_positions", 0)))
+        return seconds, changes
+
+    def report(self, trained: Any, training_auc: float) -> str:
+        from tierps.demo.training import evaluate
+
+        seconds, changes = self.lag()
+        self.model.load_state_dict(trained.state_dict())
+        _, served_auc = evaluate(self.model, self.dataset)
+        return (
+            f"  replica: test AUC {served_auc:.4f} from its rows ({training_auc:.4f} from the "
+            f"cluster's), lag {seconds:.2f} s, {changes:,} change(s) when asked"
+        )
+
+
+def _train_one(
+    args: argparse.Namespace,
+    dataset: CTRDataset,
+    started: float,
+    client: EmbeddingClient,
+    tables: list[str],
+    model: Any,
+    replica: _Replica | None,
+    snapshots: Path | EmbeddingClient,
+    epochs: int,
+    batch_size: int,
+) -> int:
+    """One trainer's epochs, its snapshot and the final report."""
 
     def report(result: EpochResult) -> None:
         print(
@@ -581,6 +679,8 @@ def _train_with_client(
             flush=True,
         )
         print(f"  hit rates: {format_hit_rates(tier_hit_rates(client, tables))}", flush=True)
+        if replica is not None:
+            print(replica.report(model, result.test_auc), flush=True)
 
     try:
         results = train(

@@ -23,7 +23,7 @@ RUNS_SHARDS = ("serve", "cluster", "demo", "storage-demo")
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
     from tierps.core.xp import GPU_ARRAYS
-    from tierps.server.config import MAX_INFLIGHT_BYTES
+    from tierps.server.config import MAX_INFLIGHT_BYTES, REPLICA_DTYPES, REPLICA_TOKEN_ENV
 
     serve = commands.add_parser(
         "serve",
@@ -125,6 +125,33 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     security.add_argument(
         "--call-total-s", type=float, help="cancel a data call running this long (600)"
     )
+    replica = serve.add_argument_group("read-only replica (README, Serving while training)")
+    replica.add_argument(
+        "--follow",
+        metavar="ADDR[,ADDR...]",
+        help="serve as a read-only replica of the training cluster whose shards listen at "
+        "these addresses (every shard, in any order); --shard-id/--num-shards are then this "
+        "replica cluster's own",
+    )
+    replica.add_argument(
+        "--replica-dtype",
+        choices=REPLICA_DTYPES,
+        help="the replica's weights in RocksDB (default float32: bit-identical lookups)",
+    )
+    replica.add_argument(
+        "--replica-token-file",
+        type=Path,
+        help=f"the bearer token (role replica) sent to the training shards; without it "
+        f"${REPLICA_TOKEN_ENV}",
+    )
+    replica.add_argument("--follow-tls-ca", type=Path, help="PEM CA of the training shards")
+    replica.add_argument(
+        "--follow-tls-client-cert", type=Path, help="this replica's PEM certificate (mutual TLS)"
+    )
+    replica.add_argument("--follow-tls-client-key", type=Path, help="its PEM key")
+    replica.add_argument(
+        "--follow-tls-server-name", help="the name in the training shards' certificates"
+    )
     serve.add_argument("--config", type=Path, help="TOML file of ServerConfig fields")
     serve.add_argument("--port-file", type=Path, help="write the bound ports here (JSON)")
     serve.add_argument("--log-level", default="info", help="debug, info, warning, error")
@@ -164,6 +191,13 @@ def _serve(args: argparse.Namespace) -> int:
         "stream_idle_s": args.stream_idle_s,
         "call_total_s": args.call_total_s,
         "max_step_leap": args.max_step_leap,
+        "follow": args.follow,
+        "replica_dtype": args.replica_dtype,
+        "replica_token_file": args.replica_token_file,
+        "follow_tls_ca": args.follow_tls_ca,
+        "follow_tls_cert": args.follow_tls_client_cert,
+        "follow_tls_key": args.follow_tls_client_key,
+        "follow_tls_server_name": args.follow_tls_server_name,
     }
     try:
         if args.config is not None:

@@ -246,6 +246,14 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
     cluster.add_argument(
         "--sync-writes", action="store_true", help="each shard fsyncs every RocksDB write"
     )
+    cluster.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="also run a cluster of this many read-only replica shards following the "
+        "shards (data under --data-dir/replicas; role replica's token from "
+        "$TIERPS_REPLICA_TOKEN)",
+    )
     from tierps.client import security
     from tierps.server.cluster import add_server_security_arguments
 
@@ -277,9 +285,23 @@ def _cluster(args: argparse.Namespace) -> int:
         extra_args=durability,
         security=security.from_args(args),
     )
+    replicas: LocalCluster | None = None
     try:
         cluster.start()
+        if args.replicas:
+            client_ca = security.from_args(args).ca_file
+            follow_tls = ("--follow-tls-ca", str(Path(client_ca).resolve())) if client_ca else ()
+            replicas = LocalCluster(
+                args.replicas,
+                args.data_dir / "replicas",
+                metrics=args.metrics,
+                extra_args=durability + follow_tls,
+                security=security.from_args(args),
+                follow=cluster.addresses,
+            )
+            replicas.start()
     except (RuntimeError, TimeoutError, OSError) as error:  # start() stopped what it started
+        cluster.stop()
         print(f"tierps cluster: {error}", file=sys.stderr)
         return 1
     addresses_file = args.data_dir / ADDRESSES_FILE
@@ -292,15 +314,21 @@ def _cluster(args: argparse.Namespace) -> int:
             extra = f"  metrics http://{cluster.host}:{metrics}/metrics" if metrics else ""
             print(f"  shard {shard_id}: {address}{extra}")
         print(f"addresses: {joined}")
+        if replicas is not None:
+            print(
+                f"{args.replicas} read-only replica shards following them (logs in "
+                f"{replicas.data_dir}/shard-<i>.log): {','.join(replicas.addresses)}"
+            )
         print(f"# also in {addresses_file}; for the client and tierps admin, in a shell:")
         print(f"export {ADDRESSES_ENV}={joined}", flush=True)
         while not stop:
-            died = cluster.exited()
+            died = [("shard", *d) for d in cluster.exited()]
+            died += [("replica shard", *d) for d in (replicas.exited() if replicas else [])]
             if died:
-                for shard_id, pid, code, log_file in died:
+                for kind, shard_id, pid, code, log_file in died:
                     how = f"killed by {_signal_name(-code)}" if code < 0 else f"exit code {code}"
                     print(
-                        f"tierps cluster: shard {shard_id} (pid {pid}) exited on its own "
+                        f"tierps cluster: {kind} {shard_id} (pid {pid}) exited on its own "
                         f"({how}); its log: {log_file}; stopping the other shards",
                         file=sys.stderr,
                         flush=True,
@@ -309,6 +337,8 @@ def _cluster(args: argparse.Namespace) -> int:
             time.sleep(0.2)
         print("stopping...", flush=True)
     finally:
+        if replicas is not None:
+            replicas.stop()
         cluster.stop()
         if addresses_file.exists() and addresses_file.read_text().strip() == joined:
             addresses_file.unlink()  # only ours: a cluster stopped leaves no stale addresses

@@ -5,16 +5,20 @@ for a bfloat16 replica."""
 
 from __future__ import annotations
 
+import io
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tierps.client import EmbeddingClient
 from tierps.client.admin import ShardError
+from tierps.client.top import frame, render, take_sample
 from tierps.core.errors import Reason, TableNotFoundError
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.storage import TableConfig, init, optim
@@ -224,3 +228,41 @@ def test_raw_writes_and_creating_lookups_are_refused(shard_server: Any, connect:
     assert "replica.lag_s" in stats.tables[0].lifecycle
     trainer.close()
     reader.close()
+
+
+def test_lag_in_stats_metrics_and_top(shard_server: Any) -> None:
+    training, trainer = start_training(shard_server)
+    trainer.create_table(TableConfig("l", DIM, optimizer=optim.SGD(lr=1.0)))
+    keys = train(trainer, "l", 2, seed=6)
+    replicas, reader = start_replicas(shard_server, training, count=1, metrics_port=0)
+    converged(trainer, reader, "l", keys)
+    sample = take_sample(reader)
+    time.sleep(0.3)
+    figures = frame(sample, take_sample(reader), reader.addresses)
+    assert figures["tables"][0]["lag_s"] == 0.0 and figures["tables"][0]["lag_positions"] == 0
+    assert "0.00 s, 0 changes" in _rendered(figures)
+
+    # a training shard gone: the replica is behind since it last heard it was current
+    training[1].stop(grace_s=0)
+    time.sleep(1.0)
+    lag = reader.describe("l")[0]["lifecycle"]["replica.lag_s"]
+    assert 0.8 <= lag < 30, lag
+    url = f"http://127.0.0.1:{replicas[0].metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        scraped = {
+            (family.name, sample.labels.get("table")): sample.value
+            for family in text_string_to_metric_families(reply.read().decode())
+            for sample in family.samples
+        }
+    assert scraped[("tierps_replica_lag_seconds", "l")] >= 0.8
+    assert ("tierps_replica_lag_positions", "l") in scraped
+    trainer.close()
+    reader.close()
+
+
+def _rendered(figures: dict[str, Any]) -> str:
+    from rich.console import Console
+
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(render(figures))
+    return console.export_text()

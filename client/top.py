@@ -3,8 +3,10 @@
 Per shard: calls/s and p50/p99 latency per RPC (its Prometheus histogram
 tierps_rpc_seconds, read from the /metrics port Stats names: shards started with --metrics
 or --metrics-port), rows and bytes per tier and each tier's hit rate. Per table: rows, keys
-looked up and pushed per second. Rates and latencies are over the last interval; a hit rate
-over the interval where the tier was asked anything, else since the shard started.
+looked up and pushed per second, and on a replica cluster its lag (LAG: the largest
+replica.lag_s of its shards and the changes not applied, summed). Rates and latencies are
+over the last interval; a hit rate over the interval where the tier was asked anything,
+else since the shard started.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def frame(previous: Sample, current: Sample, addresses: list[str]) -> dict[str, 
     seconds = max(current.at - previous.at, 1e-9)
     shards = []
     tables: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    lags: dict[str, dict[str, float]] = {}  # a replica's tables: lag_s (largest), positions
     for index, shard in enumerate(current.stats):
         before = {t["config"]["name"]: t for t in previous.stats[index]["tables"]}
         rpcs = None
@@ -119,6 +122,11 @@ def frame(previous: Sample, current: Sample, addresses: list[str]) -> dict[str, 
             old = before.get(name)
             figures = tables[name]
             figures["rows"] += max((tier["rows"] for tier in table["tiers"]), default=0)
+            lifecycle = table.get("lifecycle", {})
+            if "replica.lag_s" in lifecycle:
+                lag = lags.setdefault(name, {"lag_s": 0.0, "lag_positions": 0})
+                lag["lag_s"] = max(lag["lag_s"], lifecycle["replica.lag_s"])
+                lag["lag_positions"] += int(lifecycle["replica.lag_positions"])
             for kind in ("keys_looked_up", "keys_pushed"):
                 figures[kind] += table[kind]
                 figures[f"{kind}_per_s"] += (table[kind] - (old[kind] if old else 0)) / seconds
@@ -158,6 +166,7 @@ def frame(previous: Sample, current: Sample, addresses: list[str]) -> dict[str, 
             {
                 "name": name,
                 **{k: (int(v) if not k.endswith("_per_s") else v) for k, v in figures.items()},
+                **lags.get(name, {}),
             }
             for name, figures in sorted(tables.items())
         ],
@@ -220,14 +229,18 @@ def render(figures: dict[str, Any]) -> Any:
                 shown,
             )
     tables = Table(title="tables", title_justify="left")
-    for column in ("table", "rows", "looked up keys/s", "pushed keys/s"):
+    for column in ("table", "rows", "looked up keys/s", "pushed keys/s", "LAG"):
         tables.add_column(column, justify="left" if column == "table" else "right")
     for table in figures["tables"]:
+        lag = "-"  # not a replica's table
+        if "lag_s" in table:
+            lag = f"{table['lag_s']:,.2f} s, {table['lag_positions']:,} changes"
         tables.add_row(
             table["name"],
             f"{table['rows']:,}",
             f"{table['keys_looked_up_per_s']:,.0f}",
             f"{table['keys_pushed_per_s']:,.0f}",
+            lag,
         )
     return Group(rpc, tiers, tables)
 

@@ -23,7 +23,7 @@ RUNS_SHARDS = ("serve", "cluster", "demo", "storage-demo")
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
     from tierps.core.xp import GPU_ARRAYS
-    from tierps.server.config import MAX_INFLIGHT_BYTES
+    from tierps.server.config import MAX_INFLIGHT_BYTES, REPLICA_DTYPES, REPLICA_TOKEN_ENV
 
     serve = commands.add_parser(
         "serve",
@@ -125,6 +125,33 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     security.add_argument(
         "--call-total-s", type=float, help="cancel a data call running this long (600)"
     )
+    replica = serve.add_argument_group("read-only replica (README, Serving while training)")
+    replica.add_argument(
+        "--follow",
+        metavar="ADDR[,ADDR...]",
+        help="serve as a read-only replica of the training cluster whose shards listen at "
+        "these addresses (every shard, in any order); --shard-id/--num-shards are then this "
+        "replica cluster's own",
+    )
+    replica.add_argument(
+        "--replica-dtype",
+        choices=REPLICA_DTYPES,
+        help="the replica's weights in RocksDB (default float32: bit-identical lookups)",
+    )
+    replica.add_argument(
+        "--replica-token-file",
+        type=Path,
+        help=f"the bearer token (role replica) sent to the training shards; without it "
+        f"${REPLICA_TOKEN_ENV}",
+    )
+    replica.add_argument("--follow-tls-ca", type=Path, help="PEM CA of the training shards")
+    replica.add_argument(
+        "--follow-tls-client-cert", type=Path, help="this replica's PEM certificate (mutual TLS)"
+    )
+    replica.add_argument("--follow-tls-client-key", type=Path, help="its PEM key")
+    replica.add_argument(
+        "--follow-tls-server-name", help="the name in the training shards' certificates"
+    )
     serve.add_argument("--config", type=Path, help="TOML file of ServerConfig fields")
     serve.add_argument("--port-file", type=Path, help="write the bound ports here (JSON)")
     serve.add_argument("--log-level", default="info", help="debug, info, warning, error")
@@ -164,6 +191,13 @@ def _serve(args: argparse.Namespace) -> int:
         "stream_idle_s": args.stream_idle_s,
         "call_total_s": args.call_total_s,
         "max_step_leap": args.max_step_leap,
+        "follow": args.follow,
+        "replica_dtype": args.replica_dtype,
+        "replica_token_file": args.replica_token_file,
+        "follow_tls_ca": args.follow_tls_ca,
+        "follow_tls_cert": args.follow_tls_client_cert,
+        "follow_tls_key": args.follow_tls_client_key,
+        "follow_tls_server_name": args.follow_tls_server_name,
     }
     try:
         if args.config is not None:
@@ -212,6 +246,14 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
     cluster.add_argument(
         "--sync-writes", action="store_true", help="each shard fsyncs every RocksDB write"
     )
+    cluster.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="also run a cluster of this many read-only replica shards following the "
+        "shards (data under --data-dir/replicas; role replica's token from "
+        "$TIERPS_REPLICA_TOKEN)",
+    )
     from tierps.client import security
     from tierps.server.cluster import add_server_security_arguments
 
@@ -243,9 +285,23 @@ def _cluster(args: argparse.Namespace) -> int:
         extra_args=durability,
         security=security.from_args(args),
     )
+    replicas: LocalCluster | None = None
     try:
         cluster.start()
+        if args.replicas:
+            client_ca = security.from_args(args).ca_file
+            follow_tls = ("--follow-tls-ca", str(Path(client_ca).resolve())) if client_ca else ()
+            replicas = LocalCluster(
+                args.replicas,
+                args.data_dir / "replicas",
+                metrics=args.metrics,
+                extra_args=durability + follow_tls,
+                security=security.from_args(args),
+                follow=cluster.addresses,
+            )
+            replicas.start()
     except (RuntimeError, TimeoutError, OSError) as error:  # start() stopped what it started
+        cluster.stop()
         print(f"tierps cluster: {error}", file=sys.stderr)
         return 1
     addresses_file = args.data_dir / ADDRESSES_FILE
@@ -258,15 +314,21 @@ def _cluster(args: argparse.Namespace) -> int:
             extra = f"  metrics http://{cluster.host}:{metrics}/metrics" if metrics else ""
             print(f"  shard {shard_id}: {address}{extra}")
         print(f"addresses: {joined}")
+        if replicas is not None:
+            print(
+                f"{args.replicas} read-only replica shards following them (logs in "
+                f"{replicas.data_dir}/shard-<i>.log): {','.join(replicas.addresses)}"
+            )
         print(f"# also in {addresses_file}; for the client and tierps admin, in a shell:")
         print(f"export {ADDRESSES_ENV}={joined}", flush=True)
         while not stop:
-            died = cluster.exited()
+            died = [("shard", *d) for d in cluster.exited()]
+            died += [("replica shard", *d) for d in (replicas.exited() if replicas else [])]
             if died:
-                for shard_id, pid, code, log_file in died:
+                for kind, shard_id, pid, code, log_file in died:
                     how = f"killed by {_signal_name(-code)}" if code < 0 else f"exit code {code}"
                     print(
-                        f"tierps cluster: shard {shard_id} (pid {pid}) exited on its own "
+                        f"tierps cluster: {kind} {shard_id} (pid {pid}) exited on its own "
                         f"({how}); its log: {log_file}; stopping the other shards",
                         file=sys.stderr,
                         flush=True,
@@ -275,6 +337,8 @@ def _cluster(args: argparse.Namespace) -> int:
             time.sleep(0.2)
         print("stopping...", flush=True)
     finally:
+        if replicas is not None:
+            replicas.stop()
         cluster.stop()
         if addresses_file.exists() and addresses_file.read_text().strip() == joined:
             addresses_file.unlink()  # only ours: a cluster stopped leaves no stale addresses

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -108,6 +109,14 @@ class LocalCluster:
     with the thread that started them (Linux), so none outlives a crashed parent.
     own_session: the daemons run in sessions of their own, so a terminal's Ctrl-C reaches
     only this process, which stops them when it chooses (after what still uses them).
+    follow: the addresses of a training cluster's shards: these N shards are then read-only
+    replicas following it (`tierps serve --follow`, server/replica.py), N being the replica
+    cluster's own count; replica_dtype their weights' type in RocksDB (None: float32).
+
+        with LocalCluster(2, d / "training") as training, LocalCluster(
+            3, d / "replicas", follow=training.addresses
+        ) as replicas:
+            EmbeddingClient(replicas.addresses).lookup("items", keys, create=False)
     """
 
     def __init__(
@@ -124,6 +133,8 @@ class LocalCluster:
         extra_args: tuple[str, ...] = (),
         security: ChannelSecurity | None = None,
         own_session: bool = False,
+        follow: Sequence[str] = (),
+        replica_dtype: str | None = None,
     ) -> None:
         if not isinstance(num_shards, int) or num_shards < 1:
             raise ValueError(f"LocalCluster: num_shards expected an int >= 1, got {num_shards!r}")
@@ -138,6 +149,10 @@ class LocalCluster:
         self.extra_args = extra_args
         self.security = security  # how this process checks the shards' health (TLS)
         self.own_session = own_session
+        self.follow = tuple(follow)
+        self.replica_dtype = replica_dtype
+        if replica_dtype is not None and not self.follow:
+            raise ValueError("LocalCluster: replica_dtype needs follow (a replica cluster's)")
         self.addresses: list[str] = []
         self.metrics_ports: list[int | None] = []
         self._processes: list[subprocess.Popen[bytes] | None] = [None] * num_shards
@@ -174,6 +189,10 @@ class LocalCluster:
             command += ["--snapshot-dir", str(self.snapshot_dir)]
         if self.metrics:
             command += ["--metrics-port", "0"]
+        if self.follow:
+            command += ["--follow", ",".join(self.follow)]
+        if self.replica_dtype is not None:
+            command += ["--replica-dtype", self.replica_dtype]
         return command + list(self.extra_args)
 
     def start_shard(self, shard_id: int) -> None:

@@ -19,6 +19,8 @@ from tierps.proto.wire import CHUNK_BYTES, HEADER_ROOM, MAX_MESSAGE_BYTES, ONE_M
 # A shard that takes as much per call never refuses a call of the default client, and a call
 # holds no more than that of the shard's memory.
 MAX_BATCH_BYTES = ONE_MESSAGE_BYTES  # bulk bytes of one call's request, or of a lookup's reply
+REPLICA_DTYPES = ("float32", "bfloat16")  # a replica's weights in RocksDB
+REPLICA_TOKEN_ENV = "TIERPS_REPLICA_TOKEN"  # a replica's token to its training shards
 
 
 def max_call_request_bytes(max_batch_bytes: int) -> int:
@@ -70,6 +72,14 @@ class ServerConfig:
     most this many steps, or is refused with INVALID_ARGUMENT before anything changes; a
     table's first push (clock 0) may start at any step (DEFAULT_MAX_STEP_LEAP in
     core/validation.py says why 10**9). 0: no limit.
+    follow: the addresses of every shard of a training cluster: this shard is then a
+    read-only replica (server/replica.py) holding the keys of shard_id of num_shards (its
+    own cluster's count, any count) of every table they have, refusing every write.
+    replica_dtype: the type of the replica's weights in RocksDB ("float32", "bfloat16").
+    replica_token_file: the bearer token sent to the training shards (role replica; without
+    it, $TIERPS_REPLICA_TOKEN). follow_tls_ca / follow_tls_cert / follow_tls_key /
+    follow_tls_server_name: how the replica reaches TLS training shards, as a client's
+    ChannelSecurity (client/security.py).
     """
 
     shard_id: int
@@ -102,6 +112,13 @@ class ServerConfig:
     stream_idle_s: float = 30.0
     call_total_s: float = 600.0
     max_step_leap: int = DEFAULT_MAX_STEP_LEAP
+    follow: tuple[str, ...] = ()
+    replica_dtype: str = "float32"
+    replica_token_file: Path | None = None
+    follow_tls_ca: Path | None = None
+    follow_tls_cert: Path | None = None
+    follow_tls_key: Path | None = None
+    follow_tls_server_name: str | None = None
 
     def __post_init__(self) -> None:
         owner = "ServerConfig"
@@ -157,7 +174,27 @@ class ServerConfig:
             )
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError(f"{owner}: field 'tls_client_ca' needs tls_cert and tls_key")
-        for name in ("tls_cert", "tls_key", "tls_client_ca", "tokens_file"):
+        if isinstance(self.follow, str):  # "host:port,host:port", as the flag and TOML give it
+            object.__setattr__(self, "follow", tuple(a for a in self.follow.split(",") if a))
+        object.__setattr__(self, "follow", tuple(self.follow))
+        if self.replica_dtype not in REPLICA_DTYPES:
+            raise ValueError(
+                f"{owner}: field 'replica_dtype' expected one of {REPLICA_DTYPES}, got "
+                f"{self.replica_dtype!r}"
+            )
+        replica_only = ("replica_token_file", "follow_tls_ca", "follow_tls_cert")
+        if not self.follow and any(getattr(self, name) is not None for name in replica_only):
+            raise ValueError(f"{owner}: fields {replica_only} need 'follow' (a replica's)")
+        for name in (
+            "tls_cert",
+            "tls_key",
+            "tls_client_ca",
+            "tokens_file",
+            "replica_token_file",
+            "follow_tls_ca",
+            "follow_tls_cert",
+            "follow_tls_key",
+        ):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, Path(getattr(self, name)))
         object.__setattr__(self, "data_dir", Path(self.data_dir))

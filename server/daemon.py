@@ -34,6 +34,7 @@ from tierps.server.limits import (
 )
 from tierps.server.lives import LIFE_HEADER
 from tierps.server.metrics import ShardMetrics
+from tierps.server.replica import ReadOnlyCheck
 from tierps.server.security import (
     AuthCheck,
     TokensFile,
@@ -128,6 +129,9 @@ class ShardServer:
                 LifeCheck(self.shard),
                 DecodeCheck(),  # last: see its docstring
             ]
+            if self.shard.replica is not None:  # a write is refused before it is admitted
+                follows = self.shard.replica.follows
+                interceptors.insert(0, ReadOnlyCheck(self.shard.where, follows, self._refused))
             if tokens is not None:  # first: an unknown caller is refused before anything
                 interceptors.insert(0, AuthCheck(tokens, self._refused, where))
             # so_reuseport off: a port in use is an error, never two servers on one port.
@@ -246,6 +250,8 @@ class ShardServer:
         if self._health_server is not None:
             self._health_server.start()
         self.shard.maintenance.start_background()
+        if self.shard.replica is not None:
+            self.shard.replica.start()
         if self.config.metrics_port is not None:
             host = self.config.metrics_host or self.config.host
             # an IPv6 literal as "::1": Python's HTTP server takes no brackets

@@ -18,8 +18,8 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 class _TableCollector(Collector):
     """Rows, bytes, scratch, hits and misses per table and tier, keys looked up and pushed
-    per table, the last flush's time and the process's memory, read from the shard when
-    scraped."""
+    per table, a replica's lag per table, the last flush's time and the process's memory,
+    read from the shard when scraped."""
 
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
@@ -60,6 +60,18 @@ class _TableCollector(Collector):
             "flush lag is time() minus this",
             labels=["shard"],
         )
+        lag_s = GaugeMetricFamily(
+            "tierps_replica_lag_seconds",
+            "A replica's staleness per table: seconds since the oldest training change it has "
+            "not applied (0: at the training shards' heads)",
+            labels=["shard", "table"],
+        )
+        lag_positions = GaugeMetricFamily(
+            "tierps_replica_lag_positions",
+            "A replica's changes not applied per table: the training journals' heads minus "
+            "the positions applied, summed over the training shards",
+            labels=["shard", "table"],
+        )
         rss = GaugeMetricFamily(
             "tierps_resident_memory_bytes", "Resident memory of the shard process", labels=["shard"]
         )
@@ -79,10 +91,15 @@ class _TableCollector(Collector):
                 misses.add_metric(values, tier["misses"])
             looked_up.add_metric([shard, name], table["keys_looked_up"])
             pushed.add_metric([shard, name], table["keys_pushed"])
+            lifecycle = table["lifecycle"]
+            if "replica.lag_s" in lifecycle:  # a replica shard's (server/replica.py)
+                lag_s.add_metric([shard, name], lifecycle["replica.lag_s"])
+                lag_positions.add_metric([shard, name], lifecycle["replica.lag_positions"])
         if "last_flush_unix_s" in stats:
             last_flush.add_metric([shard], stats["last_flush_unix_s"])
             rss.add_metric([shard], stats["rss_bytes"])
         yield from (rows, size, scratch, hits, misses, looked_up, pushed, last_flush, rss)
+        yield from (lag_s, lag_positions)
 
 
 class ShardMetrics:

@@ -279,11 +279,7 @@ class AuthCheck(grpc.ServerInterceptor):
         return handler
 
     def _reader_lookup(self, handler: Any, method: str) -> Any:
-        """The lookup, its create flags checked as the message(s) are read (the fields the
-        servicer decodes anyway: no second parse); create=true refuses the call before the
-        shard is asked anything. The handler may take LookupUnary's one message as a
-        stream of one (CallLimits reads it so, after admission)."""
-        one_message = method == _DATA + "LookupUnary"
+        """The lookup, refused where it creates (refusing_create)."""
 
         def refuse(index: int) -> PermissionDeniedError:
             why = (
@@ -296,42 +292,56 @@ class AuthCheck(grpc.ServerInterceptor):
             self._refused(method, status_of(error).name, "role", why)
             return error
 
-        def creating(message: Any) -> int | None:
-            """The index of a batch (of a one-message call) or message that creates."""
-            if not one_message:
-                return 0 if message.create else None
-            try:
-                batches = message.batches
-            except ValueError:  # undecodable: the servicer says what is wrong
-                return None
-            return next((i for i, b in enumerate(batches) if b.create), None)
+        return refusing_create(handler, method, refuse)
 
-        if handler.request_streaming:
 
-            def checked(requests: Iterator[Any], context: Any) -> Iterator[Any]:
-                for index, message in enumerate(requests):
-                    created = creating(message)
-                    if created is not None and one_message:  # read before the servicer runs
-                        abort(context, refuse(created))
-                    if created is not None:  # read by the servicer: its wrapper answers
-                        raise refuse(index)
-                    yield message
+def refusing_create(
+    handler: Any, method: str, refuse: Callable[[int], TierpsError]
+) -> grpc.RpcMethodHandler:
+    """A lookup's handler whose create flags are checked as the message(s) are read (the
+    fields the servicer decodes anyway: no second parse): a batch or message with
+    create=true ends the call with refuse(its index) before the shard is asked anything.
+    The handler may take LookupUnary's one message as a stream of one (CallLimits reads it
+    so, after admission). The one reading of a lookup's create flags: a reader's token
+    (AuthCheck) and a read-only replica (server/replica.py) both refuse through it."""
+    one_message = method == _DATA + "LookupUnary"
 
-            return with_behavior(
-                handler,
-                lambda behavior: lambda requests, ctx: behavior(checked(requests, ctx), ctx),
-            )
+    def creating(message: Any) -> int | None:
+        """The index of a batch (of a one-message call) or message that creates."""
+        if not one_message:
+            return 0 if message.create else None
+        try:
+            batches = message.batches
+        except ValueError:  # undecodable: the servicer says what is wrong
+            return None
+        return next((i for i, b in enumerate(batches) if b.create), None)
 
-        def unary(behavior: Any) -> Any:
-            def run(request: Any, context: grpc.ServicerContext) -> Any:
-                index = creating(request)
-                if index is not None:
-                    abort(context, refuse(index))
-                return behavior(request, context)
+    if handler.request_streaming:
 
-            return run
+        def checked(requests: Iterator[Any], context: Any) -> Iterator[Any]:
+            for index, message in enumerate(requests):
+                created = creating(message)
+                if created is not None and one_message:  # read before the servicer runs
+                    abort(context, refuse(created))
+                if created is not None:  # read by the servicer: its wrapper answers
+                    raise refuse(index)
+                yield message
 
-        return with_behavior(handler, unary)
+        return with_behavior(
+            handler,
+            lambda behavior: lambda requests, ctx: behavior(checked(requests, ctx), ctx),
+        )
+
+    def unary(behavior: Any) -> Any:
+        def run(request: Any, context: grpc.ServicerContext) -> Any:
+            index = creating(request)
+            if index is not None:
+                abort(context, refuse(index))
+            return behavior(request, context)
+
+        return run
+
+    return with_behavior(handler, unary)
 
 
 def _reader_stats(behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:

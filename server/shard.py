@@ -24,6 +24,7 @@ from tierps.server.config import ServerConfig
 from tierps.server.ledger import KEY_PREFIX as PUSH_RECORDS
 from tierps.server.ledger import PushId, PushLedger
 from tierps.server.lives import Lives
+from tierps.server.replica import Replica
 from tierps.server.shard_admin import ShardAdmin
 from tierps.server.shard_checks import RequestChecks
 from tierps.server.shard_gate import Gate
@@ -35,6 +36,7 @@ from tierps.server.shard_stats import (
     KeyCounts,
     describe_table,
     proc_status_bytes,
+    skipped_table,
 )
 from tierps.server.shard_threads import TableThreads
 from tierps.storage import (
@@ -149,7 +151,9 @@ class Shard:
             self.ledger = PushLedger(
                 self.store.write_metadata, self.store.metadata(PUSH_RECORDS), self.where
             )
-            at_risk = any(
+            # A replica's rows are a copy the training cluster sends again (a resync or the
+            # changes since its saved cursors): an unclean end loses nothing of anyone's.
+            at_risk = not config.follow and any(
                 t.write_policy is WritePolicy.WRITE_BACK or t.promote_after
                 for t in self.store.tables()
             )
@@ -159,6 +163,20 @@ class Shard:
             raise
         self.maintenance = Maintenance(
             config, self.where, self.store, self._gate, self._admin_lock, self.lives, self.health
+        )
+        # A replica shard (config.follow) follows a training cluster; ReadOnlyCheck, at the
+        # server, refuses its writes.
+        self.replica = (
+            Replica(
+                config,
+                self.where,
+                self.store,
+                self._gate.shared,
+                self.admin.create_table,
+                self.admin.drop_table,
+            )
+            if config.follow
+            else None
         )
         if new_dir:
             log.warning(
@@ -392,13 +410,20 @@ class Shard:
 
     def _describe(self, name: str) -> dict[str, Any]:
         table = self.store.table(name)
-        return describe_table(table, self.shard_id, self.num_shards, self.key_counts)
+        described = describe_table(table, self.shard_id, self.num_shards, self.key_counts)
+        if self.replica is not None:
+            described["lifecycle"].update(self.replica.lag(name))
+        return described
 
     def stats(self) -> dict[str, Any]:
         """Every table's description, and this shard's own figures: memory, uptime,
         lives, last flush, whether its store can write, and its data dir's identity."""
         with self._gate.shared():
             tables = [self._describe(config.name) for config in self.admin.list_tables()]
+        if self.replica is not None:  # the tables it does not follow, and why
+            skipped = self.replica.skipped_tables()
+            tables += [skipped_table(c, self.shard_id, self.num_shards) for c in skipped]
+            tables.sort(key=lambda described: described["config"].name)
         return {
             "shard_id": self.shard_id,
             "num_shards": self.num_shards,
@@ -422,7 +447,9 @@ class Shard:
         or load (which read RocksDB until they finish), close RocksDB and record a clean
         stop. If the store cannot write (a full disk), one recovery is tried first; if the
         flush still fails this raises, RocksDB stays as it was and no clean stop is
-        recorded: the next start knows rows may be lost."""
+        recorded: the next start knows rows may be lost. A replica stops following first."""
+        if self.replica is not None:
+            self.replica.stop()
         self.maintenance.stop_background()
         if not self.store.writable:
             self.maintenance.recover()

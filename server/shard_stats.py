@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tierps.core.config import TableConfig
 from tierps.storage.table import EmbeddingTable
 
 LOOKED_UP, PUSHED = 0, 1  # the kinds of keys KeyCounts counts
@@ -80,6 +81,25 @@ def describe_table(
         "keys_pushed": pushed,
         "generation": table.generation.id,
         "generation_snapshot": table.generation.snapshot or "",
+    }
+
+
+def skipped_table(config: TableConfig, shard_id: int, num_shards: int) -> dict[str, Any]:
+    """A table a replica does not follow (adaptive: server/replica.py), as Stats tells it:
+    the training table's config, no rows, lifecycle "replica.skipped" = 1."""
+    return {
+        "config": config,
+        "shard_id": shard_id,
+        "num_shards": num_shards,
+        "tiers": [],
+        "initialized": 0,
+        "created": 0,
+        "lifecycle": {"replica.skipped": 1.0},
+        "current_step": 0,
+        "keys_looked_up": 0,
+        "keys_pushed": 0,
+        "generation": 0,
+        "generation_snapshot": "",
     }
 
 

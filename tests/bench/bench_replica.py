@@ -1,0 +1,199 @@
+"""A replica following a training cluster: its freshness, and what following costs training.
+
+    python -m tests.bench.bench_replica [--out docs/perf/replica.json] [--rounds 5]
+
+A training cluster of 2 shards and a replica cluster of 1 shard, each a LocalCluster of
+`tierps serve` subprocesses on this machine. Trainer threads push gradients of batches of
+keys (uniform over 1,000,000, dim 16, SGD).
+
+- Training throughput: rounds alternate two contenders, each `--seconds` of pushing as fast
+  as the shards take it: the replica stopped (without) and the replica following (with;
+  started again before its round and caught up first: it resumes from its saved cursors).
+  Reported: each contender's median key-updates/s and their ratio (with / without).
+- Freshness: then, the replica following, the trainers paced at `--rate` key-updates/s for
+  `--fresh-seconds` while a probe assigns a new value to a probe key, every 50 ms, and
+  times from the assign's acknowledgement to the replica's lookup (create=false) first
+  answering it (polled every 2 ms): p50 and p99, and the rate the trainers reached.
+
+Prints the figures and writes JSON. Not part of the test run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tierps.client import EmbeddingClient
+from tierps.server.cluster import LocalCluster
+from tierps.storage import TableConfig, optim
+
+DIM = 16
+KEY_SPACE = 1_000_000
+PROBE_KEYS = np.arange(KEY_SPACE, KEY_SPACE + 64)  # outside the trainers' keys
+TABLE = TableConfig("bench", DIM, optimizer=optim.SGD(lr=0.01))
+
+
+def push_for(
+    addresses: list[str], seconds: float, threads: int, batch: int, rate: float = 0.0
+) -> float:
+    """Key-updates/s of `threads` trainers pushing batches for `seconds`, as fast as the
+    shards take them, or paced at `rate` key-updates/s in all (0: unpaced)."""
+    counts = [0] * threads
+    stop = threading.Event()
+
+    def trainer(index: int) -> None:
+        rng = np.random.default_rng(index + int(time.time()))
+        grads = rng.normal(size=(batch, DIM)).astype(np.float32)
+        interval = batch * threads / rate if rate else 0.0
+        due = time.perf_counter()
+        with EmbeddingClient(addresses) as client:
+            while not stop.is_set():
+                keys = rng.integers(0, KEY_SPACE, batch)
+                counts[index] += client.push_gradients(TABLE.name, keys, grads)
+                due += interval
+                if interval and due > time.perf_counter():
+                    time.sleep(due - time.perf_counter())
+
+    workers = [threading.Thread(target=trainer, args=(i,)) for i in range(threads)]
+    started = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    time.sleep(seconds)
+    stop.set()
+    for worker in workers:
+        worker.join()
+    return sum(counts) / (time.perf_counter() - started)
+
+
+def probe_while(
+    training: list[str], replica: list[str], busy: threading.Event, seconds_out: list[float]
+) -> None:
+    """Assign a new value to a probe key, then poll the replica until it serves it; the
+    seconds from the assign's acknowledgement to the first such answer, until busy clears."""
+    with EmbeddingClient(training) as writer, EmbeddingClient(replica) as reader:
+        value = 0.0
+        while busy.is_set():
+            value += 1.0
+            key = PROBE_KEYS[int(value) % PROBE_KEYS.size : int(value) % PROBE_KEYS.size + 1]
+            writer.assign(TABLE.name, key, np.full((1, DIM), value, np.float32))
+            acknowledged = time.perf_counter()
+            while busy.is_set():
+                if reader.lookup(TABLE.name, key, create=False)[0, 0] == value:
+                    seconds_out.append(time.perf_counter() - acknowledged)
+                    break
+                time.sleep(0.002)
+            time.sleep(0.05)
+
+
+def caught_up(training: list[str], replica: list[str], timeout_s: float = 120.0) -> None:
+    """Until the replica serves the training cluster's probe rows and says it is at the head."""
+    with EmbeddingClient(training) as writer, EmbeddingClient(replica) as reader:
+        marker = np.full((1, DIM), -1.0, np.float32)
+        writer.assign(TABLE.name, PROBE_KEYS[:1], marker)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if reader.lookup(TABLE.name, PROBE_KEYS[:1], create=False)[0, 0] == -1.0:
+                    return
+            except Exception:  # noqa: BLE001 - the replica starting, its table not there yet
+                reader._configs.clear()
+            time.sleep(0.05)
+    raise TimeoutError("the replica did not catch up")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench-results/replica.json"))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=8.0, help="of pushing per contender")
+    parser.add_argument("--threads", type=int, default=2, help="trainer threads")
+    parser.add_argument("--batch", type=int, default=4096, help="keys per push")
+    parser.add_argument(
+        "--rate", type=float, default=100_000, help="key-updates/s of the freshness phase"
+    )
+    parser.add_argument("--fresh-seconds", type=float, default=30.0, help="of the freshness phase")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as root:
+        training = LocalCluster(2, Path(root) / "training").start()
+        replica = None
+        try:
+            with EmbeddingClient(training.addresses) as admin:
+                admin.create_table(TABLE)
+            replica = LocalCluster(1, Path(root) / "replica", follow=training.addresses).start()
+            caught_up(training.addresses, replica.addresses)
+            rates: dict[str, list[float]] = {"without": [], "with": []}
+            for round_index in range(args.rounds):  # throughput: unpaced, alternated
+                for contender in ("without", "with"):
+                    if contender == "with":
+                        replica.start_shard(0)
+                        caught_up(training.addresses, replica.addresses)
+                    else:
+                        replica.stop_shard(0)
+                    rate = push_for(training.addresses, args.seconds, args.threads, args.batch)
+                    rates[contender].append(rate)
+                    print(f"round {round_index} {contender} replica: {rate:,.0f} key-updates/s")
+            # freshness: trainers paced at --rate, a probe timing the replica's answers
+            freshness: list[float] = []
+            busy = threading.Event()
+            busy.set()
+            prober = threading.Thread(
+                target=probe_while, args=(training.addresses, replica.addresses, busy, freshness)
+            )
+            prober.start()
+            paced = push_for(
+                training.addresses, args.fresh_seconds, args.threads, args.batch, args.rate
+            )
+            busy.clear()
+            prober.join()
+            print(f"paced at {args.rate:,.0f}: {paced:,.0f} key-updates/s reached")
+        finally:
+            if replica is not None:
+                replica.stop()
+            training.stop()
+
+    without = statistics.median(rates["without"])
+    with_replica = statistics.median(rates["with"])
+    results: dict[str, Any] = {
+        "machine": platform.node(),
+        "cores": len(os.sched_getaffinity(0)),
+        "rounds": args.rounds,
+        "seconds": args.seconds,
+        "threads": args.threads,
+        "batch": args.batch,
+        "dim": DIM,
+        "key_updates_per_s_without": without,
+        "key_updates_per_s_with": with_replica,
+        "ratio_with_over_without": with_replica / without,
+        "freshness_rate_asked": args.rate,
+        "freshness_rate_reached": paced,
+        "freshness_probes": len(freshness),
+        "freshness_p50_s": float(np.percentile(freshness, 50)) if freshness else None,
+        "freshness_p99_s": float(np.percentile(freshness, 99)) if freshness else None,
+        "per_round": rates,
+    }
+    print(
+        f"training key-updates/s, medians of {args.rounds} rounds: {without:,.0f} without a "
+        f"replica, {with_replica:,.0f} with one following ({with_replica / without:.2f}x)"
+    )
+    if freshness:
+        print(
+            f"freshness over {len(freshness)} probes: p50 {results['freshness_p50_s'] * 1e3:.0f}"
+            f" ms, p99 {results['freshness_p99_s'] * 1e3:.0f} ms"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

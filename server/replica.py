@@ -71,9 +71,14 @@ LOOKUPS = frozenset(_SERVICES["EmbeddingService"] + m for m in ("Lookup", "Looku
 # What a replica serves: lookups (create=false), its tables and figures, its snapshots' list,
 # and its own Follow stream (a replica records what it applies, so it may be followed in
 # turn). Every other call of tierps' services writes: refused, whatever it is.
-READS = LOOKUPS | {
-    _SERVICES["AdminService"] + m for m in ("ListTables", "DescribeTable", "Stats", "ListSnapshots")
-} | {_SERVICES["ChangeService"] + "Follow"}
+READS = (
+    LOOKUPS
+    | {
+        _SERVICES["AdminService"] + m
+        for m in ("ListTables", "DescribeTable", "Stats", "ListSnapshots")
+    }
+    | {_SERVICES["ChangeService"] + "Follow"}
+)
 
 
 def replica_config(training: TableConfig, dtype: str) -> TableConfig:

@@ -209,9 +209,7 @@ def test_raw_writes_and_creating_lookups_are_refused(shard_server: Any, connect:
     batch = pb.LookupRequest(table="p", dim=DIM, keys=keys, create=True)
     calls = {
         "PushThenLookup": lambda: stubs.embedding.PushThenLookup(pb.PushThenLookupRequest()),
-        "PushGradientsUnary": lambda: stubs.embedding.PushGradientsUnary(
-            pb.PushGradientsBatches()
-        ),
+        "PushGradientsUnary": lambda: stubs.embedding.PushGradientsUnary(pb.PushGradientsBatches()),
         "LookupUnary": lambda: stubs.embedding.LookupUnary(pb.LookupBatches(batches=[batch])),
         "Lookup": lambda: list(stubs.embedding.Lookup(iter([batch]))),
         "DeleteSnapshot": lambda: stubs.admin.DeleteSnapshot(pb.DeleteSnapshotRequest(name="s")),

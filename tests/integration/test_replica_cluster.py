@@ -163,9 +163,7 @@ def test_a_replica_killed_and_restarted_resumes(clusters: Clusters) -> None:
 def test_a_training_shard_killed_and_restarted_is_resynced(clusters: Clusters) -> None:
     keys = push(clusters.trainer, range(20, 23), seed=4)
     assert_converges(clusters, keys)
-    starts = [
-        (clusters.replicas.data_dir / f"shard-{i}.log").stat().st_size for i in range(3)
-    ]
+    starts = [(clusters.replicas.data_dir / f"shard-{i}.log").stat().st_size for i in range(3)]
     # killed: its updates since its last flush are gone from it, and must go from the replicas
     clusters.training.stop_shard(0, sig=signal.SIGKILL)
     clusters.training.start_shard(0)  # the same port: the replicas find it again

@@ -25,7 +25,8 @@ class DictFollower:
     def __init__(self, stubs: Any, shard: int, shard_count: int) -> None:
         self.rows: dict[str, dict[int, np.ndarray]] = {}
         self.cursors: dict[str, str] = {}
-        self.resyncs: list[str] = []
+        self.resyncs: list[str] = []  # tables whose resync began, in order
+        self.resynced: list[str] = []  # tables whose resync ended
         self._sent_in_resync: dict[str, set[int]] = {}
         self._cond = threading.Condition()
         self._call = stubs.changes.Follow(pb.FollowRequest(shard=shard, shard_count=shard_count))
@@ -56,6 +57,7 @@ class DictFollower:
             for key in np.frombuffer(batch.removed, dtype="<i8").tolist():
                 table.pop(key, None)
             if batch.resync_done:
+                self.resynced.append(batch.table)
                 kept = self._sent_in_resync.pop(batch.table)
                 for key in [k for k in table if k not in kept]:
                     del table[key]
@@ -154,7 +156,8 @@ def test_a_load_or_a_drop_under_the_follower_is_told(shard_server: Any, follower
     client.load_snapshot("base")  # a new generation: the journal starts over, a resync
     client.drop_table("b")
     with follower._cond:
-        assert follower._cond.wait_for(lambda: follower.resyncs.count("a") == 2, 10)
+        # the new journal's positions start over: wait for the resync's end, not a position
+        assert follower._cond.wait_for(lambda: follower.resynced.count("a") == 2, 10)
     follower.wait_for("a", head_of(server, "a"))
     assert_mirrors(follower, server, "a", 0, 1)
     with follower._cond:

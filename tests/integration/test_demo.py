@@ -158,6 +158,30 @@ def test_demo_command_on_synthetic_data_runs_twice_in_one_data_dir(tmp_path: Pat
     assert snapshots == [saved.group(1)], snapshots
 
 
+def test_demo_serves_from_a_replica_while_it_trains(tmp_path: Path) -> None:
+    """`tierps demo --serve`: a replica shard follows the cluster; after each epoch the test
+    AUC computed from the replica's rows is printed beside the cluster's. The trainer's last
+    push may still be on its way, so the two may differ a little: by less than a tenth of
+    what an epoch of training moves the AUC (from 0.5 to ~0.6 on this set)."""
+    args = ("demo", "--dataset", "synthetic", "--samples", "3000", "--epochs", "2")
+    result = _tierps(*args, "--serve", "--data-dir", str(tmp_path / "data"), cwd=tmp_path)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    out = result.stdout
+    assert "replica serving at 127.0.0.1:" in out, out
+    served = re.findall(
+        r"replica: test AUC ([0-9.]+) from its rows \(([0-9.]+) from the cluster's\), "
+        r"lag ([0-9.]+) s",
+        out,
+    )
+    assert len(served) == 2, out
+    for replica_auc, cluster_auc, lag_s in served:
+        assert abs(float(replica_auc) - float(cluster_auc)) < 0.01, out
+        assert float(lag_s) >= 0.0
+    refused = _tierps("demo", "--serve", "--trainers", "2", cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "--serve expected with one trainer" in refused.stderr
+
+
 def test_demo_command_explains_bad_flags(tmp_path: Path) -> None:
     result = _tierps("demo", "--epochs", "0", cwd=tmp_path)
     assert result.returncode == 2

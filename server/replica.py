@@ -51,6 +51,7 @@ from tierps.proto import wire
 from tierps.proto.convert import table_config_to_dict
 from tierps.server.config import REPLICA_TOKEN_ENV, ServerConfig
 from tierps.server.security import refusing_create
+from tierps.server.shard_maintenance import BACKGROUND_FLUSH_CHUNK_BYTES, BACKGROUND_FLUSH_PAUSE_S
 from tierps.server.status import refusal, status_of
 from tierps.storage import EmbeddingStore
 from tierps.storage.changes import Cursor
@@ -304,8 +305,8 @@ class Replica:
             if not pending:
                 return
             try:
-                with self._section():
-                    self.store.flush()
+                with self._section():  # in small chunks: lookups wait one chunk at most
+                    self.store.flush(BACKGROUND_FLUSH_CHUNK_BYTES, BACKGROUND_FLUSH_PAUSE_S)
                 for (data_id, table), cursor in pending.items():
                     key = CURSOR_PREFIX + f"{data_id}/{table}".encode()
                     self.store.write_metadata(key, cursor.encoded().encode())

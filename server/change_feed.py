@@ -32,7 +32,9 @@ from tierps.storage.changes import Cursor
 from tierps.storage.table import EmbeddingTable
 
 DEFAULT_BATCH_ROWS = 16384  # rows a batch carries at most (dim 64: 4 MiB of weights)
-POLL_S = 0.02  # a round at most this often: a few reads a second, not a busy loop
+# A round at most this often: a row changed several times within it is read and sent once,
+# and a follower's apply is one call per table a round (freshness stays well under a second)
+POLL_S = 0.05
 HEARTBEAT_S = 0.25  # a table with nothing new is told its cursor this often
 
 
@@ -92,12 +94,11 @@ class ChangeFeed:
     ) -> pb.ChangeBatch:
         dim = table.config.dim
         weights = np.ascontiguousarray(rows[:, :dim], dtype=np.float32)
+        fields = {"head": table.changes.head, "head_unix_s": table.changes.head_time, **fields}
         return pb.ChangeBatch(
             table=table.config.name,
             keys=np.ascontiguousarray(keys, dtype="<i8").tobytes(),
             values=weights.astype("<f4", copy=False).tobytes(),
-            head=table.changes.head,
-            head_unix_s=table.changes.head_time,
             **fields,  # type: ignore[arg-type]
         )
 
@@ -126,7 +127,9 @@ class ChangeFeed:
         )
 
     def _changes(self, table: EmbeddingTable, cursor: Cursor) -> Iterator[pb.ChangeBatch] | None:
-        """The batches of a table's changes since cursor (None: nothing to send now)."""
+        """The batches of a table's changes since cursor, the last one carrying the cursor
+        that covers them (none: nothing new, and no heartbeat due); None where the journal
+        cannot answer from cursor (a resync)."""
         with self._section():
             got = table.changed_since(cursor)
         if got is None:
@@ -135,35 +138,34 @@ class ChangeFeed:
         keys = self._owned(table, keys)
         name = table.config.name
         now = time.monotonic()
-        if keys.size == 0 and head == cursor and now - self._told.get(name, 0.0) < self.heartbeat_s:
+        heartbeat = head == cursor
+        if heartbeat and now - self._told.get(name, 0.0) < self.heartbeat_s:
             return iter(())
-        oldest = (table.changes.time_of(cursor.position + 1) or 0.0) if head != cursor else 0.0
+        oldest = 0.0 if heartbeat else (table.changes.time_of(cursor.position + 1) or 0.0)
+        # no keys of the follower's among the changes: one batch, the cursor alone
+        chunks = [keys[at : at + self.batch_rows] for at in range(0, keys.size, self.batch_rows)]
 
         def batches() -> Iterator[pb.ChangeBatch]:
-            for start in range(0, keys.size, self.batch_rows):
-                chunk = keys[start : start + self.batch_rows]
+            for index, chunk in enumerate(chunks or [keys]):
                 with self._section():
                     held, rows, gone = table.read_stored(chunk)
-                yield self._batch(
-                    table, held, rows, removed=np.ascontiguousarray(gone, "<i8").tobytes()
-                )
-            self.cursors[name] = head
-            self._told[name] = time.monotonic()
-            yield pb.ChangeBatch(
-                table=name,
-                config=table_config_to_proto(table.config.to_dict()),
-                cursor=head.encoded(),
-                head=head.position,
-                head_unix_s=table.changes.head_time,
-                oldest_change_unix_s=oldest,
-            )
+                fields: dict[str, object] = {"removed": np.ascontiguousarray(gone, "<i8").tobytes()}
+                if index == len(chunks) - 1 or not chunks:
+                    self.cursors[name] = head
+                    self._told[name] = time.monotonic()
+                    fields.update(
+                        cursor=head.encoded(), head=head.position, oldest_change_unix_s=oldest
+                    )
+                    if heartbeat:  # the config, so a follower may check it is the same
+                        fields["config"] = table_config_to_proto(table.config.to_dict())
+                yield self._batch(table, held, rows, **fields)
 
         return batches()
 
     def batches(self, active: Callable[[], bool]) -> Iterator[pb.ChangeBatch]:
         """Rounds of batches for as long as active() says so (the call is live)."""
         while active():
-            sent = False
+            started = time.monotonic()
             names = self._tables()
             for gone in [name for name in self.cursors if name not in names]:
                 del self.cursors[gone]
@@ -178,7 +180,5 @@ class ChangeFeed:
                 changes = None if cursor is None else self._changes(table, cursor)
                 if changes is None:
                     changes = self._resync(table)
-                for batch in changes:
-                    sent = True
-                    yield batch
-            time.sleep(self.poll_s if not sent else self.poll_s / 4)
+                yield from changes
+            time.sleep(max(0.0, self.poll_s - (time.monotonic() - started)))

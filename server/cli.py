@@ -139,6 +139,12 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         help="the replica's weights in RocksDB (default float32: bit-identical lookups)",
     )
     replica.add_argument(
+        "--replica-save-s",
+        type=float,
+        help="seconds between the replica's saves of where it is (a flush, then its cursors; "
+        "default 10): a restart resumes from the last",
+    )
+    replica.add_argument(
         "--replica-token-file",
         type=Path,
         help=f"the bearer token (role replica) sent to the training shards; without it "
@@ -193,6 +199,7 @@ def _serve(args: argparse.Namespace) -> int:
         "max_step_leap": args.max_step_leap,
         "follow": args.follow,
         "replica_dtype": args.replica_dtype,
+        "replica_save_s": args.replica_save_s,
         "replica_token_file": args.replica_token_file,
         "follow_tls_ca": args.follow_tls_ca,
         "follow_tls_cert": args.follow_tls_client_cert,

@@ -76,6 +76,10 @@ class ServerConfig:
     read-only replica (server/replica.py) holding the keys of shard_id of num_shards (its
     own cluster's count, any count) of every table they have, refusing every write.
     replica_dtype: the type of the replica's weights in RocksDB ("float32", "bfloat16").
+    replica_save_s: how often a replica flushes its rows and then saves where it is in each
+    training shard's changes: a restart resumes from there (the training shard's changes
+    since are sent again). Each save writes every row changed since the last one to RocksDB,
+    so a short interval costs the replica CPU while training writes fast (docs/perf).
     replica_token_file: the bearer token sent to the training shards (role replica; without
     it, $TIERPS_REPLICA_TOKEN). follow_tls_ca / follow_tls_cert / follow_tls_key /
     follow_tls_server_name: how the replica reaches TLS training shards, as a client's
@@ -114,6 +118,7 @@ class ServerConfig:
     max_step_leap: int = DEFAULT_MAX_STEP_LEAP
     follow: tuple[str, ...] = ()
     replica_dtype: str = "float32"
+    replica_save_s: float = 10.0
     replica_token_file: Path | None = None
     follow_tls_ca: Path | None = None
     follow_tls_cert: Path | None = None
@@ -177,6 +182,10 @@ class ServerConfig:
         if isinstance(self.follow, str):  # "host:port,host:port", as the flag and TOML give it
             object.__setattr__(self, "follow", tuple(a for a in self.follow.split(",") if a))
         object.__setattr__(self, "follow", tuple(self.follow))
+        if not (isinstance(self.replica_save_s, int | float) and self.replica_save_s > 0):
+            raise ValueError(
+                f"{owner}: field 'replica_save_s' expected seconds > 0, got {self.replica_save_s!r}"
+            )
         if self.replica_dtype not in REPLICA_DTYPES:
             raise ValueError(
                 f"{owner}: field 'replica_dtype' expected one of {REPLICA_DTYPES}, got "

@@ -60,7 +60,6 @@ from tierps.storage.table import EmbeddingTable
 log = logging.getLogger("tierps.server")
 
 CURSOR_PREFIX = b"replica-cursor/"  # + training data id + "/" + table: a "JOURNAL:POSITION"
-SAVE_CURSORS_S = 1.0  # a restart resumes at most about this far behind where it was
 BACKOFF_S = (0.1, 5.0)  # a broken stream is opened again after this long, doubling, at most
 RPC_TIMEOUT_S = 10.0  # a training shard's Stats
 
@@ -191,6 +190,7 @@ class Replica:
         self.shard_id = config.shard_id
         self.num_shards = config.num_shards
         self.dtype = config.replica_dtype
+        self.save_s = config.replica_save_s  # a restart resumes about this far behind at most
         self.follows = ",".join(config.follow)
         self.store = store
         self._section = section  # a data call's section of the shard's gate
@@ -316,7 +316,7 @@ class Replica:
                 raise
 
     def _save_loop(self) -> None:
-        while not self._stop.wait(SAVE_CURSORS_S):
+        while not self._stop.wait(self.save_s):
             try:
                 self.save_cursors()
             except Exception as error:  # noqa: BLE001 - the store may recover; tried again

@@ -10,6 +10,11 @@ keys (uniform over 1,000,000, dim 16, SGD).
   as the shards take it: the replica stopped (without) and the replica following (with;
   started again before its round and caught up first: it resumes from its saved cursors).
   Reported: each contender's median key-updates/s and their ratio (with / without).
+- Training samples/s: the same alternation around one epoch of the demo's DeepFM on its
+  Criteo-like synthetic set (`--samples` rows, 26 sparse features, dim 16, Adam, batch
+  1,024, staleness 1, one torch thread), as `tierps demo` trains it: the figure the replica
+  must keep at >= 0.9x. The rounds above push as fast as the shards take it, the worst case
+  for a follower, which must read and apply every row trained.
 - Freshness: then, the replica following, the trainers paced at `--rate` key-updates/s for
   `--fresh-seconds` while a probe assigns a new value to a probe key, every 50 ms, and
   times from the assign's acknowledgement to the replica's lookup (create=false) first
@@ -95,6 +100,45 @@ def probe_while(
             time.sleep(0.05)
 
 
+def replica_current(replica: list[str], tables: list[str], timeout_s: float = 120.0) -> None:
+    """Until every table of the replica says it is at its training shards' heads."""
+    deadline = time.monotonic() + timeout_s
+    with EmbeddingClient(replica) as reader:
+        while time.monotonic() < deadline:
+            try:
+                lags = [
+                    shard["lifecycle"].get("replica.lag_positions", 1.0)
+                    for table in tables
+                    for shard in reader.describe(table)
+                ]
+            except Exception:  # noqa: BLE001 - the replica starting, its tables not there yet
+                lags = [1.0]
+            if not any(lags):
+                return
+            time.sleep(0.05)
+    raise TimeoutError("the replica did not catch up")
+
+
+def deepfm_samples_per_s(addresses: list[str], dataset: Any, epoch: int) -> float:
+    """Samples/s of one epoch of the demo's DeepFM trained through the cluster."""
+    from tierps.demo.training import build_tierps_model, dense_optimizer_for, train_epoch
+
+    with EmbeddingClient(addresses) as client:
+        model = build_tierps_model(client, dataset, dim=DIM, seed=0, staleness=1)
+        try:
+            _, _, seconds, samples = train_epoch(
+                model,
+                dataset,
+                dense_optimizer_for(model),
+                model.embeddings.sparse_optimizer(),
+                batch_size=1024,
+                shuffle_seed=epoch,
+            )
+        finally:
+            model.embeddings.close()
+    return samples / seconds
+
+
 def caught_up(training: list[str], replica: list[str], timeout_s: float = 120.0) -> None:
     """Until the replica serves the training cluster's probe rows and says it is at the head."""
     with EmbeddingClient(training) as writer, EmbeddingClient(replica) as reader:
@@ -122,7 +166,15 @@ def main() -> None:
         "--rate", type=float, default=100_000, help="key-updates/s of the freshness phase"
     )
     parser.add_argument("--fresh-seconds", type=float, default=30.0, help="of the freshness phase")
+    parser.add_argument("--samples", type=int, default=200_000, help="DeepFM rounds' dataset")
     args = parser.parse_args()
+    import torch
+
+    from tierps.demo.data import load_dataset
+    from tierps.demo.training import create_tables
+
+    torch.set_num_threads(1)
+    dataset = load_dataset("synthetic", samples=args.samples)
 
     with tempfile.TemporaryDirectory() as root:
         training = LocalCluster(2, Path(root) / "training").start()
@@ -143,6 +195,19 @@ def main() -> None:
                     rate = push_for(training.addresses, args.seconds, args.threads, args.batch)
                     rates[contender].append(rate)
                     print(f"round {round_index} {contender} replica: {rate:,.0f} key-updates/s")
+            with EmbeddingClient(training.addresses) as admin:
+                tables = create_tables(admin, dataset, dim=DIM)
+            samples_per_s: dict[str, list[float]] = {"without": [], "with": []}
+            for round_index in range(args.rounds):  # DeepFM training, alternated
+                for contender in ("without", "with"):
+                    if contender == "with":
+                        replica.start_shard(0)
+                        replica_current(replica.addresses, tables)
+                    else:
+                        replica.stop_shard(0)
+                    speed = deepfm_samples_per_s(training.addresses, dataset, round_index)
+                    samples_per_s[contender].append(speed)
+                    print(f"round {round_index} {contender} replica: DeepFM {speed:,.0f} samples/s")
             # freshness: trainers paced at --rate, a probe timing the replica's answers
             freshness: list[float] = []
             busy = threading.Event()
@@ -164,6 +229,8 @@ def main() -> None:
 
     without = statistics.median(rates["without"])
     with_replica = statistics.median(rates["with"])
+    deepfm_without = statistics.median(samples_per_s["without"])
+    deepfm_with = statistics.median(samples_per_s["with"])
     results: dict[str, Any] = {
         "machine": platform.node(),
         "cores": len(os.sched_getaffinity(0)),
@@ -175,6 +242,11 @@ def main() -> None:
         "key_updates_per_s_without": without,
         "key_updates_per_s_with": with_replica,
         "ratio_with_over_without": with_replica / without,
+        "deepfm_samples": args.samples,
+        "deepfm_samples_per_s_without": deepfm_without,
+        "deepfm_samples_per_s_with": deepfm_with,
+        "deepfm_ratio_with_over_without": deepfm_with / deepfm_without,
+        "deepfm_per_round": samples_per_s,
         "freshness_rate_asked": args.rate,
         "freshness_rate_reached": paced,
         "freshness_probes": len(freshness),
@@ -185,6 +257,11 @@ def main() -> None:
     print(
         f"training key-updates/s, medians of {args.rounds} rounds: {without:,.0f} without a "
         f"replica, {with_replica:,.0f} with one following ({with_replica / without:.2f}x)"
+    )
+    print(
+        f"DeepFM training samples/s, medians of {args.rounds} rounds: {deepfm_without:,.0f} "
+        f"without a replica, {deepfm_with:,.0f} with one following "
+        f"({deepfm_with / deepfm_without:.2f}x)"
     )
     if freshness:
         print(

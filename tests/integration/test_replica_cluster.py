@@ -63,7 +63,9 @@ def clusters(tmp_path_factory: Any) -> Iterator[Clusters]:
         training = LocalCluster(
             2, root / "training", base_port=free_base_port(2), extra_args=serve_args
         )
-        replicas = LocalCluster(3, root / "replicas", extra_args=serve_args, follow=())
+        replicas = LocalCluster(
+            3, root / "replicas", extra_args=(*serve_args, "--replica-save-s", "1"), follow=()
+        )
         with training:
             replicas.follow = tuple(training.addresses)
             with replicas:
@@ -149,7 +151,7 @@ def test_replicas_mirror_training_and_tokens_hold(clusters: Clusters) -> None:
 def test_a_replica_killed_and_restarted_resumes(clusters: Clusters) -> None:
     keys = push(clusters.trainer, range(10, 13), seed=2)
     assert_converges(clusters, keys)
-    time.sleep(2.5)  # past a cursor save (replica.SAVE_CURSORS_S)
+    time.sleep(2.5)  # past a cursor save (--replica-save-s 1)
     clusters.replicas.stop_shard(1, sig=signal.SIGKILL)
     more = push(clusters.trainer, range(13, 16), seed=3)
     start = (clusters.replicas.data_dir / "shard-1.log").stat().st_size

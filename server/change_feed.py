@@ -33,8 +33,10 @@ from tierps.storage.table import EmbeddingTable
 
 DEFAULT_BATCH_ROWS = 16384  # rows a batch carries at most (dim 64: 4 MiB of weights)
 # A round at most this often: a row changed several times within it is read and sent once,
-# and a follower's apply is one call per table a round (freshness stays well under a second)
-POLL_S = 0.05
+# and a follower's apply is one call per table a round. Measured with the demo's DeepFM
+# (docs/perf): 50 ms rounds cost a replica sharing the trainer's 2 cores 2.4x the CPU of
+# 200 ms rounds, and freshness stays well under a second either way.
+POLL_S = 0.2
 HEARTBEAT_S = 0.25  # a table with nothing new is told its cursor this often
 
 

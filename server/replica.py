@@ -10,6 +10,12 @@ store: a table's first batch with a config creates the table as the replica keep
 rows of j's keys (key_shards with the training cluster's N) that the resync did not send. A
 training shard's `dropped` drops the table.
 
+Start: a replica with no table yet and a snapshot dir (the training cluster's, shared)
+first takes the newest complete snapshot chain there (`seed_from_snapshot`): the rows of its
+own keys, link by link, and each training shard's cursor at the cut (its part's header), so
+each stream sends only the changes since the cut where the training shard still holds them,
+and resyncs the tables where it does not (it restarted or loaded a snapshot since).
+
 Resume: each stream's cursors (per training data dir and table) are written to the store's
 metadata, each only after a flush that holds the rows it covers (a flush, then the cursor),
 so a restarted replica asks each training shard for the changes since where it was. A
@@ -36,6 +42,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -48,13 +55,15 @@ from tierps.core.errors import FailedPreconditionError, Reason, TableNotFoundErr
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
-from tierps.proto.convert import table_config_to_dict
+from tierps.proto.convert import table_config_to_dict, table_config_to_proto
 from tierps.server.config import REPLICA_TOKEN_ENV, ServerConfig
 from tierps.server.security import refusing_create
 from tierps.server.shard_maintenance import BACKGROUND_FLUSH_CHUNK_BYTES, BACKGROUND_FLUSH_PAUSE_S
 from tierps.server.status import refusal, status_of
 from tierps.storage import EmbeddingStore
 from tierps.storage.changes import Cursor
+from tierps.storage.snapshot_catalog import list_snapshots
+from tierps.storage.snapshot_chain import open_chain, table_links
 from tierps.storage.table import EmbeddingTable
 
 log = logging.getLogger("tierps.server")
@@ -204,6 +213,9 @@ class Replica:
         for key, value in store.metadata(CURSOR_PREFIX):
             data_id, _, table = key[len(CURSOR_PREFIX) :].decode().partition("/")
             self.saved.setdefault(data_id, {})[table] = value.decode()
+        self.snapshot_dir = config.snapshot_dir
+        # from seed_from_snapshot: {(training shard count, shard): {table: cursor}}
+        self.seeded: dict[tuple[int, int], dict[str, str]] = {}
         self.skipped: dict[str, TableConfig] = {}  # adaptive tables not followed
         self._unsaved: dict[tuple[str, str], Cursor] = {}  # (data id, table) -> cursor
         self.followers = [ShardFollower(self, address) for address in config.follow]
@@ -213,14 +225,77 @@ class Replica:
     # -- life --------------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Seed from a snapshot where there is one to take, then follow (on a thread: the
+        shard serves meanwhile, its lag telling how far behind it is)."""
+        self._starter = threading.Thread(target=self._seed_then_follow, name="tierps-replica")
+        self._starter.start()
+
+    def _seed_then_follow(self) -> None:
+        if self.snapshot_dir is not None and not self.saved and not self.store.tables():
+            try:
+                self.seed_from_snapshot(self.snapshot_dir)
+            except Exception as error:  # noqa: BLE001 - the streams resync what it left
+                log.warning(
+                    "%s: starting from the newest snapshot failed (%s): every table is "
+                    "resynced from the training shards instead",
+                    self.where,
+                    error,
+                )
+                self.seeded.clear()
+        if self._stop.is_set():
+            return
         for follower in self.followers:
             follower.start()
         self._saver.start()
         log.info("%s: a read-only replica following %s", self.where, self.follows)
 
+    def seed_from_snapshot(self, root: Path) -> str | None:
+        """Take the newest complete snapshot chain under root, if any: create its tables as
+        the replica keeps them, put its rows of this shard's keys link by link (tombstones
+        removed), and note each training shard's cursor at the cut (`seeded`) for the
+        streams to ask from. Returns the snapshot's name (None: none there)."""
+        complete = [info for info in list_snapshots(root) if info["complete"]]
+        if not complete:
+            return None
+        newest = max(complete, key=lambda info: (info["created_unix"], info["name"]))
+        chain = open_chain(root, newest["name"])
+        started, rows = time.monotonic(), 0
+        for name, config in chain[0].configs.items():
+            table = self.table_for(table_config_to_proto(config.to_dict()))
+            if table is None:  # not followed (adaptive)
+                continue
+            for link in table_links(chain, name):
+                for keys, values, _ in link.rows_for_shard(name, self.shard_id, self.num_shards):
+                    if self._stop.is_set():
+                        return None
+                    with self._section():
+                        table.assign(keys, values[:, : config.dim])
+                    rows += keys.size
+                gone = link.tombstones_for_shard(name, self.shard_id, self.num_shards)
+                if gone.size:
+                    with self._section():
+                        table.remove(gone)
+            parts = chain[0].tables[name]["parts"]
+            for index, part in enumerate(parts):
+                if part.get("cursor"):
+                    self.seeded.setdefault((len(parts), index), {})[name] = part["cursor"]
+        log.info(
+            "%s: started from snapshot %r (chain %s): %d rows of this shard's keys in %.1f s; "
+            "the training shards send the changes since its cut",
+            self.where,
+            newest["name"],
+            " -> ".join(link.name for link in chain),
+            rows,
+            time.monotonic() - started,
+        )
+        return newest["name"]
+
     def stop(self) -> None:
         """Stop following (each stream cancelled), then save the cursors reached."""
         self._stop.set()
+        starter = getattr(self, "_starter", None)
+        if starter is not None and starter.is_alive():
+            starter.join()
         for follower in self.followers:
             follower.stop()
         if self._saver.is_alive():
@@ -439,8 +514,10 @@ class ShardFollower:
                     stats.data_id,
                     self.data_id,
                 )
-            with self._lock:
-                saved = self.replica.saved.get(stats.data_id, {})
+            with self._lock:  # where it was on this data dir, or the snapshot it started from
+                saved = self.replica.saved.get(stats.data_id) or self.replica.seeded.get(
+                    (stats.num_shards, stats.shard_id), {}
+                )
                 self.positions = {
                     table: _Position(Cursor.decoded(cursor)) for table, cursor in saved.items()
                 }

@@ -293,6 +293,11 @@ class LocalCluster:
             self._logs[shard_id] = None
         return process.returncode
 
+    @property
+    def pids(self) -> list[int | None]:
+        """Each shard's daemon process id (None: not running)."""
+        return [None if process is None else process.pid for process in self._processes]
+
     def exited(self) -> list[tuple[int, int, int, Path]]:
         """The shards whose daemon exited on its own since it started (a crash, kill -9):
         (shard id, pid, exit code - negative: the signal that ended it -, log file). Polling

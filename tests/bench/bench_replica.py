@@ -119,8 +119,18 @@ def replica_current(replica: list[str], tables: list[str], timeout_s: float = 12
     raise TimeoutError("the replica did not catch up")
 
 
-def deepfm_samples_per_s(addresses: list[str], dataset: Any, epoch: int) -> float:
-    """Samples/s of one epoch of the demo's DeepFM trained through the cluster."""
+def process_cpu_s(pids: list[int | None]) -> float:
+    """CPU seconds (user + system) the processes used so far, from /proc."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        if pid is not None:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def deepfm_samples_per_s(addresses: list[str], dataset: Any, epoch: int) -> tuple[float, int]:
+    """(samples/s, samples) of one epoch of the demo's DeepFM trained through the cluster."""
     from tierps.demo.training import build_tierps_model, dense_optimizer_for, train_epoch
 
     with EmbeddingClient(addresses) as client:
@@ -136,7 +146,7 @@ def deepfm_samples_per_s(addresses: list[str], dataset: Any, epoch: int) -> floa
             )
         finally:
             model.embeddings.close()
-    return samples / seconds
+    return samples / seconds, samples
 
 
 def caught_up(training: list[str], replica: list[str], timeout_s: float = 120.0) -> None:
@@ -198,6 +208,9 @@ def main() -> None:
             with EmbeddingClient(training.addresses) as admin:
                 tables = create_tables(admin, dataset, dim=DIM)
             samples_per_s: dict[str, list[float]] = {"without": [], "with": []}
+            # the training shards' CPU per 1,000 samples: what following costs them where the
+            # replica runs on a machine of its own
+            shard_cpu_ms: dict[str, list[float]] = {"without": [], "with": []}
             for round_index in range(args.rounds):  # DeepFM training, alternated
                 for contender in ("without", "with"):
                     if contender == "with":
@@ -205,9 +218,15 @@ def main() -> None:
                         replica_current(replica.addresses, tables)
                     else:
                         replica.stop_shard(0)
-                    speed = deepfm_samples_per_s(training.addresses, dataset, round_index)
+                    cpu_before = process_cpu_s(training.pids)
+                    speed, samples = deepfm_samples_per_s(training.addresses, dataset, round_index)
+                    cpu_ms = (process_cpu_s(training.pids) - cpu_before) * 1e6 / samples
                     samples_per_s[contender].append(speed)
-                    print(f"round {round_index} {contender} replica: DeepFM {speed:,.0f} samples/s")
+                    shard_cpu_ms[contender].append(cpu_ms)
+                    print(
+                        f"round {round_index} {contender} replica: DeepFM {speed:,.0f} samples/s, "
+                        f"training shards {cpu_ms:.1f} CPU ms per 1,000 samples"
+                    )
             # freshness: trainers paced at --rate, a probe timing the replica's answers
             freshness: list[float] = []
             busy = threading.Event()
@@ -247,6 +266,11 @@ def main() -> None:
         "deepfm_samples_per_s_with": deepfm_with,
         "deepfm_ratio_with_over_without": deepfm_with / deepfm_without,
         "deepfm_per_round": samples_per_s,
+        "training_shards_cpu_ms_per_1000_samples_without": statistics.median(
+            shard_cpu_ms["without"]
+        ),
+        "training_shards_cpu_ms_per_1000_samples_with": statistics.median(shard_cpu_ms["with"]),
+        "training_shards_cpu_ms_per_round": shard_cpu_ms,
         "freshness_rate_asked": args.rate,
         "freshness_rate_reached": paced,
         "freshness_probes": len(freshness),
@@ -261,7 +285,9 @@ def main() -> None:
     print(
         f"DeepFM training samples/s, medians of {args.rounds} rounds: {deepfm_without:,.0f} "
         f"without a replica, {deepfm_with:,.0f} with one following "
-        f"({deepfm_with / deepfm_without:.2f}x)"
+        f"({deepfm_with / deepfm_without:.2f}x); the training shards' CPU per 1,000 samples: "
+        f"{results['training_shards_cpu_ms_per_1000_samples_without']:.1f} ms without, "
+        f"{results['training_shards_cpu_ms_per_1000_samples_with']:.1f} ms with"
     )
     if freshness:
         print(

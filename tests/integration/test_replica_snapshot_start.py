@@ -37,6 +37,13 @@ def test_a_new_replica_starts_from_the_newest_chain_and_follows_from_its_cut(
     expected, got = converged(trainer, reader, "items", keys)
     np.testing.assert_array_equal(got, expected)
     assert resyncs(replicas) == 0  # every stream asked from the snapshot's cut
+    # pooled lookups read a replica as they read the training cluster (mean of 4-key bags)
+    bags = np.concatenate([keys[:398], np.arange(90_000, 90_002)]).reshape(-1, 4)
+    pooled = [
+        client.lookup_pooled("items", bags, combiner="mean", create=False).output
+        for client in (trainer, reader)
+    ]
+    np.testing.assert_array_equal(pooled[1], pooled[0])
     for server in replicas:
         assert server.shard.replica.seeded  # it read the chain
     trainer.close()

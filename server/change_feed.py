@@ -24,7 +24,7 @@ from contextlib import AbstractContextManager
 
 import numpy as np
 
-from tierps.core.config import key_shards
+from tierps.core.config import Placement, key_shards
 from tierps.core.errors import InvalidArgumentError, TableNotFoundError
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto.convert import table_config_to_proto
@@ -86,10 +86,16 @@ class ChangeFeed:
         self.heartbeat_s = heartbeat_s
         self._told: dict[str, float] = {}  # when each table's cursor was last sent
 
+    def _mine(self, table: EmbeddingTable, keys: np.ndarray) -> np.ndarray:
+        """Which of keys the follower keeps (bool): none of a table placed whole on a shard
+        its cluster does not have (the follower skips that table)."""
+        config = table.config
+        if config.placement is Placement.TABLE and config.table_shard >= self.shard_count:
+            return np.zeros(keys.shape, dtype=bool)
+        return key_shards(config, keys, self.shard_count) == self.shard
+
     def _owned(self, table: EmbeddingTable, keys: np.ndarray) -> np.ndarray:
-        if keys.size == 0:
-            return keys
-        return keys[key_shards(table.config, keys, self.shard_count) == self.shard]
+        return keys[self._mine(table, keys)] if keys.size else keys
 
     def _batch(
         self, table: EmbeddingTable, keys: np.ndarray, rows: np.ndarray, **fields: object
@@ -119,7 +125,7 @@ class ChangeFeed:
             if chunk is None:
                 break
             keys, rows, _ = chunk
-            owned = key_shards(table.config, keys, self.shard_count) == self.shard
+            owned = self._mine(table, keys)
             if owned.any():
                 yield self._batch(table, keys[owned], rows[owned])
         self.cursors[name] = start

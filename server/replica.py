@@ -50,7 +50,7 @@ import numpy as np
 
 from tierps.client.security import ChannelSecurity, read_token
 from tierps.core import optim
-from tierps.core.config import TableConfig, WritePolicy, key_shards
+from tierps.core.config import Placement, TableConfig, WritePolicy, key_shards
 from tierps.core.errors import FailedPreconditionError, Reason, TableNotFoundError
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
@@ -309,17 +309,27 @@ class Replica:
         the training table's config changed) as replica_config makes it; None for a table
         the replica does not follow."""
         training = TableConfig.from_dict(table_config_to_dict(message))
+        why = None
         if training.promote_after:
+            why = (
+                f"it is adaptive (promote_after={training.promote_after}): its shard's bucket "
+                f"rows are not in the change stream"
+            )
+        elif training.placement is Placement.TABLE and training.table_shard >= self.num_shards:
+            why = (
+                f"it is placed whole on shard {training.table_shard}, which a replica cluster "
+                f"of {self.num_shards} shards does not have"
+            )
+        if why is not None:
             with self._lock:
                 new = training.name not in self.skipped
                 self.skipped[training.name] = training
             if new:
                 log.warning(
-                    "%s: table %r is adaptive (promote_after=%d): its shard's bucket rows are "
-                    "not in the change stream, so this replica does not follow it",
+                    "%s: table %r: %s, so this replica does not follow it",
                     self.where,
                     training.name,
-                    training.promote_after,
+                    why,
                 )
             return None
         wanted = replica_config(training, self.dtype)

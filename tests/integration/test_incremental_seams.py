@@ -2,7 +2,7 @@
 port 0, real RocksDB and real snapshot files: links saved by different shard counts, tables
 dropped, re-created or created between links, a load between a base and its incremental, a
 change of a row's step stamp only, cold rows rounded in RocksDB, a corrupted middle link, a
-base deleted while an incremental is saved on it.
+base deleted while an incremental is saved on it, a shard killed -9 while it saves one.
 
 The oracle is the training cluster itself, as in test_incremental_snapshots.py: every
 shard's stored rows of every table (weights, optimizer state and step stamps, as raw bits,
@@ -11,6 +11,9 @@ through the storage export) right after each save returns.
 
 from __future__ import annotations
 
+import signal
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ import grpc
 import numpy as np
 import pytest
 
+from tests.integration.test_crash_safety import free_base_port
 from tests.integration.test_incremental_snapshots import (
     ADA,
     ADAM,
@@ -29,8 +33,9 @@ from tests.integration.test_incremental_snapshots import (
     state,
     train,
 )
-from tierps.client import ShardError
-from tierps.storage import TableConfig, optim
+from tierps.client import EmbeddingClient, ShardError
+from tierps.server.cluster import LocalCluster
+from tierps.storage import TableConfig, init, optim
 
 SGD = TableConfig("sgd", 4, optimizer=optim.SGD(lr=0.5), seed=7)
 
@@ -252,3 +257,65 @@ def test_a_base_deleted_while_an_incremental_is_saved_on_it_fails_the_commit(
         assert "'base'" in str(refused.value)
         assert not any(s["name"] == "inc" and s["complete"] for s in client.list_snapshots())
 
+
+
+@pytest.mark.slow  # subprocess shards, one killed -9
+def test_a_shard_killed_during_an_incremental_save_leaves_nothing_and_the_next_one_works(
+    shard_server: ServerFactory, tmp_path: Path
+) -> None:
+    """Shard 1 of a LocalCluster is killed -9 while it writes its part of an incremental.
+    The save fails; the restarted shard removes its abandoned part and gc the rest, as for
+    a full save; a new incremental on the same base then compares on shard 1 (its journal
+    restarted) and reads its journal on shard 0, and loads as the live cluster is."""
+    counting = TableConfig("c", 32, initializer=init.Zeros(), optimizer=optim.SGD(lr=1.0))
+    keys = np.arange(150_000, dtype=np.int64)
+    snapshots = tmp_path / "snapshots"
+
+    def push(client: EmbeddingClient, some: np.ndarray) -> None:
+        client.push_gradients("c", some, -np.ones((some.size, 32), np.float32))
+
+    cluster = LocalCluster(
+        2, tmp_path / "data", snapshots, start_timeout_s=60, base_port=free_base_port(2)
+    )
+    with cluster:
+        with EmbeddingClient(cluster.addresses, timeout_s=60) as client:
+            client.create_table(counting)
+            push(client, keys)
+            client.save_snapshot("base")
+            push(client, keys)  # every row changed: the incremental writes them all
+            failed: list[BaseException] = []
+
+            def save() -> None:
+                try:
+                    client.save_snapshot("inc", base="base")
+                except Exception as error:  # noqa: BLE001 - the test reads it below
+                    failed.append(error)
+
+            saver = threading.Thread(target=save)
+            saver.start()
+            deadline = time.monotonic() + 30
+            marker = None
+            while marker is None and time.monotonic() < deadline:
+                marker = next(snapshots.glob("inc/*/.part-00001-of-00002.writing"), None)
+            assert marker is not None, "shard 1 never began its part"
+            assert cluster.stop_shard(1, sig=signal.SIGKILL) == -signal.SIGKILL
+            header_written = (marker.parent / "part-00001-of-00002.json").exists()
+            print(f"shard 1 killed {'after' if header_written else 'while'} writing its part")
+            saver.join(timeout=120)
+            assert not saver.is_alive()
+            assert failed and isinstance(failed[0], ShardError), failed
+        cluster.start_shard(1)  # its start collects its own abandoned part
+        assert not (marker.parent / "part-00001-of-00002").exists() or header_written
+        with EmbeddingClient(cluster.addresses, timeout_s=60) as client:
+            client.gc_snapshots()
+            assert [s["name"] for s in client.list_snapshots()] == ["base"]
+            assert not (snapshots / "inc").exists()
+            push(client, keys[::3])
+            saved = client.save_snapshot("inc", base="base")
+            assert saved["diffs"] == [{"c": "journal"}, {"c": "compare"}]
+            live = client.lookup("c", keys, create=False)
+    target = shard_server(0, 1)
+    with client_of([target]) as client:
+        client.load_snapshot("inc")
+        loaded = client.lookup("c", keys, create=False)
+    np.testing.assert_array_equal(loaded.view(np.uint32), live.view(np.uint32))

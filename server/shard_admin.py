@@ -184,9 +184,7 @@ class ShardAdmin:
                 config, chunks, state, head.encoded(), snapshot_format.DIFF_JOURNAL, lambda: gone
             )
         comparison = snapshot_chain.Comparison(
-            lambda: snapshot_chain.ShardRows.of_chain(
-                chain, config.name, self.shard_id, self.num_shards
-            )
+            lambda: snapshot_chain.shard_rows(chain, config.name, self.shard_id, self.num_shards)
         )
         return TableCut(
             config,
@@ -218,11 +216,14 @@ class ShardAdmin:
         table: EmbeddingTable, keys: np.ndarray
     ) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray | None]], np.ndarray]:
         """The stored rows of keys (ascending) as chunks (keys, rows, steps), and the keys
-        without a stored row (removed since: tombstones), read now (inside the cut)."""
+        without a stored row (removed since: tombstones), read now (inside the cut). Rows
+        are rounded as RocksDB holds them (cold_dtype), as a full save's and the compare
+        path's export gives them: the same history saves the same bits either way."""
         chunks, gone = [], []
         width = table.config.row_width
         for start in range(0, keys.size, SNAPSHOT_CHUNK_ROWS):
             held, rows, absent = table.read_stored(keys[start : start + SNAPSHOT_CHUNK_ROWS])
+            rows = table.codec.round(rows)
             steps = table.codec.steps(rows) if table.step_slots else None
             chunks.append((held, np.ascontiguousarray(rows[:, :width]), steps))
             gone.append(absent)

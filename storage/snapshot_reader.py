@@ -757,16 +757,29 @@ class Snapshot:
         bounded by chunk_rows. A table placed whole gives every row to
         owner_shard(config, num_shards) and none to the others. InvalidArgumentError if the
         table's table_shard is not below num_shards."""
+        for part in self.tables[table_name]["parts"]:
+            yield from self.part_rows_for_shard(table_name, part, shard_id, num_shards, chunk_rows)
+        self.check_disjoint(table_name)  # the parts read whole and verified: no repeats
+
+    def part_rows_for_shard(
+        self,
+        table_name: str,
+        part: dict[str, Any],
+        shard_id: int,
+        num_shards: int,
+        chunk_rows: int = READ_CHUNK_ROWS,
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None, int]]:
+        """rows_and_steps_for_shard of one part: its chunks (keys ascending) cut to shard
+        `shard_id`'s keys, the part read whole and checked as `read_part` checks it. Whoever
+        reads a table's parts one by one calls check_disjoint once they are all read."""
         config = self.configs[table_name]
         owner = single_shard(config, num_shards)
-        for part in self.tables[table_name]["parts"]:
-            for keys, rows, steps in self.read_part(table_name, part, chunk_rows):
-                mine = (
-                    slice(None)
-                    if owner == shard_id
-                    else slice(0)
-                    if owner is not None
-                    else np.flatnonzero(key_shards(config, keys, num_shards) == shard_id)
-                )
-                yield keys[mine], rows[mine], None if steps is None else steps[mine], keys.size
-        self.check_disjoint(table_name)  # the parts read whole and verified: no repeats
+        for keys, rows, steps in self.read_part(table_name, part, chunk_rows):
+            mine = (
+                slice(None)
+                if owner == shard_id
+                else slice(0)
+                if owner is not None
+                else np.flatnonzero(key_shards(config, keys, num_shards) == shard_id)
+            )
+            yield keys[mine], rows[mine], None if steps is None else steps[mine], keys.size

@@ -373,6 +373,29 @@ def _file_entry(path: Path, relative: str) -> dict[str, Any]:
     return {"path": relative, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+def _check_base(root: Path, name: str, base: dict[str, str]) -> None:
+    """The base the parts were written on is still the snapshot they pinned (not deleted,
+    nor replaced by another save of its name, while they were written): a manifest naming
+    a base that is gone would commit a snapshot no load can read."""
+    manifest_path = snapshot_path(root, base["name"]) / MANIFEST
+    where = f"snapshot {name!r}: its base {base['name']!r}"
+    try:
+        found = read_versioned_json(manifest_path, where)
+    except FailedPreconditionError as error:  # missing, unreadable
+        raise FailedPreconditionError(
+            f"{where} expected complete (save {base['save_id']}), got none readable "
+            f"({error}); it was deleted while the parts were written; nothing was committed"
+        ) from None
+    pinned = (base["save_id"], base["manifest_sha256"])
+    now = (found.get("save_id"), found.get(CHECKSUM))
+    if now != pinned:
+        raise FailedPreconditionError(
+            f"{where} expected save {pinned[0]} (manifest sha256 {pinned[1]}), got save "
+            f"{now[0]} (manifest sha256 {now[1]}): it was replaced while the parts were "
+            f"written; nothing was committed"
+        )
+
+
 def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
     """Check that every part of save `save_id` is there and agrees, then write the manifest
     (exclusively: an existing snapshot is never replaced). Returns the manifest."""
@@ -413,6 +436,8 @@ def commit(root: Path, name: str, save_id: str) -> dict[str, Any]:
             f"snapshot {name!r}: parts of save {save_id} disagree on their base: {sorted(bases)}"
         )
     base = json.loads(bases.pop()) or {}
+    if base:
+        _check_base(root, name, base)
     tables: dict[str, Any] = {}
     for shard_id in range(num_shards):
         for table_name, entry in parts[shard_id]["tables"].items():

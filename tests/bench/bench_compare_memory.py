@@ -69,8 +69,15 @@ def rows_of(keys: np.ndarray, version: int) -> np.ndarray:
     return (keys[:, None].astype(np.float32) * 1e-3 + column + version).astype(np.float32)
 
 
-def save(root: Path, name: str, shards: int, keys: np.ndarray, version: int, base: str = "",
-         gone: np.ndarray | None = None) -> None:
+def save(
+    root: Path,
+    name: str,
+    shards: int,
+    keys: np.ndarray,
+    version: int,
+    base: str = "",
+    gone: np.ndarray | None = None,
+) -> None:
     link = None
     if base:
         from tierps.storage.snapshot_reader import Snapshot
@@ -86,8 +93,13 @@ def save(root: Path, name: str, shards: int, keys: np.ndarray, version: int, bas
                 part = mine[start : start + CHUNK]
                 yield part, rows_of(part, version), np.ones(part.size, np.int64)
 
-        cut = TableCut(TABLE, chunks(), cursor="journal:1", diff=DIFF_JOURNAL if base else "",
-                       tombstones=lambda dead=dead: dead)
+        cut = TableCut(
+            TABLE,
+            chunks(),
+            cursor="journal:1",
+            diff=DIFF_JOURNAL if base else "",
+            tombstones=lambda dead=dead: dead,
+        )
         list(write_part(root, name, f"{name}0", shard, shards, [cut], mine.size, link))
     commit(root, name, f"{name}0")
 
@@ -106,10 +118,17 @@ def main() -> None:
         save(root, "inc", args.shards, keys[keys % 100 == 3], 0, "full", keys[keys % 1000 == 5])
         out = subprocess.run(
             [sys.executable, "-c", CHILD, str(root), str(args.rows), str(args.chain_chunk)],
-            check=True, capture_output=True, text=True,
+            check=True,
+            capture_output=True,
+            text=True,
         ).stdout.split()
-    before, peak, changed, tombstones, seconds = int(out[0]), int(out[1]), int(out[2]), int(
-        out[3]), float(out[4])
+    before, peak, changed, tombstones, seconds = (
+        int(out[0]),
+        int(out[1]),
+        int(out[2]),
+        int(out[3]),
+        float(out[4]),
+    )
     table_bytes = args.rows * (TABLE.codec.row_bytes + 8 + 8)
     results = {
         "rows": args.rows,

@@ -258,7 +258,6 @@ def test_a_base_deleted_while_an_incremental_is_saved_on_it_fails_the_commit(
         assert not any(s["name"] == "inc" and s["complete"] for s in client.list_snapshots())
 
 
-
 @pytest.mark.slow  # subprocess shards, one killed -9
 def test_a_shard_killed_during_an_incremental_save_leaves_nothing_and_the_next_one_works(
     shard_server: ServerFactory, tmp_path: Path

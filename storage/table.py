@@ -653,10 +653,14 @@ class EmbeddingTable:
 
     def assign_checked(self, keys: np.ndarray, values: np.ndarray) -> int:
         """assign of what check_values returned (checked once, as apply_checked_gradients)."""
-        valid = np.flatnonzero(keys >= 0)[::-1]  # reversed: np.unique keeps the last
-        unique, first = np.unique(keys[valid], return_index=True)
+        if keys.size and keys.min() >= 0 and all_distinct(keys):  # e.g. a replica's batch
+            unique, weights = keys, values
+        else:
+            valid = np.flatnonzero(keys >= 0)[::-1]  # reversed: np.unique keeps the last
+            unique, first = np.unique(keys[valid], return_index=True)
+            weights = values[valid[first]]
         with self._lock:
-            rows = self._fresh(unique, weights=values[valid[first]])
+            rows = self._fresh(unique, weights=weights)
             self._store(unique, rows, np.ones(unique.size, dtype=bool))
             self.changes.record(unique)
         return int(unique.size)

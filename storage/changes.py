@@ -32,7 +32,17 @@ import numpy as np
 # 32 MiB of int64 keys a table at most: with merging (ChangeJournal), the distinct keys of
 # a table changed since its oldest cursor; at 100,000 distinct key-updates a second, 40 s
 DEFAULT_MAX_KEYS = 1 << 22
-MAX_BATCHES = 4096  # then the older half is merged: a follower's read stays short
+MAX_BATCHES = 4096  # then the oldest are merged: a follower's read stays short
+MERGE_BATCHES = 64  # batches merged at a time: a merge's sort stays small
+
+
+def _sorted_union(held: np.ndarray, more: np.ndarray) -> np.ndarray:
+    """The sorted distinct keys of two sorted distinct arrays: more's new keys inserted into
+    held in one pass (a sort of more alone, not of both)."""
+    at = np.searchsorted(held, more)
+    known = at < held.size
+    known[known] = held[at[known]] == more[known]
+    return np.insert(held, at[~known], more[~known])
 
 
 @dataclass(frozen=True)
@@ -58,11 +68,13 @@ class ChangeJournal:
     """The keys a table changed, in batches numbered from 1 (0: before the first). Thread
     safe; the table records and reads it under its own lock (see the module's docstring).
 
-    Bounded two ways. Past `max_batches` batches, the older half is merged into one batch of
-    their distinct keys covering their positions: a cursor inside it is told all of them,
-    some changed before it (more than needed, never less), and a table's journal then holds
-    at most its distinct changed keys, however long it trained. Past `max_keys` keys held,
-    the oldest batches are let go and cursors before them are no longer valid."""
+    Bounded two ways, each step cheap (it runs inside a push, under the table lock). Past
+    `max_batches` batches, the oldest MERGE_BATCHES are merged into one batch of their
+    distinct keys (sorted), itself merged into the oldest merged batch by a sorted insert: a
+    cursor inside the merged batch is told all of its keys, some changed before the cursor
+    (more than needed, never less), and a journal of small batches holds at most the
+    table's distinct changed keys. Past `max_keys` keys held, the oldest batches are let
+    go (the merged one whole) and cursors before them are no longer valid."""
 
     def __init__(self, max_keys: int = DEFAULT_MAX_KEYS, max_batches: int = MAX_BATCHES) -> None:
         if max_keys < 1 or max_batches < 2:
@@ -79,6 +91,7 @@ class ChangeJournal:
         self._times: list[float] = []
         self._keys: list[np.ndarray] = []
         self._held = 0  # keys in _keys
+        self._merged = False  # whether _keys[0] is a merged batch (sorted, distinct)
         self.head = 0  # the newest batch's position
         self.head_time = time.time()  # when it was recorded (the journal's start before one)
         self.oldest = 0  # a cursor at or after this position is valid
@@ -105,22 +118,29 @@ class ChangeJournal:
             self._times.append(self.head_time)
             self._keys.append(keys)
             self._held += keys.size
-            if len(self._keys) > 1 and (
-                len(self._keys) > self.max_batches or self._held > self.max_keys
-            ):
-                self._merge_older_half()
             while self._held > self.max_keys and len(self._keys) > 1:
                 self.oldest = self._last.pop(0)
                 self._times.pop(0)
                 self._held -= self._keys.pop(0).size
+                self._merged = False  # the merged batch, if any, was the oldest
+            if len(self._keys) > self.max_batches:
+                self._merge_oldest()
 
-    def _merge_older_half(self) -> None:
-        half = max(2, len(self._keys) // 2)
-        merged = np.unique(np.concatenate(self._keys[:half]))
-        self._held += merged.size - sum(keys.size for keys in self._keys[:half])
-        self._last[:half] = [self._last[half - 1]]
-        self._times[:half] = [self._times[0]]
-        self._keys[:half] = [merged]
+    def _merge_oldest(self) -> None:
+        """The oldest MERGE_BATCHES batches after the merged one into it (or into a new
+        merged batch): their distinct keys sorted, then inserted into the merged batch's in
+        one pass over it."""
+        start = 1 if self._merged else 0
+        stop = min(len(self._keys) - 1, start + MERGE_BATCHES)  # the newest stays apart
+        group = np.unique(np.concatenate(self._keys[start:stop]))
+        first = 0 if self._merged else start
+        replaced = sum(keys.size for keys in self._keys[first:stop])
+        merged = _sorted_union(self._keys[0], group) if self._merged else group
+        self._held += merged.size - replaced
+        self._last[first:stop] = [self._last[stop - 1]]
+        self._times[first:stop] = [self._times[first]]
+        self._keys[first:stop] = [merged]
+        self._merged = True
 
     def valid(self, cursor: Cursor) -> bool:
         """Whether changes since cursor can be told: same journal, not older than what is
@@ -138,8 +158,10 @@ class ChangeJournal:
             if cursor.position == self.head:
                 return np.empty(0, dtype=np.int64), head
             first = bisect.bisect_right(self._last, cursor.position)  # batches after cursor
-            picked = self._keys[first:]
-        return np.unique(np.concatenate(picked)), head
+            merged = self._keys[0] if first == 0 and self._merged else None
+            picked = self._keys[first + (merged is not None) :]
+        newer = np.unique(np.concatenate(picked)) if picked else np.empty(0, np.int64)
+        return (newer if merged is None else _sorted_union(merged, newer)), head
 
     def time_of(self, position: int) -> float | None:
         """When the first change of the batch holding position was recorded (for a merged

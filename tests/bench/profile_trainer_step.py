@@ -14,13 +14,14 @@ Loops, taking turns a chunk of `--steps` steps at a time (round 0 warms up):
 - s1: the same through ebc.pipeline() at staleness 1 (the push of step t goes with the
   lookup of step t + 2, in the background thread, while step t + 1 trains).
 
-Printed, medians over the chunks, CPU ms a step:
+Printed, CPU ms a step:
 1. each loop's CPU in the trainer's main thread, its other threads and each shard (from
-   time.thread_time / process_time and /proc/<pid>/stat);
+   time.thread_time / process_time and /proc/<pid>/stat), means over the chunks;
 2. tierps' own work by phase and thread, exclusive (a phase's nested phases are counted
-   apart): the client's functions are wrapped with per-thread thread_time accumulators
-   (a few microseconds a step of their own); the main thread's rest is the model and the
-   loop; the other threads' rest is gRPC's own threads (C, no Python frame) and glue;
+   apart), medians over the chunks: the client's functions are wrapped with per-thread
+   thread_time accumulators (a few microseconds a step of their own); the main thread's
+   rest is the model and the loop; the other threads' rest is gRPC's own threads (C, no
+   Python frame) and glue;
 3. the bytes each step sends and receives per shard, by what they carry (push keys and
    gradients, lookup keys, rows, the messages' own fields, gRPC metadata), counted at
    the calls (the one-message calls' request and reply bytes, the metadata's keys and
@@ -206,6 +207,7 @@ PHASES = [
     (transport.Transport, "fan_out", "fan-out and calls: glue"),
 ]
 GRPC_PHASE = "gRPC call (the calling thread's part)"
+DENSE_STEP = "model: the dense Adam step"  # metered too, as the part a push may overlap
 
 
 def meter_client(meter: PhaseMeter, client: EmbeddingClient) -> None:
@@ -388,12 +390,13 @@ def main() -> int:
 
 
 def run(args: Any, dataset: Any, weights: Any, client: EmbeddingClient, pids: list[int]) -> None:
+    phases = PhaseMeter()
     trainers = {}
     for loop in LOOPS:
         model = build(loop, dataset, weights, client)
         dense = training.dense_optimizer_for(model, bench.DENSE_LR)
+        dense.step = phases.wrap(dense.step, DENSE_STEP)  # not tierps': the model's
         trainers[loop] = (model, dense, model.embeddings.sparse_optimizer())
-    phases = PhaseMeter()
     wires = ByteMeter()
     cpu: dict[str, list[dict[str, float]]] = defaultdict(list)
     by_phase: dict[str, list[dict[tuple[str, str], float]]] = defaultdict(list)
@@ -443,13 +446,14 @@ def report(
     counted: dict[str, dict[tuple[int, str], int]],
 ) -> None:
     print(
-        f"# CPU ms a step, medians of {args.rounds} chunks of {args.steps} steps "
-        f"(load average {os.getloadavg()[0]:.1f})"
+        f"# CPU ms a step, means over {args.rounds} chunks of {args.steps} steps (a shard's "
+        f"CPU comes in 10 ms ticks); wall: the median chunk's (load average "
+        f"{os.getloadavg()[0]:.1f})"
     )
     parts = list(next(iter(cpu.values()))[0])
     print(f"{'loop':8} {'wall':>7} " + " ".join(f"{p:>22}" for p in parts))
     for loop, rows in cpu.items():
-        cells = " ".join(f"{_median(rows, p):22.2f}" for p in parts)
+        cells = " ".join(f"{statistics.fmean(row[p] for row in rows):22.2f}" for p in parts)
         print(f"{loop:8} {statistics.median(wall[loop]):7.2f} {cells}")
     for loop in ("plain", "s1"):
         rows = by_phase[loop]
@@ -459,11 +463,11 @@ def report(
         for group in ("main", "tierps-pipeline", "tierps-calls"):
             for key in sorted((k for k in keys if k[0] == group), key=lambda k: -_median(rows, k)):
                 ms = _median(rows, key)
-                totals[group] += ms
+                totals[group] += 0 if key[1] == DENSE_STEP else ms
                 print(f"  {group:16} {key[1]:45} {ms:6.2f}")
-        main_cpu = _median(cpu[loop], "trainer main thread")
-        other_cpu = _median(cpu[loop], "trainer other threads")
-        model = _median(cpu["model"], "trainer main thread")
+        main_cpu = statistics.fmean(row["trainer main thread"] for row in cpu[loop])
+        other_cpu = statistics.fmean(row["trainer other threads"] for row in cpu[loop])
+        model = statistics.fmean(row["trainer main thread"] for row in cpu["model"])
         print(f"  main thread: tierps' phases {totals['main']:.2f}, the rest (model, loop) "
               f"{main_cpu - totals['main']:.2f}; the model alone {model:.2f}")
         wrapped = totals["tierps-pipeline"] + totals["tierps-calls"]

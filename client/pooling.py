@@ -21,13 +21,15 @@ An empty bag (no keys, only padding, or weights summing to 0 under mean) pools t
 Kernels: numpy's sort (the dedup) and scipy.sparse (forward and backward) are the
 reference and always there. Where torch is installed (a trainer's usual case), the forward
 runs torch's embedding_bag over the same CSR arrays, 2.6x faster here
-(tests/bench/bench_pooling.py). Where the host kernels run (core.compiled), the dedup is a
-compiled hash pass that numbers the distinct keys as they first come, then sorts only them
-(8,192 Zipf keys of 2,417 distinct: 0.06 ms against np.unique's 0.20 ms; 65,536 distinct
-random keys: 3.1 against 2.5 ms, as sorting the distinct keys is then most of the work),
-and the backward a compiled pass over the CSR arrays, in scipy's order (the same float32
-sums, bit for bit). Every kernel gives the same results to float rounding, and the tests
-run each against its reference and against a numpy oracle.
+(tests/bench/bench_pooling.py). Where the host kernels run (core.compiled), the dedup and
+the backward are compiled: the dedup of a call's keys up to HASHED_DEDUP_KEYS numbers the
+distinct keys as they first come in a hash set that stays in cache, then sorts only them
+(8,192 Zipf keys of 2,400 distinct: 0.06 ms against np.unique's 0.15-0.20 ms); more keys
+are argsorted by numpy and numbered in one compiled pass over that order (a hash set that
+outgrows the cache waits on memory: at 43,000 keys of 24,000 distinct it took 1.7 ms, the
+sort 0.95, np.unique 1.2); the backward is a compiled pass over the CSR arrays, in scipy's
+order (the same float32 sums, bit for bit). Every kernel gives the same results to float
+rounding, and the tests run each against its reference and against a numpy oracle.
 """
 
 from __future__ import annotations
@@ -139,6 +141,9 @@ def _coefficients(
 
 
 Kernel = Literal["auto", "scipy", "torch"]
+# The most keys the compiled dedup numbers in a hash set (2 int64 arrays of 2-4 slots a key:
+# 256-512 KiB, in cache); more are argsorted instead (the module docstring).
+HASHED_DEDUP_KEYS = 16_384
 
 
 @functools.cache
@@ -194,6 +199,24 @@ if numba is not None:
                     inverse[i] = number
                     break
                 pos = (pos + 1) & mask
+        return count
+
+    @jit_kernel
+    def k_number_sorted(keys, order, unique, inverse):
+        """Number the distinct keys >= 0 in key order, given `order`, an argsort of keys:
+        unique[:count] are they, ascending, inverse[i] the number of keys[i] (-1:
+        padding); returns count."""
+        count = 0
+        for r in range(order.shape[0]):
+            i = order[r]
+            key = keys[i]
+            if key < 0:
+                inverse[i] = -1
+                continue
+            if count == 0 or key != unique[count - 1]:
+                unique[count] = key
+                count += 1
+            inverse[i] = count - 1
         return count
 
     @jit_kernel
@@ -262,10 +285,14 @@ def pool(matrix: Any, rows: np.ndarray, *, kernel: Kernel = "auto") -> np.ndarra
 
 
 def _distinct_keys_compiled(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """distinct_keys by the compiled pass: number the distinct keys as they first come,
-    sort only them, renumber."""
+    """distinct_keys compiled: up to HASHED_DEDUP_KEYS keys, number the distinct keys as
+    they first come, sort only them and renumber; more, argsort them all and number them
+    in that order (the module docstring)."""
     unique = np.empty(keys.size, np.int64)
     inverse = np.empty(keys.size, np.int64)
+    if keys.size > HASHED_DEDUP_KEYS:
+        count = k_number_sorted(keys, np.argsort(keys), unique, inverse)
+        return unique[:count], inverse
     count = k_first_seen(keys, unique, inverse)
     order = np.argsort(unique[:count])
     k_renumber(inverse, order)

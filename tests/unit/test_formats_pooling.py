@@ -586,9 +586,11 @@ compiled = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unava
         np.array([2**62, -(2**62), 0, 2**62, 7, 0, -1], np.int64),
         np.arange(1000, 0, -1, dtype=np.int64),  # all distinct, descending
         np.random.default_rng(0).zipf(1.2, 8192) % 200_000 - 1,  # repeats, some padding
+        # more than HASHED_DEDUP_KEYS: argsorted, then numbered
+        np.random.default_rng(2).zipf(1.05, 43_000) % 100_000 - 1,
         np.random.default_rng(1).integers(0, 2**63 - 1, 65_536),  # wide, all but distinct
     ],
-    ids=["empty", "all-padding", "extremes", "descending", "zipf", "wide"],
+    ids=["empty", "all-padding", "extremes", "descending", "zipf", "zipf-large", "wide"],
 )
 def test_the_compiled_dedup_is_numpys(keys: np.ndarray) -> None:
     unique, inverse = distinct_keys(keys, kernel="auto")

@@ -137,9 +137,12 @@ class PooledLookup:
             if not names:
                 continue
             keys = self._tables[table]
-            stacked = np.zeros((pooling.matrix.shape[0], keys.dim), np.float32)
-            for name in names:
-                stacked[pooling.rows[name]] = grads[name].reshape(-1, keys.dim)
+            if len(pooling.rows) == 1:  # the table's one feature: its gradient is the stack
+                stacked = grads[names[0]].reshape(-1, keys.dim)
+            else:
+                stacked = np.zeros((pooling.matrix.shape[0], keys.dim), np.float32)
+                for name in names:
+                    stacked[pooling.rows[name]] = grads[name].reshape(-1, keys.dim)
             summed = unpool(pooling.matrix, stacked)
             if len(names) < len(pooling.rows):  # only the keys of the features given move
                 touched = np.unique(np.concatenate([keys.inverse[n] for n in names]))

@@ -26,6 +26,7 @@ from tierps.client.pooling import (
     stacked_pooling_matrix,
     unpool,
 )
+from tierps.core.compiled import unavailable_reason
 from tierps.core.errors import InvalidArgumentError
 
 WHERE = "table 'item'"
@@ -279,7 +280,9 @@ def test_combiner_names_and_a_bad_one() -> None:
 # -- pooling vs the oracle ------------------------------------------------------------------------
 
 
-KERNELS = ["scipy", "torch"]  # the reference, and the faster forward and dedup where torch is
+# the reference; the compiled dedup and backward where the host kernels run; torch's forward
+# and dedup
+KERNELS = ["scipy", "auto", "torch"]
 
 
 def check_pooling(bags: Bags, combiner: Combiner, kernel: Kernel = "auto") -> None:
@@ -335,6 +338,7 @@ def test_the_two_kernels_agree_on_a_large_zipf_batch(dim: int) -> None:
     for kernel in KERNELS:
         got_unique, got_inverse = distinct_keys(bags.keys, kernel=kernel)
         results[kernel] = (got_unique, got_inverse, pool(matrix, rows, kernel=kernel))
+    np.testing.assert_allclose(results["auto"][2], results["torch"][2], rtol=1e-5, atol=1e-6)
     for kernel in KERNELS:
         np.testing.assert_array_equal(results[kernel][0], unique, err_msg=kernel)
         np.testing.assert_array_equal(results[kernel][1], inverse, err_msg=kernel)
@@ -566,3 +570,71 @@ def test_a_stacked_matrix_is_bit_for_bit_the_previous_code(
     np.testing.assert_array_equal(got.data, data)
     np.testing.assert_array_equal(got.indices, indices)
     np.testing.assert_array_equal(got.indptr, indptr)
+
+
+# -- the compiled dedup and backward against their references ----------------------------------
+
+compiled = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+
+@compiled
+@pytest.mark.parametrize(
+    "keys",
+    [
+        np.zeros(0, np.int64),
+        np.full(5, -1, np.int64),
+        np.array([2**62, -(2**62), 0, 2**62, 7, 0, -1], np.int64),
+        np.arange(1000, 0, -1, dtype=np.int64),  # all distinct, descending
+        np.random.default_rng(0).zipf(1.2, 8192) % 200_000 - 1,  # repeats, some padding
+        # more than HASHED_DEDUP_KEYS: argsorted, then numbered
+        np.random.default_rng(2).zipf(1.05, 43_000) % 100_000 - 1,
+        np.random.default_rng(1).integers(0, 2**63 - 1, 65_536),  # wide, all but distinct
+    ],
+    ids=["empty", "all-padding", "extremes", "descending", "zipf", "zipf-large", "wide"],
+)
+def test_the_compiled_dedup_is_numpys(keys: np.ndarray) -> None:
+    unique, inverse = distinct_keys(keys, kernel="auto")
+    want_unique, want_inverse = distinct_keys(keys, kernel="scipy")
+    assert unique.dtype == np.int64 and inverse.dtype == np.int64
+    np.testing.assert_array_equal(unique, want_unique)
+    np.testing.assert_array_equal(inverse, want_inverse)
+    np.testing.assert_array_equal(unique, distinct(keys)[0])  # and the oracle's
+
+
+@compiled
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 6), min_size=0, max_size=30),  # bag sizes
+            st.sampled_from(list(Combiner)),
+            st.booleans(),  # weighted
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    st.sampled_from([1, 4, 16]),
+    st.integers(0, 2**32 - 1),
+)
+def test_the_compiled_backward_is_scipys_bit_for_bit(
+    features: list[tuple[list[int], Combiner, bool]], dim: int, seed: int
+) -> None:
+    """Stacked features of any combiner, weights and padding: the compiled A.T @ G sums in
+    scipy's order, so its float32 results are scipy's exactly."""
+    generator = np.random.default_rng(seed)
+    parts, keys = [], []
+    for sizes, combiner, weighted in features:
+        values = generator.integers(-1, 50, sum(sizes))
+        weights = generator.random(values.size).astype(np.float32) * 3 if weighted else None
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        parts.append((to_bags(WHERE, values, offsets, weights, include_last_offset=True), combiner))
+        keys.append(values)
+    unique, inverse = distinct(np.concatenate(keys))
+    bounds = np.cumsum([0] + [k.size for k in keys])
+    stacked = [(bags, inverse[bounds[i] : bounds[i + 1]], c) for i, (bags, c) in enumerate(parts)]
+    matrix = stacked_pooling_matrix(stacked, unique.size)
+    grad = generator.standard_normal((matrix.shape[0], dim)).astype(np.float32)
+    got = unpool(matrix, grad, kernel="auto")
+    assert got.dtype == np.float32 and got.shape == (unique.size, dim)
+    np.testing.assert_array_equal(got, unpool(matrix, grad, kernel="scipy"))
+    np.testing.assert_allclose(got, matrix.toarray().astype(np.float64).T @ grad, atol=1e-5)

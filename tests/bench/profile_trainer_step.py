@@ -468,17 +468,29 @@ def report(
         main_cpu = statistics.fmean(row["trainer main thread"] for row in cpu[loop])
         other_cpu = statistics.fmean(row["trainer other threads"] for row in cpu[loop])
         model = statistics.fmean(row["trainer main thread"] for row in cpu["model"])
-        print(f"  main thread: tierps' phases {totals['main']:.2f}, the rest (model, loop) "
-              f"{main_cpu - totals['main']:.2f}; the model alone {model:.2f}")
+        print(
+            f"  main thread: tierps' phases {totals['main']:.2f}, the rest (model, loop) "
+            f"{main_cpu - totals['main']:.2f}; the model alone {model:.2f}"
+        )
         wrapped = totals["tierps-pipeline"] + totals["tierps-calls"]
-        print(f"  other threads: tierps' phases {wrapped:.2f}, the rest (gRPC's own threads) "
-              f"{other_cpu - wrapped:.2f}")
+        print(
+            f"  other threads: tierps' phases {wrapped:.2f}, the rest (gRPC's own threads) "
+            f"{other_cpu - wrapped:.2f}"
+        )
     for loop in ("plain", "s1"):
         counts = counted[loop]
         shards = sorted({shard for shard, _ in counts})
         print(f"\n# {loop}: bytes a step, per shard (chunk 1)")
-        whats = ("calls", "request", "reply", "metadata", "push keys", "push gradients",
-                 "lookup keys", "rows")
+        whats = (
+            "calls",
+            "request",
+            "reply",
+            "metadata",
+            "push keys",
+            "push gradients",
+            "lookup keys",
+            "rows",
+        )
         for shard in shards:
             cells = ", ".join(f"{w} {counts.get((shard, w), 0):,.1f}" for w in whats)
             print(f"  shard {shard}: {cells}")

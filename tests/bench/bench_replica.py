@@ -7,14 +7,16 @@ A training cluster of 2 shards and a replica cluster of 1 shard, each a LocalClu
 keys (uniform over 1,000,000, dim 16, SGD).
 
 - Training throughput: rounds alternate two contenders, each `--seconds` of pushing as fast
-  as the shards take it: the replica stopped (without) and the replica following (with;
-  started again before its round and caught up first: it resumes from its saved cursors).
+  as the shards take it: the replica paused (without: SIGSTOP, its streams wait) and the
+  replica following (with: SIGCONT, caught up before the round starts).
   Reported: each contender's median key-updates/s and their ratio (with / without).
 - Training samples/s: the same alternation around one epoch of the demo's DeepFM on its
   Criteo-like synthetic set (`--samples` rows, 26 sparse features, dim 16, Adam, batch
   1,024, staleness 1, one torch thread), as `tierps demo` trains it: the figure the replica
   must keep at >= 0.9x. The rounds above push as fast as the shards take it, the worst case
-  for a follower, which must read and apply every row trained.
+  for a follower, which must read and apply every row trained. Also reported: the training
+  shards' CPU per 1,000 samples, what following costs them where a replica has a machine
+  of its own.
 - Freshness: then, the replica following, the trainers paced at `--rate` key-updates/s for
   `--fresh-seconds` while a probe assigns a new value to a probe key, every 50 ms, and
   times from the assign's acknowledgement to the replica's lookup (create=false) first
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import tempfile
 import threading
@@ -119,6 +122,15 @@ def replica_current(replica: list[str], tables: list[str], timeout_s: float = 12
     raise TimeoutError("the replica did not catch up")
 
 
+def follow(replica: LocalCluster, on: bool) -> None:
+    """Let the replica follow (SIGCONT), or pause it (SIGSTOP): its streams then wait, as a
+    replica on another machine costs the training shards nothing but their journals, and
+    it resumes warm, without a restart's cold caches and RocksDB open."""
+    for pid in replica.pids:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT if on else signal.SIGSTOP)
+
+
 def process_cpu_s(pids: list[int | None]) -> float:
     """CPU seconds (user + system) the processes used so far, from /proc."""
     total, tick = 0.0, os.sysconf("SC_CLK_TCK")
@@ -197,11 +209,9 @@ def main() -> None:
             rates: dict[str, list[float]] = {"without": [], "with": []}
             for round_index in range(args.rounds):  # throughput: unpaced, alternated
                 for contender in ("without", "with"):
+                    follow(replica, contender == "with")
                     if contender == "with":
-                        replica.start_shard(0)
                         caught_up(training.addresses, replica.addresses)
-                    else:
-                        replica.stop_shard(0)
                     rate = push_for(training.addresses, args.seconds, args.threads, args.batch)
                     rates[contender].append(rate)
                     print(f"round {round_index} {contender} replica: {rate:,.0f} key-updates/s")
@@ -213,11 +223,9 @@ def main() -> None:
             shard_cpu_ms: dict[str, list[float]] = {"without": [], "with": []}
             for round_index in range(args.rounds):  # DeepFM training, alternated
                 for contender in ("without", "with"):
+                    follow(replica, contender == "with")
                     if contender == "with":
-                        replica.start_shard(0)
                         replica_current(replica.addresses, tables)
-                    else:
-                        replica.stop_shard(0)
                     cpu_before = process_cpu_s(training.pids)
                     speed, samples = deepfm_samples_per_s(training.addresses, dataset, round_index)
                     cpu_ms = (process_cpu_s(training.pids) - cpu_before) * 1e6 / samples
@@ -227,6 +235,7 @@ def main() -> None:
                         f"round {round_index} {contender} replica: DeepFM {speed:,.0f} samples/s, "
                         f"training shards {cpu_ms:.1f} CPU ms per 1,000 samples"
                     )
+            follow(replica, True)
             # freshness: trainers paced at --rate, a probe timing the replica's answers
             freshness: list[float] = []
             busy = threading.Event()

@@ -304,7 +304,9 @@ class Replica:
 
     # -- tables ------------------------------------------------------------------------------
 
-    def table_for(self, message: pb.TableConfig) -> EmbeddingTable | None:
+    def table_for(
+        self, message: pb.TableConfig, by: ShardFollower | None = None
+    ) -> EmbeddingTable | None:
         """The replica's table of a batch's training config: created (or made again where
         the training table's config changed) as replica_config makes it; None for a table
         the replica does not follow."""
@@ -344,7 +346,7 @@ class Replica:
                 self.where,
                 training.name,
             )
-            self.drop(training.name)
+            self.drop(training.name, by=by)
         if table is None or table.config != wanted:
             self._create_table(wanted)
             table = self.store.table(training.name)
@@ -356,8 +358,11 @@ class Replica:
         except TableNotFoundError:
             return None
 
-    def drop(self, name: str) -> None:
-        """Drop a table (the training cluster dropped it) and forget its cursors."""
+    def drop(self, name: str, by: ShardFollower | None = None) -> None:
+        """Drop a table (the training cluster dropped it, or changed its config) and forget
+        its cursors. The other streams may have sent rows of it, and may send more before
+        they hear of the drop: each is ended and opened again without a cursor of the
+        table, so its training shard resyncs it (`ShardFollower.resync_later`)."""
         with self._saving:
             if self.table(name) is not None:
                 self._drop_table(name)
@@ -373,6 +378,16 @@ class Replica:
                     self.store.write_metadata(key, None)
             for follower in self.followers:
                 follower.forget(name)
+                if follower is not by:
+                    follower.resync_later(name)
+
+    def forget_cursor(self, data_id: str, table: str) -> None:
+        """Forget where a stream was in a table, saved or not (its rows were dropped)."""
+        with self._saving:
+            with self._lock:
+                self._unsaved.pop((data_id, table), None)
+            self.saved.get(data_id, {}).pop(table, None)
+            self.store.write_metadata(CURSOR_PREFIX + f"{data_id}/{table}".encode(), None)
 
     # -- cursors -----------------------------------------------------------------------------
 
@@ -446,6 +461,7 @@ class ShardFollower:
         self.training_shard = -1
         self.training_shards = 0
         self._resyncs: dict[str, _Resync] = {}
+        self._to_forget: set[str] = set()  # tables dropped under this stream (resync_later)
         self._sent: dict[str, str] = {}  # the cursor each table was asked from (resync's why)
         self.resyncs = 0  # resyncs begun (tests, logs)
         self.reconnects = 0
@@ -465,6 +481,17 @@ class ShardFollower:
             self.positions.pop(table, None)
         self._resyncs.pop(table, None)
 
+    def resync_later(self, table: str) -> None:
+        """The replica dropped table, of which this stream may have sent rows: end the
+        stream and open it again without a cursor of the table, so the training shard
+        resyncs it. The cursor is forgotten on this stream's own thread once the stream has
+        ended (`_run`), so no batch of it is noted after."""
+        with self._lock:
+            self._to_forget.add(table)
+        call = self._call
+        if call is not None:
+            call.cancel()
+
     # -- the stream --------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -483,9 +510,13 @@ class ShardFollower:
                         self._call.cancel()
                     self.connected = True
                     for batch in self._call:
+                        if self._to_forget:
+                            why = "the replica dropped a table this stream sent rows of"
+                            break
                         self._apply(batch)
                         applied = True
-                    why = "the training shard ended the stream"
+                    else:
+                        why = "the training shard ended the stream"
             except grpc.RpcError as error:
                 why = f"{error.code().name}: {error.details()}"
             except Exception as error:  # noqa: BLE001 - a bad batch: log it, follow again
@@ -495,6 +526,12 @@ class ShardFollower:
                 self.connected = False
                 self._call = None
                 self._resyncs.clear()
+                with self._lock:
+                    forget, self._to_forget = self._to_forget, set()
+                    for table in forget:
+                        self.positions.pop(table, None)
+                for table in forget:
+                    self.replica.forget_cursor(self.data_id, table)
             if self._stopping.is_set():
                 break
             backoff = BACKOFF_S[0] if applied else min(backoff * 2, BACKOFF_S[1])
@@ -552,10 +589,10 @@ class ShardFollower:
     def _apply(self, batch: pb.ChangeBatch) -> None:
         name = batch.table
         if batch.dropped:
-            self.replica.drop(name)
+            self.replica.drop(name, by=self)
             return
         if batch.HasField("config"):
-            table = self.replica.table_for(batch.config)
+            table = self.replica.table_for(batch.config, by=self)
         else:
             table = self.replica.table(name)
         if table is None:  # skipped, or dropped while its batches were on their way

@@ -183,7 +183,7 @@ def test_the_compare_path_loads_the_same_rows_as_the_journal_path(
             assert_same(state(target), cut, f"snapshot {name!r}")
 
 
-def test_pushes_running_during_an_incremental_save_are_wholly_in_or_out(
+def test_pushes_acknowledged_before_an_incremental_save_are_in_it_and_none_after(
     shard_server: ServerFactory,
 ) -> None:
     config = TableConfig("t", 4, initializer=init.Zeros(), optimizer=optim.SGD(lr=1.0))

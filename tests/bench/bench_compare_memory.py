@@ -105,7 +105,7 @@ def save(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results/compare_memory.json"))
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--shards", type=int, default=2)

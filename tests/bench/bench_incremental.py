@@ -52,7 +52,7 @@ def save(shard: Shard, root: Path, name: str, base: str = "") -> tuple[float, in
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results/incremental.json"))
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--changed", type=float, default=0.01)

@@ -481,6 +481,16 @@ class ShardFollower:
             self.positions.pop(table, None)
         self._resyncs.pop(table, None)
 
+    def _forget_dropped(self) -> None:
+        """Forget where this stream was in the tables resync_later named (on this stream's
+        thread, while no stream of it runs)."""
+        with self._lock:
+            forget, self._to_forget = self._to_forget, set()
+            for table in forget:
+                self.positions.pop(table, None)
+        for table in forget:
+            self.replica.forget_cursor(self.data_id, table)
+
     def resync_later(self, table: str) -> None:
         """The replica dropped table, of which this stream may have sent rows: end the
         stream and open it again without a cursor of the table, so the training shard
@@ -502,6 +512,7 @@ class ShardFollower:
             applied = False
             try:
                 with self.replica.security.channel(self.address, options) as channel:
+                    self._forget_dropped()  # named while no stream ran
                     request = self._request(channel, metadata)
                     self._call = pb_grpc.ChangeServiceStub(channel).Follow(
                         request, metadata=metadata
@@ -526,12 +537,7 @@ class ShardFollower:
                 self.connected = False
                 self._call = None
                 self._resyncs.clear()
-                with self._lock:
-                    forget, self._to_forget = self._to_forget, set()
-                    for table in forget:
-                        self.positions.pop(table, None)
-                for table in forget:
-                    self.replica.forget_cursor(self.data_id, table)
+                self._forget_dropped()
             if self._stopping.is_set():
                 break
             backoff = BACKOFF_S[0] if applied else min(backoff * 2, BACKOFF_S[1])

@@ -90,13 +90,16 @@ def test_a_flood_of_idle_streams_leaves_health_and_other_lookups_answering(
 def test_an_abandoned_stream_is_cancelled_after_its_idle_time_and_frees_its_slot(
     shard_server: Callable[..., ShardServer],
 ) -> None:
-    server = shard_server(stream_idle_s=0.3, max_receiving_streams=1)
+    server = shard_server(stream_idle_s=1.0, max_receiving_streams=1)
     server.shard.admin.create_table(TableConfig(name="t", dim=DIM))
     release = threading.Event()
     with grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.EmbeddingServiceStub(channel)
         abandoned = stub.Lookup(idle_lookup(release), timeout=30)
-        time.sleep(0.05)
+        deadline = time.monotonic() + 5  # admitted (under load, not within a fixed sleep)
+        while not server.limits.receiving:
+            assert time.monotonic() < deadline, "the first stream was never admitted"
+            time.sleep(0.005)
         second = stub.Lookup(idle_lookup(release), timeout=30)
         with pytest.raises(grpc.RpcError) as refused:
             list(second)

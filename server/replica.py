@@ -57,7 +57,7 @@ from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
 from tierps.proto.convert import table_config_to_dict, table_config_to_proto
 from tierps.server.config import REPLICA_TOKEN_ENV, ServerConfig
-from tierps.server.security import refusing_create
+from tierps.server.security import LOOKUPS, refusing_create
 from tierps.server.shard_maintenance import BACKGROUND_FLUSH_CHUNK_BYTES, BACKGROUND_FLUSH_PAUSE_S
 from tierps.server.status import refusal, status_of
 from tierps.storage import EmbeddingStore
@@ -76,7 +76,6 @@ _SERVICES = {
     name: f"/{pb.DESCRIPTOR.services_by_name[name].full_name}/"
     for name in ("EmbeddingService", "AdminService", "ChangeService")
 }
-LOOKUPS = frozenset(_SERVICES["EmbeddingService"] + m for m in ("Lookup", "LookupUnary"))
 # What a replica serves: lookups (create=false), its tables and figures, its snapshots' list,
 # and its own Follow stream (a replica records what it applies, so it may be followed in
 # turn). Every other call of tierps' services writes: refused, whatever it is.
@@ -202,7 +201,7 @@ class Replica:
         self.save_s = config.replica_save_s  # a restart resumes about this far behind at most
         self.follows = ",".join(config.follow)
         self.store = store
-        self._section = section  # a data call's section of the shard's gate
+        self.section = section  # a data call's section of the shard's gate
         self._create_table = create_table
         self._drop_table = drop_table
         self.security = follow_security(config)
@@ -268,12 +267,12 @@ class Replica:
                 for keys, values, _ in link.rows_for_shard(name, self.shard_id, self.num_shards):
                     if self._stop.is_set():
                         return None
-                    with self._section():
+                    with self.section():
                         table.assign(keys, values[:, : config.dim])
                     rows += keys.size
                 gone = link.tombstones_for_shard(name, self.shard_id, self.num_shards)
                 if gone.size:
-                    with self._section():
+                    with self.section():
                         table.remove(gone)
             parts = chain[0].tables[name]["parts"]
             for index, part in enumerate(parts):
@@ -405,7 +404,7 @@ class Replica:
             if not pending:
                 return
             try:
-                with self._section():  # in small chunks: lookups wait one chunk at most
+                with self.section():  # in small chunks: lookups wait one chunk at most
                     self.store.flush(BACKGROUND_FLUSH_CHUNK_BYTES, BACKGROUND_FLUSH_PAUSE_S)
                 for (data_id, table), cursor in pending.items():
                     key = CURSOR_PREFIX + f"{data_id}/{table}".encode()
@@ -607,7 +606,7 @@ class ShardFollower:
             self._begin_resync(name)
         keys = np.frombuffer(batch.keys, dtype="<i8")
         removed = np.frombuffer(batch.removed, dtype="<i8")
-        with self.replica._section():
+        with self.replica.section():
             if keys.size:
                 values = np.frombuffer(batch.values, dtype="<f4").reshape(keys.size, -1)
                 table.assign(keys, values)
@@ -648,7 +647,7 @@ class ShardFollower:
             return
         received = np.unique(np.concatenate(resync.received)) if resync.received else None
         removed = 0
-        with self.replica._section():
+        with self.replica.section():
             for keys, _ in table.export():
                 owners = key_shards(table.config, keys, self.training_shards)
                 mine = keys[owners == self.training_shard]

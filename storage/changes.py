@@ -142,17 +142,16 @@ class ChangeJournal:
         self._keys[first:stop] = [merged]
         self._merged = True
 
-    def valid(self, cursor: Cursor) -> bool:
-        """Whether changes since cursor can be told: same journal, not older than what is
-        held, not beyond the head."""
-        with self._lock:
-            return cursor.journal == self.id and self.oldest <= cursor.position <= self.head
+    def _answers(self, cursor: Cursor) -> bool:
+        """Whether changes since cursor can be told (under the lock): same journal, not
+        older than what is held, not beyond the head."""
+        return cursor.journal == self.id and self.oldest <= cursor.position <= self.head
 
     def since(self, cursor: Cursor) -> tuple[np.ndarray, Cursor] | None:
         """(the distinct keys, ascending, changed after cursor; the cursor at the head), or
         None where cursor is not valid here (another journal, or older than what is held)."""
         with self._lock:
-            if not (cursor.journal == self.id and self.oldest <= cursor.position <= self.head):
+            if not self._answers(cursor):
                 return None
             head = Cursor(self.id, self.head)
             if cursor.position == self.head:

@@ -319,7 +319,7 @@ class EmbeddingTable:
         """Full rows float32 [n, stored_width] of keys >= 0 (int64 [n]) as the tiers hold
         them now (weights, optimizer state, step stamp), with each row's RowOrigin: what an
         evaluation lookup would read, storing, promoting and sighting nothing (a tier's find
-        still counts its hits and refreshes recency). For tests and debugging."""
+        still counts its hits and refreshes recency): read_stored, tests and debugging."""
         keys = as_keys(f"{self.where}: peek", keys)
         with self._lock:
             initialized = self.initialized
@@ -863,12 +863,7 @@ class EmbeddingTable:
         """(the keys of distinct keys >= 0 that have a stored row, those rows float32
         [k, stored_width] as the tiers hold them now, the keys without one), storing,
         promoting and sighting nothing, as peek."""
-        with self._lock:
-            initialized = self.initialized
-            try:
-                gathered = self._gather(keys, sight=False)
-            finally:
-                self.initialized = initialized
+        gathered = self.peek(keys)
         held = gathered.origin == _TIER
         return keys[held], gathered.rows[held], keys[~held]
 

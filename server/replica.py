@@ -63,7 +63,7 @@ from tierps.server.status import refusal, status_of
 from tierps.storage import EmbeddingStore
 from tierps.storage.changes import Cursor
 from tierps.storage.snapshot_catalog import list_snapshots
-from tierps.storage.snapshot_chain import open_chain, table_links
+from tierps.storage.snapshot_chain import open_chain, shard_rows
 from tierps.storage.table import EmbeddingTable
 
 log = logging.getLogger("tierps.server")
@@ -250,8 +250,8 @@ class Replica:
 
     def seed_from_snapshot(self, root: Path) -> str | None:
         """Take the newest complete snapshot chain under root, if any: create its tables as
-        the replica keeps them, put its rows of this shard's keys link by link (tombstones
-        removed), and note each training shard's cursor at the cut (`seeded`) for the
+        the replica keeps them, put its rows of this shard's keys as the chain resolves them,
+        and note each training shard's cursor at the cut (`seeded`) for the
         streams to ask from. Returns the snapshot's name (None: none there)."""
         complete = [info for info in list_snapshots(root) if info["complete"]]
         if not complete:
@@ -263,21 +263,20 @@ class Replica:
             table = self.table_for(table_config_to_proto(config.to_dict()))
             if table is None:  # not followed (adaptive)
                 continue
-            for link in table_links(chain, name):
-                for keys, values, _ in link.rows_for_shard(name, self.shard_id, self.num_shards):
-                    if self._stop.is_set():
-                        return None
+            # the chain's rows of this shard's keys as its links resolve them (tombstones
+            # applied): the one reading of a chain a compare-path snapshot uses too
+            for keys, values, _ in shard_rows(chain, name, self.shard_id, self.num_shards):
+                if self._stop.is_set():
+                    return None
+                if keys.size:
                     with self.section():
                         table.assign(keys, values[:, : config.dim])
                     rows += keys.size
-                gone = link.tombstones_for_shard(name, self.shard_id, self.num_shards)
-                if gone.size:
-                    with self.section():
-                        table.remove(gone)
             parts = chain[0].tables[name]["parts"]
-            for index, part in enumerate(parts):
+            for part in parts:
                 if part.get("cursor"):
-                    self.seeded.setdefault((len(parts), index), {})[name] = part["cursor"]
+                    where = (len(parts), int(part["shard_id"]))
+                    self.seeded.setdefault(where, {})[name] = part["cursor"]
         log.info(
             "%s: started from snapshot %r (chain %s): %d rows of this shard's keys in %.1f s; "
             "the training shards send the changes since its cut",

@@ -78,6 +78,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tests.bench.cpu_time import children_cpu_s
 from tierps.client import EmbeddingClient
 from tierps.demo import data, training
 from tierps.demo.deepfm import DEFAULT_HIDDEN, DeepFM, SparseOptimizer, initial_weights
@@ -449,16 +450,8 @@ def cpu_seconds(shards_parent: int | None = None) -> dict[str, float]:
     processes whose parent is `shards_parent`, by default this process; read from /proc, 0
     where there is no /proc)."""
     main, process = time.thread_time(), time.process_time()
-    shards = 0.0
-    me, tick = os.getpid(), os.sysconf("SC_CLK_TCK")
-    parent = me if shards_parent is None else shards_parent
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = entry.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited meanwhile
-        if int(fields[1]) == parent and int(entry.parent.name) != me:  # ppid
-            shards += (int(fields[11]) + int(fields[12])) / tick  # utime + stime, in ticks
+    parent = os.getpid() if shards_parent is None else shards_parent
+    shards = children_cpu_s(parent)
     return {"trainer_main_thread": main, "trainer_other_threads": process - main, "shards": shards}
 
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from tests.bench.cpu_time import process_cpu_s
 from tierps.client import EmbeddingClient
 from tierps.server.cluster import LocalCluster
 from tierps.storage import TableConfig, optim
@@ -129,16 +130,6 @@ def follow(replica: LocalCluster, on: bool) -> None:
     for pid in replica.pids:
         if pid is not None:
             os.kill(pid, signal.SIGCONT if on else signal.SIGSTOP)
-
-
-def process_cpu_s(pids: list[int | None]) -> float:
-    """CPU seconds (user + system) the processes used so far, from /proc."""
-    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
-    for pid in pids:
-        if pid is not None:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
 
 
 def deepfm_samples_per_s(addresses: list[str], dataset: Any, epoch: int) -> tuple[float, int]:

@@ -40,6 +40,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from tests.bench.cpu_time import process_cpu_s
 from tests.bench.echo_server import echo_call, initial_rows, raw_calls
 from tierps.client import EmbeddingClient, routing
 from tierps.proto import wire
@@ -442,12 +443,6 @@ def _client_loop(address: str, table: str, keys: np.ndarray, calls: int, start: 
             client.push_gradients(table, keys, grads)
 
 
-def _cpu_seconds(pid: int) -> float:
-    """CPU time (user + system) a process has used, every thread of it (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def concurrency(root: Path, batch: int = 65536, dim: int = 64, calls: int = 12) -> dict:
     """Calls per second of one shard serving one client process, then two at once (each on
     its own table): a shard on more than one core serves two at close to twice the rate,
@@ -485,12 +480,12 @@ def concurrency(root: Path, batch: int = 65536, dim: int = 64, calls: int = 12) 
                 process.start()
             time.sleep(3.0)  # every client connected and warm
             shard_pid = cluster._processes[0].pid  # type: ignore[union-attr]
-            cpu_before, started = _cpu_seconds(shard_pid), time.perf_counter()
+            cpu_before, started = process_cpu_s([shard_pid]), time.perf_counter()
             start.set()
             for process in processes:
                 process.join()
             elapsed = time.perf_counter() - started
-            cores = (_cpu_seconds(shard_pid) - cpu_before) / elapsed
+            cores = (process_cpu_s([shard_pid]) - cpu_before) / elapsed
             rate = clients * calls * 2 / elapsed  # a lookup and a push per round
             out.setdefault(f"{clients}_clients_calls_per_s", []).append(rate)
             out.setdefault(f"{clients}_clients_shard_cores", []).append(cores)

@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from tests.bench import bench_deepfm as bench
+from tests.bench.cpu_time import process_cpu_s
 from tierps.client import EmbeddingClient, pooled_lookup, push_then_lookup, routing, transport
 from tierps.client import torch as client_torch
 from tierps.client.pushes import Pushes
@@ -294,10 +295,8 @@ def cpu_now(pids: list[int]) -> dict[str, float]:
     """CPU seconds so far: this thread, this process's other threads, each shard."""
     main, process = time.thread_time(), time.process_time()
     out = {"trainer main thread": main, "trainer other threads": process - main}
-    tick = os.sysconf("SC_CLK_TCK")
     for index, pid in enumerate(pids):
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        out[f"shard {index}"] = (int(fields[11]) + int(fields[12])) / tick
+        out[f"shard {index}"] = process_cpu_s([pid])
     return out
 
 

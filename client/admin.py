@@ -26,7 +26,6 @@ from tierps.proto.convert import table_config_to_dict, table_config_to_proto
 from tierps.proto.wire import (
     APPLIED_TABLES_HEADER,
     PUSHED_HEADER,
-    SNAPSHOT_DIFFS_HEADER,
     channel_options,
 )
 
@@ -455,20 +454,16 @@ class ClusterAdmin:
         self,
         calls: Callable[[int, pb_grpc.AdminServiceStub], Iterator[pb.SnapshotProgress]],
         progress: Progress | None,
-        trailers: list[dict[str, str]] | None = None,
     ) -> list[pb.SnapshotProgress]:
         """Run a progress-streaming call on every shard; report summed progress, from the
         moment every shard has reported (so the total does not grow as shards start); return
-        each shard's last message (and, into trailers, each shard's trailing metadata)."""
+        each shard's last message."""
         lock = threading.Lock()
         figures: list[tuple[int, int] | None] = [None] * len(self.addresses)
-        if trailers is not None:
-            trailers[:] = [{} for _ in self.addresses]
 
         def follow(shard_id: int, stub: pb_grpc.AdminServiceStub) -> pb.SnapshotProgress:
             last = None
-            call = calls(shard_id, stub)
-            for last in call:
+            for last in calls(shard_id, stub):
                 with lock:
                     figures[shard_id] = (last.rows_done, last.rows_total)
                     if progress is not None and None not in figures:
@@ -480,8 +475,6 @@ class ClusterAdmin:
                     grpc.StatusCode.UNKNOWN,
                     "the progress stream ended before it said done",
                 )
-            if trailers is not None:
-                trailers[shard_id] = dict(getattr(call, "trailing_metadata", lambda: ())() or ())
             return last
 
         return self._each(follow)
@@ -502,9 +495,8 @@ class ClusterAdmin:
             name=name, phase=pb.SAVE_PHASE_WRITE_PART, save_id=save_id, base=base or ""
         )
         commit = pb.SaveSnapshotRequest(name=name, phase=pb.SAVE_PHASE_COMMIT, save_id=save_id)
-        trailers: list[dict[str, str]] = []
         try:
-            parts = self._stream(lambda i, stub: stub.SaveSnapshot(part), progress, trailers)
+            parts = self._stream(lambda i, stub: stub.SaveSnapshot(part), progress)
             last = self._on(
                 0, lambda i, stub: list(stub.SaveSnapshot(commit, timeout=self.timeout_s))
             )[-1]
@@ -517,7 +509,7 @@ class ClusterAdmin:
             "path": last.path,
             "evicted": sum(p.rows_evicted for p in parts),  # evict_before_snapshot's rows
             "base": base or "",
-            "diffs": [json.loads(t.get(SNAPSHOT_DIFFS_HEADER, "{}")) for t in trailers],
+            "diffs": [dict(p.diffs) for p in parts],
         }
 
     def load_snapshot(self, name: str, *, progress: Progress | None = None) -> dict[str, Any]:

@@ -333,20 +333,29 @@ class LoadSnapshotRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class SnapshotProgress(_message.Message):
-    __slots__ = ("rows_done", "rows_total", "rows_kept", "done", "path", "rows_evicted")
+    __slots__ = ("rows_done", "rows_total", "rows_kept", "done", "path", "rows_evicted", "diffs")
+    class DiffsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ROWS_DONE_FIELD_NUMBER: _ClassVar[int]
     ROWS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ROWS_KEPT_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     ROWS_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    DIFFS_FIELD_NUMBER: _ClassVar[int]
     rows_done: int
     rows_total: int
     rows_kept: int
     done: bool
     path: str
     rows_evicted: int
-    def __init__(self, rows_done: _Optional[int] = ..., rows_total: _Optional[int] = ..., rows_kept: _Optional[int] = ..., done: _Optional[bool] = ..., path: _Optional[str] = ..., rows_evicted: _Optional[int] = ...) -> None: ...
+    diffs: _containers.ScalarMap[str, str]
+    def __init__(self, rows_done: _Optional[int] = ..., rows_total: _Optional[int] = ..., rows_kept: _Optional[int] = ..., done: _Optional[bool] = ..., path: _Optional[str] = ..., rows_evicted: _Optional[int] = ..., diffs: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ListSnapshotsRequest(_message.Message):
     __slots__ = ()

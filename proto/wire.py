@@ -43,10 +43,6 @@ PUSHED_HEADER = "tierps-pushed"
 # failure between two of its tables): the tables applied there, as a JSON list. The same call
 # (the same push id) sent again applies only the others.
 APPLIED_TABLES_HEADER = "tierps-applied-tables"
-# gRPC trailing metadata of an incremental snapshot's part (SaveSnapshot, write phase): how
-# each table's changed rows were found on that shard, as a JSON object (table -> "journal",
-# "compare" or "all"; storage/snapshot_format.py's DIFFS).
-SNAPSHOT_DIFFS_HEADER = "tierps-snapshot-diffs"
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:

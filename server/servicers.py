@@ -165,6 +165,7 @@ def _progress(progress: Progress) -> pb.SnapshotProgress:
         done=progress.done,
         path=progress.path,
         rows_evicted=progress.rows_evicted,
+        diffs=progress.diffs,
     )
 
 
@@ -410,9 +411,6 @@ class AdminServicer(_Servicer, pb_grpc.AdminServiceServicer):
                 field="phase",
             )
         for progress in run_to_completion(phases[request.phase](), name="save-snapshot"):
-            if progress.done and progress.diffs:
-                diffs = json.dumps(progress.diffs)
-                context.set_trailing_metadata(((wire.SNAPSHOT_DIFFS_HEADER, diffs),))
             yield _progress(progress)
 
     @rpc

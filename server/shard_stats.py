@@ -85,8 +85,9 @@ def describe_table(
 
 
 def skipped_table(config: TableConfig, shard_id: int, num_shards: int) -> dict[str, Any]:
-    """A table a replica does not follow (adaptive: server/replica.py), as Stats tells it:
-    the training table's config, no rows, lifecycle "replica.skipped" = 1."""
+    """A table a replica does not follow (server/replica.py: adaptive, or placed whole on a
+    shard its cluster lacks), as Stats tells it: the training table's config, no rows,
+    lifecycle "replica.skipped" = 1."""
     return {
         "config": config,
         "shard_id": shard_id,

@@ -620,11 +620,30 @@ class _Replica:
 
         self.cluster.start()
         self.reader = EmbeddingClient(self.cluster.addresses, security=self.client.security)
+        self._wait_for_tables(timeout_s=60.0)
         self.model = build_tierps_model(
             self.reader, self.dataset, dim=self.args.dim, seed=self.args.seed
         )
         print(f"replica serving at {', '.join(self.cluster.addresses)}, following the cluster")
         return self
+
+    def _wait_for_tables(self, timeout_s: float) -> None:
+        """Until the replica has created every table of the cluster: it learns them from its
+        first rounds of the change streams, which may come after it answers as serving."""
+        assert self.reader is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            held = {config.name for config in self.reader.list_tables()}
+            missing = sorted(set(self.tables) - held)
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the replica at {', '.join(self.cluster.addresses)} holds "
+                    f"{sorted(held) or 'no tables'} after {timeout_s:.0f} s; expected "
+                    f"{sorted(self.tables)} (missing {missing})"
+                )
+            time.sleep(0.05)
 
     def __exit__(self, *exc_info: object) -> None:
         try:

@@ -251,6 +251,7 @@ class Shard:
         return self._table_threads.each(
             lambda item: item[0].lookup(item[1].keys, create=item[1].create, out=item[2]),
             list(zip(targets, batches, outs, strict=True)),
+            values=sum(len(batch.keys) * batch.dim for batch in batches),
         )
 
     def push_gradients(
@@ -323,6 +324,7 @@ class Shard:
         if not checked:
             return
         tables = [item[0] for item in checked]
+        values = sum(len(keys) * table.config.dim for table, keys, *_ in checked)
         begun: dict[int, Any] = {}
         try:
             for index in sorted(range(len(checked)), key=lambda i: tables[i].config.name):
@@ -330,11 +332,12 @@ class Shard:
             stores = self._push_threads.each(
                 lambda index: tables[index].prepare_push(begun[index], *checked[index][1:3]),
                 list(range(len(checked))),
+                values,
             )
         except BaseException as error:
             _end_pushes(tables, {index: error for index in begun}, begun)
             raise
-        outcomes = self._push_threads.outcomes(lambda store: store(), stores)
+        outcomes = self._push_threads.outcomes(lambda store: store(), stores, values)
         errors = {i: o for i, o in enumerate(outcomes) if isinstance(o, BaseException)}
         _end_pushes(tables, {i: errors.get(i) for i in begun}, begun)
         stored = {tables[i].config.name: n for i, n in enumerate(outcomes) if i not in errors}

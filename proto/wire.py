@@ -12,6 +12,7 @@ what protobuf's SerializeToString writes (tests/integration/test_client_wire.py 
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -105,7 +106,7 @@ def stream_bytes(
     push_requests (third = step) or assign_requests (third 0) make for `keys` keys with
     row_bytes of rows each: what a client declares before streaming them. Closed form over
     _row_spans: every span but the last holds `step` keys."""
-    header = _nbytes(_request_pieces(table, dim, third, ()))
+    header = _request_pieces(table, dim, third, ())[1]
 
     def message(rows: int) -> int:
         return header + sum(
@@ -130,7 +131,12 @@ def join_values(responses: Iterable[pb.LookupResponse]) -> bytes:
 _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
 
 
+_ONE_BYTE = [bytes((value,)) for value in range(0x80)]  # a varint below 128 is its byte
+
+
 def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return _ONE_BYTE[value]
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -139,6 +145,7 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+@functools.cache
 def _tag(field: int, wire_type: int) -> bytes:
     return _varint(field << 3 | wire_type)
 
@@ -159,6 +166,8 @@ Unfilled = int  # a bulk field given by its size in bytes, for the caller to fil
 
 
 def _size(piece: Buffer | Unfilled) -> int:
+    if type(piece) is bytes:  # the most of a request's pieces: tags, lengths, names
+        return len(piece)
     if isinstance(piece, int):
         return piece
     return piece.nbytes if isinstance(piece, np.ndarray | memoryview) else len(piece)
@@ -175,15 +184,21 @@ def _nbytes(pieces: list[Buffer | Unfilled]) -> int:
 
 def _request_pieces(
     table: str, dim: int, third: int, bulk: tuple[Buffer | Unfilled, ...]
-) -> list[Buffer | Unfilled]:
+) -> tuple[list[Buffer | Unfilled], int]:
     """The pieces of one LookupRequest (third = create, bulk = keys) or PushGradientsRequest
-    (third = step, bulk = keys, grads): fields 1 table, 2 dim, 3 create/step, 4.. bulk."""
+    (third = step, bulk = keys, grads), and their bytes: fields 1 table, 2 dim, 3
+    create/step, 4.. bulk."""
     name = table.encode()
-    pieces: list[Buffer | Unfilled] = [_length_field(1, len(name)), name] if name else []
-    pieces += [_scalar_field(2, dim), _scalar_field(3, third)]
+    header = (_length_field(1, len(name)) + name if name else b"") + (
+        _scalar_field(2, dim) + _scalar_field(3, third)
+    )
+    pieces: list[Buffer | Unfilled] = [header]
+    size = len(header)
     for number, value in enumerate(bulk, start=4):
-        pieces += _bytes_field(number, value)
-    return pieces
+        field = _bytes_field(number, value)
+        pieces += field
+        size += sum(_size(piece) for piece in field)
+    return pieces, size
 
 
 def encode_batches(batches: list[tuple[str, int, int, tuple[Buffer, ...]]]) -> bytes:
@@ -192,18 +207,22 @@ def encode_batches(batches: list[tuple[str, int, int, tuple[Buffer, ...]]]) -> b
     little-endian) are copied once, into the result."""
     return b"".join(
         memoryview(p).cast("B") if isinstance(p, np.ndarray) else p
-        for p in _batches_pieces(batches)
+        for p in _batches_pieces(batches)[0]
     )
 
 
 def _batches_pieces(
     batches: list[tuple[str, int, int, tuple[Buffer | Unfilled, ...]]],
-) -> list[Buffer | Unfilled]:
+) -> tuple[list[Buffer | Unfilled], int]:
+    """The pieces of a LookupBatches or PushGradientsBatches message, and their bytes."""
     pieces: list[Buffer | Unfilled] = []
+    total = 0
     for table, dim, third, bulk in batches:
-        inner = _request_pieces(table, dim, third, bulk)
-        pieces += [_length_field(1, _nbytes(inner)), *inner]
-    return pieces
+        inner, size = _request_pieces(table, dim, third, bulk)
+        head = _length_field(1, size)
+        pieces += [head, *inner]
+        total += len(head) + size
+    return pieces, total
 
 
 def encode_batches_in_place(
@@ -215,7 +234,7 @@ def encode_batches_in_place(
     bytes; see _new_bytes for why writing into new bytes is safe), the bytes are
     encode_batches' for those buffers, byte for byte. A push gathers its gradients
     straight into them: one copy, no join."""
-    data, views = _in_place(_batches_pieces(batches))
+    data, views = _in_place(_batches_pieces(batches)[0])
     return data, _per_batch(batches, views)
 
 
@@ -228,12 +247,15 @@ def encode_push_then_lookup_in_place(
     encode_batches_in_place leaves them: (the message's bytes, per push batch a writable
     uint8 view of each bulk field of positive size). The lookup's keys are copied in here.
     Both fields are written even when empty, as protobuf writes a submessage that is set."""
-    push_pieces, lookup_pieces = _batches_pieces(push), _batches_pieces(lookup)
+    (push_pieces, push_bytes), (lookup_pieces, lookup_bytes) = (
+        _batches_pieces(push),
+        _batches_pieces(lookup),
+    )
     data, views = _in_place(
         [
-            _length_field(1, _nbytes(push_pieces)),
+            _length_field(1, push_bytes),
             *push_pieces,
-            _length_field(2, _nbytes(lookup_pieces)),
+            _length_field(2, lookup_bytes),
             *lookup_pieces,
         ]
     )
@@ -255,6 +277,7 @@ def _per_batch(
 def _in_place(pieces: list[Buffer | Unfilled]) -> tuple[bytes, list[np.ndarray]]:
     """The bytes of these pieces joined, with each Unfilled piece left for the caller to
     fill: (the bytes, a writable uint8 view of each Unfilled piece, in order)."""
+    pieces = _runs_joined(pieces)
     total = _nbytes(pieces)
     if total < 2:  # nothing to fill (and b"" is a shared object: never filled)
         return b"".join(p for p in pieces if not isinstance(p, int)), [
@@ -271,6 +294,25 @@ def _in_place(pieces: list[Buffer | Unfilled]) -> tuple[bytes, list[np.ndarray]]
             memory[at : at + size] = np.frombuffer(piece, np.uint8)
         at += size
     return data, views
+
+
+def _runs_joined(pieces: list[Buffer | Unfilled]) -> list[Buffer | Unfilled]:
+    """The pieces with each run of bytes pieces (tags, lengths, names, scalars) joined into
+    one: a request of 8 tables has some 70 of them, and a copy each into numpy costs more
+    than the join."""
+    joined: list[Buffer | Unfilled] = []
+    run: list[bytes] = []
+    for piece in pieces:
+        if isinstance(piece, bytes):
+            run.append(piece)
+            continue
+        if run:
+            joined.append(b"".join(run))
+            run = []
+        joined.append(piece)
+    if run:
+        joined.append(b"".join(run))
+    return joined
 
 
 def lookup_reply(

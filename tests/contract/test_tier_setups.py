@@ -112,6 +112,25 @@ GPU_SETUPS = {
     "gpu_steps": dict(gpu_cache_bytes=-8, host_cache_bytes=-20, steps_to_live=10_000),
 }
 OPTIMIZERS = each()  # one of every registered optimizer
+# The fast loop (-m "not slow") runs every set-up with SGD and Adam, and every optimizer on
+# one set-up of each kind; the default run, all of them.
+FAST_OPTIMIZERS = ("sgd", "adam")
+
+
+def setup_by_optimizer(setups: list[str], every_optimizer_on: str) -> list[pytest.param]:
+    """Each (set-up, optimizer) pair, those outside the fast loop's share marked slow."""
+    return [
+        pytest.param(
+            setup,
+            optimizer,
+            id=f"{setup}-{optimizer.kind}",
+            marks=()
+            if optimizer.kind in FAST_OPTIMIZERS or setup == every_optimizer_on
+            else pytest.mark.slow,
+        )
+        for setup in setups
+        for optimizer in OPTIMIZERS
+    ]
 
 
 def make_config(setup: str, optimizer: optim.Optimizer) -> TableConfig:
@@ -173,8 +192,7 @@ def assert_same_rows(table, reference: ReferenceTable) -> None:
         np.testing.assert_allclose(stored[key], row, atol=1e-6, err_msg=f"key {key}")
 
 
-@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=kind_id)
-@pytest.mark.parametrize("setup", list(SETUPS))
+@pytest.mark.parametrize(("setup", "optimizer"), setup_by_optimizer(list(SETUPS), "tiny"))
 def test_setup_matches_unbounded_reference(
     tmp_path: Path, setup: str, optimizer: optim.Optimizer
 ) -> None:
@@ -204,8 +222,9 @@ def test_setup_matches_unbounded_reference(
 
 
 @pytest.mark.parametrize("arrays", ["numpy", "cupy"])
-@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=kind_id)
-@pytest.mark.parametrize("setup", list(GPU_SETUPS))
+@pytest.mark.parametrize(
+    ("setup", "optimizer"), setup_by_optimizer(list(GPU_SETUPS), "gpu_tiny_host_tiny")
+)
 def test_gpu_setup_matches_unbounded_reference(
     tmp_path: Path, setup: str, optimizer: optim.Optimizer, arrays: str
 ) -> None:

@@ -65,7 +65,12 @@ def table_name(*parts: object) -> str:
     return "-".join(str(p) for p in (*parts, next(_names)))
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}-shards")
+# 3 shards in the default run; the fast loop (-m "not slow") takes 1 and 2
+@pytest.fixture(
+    scope="module",
+    params=[1, 2, pytest.param(3, marks=pytest.mark.slow)],
+    ids=lambda n: f"{n}-shards",
+)
 def client(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EmbeddingClient]:

@@ -36,7 +36,7 @@ from typing import Any
 
 from tests.bench.cpu_time import process_cpu_s
 
-PROFILED_THREADS = ("tierps-rpc", "tierps-table")
+PROFILED_THREADS = ("tierps-rpc", "tierps-table", "tierps-push", "Thread-")  # Thread-N (_serve): gRPC's loop
 
 
 def serve(shard_id: int, num_shards: int, root: Path, top: int, profiled: bool) -> None:

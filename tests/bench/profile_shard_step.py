@@ -36,7 +36,8 @@ from typing import Any
 
 from tests.bench.cpu_time import process_cpu_s
 
-PROFILED_THREADS = ("tierps-rpc", "tierps-table", "tierps-push", "Thread-")  # Thread-N (_serve): gRPC's loop
+# tierps' RPC and table pools, and gRPC's serve loop ("Thread-N (_serve)")
+PROFILED_THREADS = ("tierps-rpc", "tierps-table", "tierps-push", "Thread-")
 
 
 def serve(shard_id: int, num_shards: int, root: Path, top: int, profiled: bool) -> None:

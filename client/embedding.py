@@ -48,7 +48,11 @@ from tierps.client.routing import Router, distinct_live, key_and_row_bytes
 from tierps.client.security import ChannelSecurity
 from tierps.client.transport import ClusterLink, Transport
 from tierps.core.config import TableConfig
-from tierps.core.errors import FailedPreconditionError, TableNotFoundError
+from tierps.core.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    TableNotFoundError,
+)
 from tierps.proto import wire
 
 if TYPE_CHECKING:  # torch is imported only by a call that pools on a torch device
@@ -110,6 +114,7 @@ class EmbeddingClient(ClusterAdmin):
             self._learn_lives,
             self._know_generations,
             self._relearn_generations,
+            self._forget_table,
         )
         self._transport = Transport(
             link,
@@ -221,12 +226,17 @@ class EmbeddingClient(ClusterAdmin):
 
     def drop_table(self, name: str) -> None:
         self._in_flight.wait([name])
+        self._forget_table(name)
+        super().drop_table(name)
+
+    def _forget_table(self, name: str) -> None:
+        """Forget what this client learned of a table (its config, generations and step),
+        to learn it again at its next call: the table was dropped, or created again."""
         with self._lock:
             self._configs.pop(name, None)
             for known in self._generations:
                 known.pop(name, None)
         self._pushes.forget(name)
-        super().drop_table(name)
 
     def table_config(self, name: str) -> TableConfig:
         """The config of a table (asked of shard 0 once, then remembered)."""
@@ -252,6 +262,27 @@ class EmbeddingClient(ClusterAdmin):
         keys = as_array(where, "keys", keys)
         flat = to_bags(where, keys.reshape(-1, 1)).keys
         return where, keys, flat, self.table_config(table).dim
+
+    def _rows_given(
+        self, table: str, where: str, field: str, values: Any, shape: tuple[int, ...], dim: int
+    ) -> tuple[np.ndarray, int]:
+        """A call's rows [*shape, dim] as float32 [n, dim], and the dim. Rows that do not fit
+        the dim this client knows have it ask the cluster once: the table may have been
+        created again with another dim, which is then the one they are checked against."""
+        expected = "[*keys.shape, dim]"
+        try:
+            return float_array(where, field, values, (*shape, dim), expected).reshape(-1, dim), dim
+        except InvalidArgumentError:
+            with self._lock:
+                self._configs.pop(table, None)
+            config = self.table_config(table)
+            if config.dim == dim:
+                raise
+            self._forget_table(table)  # created again: its generations and step are new too
+            with self._lock:
+                self._configs[table] = config
+            rows = float_array(where, field, values, (*shape, config.dim), expected)
+            return rows.reshape(-1, config.dim), config.dim
 
     def lookup(
         self, table: str, keys: Any, *, create: bool = True, copy: bool = True
@@ -281,8 +312,7 @@ class EmbeddingClient(ClusterAdmin):
         (from 1) feeds Adam's bias correction; left out, it counts this client's pushes to
         the table. Returns the number of distinct keys updated."""
         where, keys, flat, dim = self._dense_call(table, keys)
-        shape = (*keys.shape, dim)
-        grads = float_array(where, "grads", grads, shape, "[*keys.shape, dim]").reshape(-1, dim)
+        grads, dim = self._rows_given(table, where, "grads", grads, keys.shape, dim)
         if distinct_live(flat):  # pushed as given: no sums
             return self.push_unique({table: (flat, grads)}, step)
         unique, inverse = distinct_keys(flat)
@@ -294,8 +324,7 @@ class EmbeddingClient(ClusterAdmin):
         """Set the weights [*keys.shape, dim] of keys and reset their optimizer state.
         Where a key repeats, its last value wins; keys < 0 are ignored."""
         where, keys, flat, dim = self._dense_call(table, keys)
-        shape = (*keys.shape, dim)
-        values = float_array(where, "values", values, shape, "[*keys.shape, dim]").reshape(-1, dim)
+        values, dim = self._rows_given(table, where, "values", values, keys.shape, dim)
         self._in_flight.wait([table])
         last = flat.size - 1 - np.unique(flat[::-1], return_index=True)[1]
         last = last[flat[last] >= 0]

@@ -20,6 +20,7 @@ import numpy as np
 
 from tierps.client.admin import ShardError, too_large_for_one_message
 from tierps.client.routing import Batch, Router, key_and_row_bytes, place_rows, reply_bytes
+from tierps.core.errors import Reason
 from tierps.proto import tierps_service_pb2 as pb
 from tierps.proto import tierps_service_pb2_grpc as pb_grpc
 from tierps.proto import wire
@@ -43,6 +44,9 @@ class ClusterLink:
     # know_generations(shard, tables): the generations of the shard's tables, as known
     know_generations: Callable[[int, list[str]], dict[str, int]]
     relearn_generations: Callable[[int], None]  # ask a shard its generations again
+    # forget_config(table): a shard refused the dim this client sent for the table (it was
+    # created again with another): learn its config again at the next call
+    forget_config: Callable[[str], None]
 
 
 class Transport:
@@ -300,6 +304,25 @@ class Transport:
 
     # -- the fan-out -----------------------------------------------------------------------------
 
+    def _stale_config(self, error: ShardError) -> ShardError:
+        """A refusal of the dim this client sent for a table: the table was created again
+        with another dim since the client learned its config. The client forgets it, so
+        that its next call learns it again; the refusal says so."""
+        table = error.facts.get("table", "")
+        self.link.forget_config(table)
+        told = ShardError(
+            error.shard_id,
+            error.address,
+            error.code,
+            f"{error.details} (table {table!r} was created again with dim "
+            f"{error.facts.get('expected', '?')} since this client learned it: the client "
+            f"learns its config again at its next call)",
+            error.reason,
+            error.facts,
+        )
+        told.applied_tables = error.applied_tables
+        return told
+
     def fan_out(self, calls: list[tuple[int, Work]], call: Callable[[int, Work], Any]) -> list[Any]:
         """call(shard, work) for every call (work: its batches, or what the caller pairs
         with the shard), all at once but at most PIECES_AT_ONCE to one shard: a shard's
@@ -339,6 +362,9 @@ class Transport:
             wait(futures)
         for future in futures:
             future.result()  # raises what a lane raised other than a ShardError (a bug)
+        for index, outcome in enumerate(outcomes):
+            if isinstance(outcome, ShardError) and _refused_dim(outcome):
+                outcomes[index] = self._stale_config(outcome)
         failures = [outcome for outcome in outcomes if isinstance(outcome, ShardError)]
         if failures:
             # a shard counts only if every one of its calls went through (a part of more
@@ -352,6 +378,11 @@ class Transport:
             failures[0].failed = sorted(failed)
             raise failures[0]
         return outcomes
+
+
+def _refused_dim(error: ShardError) -> bool:
+    """Whether a shard refused the dim a call sent for a table (not the table's)."""
+    return error.reason is Reason.INVALID_ARGUMENT and error.facts.get("field") == "dim"
 
 
 def push_request(

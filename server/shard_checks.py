@@ -31,7 +31,10 @@ class RequestChecks:
         if dim != table.config.dim:
             raise InvalidArgumentError(
                 f"table {name!r} on {self.where}: field 'dim' expected {table.config.dim} "
-                f"(the table's), got {dim}"
+                f"(the table's), got {dim}",
+                table=name,
+                field="dim",
+                expected=table.config.dim,
             )
         return table
 

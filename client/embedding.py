@@ -99,6 +99,9 @@ class EmbeddingClient(ClusterAdmin):
             )
         super().__init__(addresses, timeout_s=timeout_s, retry=retry, security=security)
         self._configs: dict[str, TableConfig] = {}
+        # the dim of each table as this client last learned it, kept when _configs forgets
+        # it: a shard's refusal of that dim means the table was created again
+        self._known_dims: dict[str, int] = {}
         self._lock = threading.Lock()
         self._in_flight = PendingPushes()
         # The parts call back this client's public methods late bound (lambda), so that a
@@ -114,7 +117,7 @@ class EmbeddingClient(ClusterAdmin):
             self._learn_lives,
             self._know_generations,
             self._relearn_generations,
-            self._forget_table,
+            self._forget_stale_config,
         )
         self._transport = Transport(
             link,
@@ -213,8 +216,7 @@ class EmbeddingClient(ClusterAdmin):
                 f"creates; use assign to set the rows of an existing table"
             )
         created = super().create_table(config)
-        with self._lock:
-            self._configs[config.name] = config
+        self._learn([config])
         if rows is not None:
             if not created:  # another client created it after the check above
                 raise FailedPreconditionError(
@@ -228,6 +230,26 @@ class EmbeddingClient(ClusterAdmin):
         self._in_flight.wait([name])
         self._forget_table(name)
         super().drop_table(name)
+
+    def _learn(self, configs: Iterable[TableConfig]) -> None:
+        """Remember these tables' configs (and their dims, kept when a config is forgotten)."""
+        with self._lock:
+            for config in configs:
+                self._configs[config.name] = config
+                self._known_dims[config.name] = config.dim
+
+    def _forget_stale_config(self, name: str, expected: int, got: int) -> bool:
+        """A shard refused the dim `got` for a table whose dim is `expected`. Where `got` is
+        the dim this client knew (its calls sent it), the table was created again since:
+        forget what the client knew of it, to learn it again (True; also for the other
+        shards' refusals of the same calls, the config already forgotten). Else the caller's
+        own rows had another dim: nothing changes (False)."""
+        with self._lock:
+            known = self._known_dims.get(name)
+        if got == expected or known != got:
+            return False
+        self._forget_table(name)
+        return True
 
     def _forget_table(self, name: str) -> None:
         """Forget what this client learned of a table (its config, generations and step),
@@ -244,8 +266,7 @@ class EmbeddingClient(ClusterAdmin):
             if name in self._configs:
                 return self._configs[name]
         configs = {config.name: config for config in self.list_tables()}
-        with self._lock:
-            self._configs.update(configs)
+        self._learn(configs.values())
         if name not in configs:
             known = ", ".join(sorted(configs)) or "none"
             raise TableNotFoundError(
@@ -279,8 +300,7 @@ class EmbeddingClient(ClusterAdmin):
             if config.dim == dim:
                 raise
             self._forget_table(table)  # created again: its generations and step are new too
-            with self._lock:
-                self._configs[table] = config
+            self._learn([config])
             rows = float_array(where, field, values, (*shape, config.dim), expected)
             return rows.reshape(-1, config.dim), config.dim
 

@@ -117,7 +117,7 @@ class PushThenLookup:
                     pushed.add(shard)  # the push is in; its lookup failed
                 else:
                     address = transport.link.addresses[shard]
-                    push_failed[shard] = ShardError.of(shard, address, error)
+                    push_failed[shard] = transport.told(ShardError.of(shard, address, error))
                 raise
             pushed.add(shard)  # before its reply is read, which may fail
             if values is not None and lookup is not None:

@@ -44,9 +44,11 @@ class ClusterLink:
     # know_generations(shard, tables): the generations of the shard's tables, as known
     know_generations: Callable[[int, list[str]], dict[str, int]]
     relearn_generations: Callable[[int], None]  # ask a shard its generations again
-    # forget_config(table): a shard refused the dim this client sent for the table (it was
-    # created again with another): learn its config again at the next call
-    forget_config: Callable[[str], None]
+    # forget_stale_config(table, expected, got): a shard refused the dim `got` a call sent
+    # for the table, its own being `expected`: where `got` is the dim the client knew, the
+    # table was created again; the client forgets what it knew of it (to learn it at its
+    # next call) and says True
+    forget_stale_config: Callable[[str, int, int], bool]
 
 
 class Transport:
@@ -304,21 +306,31 @@ class Transport:
 
     # -- the fan-out -----------------------------------------------------------------------------
 
-    def _stale_config(self, error: ShardError) -> ShardError:
-        """A refusal of the dim this client sent for a table: the table was created again
-        with another dim since the client learned its config. The client forgets it, so
-        that its next call learns it again; the refusal says so."""
-        table = error.facts.get("table", "")
-        self.link.forget_config(table)
+    def told(self, error: ShardError) -> ShardError:
+        """A shard's refusal as the caller is told it. A refused dim that is not the one
+        this client knows for the table (the table was created again with another since
+        the client learned it) has the client forget what it knew, so that its next call
+        learns it again, and says so; any other refusal is returned as it is."""
+        facts = error.facts
+        if not (
+            error.reason is Reason.INVALID_ARGUMENT
+            and facts.get("field") == "dim"
+            and facts.get("expected", "").isdigit()
+            and facts.get("got", "").isdigit()
+            and self.link.forget_stale_config(
+                facts.get("table", ""), int(facts["expected"]), int(facts["got"])
+            )
+        ):
+            return error
         told = ShardError(
             error.shard_id,
             error.address,
             error.code,
-            f"{error.details} (table {table!r} was created again with dim "
-            f"{error.facts.get('expected', '?')} since this client learned it: the client "
-            f"learns its config again at its next call)",
+            f"{error.details} (table {facts.get('table', '')!r} was created again with dim "
+            f"{facts['expected']} since this client learned it: the client learns its "
+            f"config again at its next call)",
             error.reason,
-            error.facts,
+            facts,
         )
         told.applied_tables = error.applied_tables
         return told
@@ -363,8 +375,8 @@ class Transport:
         for future in futures:
             future.result()  # raises what a lane raised other than a ShardError (a bug)
         for index, outcome in enumerate(outcomes):
-            if isinstance(outcome, ShardError) and _refused_dim(outcome):
-                outcomes[index] = self._stale_config(outcome)
+            if isinstance(outcome, ShardError):
+                outcomes[index] = self.told(outcome)
         failures = [outcome for outcome in outcomes if isinstance(outcome, ShardError)]
         if failures:
             # a shard counts only if every one of its calls went through (a part of more
@@ -378,11 +390,6 @@ class Transport:
             failures[0].failed = sorted(failed)
             raise failures[0]
         return outcomes
-
-
-def _refused_dim(error: ShardError) -> bool:
-    """Whether a shard refused the dim a call sent for a table (not the table's)."""
-    return error.reason is Reason.INVALID_ARGUMENT and error.facts.get("field") == "dim"
 
 
 def push_request(

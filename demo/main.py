@@ -619,29 +619,36 @@ class _Replica:
         from tierps.demo.training import build_tierps_model
 
         self.cluster.start()
-        self.reader = EmbeddingClient(self.cluster.addresses, security=self.client.security)
-        self._wait_for_tables(timeout_s=60.0)
-        self.model = build_tierps_model(
-            self.reader, self.dataset, dim=self.args.dim, seed=self.args.seed
-        )
+        try:
+            self.reader = EmbeddingClient(self.cluster.addresses, security=self.client.security)
+            self._wait_for_tables(timeout_s=60.0)
+            self.model = build_tierps_model(
+                self.reader, self.dataset, dim=self.args.dim, seed=self.args.seed
+            )
+        except BaseException:  # not entered: __exit__ will not run, so stop it here
+            self.__exit__()
+            raise
         print(f"replica serving at {', '.join(self.cluster.addresses)}, following the cluster")
         return self
 
     def _wait_for_tables(self, timeout_s: float) -> None:
-        """Until the replica has created every table of the cluster: it learns them from its
-        first rounds of the change streams, which may come after it answers as serving."""
+        """Until the replica holds every table of the cluster, of its dim: it learns them
+        from its first rounds of the change streams, which may come after it answers as
+        serving (and a replica data dir an earlier run left may hold older ones)."""
         assert self.reader is not None
         deadline = time.monotonic() + timeout_s
+        wanted = {config.name: config.dim for config in self.client.list_tables()}
+        wanted = {name: dim for name, dim in wanted.items() if name in self.tables}
         while True:
-            held = {config.name for config in self.reader.list_tables()}
-            missing = sorted(set(self.tables) - held)
+            held = {config.name: config.dim for config in self.reader.list_tables()}
+            missing = sorted(name for name, dim in wanted.items() if held.get(name) != dim)
             if not missing:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"the replica at {', '.join(self.cluster.addresses)} holds "
-                    f"{sorted(held) or 'no tables'} after {timeout_s:.0f} s; expected "
-                    f"{sorted(self.tables)} (missing {missing})"
+                    f"{held or 'no tables'} (table: dim) after {timeout_s:.0f} s; expected "
+                    f"{wanted} (missing or of another dim: {missing})"
                 )
             time.sleep(0.05)
 

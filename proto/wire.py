@@ -135,7 +135,7 @@ _ONE_BYTE = [bytes((value,)) for value in range(0x80)]  # a varint below 128 is 
 
 
 def _varint(value: int) -> bytes:
-    if value < 0x80:
+    if 0 <= value < 0x80:
         return _ONE_BYTE[value]
     out = bytearray()
     while value > 0x7F:

@@ -127,9 +127,10 @@ class Shard:
         self.checks = RequestChecks(self.store, self.shard_id, self.num_shards, self.where)
         self._gate = Gate()
         self._table_threads = TableThreads(f"tierps-tables-{self.shard_id}")
-        # A push's tables are prepared and stored here while its calling thread holds their
-        # locks: work that never waits for a table lock, so a lookup queued on the table
-        # threads behind such a lock cannot hold up the push that holds it.
+        # A push's tables are prepared and stored here (or, for a small call, in its calling
+        # thread) while its calling thread holds their locks: work that never waits for a
+        # table lock, so a lookup queued on the table threads behind such a lock cannot hold
+        # up the push that holds it.
         self._push_threads = TableThreads(f"tierps-push-{self.shard_id}")
         self._admin_lock = threading.Lock()  # one table or snapshot change at a time
         self.health = ShardHealth(self.where, self.store)
@@ -317,8 +318,9 @@ class Shard:
     def _apply_push(self, checked: list[tuple[Any, ...]], applied: dict[str, int]) -> None:
         """Apply checked push batches as one unit, adding each table applied to `applied`
         (table -> distinct keys updated). Every table's lock is taken (in name order: no
-        deadlock between calls) and its update computed and checked on copies (prepare,
-        on the push threads, which take no table lock) before any row is stored: a refusal
+        deadlock between calls) and its update computed and checked on copies (prepare, on
+        the push threads, which take no table lock, or in this thread for a small call)
+        before any row is stored: a refusal
         undoes every table's push. A storage failure while storing raises, naming the
         tables of this call stored and not stored on this shard."""
         if not checked:

@@ -35,6 +35,7 @@ class RequestChecks:
                 table=name,
                 field="dim",
                 expected=table.config.dim,
+                got=dim,
             )
         return table
 

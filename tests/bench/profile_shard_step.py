@@ -2,7 +2,7 @@
 (batch 2,048, 8 features of 200,000 ids, 4 ids a bag from Zipf(1.2), rows of 16 floats,
 Adagrad, tierps' plain loop: one PushThenLookup call a shard a step):
 
-    python -m tests.bench.profile_shard_step [--steps 40] [--top 30] [--shards 2]
+    python -m tests.bench.profile_shard_step [--steps 200] [--no-profile] [--top 30] [--shards 2]
 
 The shards are subprocesses of this script (`--serve`), each an in-process ShardServer whose
 RPC threads run under cProfile with `time.thread_time_ns` as its clock (CPU, not waiting);
@@ -127,7 +127,7 @@ def _wait_for(path: Path, timeout_s: float = 60.0) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument(

@@ -126,7 +126,7 @@ def _wait_for(path: Path, timeout_s: float = 60.0) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--shards", type=int, default=2)

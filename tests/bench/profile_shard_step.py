@@ -22,7 +22,6 @@ import cProfile
 import ctypes
 import io
 import json
-import os
 import pstats
 import signal
 import statistics
@@ -34,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.bench.cpu_time import process_cpu_s
+from tests.bench.cpu_time import process_cpu_s, thread_cpu_s
 
 # tierps' RPC and table pools, and gRPC's serve loop ("Thread-N (_serve)")
 PROFILED_THREADS = ("tierps-rpc", "tierps-table", "tierps-push", "Thread-")
@@ -98,22 +97,6 @@ def serve(shard_id: int, num_shards: int, root: Path, top: int, profiled: bool) 
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
     stopped.wait()
     server.stop(grace_s=0.5)
-
-
-def thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds so far of each thread of a process, summed by thread name (/proc's comm:
-    gRPC's C threads are named; Python's threads all read as the program's name)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    spent: dict[str, float] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat.rsplit(")", 1)[1].split()
-        spent[name] = spent.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return spent
 
 
 def _wait_for(path: Path, timeout_s: float = 60.0) -> str:

@@ -3,6 +3,7 @@
 Adagrad, tierps' plain loop: one PushThenLookup call a shard a step):
 
     python -m tests.bench.profile_shard_step [--steps 200] [--no-profile] [--top 30] [--shards 2]
+    python -m tests.bench.profile_shard_step --replica [--seconds 10] [--rate 100000]
 
 The shards are subprocesses of this script (`--serve`), each an in-process ShardServer whose
 RPC threads run under cProfile with `time.thread_time_ns` as its clock (CPU, not waiting);
@@ -11,6 +12,10 @@ chunk, the shards' profiles are reset, `--steps` steps run, and each shard print
 - its process CPU a step (from /proc), and its RPC threads' CPU a step (cProfile's total);
 - cProfile's top functions by own time and by cumulative time, per step.
 cProfile slows Python calls (each call costs it ~1 us): read its ranks and shares.
+
+--replica profiles a replica instead: a 1-shard replica (every thread named and profiled)
+following a 2-shard LocalCluster while bench_replica's trainer threads push at --rate; it
+prints the replica's CPU by thread (% of a core) and where it goes, per second.
 
 Not part of the test run.
 """
@@ -39,15 +44,24 @@ from tests.bench.cpu_time import process_cpu_s, thread_cpu_s
 PROFILED_THREADS = ("tierps-rpc", "tierps-table", "tierps-push", "Thread-")
 
 
-def serve(shard_id: int, num_shards: int, root: Path, top: int, profiled: bool) -> None:
-    """A shard whose RPC threads are profiled; SIGUSR1 resets the profiles, SIGUSR2 prints
-    them (divided by the step count written to root / 'steps') to root / 'shard-<i>.txt'."""
+def serve(
+    shard_id: int,
+    num_shards: int,
+    root: Path,
+    top: int,
+    profiled: bool,
+    follow: tuple[str, ...] = (),
+) -> None:
+    """A shard whose RPC threads (a replica's: every thread; `follow`: the training shards
+    it follows) are profiled; SIGUSR1 resets the profiles, SIGUSR2 prints them (divided by
+    the count written to root / 'steps', of the unit in root / 'unit') to
+    root / 'shard-<i>.txt'."""
+    threads = ("",) if follow else PROFILED_THREADS
     from tierps.server.config import ServerConfig
     from tierps.server.daemon import create_server
 
     profiles: list[cProfile.Profile] = []
     lock = threading.Lock()
-    generation = [0]
 
     libc = ctypes.CDLL(None)
 
@@ -55,7 +69,7 @@ def serve(shard_id: int, num_shards: int, root: Path, top: int, profiled: bool) 
         sys.setprofile(None)
         # the OS thread's name, for /proc's per-thread CPU (Python names only its own)
         libc.prctl(15, threading.current_thread().name[:15].encode(), 0, 0, 0)  # PR_SET_NAME
-        if profiled and threading.current_thread().name.startswith(PROFILED_THREADS):
+        if profiled and threading.current_thread().name.startswith(threads):
             profile = cProfile.Profile(time.thread_time_ns, 1e-9)
             with lock:
                 profiles.append(profile)
@@ -63,7 +77,7 @@ def serve(shard_id: int, num_shards: int, root: Path, top: int, profiled: bool) 
 
     threading.setprofile(hook)
     config = ServerConfig(
-        shard_id=shard_id, num_shards=num_shards, data_dir=root / f"data-{shard_id}"
+        shard_id=shard_id, num_shards=num_shards, data_dir=root / f"data-{shard_id}", follow=follow
     )
     server, port = create_server(config)
     server.start()
@@ -73,21 +87,27 @@ def serve(shard_id: int, num_shards: int, root: Path, top: int, profiled: bool) 
         with lock:
             for profile in profiles:
                 profile.clear()
-            generation[0] += 1
 
     def report(*_: Any) -> None:
         steps = int((root / "steps").read_text())
+        unit = (root / "unit").read_text() if (root / "unit").exists() else "step"
+        stats = None
         with lock:
-            stats = pstats.Stats(profiles[0]) if profiles else None
-            for profile in profiles[1:]:
-                stats.add(profile)  # type: ignore[union-attr]
+            for profile in profiles:
+                profile.create_stats()
+                if not profile.stats:  # type: ignore[attr-defined]  # a thread that ran nothing
+                    continue
+                if stats is None:
+                    stats = pstats.Stats(profile)
+                else:
+                    stats.add(profile)
         text = io.StringIO("(not profiled)\n" if stats is None else "")
         if stats is not None:
             total = stats.total_tt  # type: ignore[attr-defined]
-            text.write(f"RPC threads' CPU under cProfile: {1000 * total / steps:.2f} ms a step\n")
+            text.write(f"profiled threads' CPU: {1000 * total / steps:.2f} ms a {unit}\n")
             for order in ("tottime", "cumulative"):
                 stats.stream = text  # type: ignore[attr-defined]
-                text.write(f"\n-- by {order} (seconds over {steps} steps) --\n")
+                text.write(f"\n-- by {order} (seconds over {steps} {unit}s) --\n")
                 stats.sort_stats(order).print_stats(top)
         (root / f"shard-{shard_id}.txt").write_text(text.getvalue())
 
@@ -108,6 +128,57 @@ def _wait_for(path: Path, timeout_s: float = 60.0) -> str:
     raise TimeoutError(f"no {path.name} after {timeout_s:.0f} s")
 
 
+def profile_replica(args: argparse.Namespace) -> int:
+    """A 1-shard replica (a subprocess, every thread named and profiled) following a 2-shard
+    LocalCluster while bench_replica's trainer threads push at `--rate` key-updates/s for
+    `--seconds` (after as long a warm-up): its CPU by thread, and where it goes."""
+    from tests.bench import bench_replica
+    from tierps.client import EmbeddingClient
+    from tierps.server.cluster import LocalCluster
+
+    root = Path(tempfile.mkdtemp(prefix="tierps-profile-replica-"))
+    with LocalCluster(2, root / "training") as training:
+        with EmbeddingClient(training.addresses) as client:
+            client.create_table(bench_replica.TABLE)
+        replica = subprocess.Popen(
+            [sys.executable, "-m", "tests.bench.profile_shard_step", "--shards", "1"]
+            + ["--top", str(args.top), "--serve", "0", str(root)]
+            + ["--follow", ",".join(training.addresses)]
+            + (["--no-profile"] if args.no_profile else [])
+        )
+        try:
+            _wait_for(root / "port-0")
+
+            def push() -> float:
+                return bench_replica.push_for(training.addresses, args.seconds, 2, 4096, args.rate)
+
+            push()  # the replica's resync and its first rows
+            replica.send_signal(signal.SIGUSR1)
+            time.sleep(0.3)
+            before, trained = thread_cpu_s(replica.pid), process_cpu_s(training.pids)
+            rate = push()
+            after = thread_cpu_s(replica.pid)
+            trained = process_cpu_s(training.pids) - trained
+            (root / "unit").write_text("second")
+            (root / "steps").write_text(str(round(args.seconds)))
+            replica.send_signal(signal.SIGUSR2)
+            threads = {
+                name: round(100 * (cpu - before.get(name, 0.0)) / args.seconds, 1)
+                for name, cpu in after.items()
+                if cpu - before.get(name, 0.0) > 0
+            }
+            print(
+                f"{rate:,.0f} key-updates/s; the training shards' CPU "
+                f"{100 * trained / args.seconds:.0f}% of a core; the replica's by thread, "
+                f"% of a core: {threads}"
+            )
+            print(_wait_for(root / "shard-0.txt"))
+        finally:
+            replica.send_signal(signal.SIGTERM)
+            replica.wait(30)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=200)
@@ -116,11 +187,23 @@ def main() -> int:
     parser.add_argument(
         "--no-profile", action="store_true", help="no cProfile: the threads' CPU alone"
     )
+    parser.add_argument(
+        "--replica",
+        action="store_true",
+        help="profile a replica following 2 training shards instead (bench_replica's pushes)",
+    )
+    parser.add_argument("--seconds", type=float, default=10.0, help="--replica: of pushing")
+    parser.add_argument("--rate", type=float, default=100_000, help="--replica: key-updates/s")
     parser.add_argument("--serve", nargs=2, metavar=("SHARD_ID", "ROOT"), help=argparse.SUPPRESS)
+    parser.add_argument("--follow", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(int(args.serve[0]), args.shards, Path(args.serve[1]), args.top, not args.no_profile)
+        follow = tuple(args.follow.split(",")) if args.follow else ()
+        profiled = not args.no_profile
+        serve(int(args.serve[0]), args.shards, Path(args.serve[1]), args.top, profiled, follow)
         return 0
+    if args.replica:
+        return profile_replica(args)
 
     import torch
 

@@ -99,9 +99,7 @@ class EmbeddingClient(ClusterAdmin):
             )
         super().__init__(addresses, timeout_s=timeout_s, retry=retry, security=security)
         self._configs: dict[str, TableConfig] = {}
-        # the dim of each table as this client last learned it, kept when _configs forgets
-        # it: a shard's refusal of that dim means the table was created again
-        self._known_dims: dict[str, int] = {}
+        self._stale_dims: dict[str, int] = {}  # the dim a table had when it was found re-created
         self._lock = threading.Lock()
         self._in_flight = PendingPushes()
         # The parts call back this client's public methods late bound (lambda), so that a
@@ -232,33 +230,44 @@ class EmbeddingClient(ClusterAdmin):
         super().drop_table(name)
 
     def _learn(self, configs: Iterable[TableConfig]) -> None:
-        """Remember these tables' configs (and their dims, kept when a config is forgotten)."""
+        """Remember these tables' configs."""
         with self._lock:
             for config in configs:
                 self._configs[config.name] = config
-                self._known_dims[config.name] = config.dim
 
     def _forget_stale_config(self, name: str, expected: int, got: int) -> bool:
         """A shard refused the dim `got` for a table whose dim is `expected`. Where `got` is
         the dim this client knew (its calls sent it), the table was created again since:
-        forget what the client knew of it, to learn it again (True; also for the other
-        shards' refusals of the same calls, the config already forgotten). Else the caller's
+        forget what the client knew of it, to learn it again, and say True. So it is for a
+        late refusal of the same calls (another shard's, or one that came back after a
+        concurrent call relearned the table), which forgets nothing more. Else the caller's
         own rows had another dim: nothing changes (False)."""
-        with self._lock:
-            known = self._known_dims.get(name)
-        if got == expected or known != got:
+        if got == expected:
             return False
-        self._forget_table(name)
+        with self._lock:
+            config = self._configs.get(name)
+            forget = config is not None and config.dim == got
+            if forget:
+                self._stale_dims[name] = got
+                self._forget_learned(name)
+            elif self._stale_dims.get(name) != got:
+                return False
+        if forget:
+            self._pushes.forget(name)  # its own lock
         return True
 
     def _forget_table(self, name: str) -> None:
         """Forget what this client learned of a table (its config, generations and step),
         to learn it again at its next call: the table was dropped, or created again."""
         with self._lock:
-            self._configs.pop(name, None)
-            for known in self._generations:
-                known.pop(name, None)
+            self._forget_learned(name)
         self._pushes.forget(name)
+
+    def _forget_learned(self, name: str) -> None:
+        """_forget_table's part under the client's lock (held by the caller)."""
+        self._configs.pop(name, None)
+        for known in self._generations:
+            known.pop(name, None)
 
     def table_config(self, name: str) -> TableConfig:
         """The config of a table (asked of shard 0 once, then remembered)."""

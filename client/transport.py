@@ -307,10 +307,10 @@ class Transport:
     # -- the fan-out -----------------------------------------------------------------------------
 
     def told(self, error: ShardError) -> ShardError:
-        """A shard's refusal as the caller is told it. A refused dim that is not the one
-        this client knows for the table (the table was created again with another since
-        the client learned it) has the client forget what it knew, so that its next call
-        learns it again, and says so; any other refusal is returned as it is."""
+        """A shard's refusal as the caller is told it. A refused dim that is the one this
+        client knew for the table, the table's own being another (it was created again
+        since the client learned it), has the client forget what it knew, so that its next
+        call learns it again, and says so; any other refusal is returned as it is."""
         facts = error.facts
         if not (
             error.reason is Reason.INVALID_ARGUMENT

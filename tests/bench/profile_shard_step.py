@@ -89,7 +89,7 @@ def serve(
                 profile.clear()
 
     def report(*_: Any) -> None:
-        steps = int((root / "steps").read_text())
+        steps = float((root / "steps").read_text())
         unit = (root / "unit").read_text() if (root / "unit").exists() else "step"
         stats = None
         with lock:
@@ -103,11 +103,11 @@ def serve(
                     stats.add(profile)
         text = io.StringIO("(not profiled)\n" if stats is None else "")
         if stats is not None:
-            total = stats.total_tt  # type: ignore[attr-defined]
-            text.write(f"profiled threads' CPU: {1000 * total / steps:.2f} ms a {unit}\n")
+            # no total: a thread blocked in a wait reads as CPU in "acquire" (its clock
+            # is CPU time, yet cProfile counts the wait), so the threads' CPU is /proc's
             for order in ("tottime", "cumulative"):
                 stats.stream = text  # type: ignore[attr-defined]
-                text.write(f"\n-- by {order} (seconds over {steps} {unit}s) --\n")
+                text.write(f"\n-- by {order} (seconds over {steps:g} {unit}s) --\n")
                 stats.sort_stats(order).print_stats(top)
         (root / f"shard-{shard_id}.txt").write_text(text.getvalue())
 
@@ -156,21 +156,23 @@ def profile_replica(args: argparse.Namespace) -> int:
             replica.send_signal(signal.SIGUSR1)
             time.sleep(0.3)
             before, trained = thread_cpu_s(replica.pid), process_cpu_s(training.pids)
+            started = time.perf_counter()
             rate = push()
             after = thread_cpu_s(replica.pid)
+            seconds = time.perf_counter() - started  # the span the CPU figures cover
             trained = process_cpu_s(training.pids) - trained
             (root / "unit").write_text("second")
-            (root / "steps").write_text(str(round(args.seconds)))
+            (root / "steps").write_text(repr(seconds))
             replica.send_signal(signal.SIGUSR2)
             threads = {
-                name: round(100 * (cpu - before.get(name, 0.0)) / args.seconds, 1)
+                name: round(100 * (cpu - before.get(name, 0.0)) / seconds, 1)
                 for name, cpu in after.items()
                 if cpu - before.get(name, 0.0) > 0
             }
             print(
-                f"{rate:,.0f} key-updates/s; the training shards' CPU "
-                f"{100 * trained / args.seconds:.0f}% of a core; the replica's by thread, "
-                f"% of a core: {threads}"
+                f"{rate:,.0f} key-updates/s over {seconds:.1f} s; the training shards' CPU "
+                f"{100 * trained / seconds:.0f}% of a core; the replica's Python and C threads "
+                f"by name, % of a core: {threads}"
             )
             print(_wait_for(root / "shard-0.txt"))
         finally:

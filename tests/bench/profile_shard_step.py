@@ -23,6 +23,7 @@ Not part of the test run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import ctypes
 import io
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +119,29 @@ def serve(
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
     stopped.wait()
     server.stop(grace_s=0.5)
+
+
+@contextlib.contextmanager
+def timed_calls() -> Iterator[list[tuple[float, float]]]:
+    """(wall ms, the calling thread's CPU ms) of each fused call a shard gets from this
+    process's trainer (PushThenLookup._fused_call), while the block runs."""
+    from tierps.client.push_then_lookup import PushThenLookup
+
+    calls: list[tuple[float, float]] = []
+    fused = PushThenLookup._fused_call
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return fused(*args, **kwargs)
+        finally:
+            calls.append((1000 * (time.perf_counter() - wall), 1000 * (time.thread_time() - cpu)))
+
+    PushThenLookup._fused_call = timed  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        PushThenLookup._fused_call = fused  # type: ignore[method-assign]
 
 
 def _wait_for(path: Path, timeout_s: float = 60.0) -> str:
@@ -243,10 +268,11 @@ def main() -> int:
         chunks = max(1, round(args.steps / per_chunk))
         args.steps = chunks * per_chunk  # what ran, that the figures divide by
         rates, cpus = [], []
-        for seed in range(1, chunks + 1):
-            rate, cpu, _ = trainer.chunk(dataset, case.batch_size, per_chunk, seed=seed)
-            rates.append(rate)
-            cpus.append(cpu)
+        with timed_calls() as calls:
+            for seed in range(1, chunks + 1):
+                rate, cpu, _ = trainer.chunk(dataset, case.batch_size, per_chunk, seed=seed)
+                rates.append(rate)
+                cpus.append(cpu)
         wall = time.perf_counter() - started
         spent = process_cpu_s(pids) - before
         threads = [
@@ -269,6 +295,13 @@ def main() -> int:
                 part: statistics.median(cpu[part] for cpu in cpus) for part in cpus[0]
             },
             "shard_processes_cpu_ms_per_step": 1000 * spent / args.steps,
+            # each PushThenLookup the trainer made: its wall time and the calling thread's
+            # CPU in it (encode, gRPC, placing the reply), medians
+            "trainer_call_ms": {
+                "calls": len(calls),
+                "wall": statistics.median(wall for wall, _ in calls) if calls else None,
+                "cpu": statistics.median(cpu for _, cpu in calls) if calls else None,
+            },
             "shard_threads_cpu_ms_per_step": threads,
         }
         print(json.dumps(summary, indent=2))

@@ -535,6 +535,27 @@ def previous_stacked_pooling_matrix(
     return np.concatenate(data_parts), column, indptr
 
 
+def random_stacked(
+    generator: np.random.Generator,
+    features: list[tuple[list[int], Combiner, bool, int]],
+    high: int,
+) -> tuple[list[tuple[Any, np.ndarray, Combiner]], np.ndarray]:
+    """Features of one table as stacked_pooling_matrix takes them, and their distinct keys:
+    per feature (bag sizes, combiner, weighted, the lowest key: -1 pads), keys drawn in
+    [lowest, high) and weights in [0, 3) where weighted."""
+    parts, keys = [], []
+    for sizes, combiner, weighted, lowest in features:
+        values = generator.integers(lowest, high, sum(sizes))
+        weights = generator.random(values.size).astype(np.float32) * 3 if weighted else None
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        parts.append((to_bags(WHERE, values, offsets, weights, include_last_offset=True), combiner))
+        keys.append(values)
+    unique, inverse = distinct(np.concatenate(keys))
+    bounds = np.cumsum([0] + [k.size for k in keys])
+    stacked = [(bags, inverse[bounds[i] : bounds[i + 1]], c) for i, (bags, c) in enumerate(parts)]
+    return stacked, unique
+
+
 @settings(max_examples=120, deadline=None)
 @given(
     st.lists(
@@ -553,16 +574,8 @@ def test_a_stacked_matrix_is_bit_for_bit_the_previous_code(
     features: list[tuple[list[int], Combiner, bool, bool]], seed: int
 ) -> None:
     generator = np.random.default_rng(seed)
-    parts, keys = [], []
-    for sizes, combiner, weighted, padded in features:
-        values = generator.integers(-1 if padded else 0, 40, sum(sizes))
-        weights = generator.random(values.size).astype(np.float32) * 3 if weighted else None
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        parts.append((to_bags(WHERE, values, offsets, weights, include_last_offset=True), combiner))
-        keys.append(values)
-    unique, inverse = distinct(np.concatenate(keys))
-    bounds = np.cumsum([0] + [k.size for k in keys])
-    stacked = [(bags, inverse[bounds[i] : bounds[i + 1]], c) for i, (bags, c) in enumerate(parts)]
+    lowest = [(sizes, c, weighted, -1 if padded else 0) for sizes, c, weighted, padded in features]
+    stacked, unique = random_stacked(generator, lowest, 40)
     got = stacked_pooling_matrix(stacked, unique.size)
     data, indices, indptr = previous_stacked_pooling_matrix(stacked, unique.size)
     assert got.shape == (indptr.size - 1, unique.size)
@@ -622,16 +635,8 @@ def test_the_compiled_backward_is_scipys_bit_for_bit(
     """Stacked features of any combiner, weights and padding: the compiled A.T @ G sums in
     scipy's order, so its float32 results are scipy's exactly."""
     generator = np.random.default_rng(seed)
-    parts, keys = [], []
-    for sizes, combiner, weighted in features:
-        values = generator.integers(-1, 50, sum(sizes))
-        weights = generator.random(values.size).astype(np.float32) * 3 if weighted else None
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        parts.append((to_bags(WHERE, values, offsets, weights, include_last_offset=True), combiner))
-        keys.append(values)
-    unique, inverse = distinct(np.concatenate(keys))
-    bounds = np.cumsum([0] + [k.size for k in keys])
-    stacked = [(bags, inverse[bounds[i] : bounds[i + 1]], c) for i, (bags, c) in enumerate(parts)]
+    lowest = [(sizes, combiner, weighted, -1) for sizes, combiner, weighted in features]
+    stacked, unique = random_stacked(generator, lowest, 50)
     matrix = stacked_pooling_matrix(stacked, unique.size)
     grad = generator.standard_normal((matrix.shape[0], dim)).astype(np.float32)
     got = unpool(matrix, grad, kernel="auto")

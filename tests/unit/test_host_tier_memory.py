@@ -12,6 +12,7 @@ growing at the budget's rows and the rest goes to RocksDB.
 from __future__ import annotations
 
 import json
+import mmap
 import subprocess
 import sys
 import tracemalloc
@@ -24,7 +25,14 @@ from tierps.core import optim
 from tierps.core.config import TableConfig
 from tierps.storage import EmbeddingStore
 from tierps.storage.hash_table import HashTable
-from tierps.storage.tiers import ARENA_GROWTH, CacheTier, MappedArena, Spill, host_rows_for_budget
+from tierps.storage.tiers import (
+    ARENA_GROWTH,
+    MADV_POPULATE_WRITE,
+    CacheTier,
+    MappedArena,
+    Spill,
+    host_rows_for_budget,
+)
 from tierps.storage.warm_up import warm_up
 
 KEYS = 100_000
@@ -35,6 +43,11 @@ BIG_BUDGET = 64 << 30  # far above the machine's memory: only a cap can be this 
 def _first_touch(table, keys: np.ndarray, batch: int) -> None:
     for start in range(0, keys.size, batch):
         table.lookup(keys[start : start + batch])
+
+
+def _kib(field: str) -> int:
+    """A /proc/self/status figure in KiB (VmRSS, VmHWM)."""
+    return int(Path("/proc/self/status").read_text().split(field + ":")[1].split()[0])
 
 
 def _keys(n: int) -> np.ndarray:
@@ -191,3 +204,38 @@ def test_a_mapped_arena_grows_in_place_keeping_its_rows() -> None:
     assert grown.shape == (50_000, 8) and grown.flags.writeable
     np.testing.assert_array_equal(grown[:1000].ravel(), np.arange(8000, dtype=np.float32))
     assert not grown[1000:].any()
+
+
+def _advice_taken() -> bool:
+    """Whether this kernel takes MADV_POPULATE_WRITE (Linux 5.14+)."""
+    mapping = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping.madvise(MADV_POPULATE_WRITE, 0, mmap.PAGESIZE)
+        return True
+    except OSError:
+        return False
+    finally:
+        mapping.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_populate_faults_in_the_rows_asked_for_and_no_others() -> None:
+    """MappedArena.populate takes memory for rows [start, stop) before they are written
+    (resident memory grows by their bytes, within a page at each end), they still read
+    zero, and a stop past the mapping is clipped to it. Without the advice it changes
+    nothing (a hint)."""
+    width, rows = 64, 8192  # 2 MiB of rows
+    arena = MappedArena(4 * rows, width)
+    start, stop = rows, 3 * rows  # 4 MiB in the middle
+    before = _kib("VmRSS") * 1024
+    arena.populate(start, stop)
+    grown = _kib("VmRSS") * 1024 - before
+    view = arena.view()
+    expected = (stop - start) * width * 4
+    if _advice_taken():
+        assert expected - mmap.PAGESIZE <= grown <= expected + 64 * mmap.PAGESIZE, grown
+    else:
+        assert grown < expected / 2, grown
+    assert not view[start:stop].any()
+    arena.populate(3 * rows, 10 * rows)  # past the end: clipped, no error
+    assert view.shape == (4 * rows, width) and not view.any()

@@ -17,7 +17,13 @@ import pytest
 
 from tests.optimizers import each, kind_id
 from tierps.core import init, optim
-from tierps.core.compiled import ENV_SWITCH, all_distinct, first_non_finite_index, jit_kernel
+from tierps.core.compiled import (
+    ENV_SWITCH,
+    all_distinct,
+    distinct_nonnegative,
+    first_non_finite_index,
+    jit_kernel,
+)
 from tierps.core.config import TableConfig
 from tierps.core.errors import InvalidArgumentError
 from tierps.storage import EmbeddingStore, host_kernels
@@ -109,6 +115,25 @@ def test_all_distinct_matches_unique() -> None:
     extremes = np.array([np.iinfo(np.int64).min, np.iinfo(np.int64).min + 1, -1, 0], np.int64)
     assert all_distinct(extremes)
     assert not all_distinct(np.repeat(extremes[:1], 2))
+
+
+def test_distinct_nonnegative_is_distinct_and_no_key_below_zero() -> None:
+    """distinct_nonnegative: all_distinct's answer, and False for any key < 0, over dense
+    spans (the bitmap) and sparse ones (the hash set), up to int64's ends."""
+    rng = np.random.default_rng(2)
+    top = np.iinfo(np.int64).max
+    for keys in (
+        np.arange(1000, dtype=np.int64),
+        rng.choice(10**6, 1000, replace=False).astype(np.int64),
+        rng.integers(0, top, 1000, dtype=np.int64),
+        np.array([0, top], np.int64),
+        np.empty(0, np.int64),
+    ):
+        assert distinct_nonnegative(keys) is (np.unique(keys).size == keys.size)
+        if keys.size:
+            assert distinct_nonnegative(np.concatenate([keys, keys[-1:]])) is False
+            assert distinct_nonnegative(np.concatenate([keys, [-1]])) is False
+    assert distinct_nonnegative(np.array([np.iinfo(np.int64).min, top], np.int64)) is False
 
 
 @pytest.mark.parametrize("optimizer", each(), ids=kind_id)

@@ -225,6 +225,34 @@ def test_refused_train_changes_nothing_and_undo_puts_rows_back() -> None:
     np.testing.assert_array_equal(again[2], snapshot[2])
 
 
+def test_refused_train_among_missing_keys_counts_and_touches_every_hit() -> None:
+    """The compiled pass finds its rows by key: a refusal mid-pass among keys not held
+    names the hits in order (those after the refused one too), puts every row back, and
+    counts and touches each hit once (LFU: +1), as the array code's find-then-train does."""
+    dim = 4
+    config = TableConfig("t", dim, optimizer=optim.Adam(), eviction="lfu")
+    keys = np.arange(0, 100, 2, dtype=np.int64)
+    stored = config.initial_rows(keys)
+    tiers = _tiers(config, keys, stored)
+    push = np.array([1, 0, 2, 3, 4, 5, 6, 7, 8, 9], np.int64)  # odd keys are not held
+    grads = np.full((push.size, dim), 1e-3, np.float32)
+    grads[4, 1] = 1e20  # key 4: v = (1 - beta2) * g * g overflows float32
+    held = push[push % 2 == 0]
+    for tier in tiers:
+        snapshot = tier.find(keys)
+        scores = tier.index._scores[tier.index.find(held)].copy()
+        hits = tier.hits
+        hit, undo, refused = tier.train_resident(push, grads, 1, None)
+        assert hit.tolist() == [1, 2, 4, 6, 8] and undo is None and refused is not None
+        rows_left = np.flatnonzero(~np.isfinite(refused).all(axis=1))
+        assert rows_left.tolist() == [2]  # key 4, the third hit
+        assert tier.hits - hits == held.size
+        assert (tier.index._scores[tier.index.find(held)] - scores).tolist() == [1] * held.size
+        after = tier.find(keys)
+        np.testing.assert_array_equal(after[1].view(np.uint32), snapshot[1].view(np.uint32))
+        np.testing.assert_array_equal(after[2], snapshot[2])
+
+
 def _dim_beside_the_stream_threshold(optimizer: optim.Optimizer, streamed: bool) -> int:
     """The dim nearest the training loop's threshold on the side asked: it saves the row_width
     floats of a row (a push without a stamp) by non-temporal stores when they are

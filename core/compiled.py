@@ -72,6 +72,9 @@ def unavailable_reason() -> str | None:
     return None
 
 
+SPAN_BITS_PER_KEY = 64  # a bitmap up to this many bits a key (8 bytes, as the hash set's keys)
+
+
 if numba is not None:
     # core/hashing.py's splitmix64 finaliser, the same source compiled: a scalar uint64 in.
     mix64_scalar = jit_kernel(hashing.mix64)
@@ -84,19 +87,23 @@ if numba is not None:
     @jit_kernel
     def k_first_non_finite(bits):
         """The index of the first inf or NaN among float32 values given as their uint32
-        bits (all exponent bits set), -1 if none: blocks are tested with an integer OR
-        (LLVM vectorises it; a float test would need fastmath) and only a block holding
-        one is searched. Reads each value once, with no [n] temporary."""
+        bits (all exponent bits set), -1 if none: blocks of 256 are tested with an integer
+        OR (LLVM vectorises a loop of constant length; a float test would need fastmath)
+        and only a block holding one is searched. Reads each value once, with no [n]
+        temporary."""
         n = bits.shape[0]
-        for start in range(0, n, 256):
-            stop = min(start + 256, n)
+        whole = n - n % 256
+        for start in range(0, whole, 256):
             found = np.uint32(0)
-            for k in range(start, stop):
+            for k in range(start, start + 256):
                 found |= (bits[k] & EXPONENT) + EXPONENT_LOW_BIT
             if found & CARRY:
-                for k in range(start, stop):
+                for k in range(start, start + 256):
                     if bits[k] & EXPONENT == EXPONENT:
                         return k
+        for k in range(whole, n):
+            if bits[k] & EXPONENT == EXPONENT:
+                return k
         return -1
 
     @jit_kernel
@@ -135,6 +142,29 @@ if numba is not None:
             seen[word] |= bit
         return True
 
+    @jit_kernel
+    def k_distinct(keys, refuse_negative):
+        """Whether no int64 key repeats (and, with refuse_negative, none is < 0) in one
+        call: the keys' span in one pass, then a bitmap over it where it is at most
+        SPAN_BITS_PER_KEY bits a key, else the hash set. The span's width is taken in
+        uint64, exact for any two int64 keys."""
+        n = keys.shape[0]
+        if n == 0:
+            return True
+        low = high = keys[0]
+        for i in range(1, n):
+            key = keys[i]
+            if key < low:
+                low = key
+            elif key > high:
+                high = key
+        if refuse_negative and low < 0:
+            return False
+        width = np.uint64(high) - np.uint64(low)  # the span less one
+        if width < np.uint64(SPAN_BITS_PER_KEY * n):
+            return k_distinct_in_span(keys, low, np.int64(width // np.uint64(64)) + 1)
+        return k_all_distinct(keys)
+
 
 def first_non_finite_index(values: np.ndarray) -> int | None:
     """The flat index of the first inf or NaN of a C-contiguous float32 array (-1 if
@@ -147,9 +177,6 @@ def first_non_finite_index(values: np.ndarray) -> int | None:
     return int(k_first_non_finite(values.reshape(-1).view(np.uint32)))
 
 
-SPAN_BITS_PER_KEY = 64  # a bitmap up to this many bits a key (8 bytes, as the hash set's keys)
-
-
 def all_distinct(keys: np.ndarray) -> bool | None:
     """Whether no key repeats (int64 keys), compiled instead of a sort: a bitmap over the
     keys' span where it is at most SPAN_BITS_PER_KEY bits a key (dense ids; 7-9x faster
@@ -157,14 +184,16 @@ def all_distinct(keys: np.ndarray) -> bool | None:
     kernels (the caller then sorts)."""
     if unavailable_reason() is not None:
         return None
-    keys = np.ascontiguousarray(keys, dtype=np.int64)
-    if keys.size == 0:
-        return True
-    low = int(keys.min())
-    span = int(keys.max()) - low + 1
-    if span <= SPAN_BITS_PER_KEY * keys.size:
-        return bool(k_distinct_in_span(keys, np.int64(low), (span + 63) // 64))
-    return bool(k_all_distinct(keys))
+    return bool(k_distinct(np.ascontiguousarray(keys, dtype=np.int64), False))
+
+
+def distinct_nonnegative(keys: np.ndarray) -> bool | None:
+    """Whether every key is >= 0 and none repeats (int64 keys): a push's keys as a client
+    sends them, told in one compiled call (all_distinct's test). None without the host
+    kernels."""
+    if unavailable_reason() is not None:
+        return None
+    return bool(k_distinct(np.ascontiguousarray(keys, dtype=np.int64), True))
 
 
 def warm_up() -> None:
@@ -173,6 +202,6 @@ def warm_up() -> None:
     if unavailable_reason() is not None:
         return
     keys = np.arange(1, 9, dtype=np.int64)
-    k_all_distinct(keys)
-    k_distinct_in_span(keys, np.int64(1), 1)
+    k_distinct(keys, False)
+    k_distinct(np.array([1, 1 << 40], dtype=np.int64), True)
     k_first_non_finite(np.zeros(8, np.float32).view(np.uint32))

@@ -424,46 +424,72 @@ class WireBatch:
         self.grads: bytes | memoryview = b""
 
 
-# (field number, wire type) -> how a WireBatch takes the value; other fields are skipped,
-# as protobuf skips unknown ones
-_BATCH_FIELDS: dict[tuple[int, int], Callable[[WireBatch, Any], None]] = {
-    (1, _LENGTH): lambda b, v: setattr(b, "table", str(v, "utf-8")),
-    (2, _VARINT): lambda b, v: setattr(b, "dim", v & 0xFFFFFFFF),  # uint32: truncated
-    (4, _LENGTH): lambda b, v: setattr(b, "keys", v),
-}
-_LOOKUP_FIELDS = {**_BATCH_FIELDS, (3, _VARINT): lambda b, v: setattr(b, "create", v != 0)}
-_PUSH_FIELDS = {
-    **_BATCH_FIELDS,
-    (3, _VARINT): lambda b, v: setattr(b, "step", v),
-    (5, _LENGTH): lambda b, v: setattr(b, "grads", v),
-}
+def _read_batch(data: memoryview, push: bool) -> WireBatch:
+    """One LookupRequest (push: PushGradientsRequest) message's fields, read as _fields
+    reads them with its checks, its one-byte varints (a batch's tags, dim, and most
+    lengths and steps) read inline: a call's batches are most of its decoding. Fields
+    other than the batch's are skipped, as protobuf skips unknown ones."""
+    batch = WireBatch()
+    at, end = 0, len(data)
+    while at < end:
+        key = data[at]
+        if key < 0x80:
+            at += 1
+        else:
+            key, at = _read_varint(data, at, end)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == _VARINT or wire_type == _LENGTH:
+            if at < end and data[at] < 0x80:
+                value, at = data[at], at + 1
+            else:
+                value, at = _read_varint(data, at, end)
+            if wire_type == _LENGTH:
+                if at + value > end:
+                    raise WireError(f"field {number}: {value} bytes at byte {at} run past {end}")
+                value, at = data[at : at + value], at + value
+        elif wire_type == _FIXED64 or wire_type == _FIXED32:
+            value, at = None, at + (8 if wire_type == _FIXED64 else 4)
+        else:
+            raise WireError(f"field {number}: wire type {wire_type} is not protobuf's")
+        if number == 0 or at > end:
+            raise WireError(f"field {number} at byte {at}: not a valid field")
+        if wire_type == _LENGTH:
+            if number == 4:
+                batch.keys = value
+            elif number == 5 and push:
+                batch.grads = value
+            elif number == 1:
+                batch.table = str(value, "utf-8")
+        elif wire_type == _VARINT:
+            if number == 2:
+                batch.dim = value & 0xFFFFFFFF  # uint32: truncated
+            elif number == 3:
+                if push:
+                    batch.step = value
+                else:
+                    batch.create = value != 0
+    return batch
 
 
 class WireBatches:
-    """A LookupBatches or PushGradientsBatches message decoded by hand. Decoding never
-    raises inside gRPC (which would answer INTERNAL): bytes that are not the message are
-    raised, as InvalidArgumentError-worthy WireError, when `batches` is read."""
+    """A LookupBatches or PushGradientsBatches (push) message decoded by hand. Decoding
+    never raises inside gRPC (which would answer INTERNAL): bytes that are not the message
+    are raised, as InvalidArgumentError-worthy WireError, when `batches` is read."""
 
-    def __init__(self, data: bytes, fields: dict[tuple[int, int], Callable[..., None]]) -> None:
+    def __init__(self, data: bytes, push: bool) -> None:
         self.data = data  # kept: the batches' bulk fields are views of it
         try:
-            self._batches: list[WireBatch] | WireError = self._decode(memoryview(data), fields)
+            self._batches: list[WireBatch] | WireError = self._decode(memoryview(data), push)
         except (WireError, UnicodeDecodeError) as error:
             self._batches = WireError(f"a one-message call's bytes do not decode: {error}")
 
     @staticmethod
-    def _decode(data: memoryview, fields: dict) -> list[WireBatch]:
-        batches = []
-        for number, wire_type, value in _fields(data, 0, len(data)):
-            if (number, wire_type) != (1, _LENGTH):
-                continue
-            batch = WireBatch()
-            for inner in _fields(value, 0, len(value)):
-                take = fields.get(inner[:2])
-                if take is not None:
-                    take(batch, inner[2])
-            batches.append(batch)
-        return batches
+    def _decode(data: memoryview, push: bool) -> list[WireBatch]:
+        return [
+            _read_batch(value, push)
+            for number, wire_type, value in _fields(data, 0, len(data))
+            if number == 1 and wire_type == _LENGTH
+        ]
 
     @property
     def batches(self) -> list[WireBatch]:
@@ -474,12 +500,12 @@ class WireBatches:
 
 def decode_lookup_batches(data: bytes) -> WireBatches:
     """A LookupBatches message's batches (a gRPC request deserializer)."""
-    return WireBatches(data, _LOOKUP_FIELDS)
+    return WireBatches(data, push=False)
 
 
 def decode_push_batches(data: bytes) -> WireBatches:
     """A PushGradientsBatches message's batches (a gRPC request deserializer)."""
-    return WireBatches(data, _PUSH_FIELDS)
+    return WireBatches(data, push=True)
 
 
 class WirePushThenLookup:
@@ -499,17 +525,13 @@ class WirePushThenLookup:
                     parts[number].append(value)
         except WireError as failed:
             error = WireError(f"a one-message call's bytes do not decode: {failed}")
-        self.push = _joined_batches(parts[1], _PUSH_FIELDS, error)
-        self.lookup = _joined_batches(parts[2], _LOOKUP_FIELDS, error)
+        self.push = _joined_batches(parts[1], True, error)
+        self.lookup = _joined_batches(parts[2], False, error)
 
 
-def _joined_batches(
-    views: list[memoryview],
-    fields: dict[tuple[int, int], Callable[..., None]],
-    error: WireError | None,
-) -> WireBatches:
-    joined = WireBatches(b"", fields)
-    batches = [WireBatches(view, fields) for view in views]
+def _joined_batches(views: list[memoryview], push: bool, error: WireError | None) -> WireBatches:
+    joined = WireBatches(b"", push)
+    batches = [WireBatches(view, push) for view in views]
     failed = error or next((b._batches for b in batches if isinstance(b._batches, WireError)), None)
     joined._batches = failed or [batch for part in batches for batch in part.batches]
     return joined

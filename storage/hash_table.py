@@ -493,14 +493,12 @@ class HashTable:
         mode: int,
     ) -> tuple[int, int]:
         """host_kernels.k_lookup over this table, its LRU clock moved one tick (a call)."""
-        lfu = self.eviction is not Eviction.LRU
-        if not lfu:
-            self._tick += 1
+        table, values, scores, mask, tick, lfu = self.walk()
         hits, listed = host_kernels.k_lookup(
-            self._keys,
-            self.values,
-            self._scores,
-            self._mask,
+            table,
+            values,
+            scores,
+            mask,
             keys,
             arena,
             out,
@@ -509,10 +507,19 @@ class HashTable:
             found_dirty,
             missed,
             mode,
-            self._tick,
+            tick,
             lfu,
         )
         return int(hits), int(listed)
+
+    def walk(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int, bool]:
+        """(slot keys, values, scores, mask, tick, lfu): what a compiled pass that probes
+        this index and touches its hits itself takes (numpy, host kernels only; k_lookup,
+        host_kernels' key trainers), the LRU clock moved one tick (a call)."""
+        lfu = self.eviction is not Eviction.LRU
+        if not lfu:
+            self._tick += 1
+        return self._keys, self.values, self._scores, self._mask, self._tick, lfu
 
     def remove_slots(self, slots: Any) -> None:
         """Erase the keys in these (unique, live) slots."""

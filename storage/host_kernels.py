@@ -604,25 +604,143 @@ if numba is not None:
             _store_fence()
         return -1
 
-    def _training_loop(kernel: str, update: Callable) -> Callable:
-        """_train compiled for one row update: a copy of it whose global _update_row is
-        `update`, so that the update is inlined with no per-row dispatch. A copy and not
-        a closure: numba keys a closure's disk cache on a pickle of its cells, and a
-        compiled function pickles with an id made afresh in each process, so a closure
-        would compile again in every process. The copy's own name keeps its cache
-        entries apart from the other copies'."""
-        name = f"k_train_{kernel.removeprefix('tierps_')}"
+    def _train_keys(
+        table,
+        values,
+        scores,
+        mask,
+        tick,
+        lfu,
+        keys,
+        arena,
+        grads,
+        p,
+        size,
+        backup,
+        was_dirty,
+        stamp,
+        has_stamp,
+        row_width,
+        dirty,
+        ids,
+    ):
+        """_train (refuse set) on the rows of distinct keys [n] held by a host index, found
+        in the same pass: the index's arrays (table, values, scores, mask; k_lookup's) are
+        probed as k_lookup probes, with the eviction touch of each hit (tick, lfu), so
+        the probes' cache misses overlap the rows' and no [n] row ids pass between two
+        kernels. ids[i] = the row id of keys[i], -1 for a key not held (the cascade's).
+        The j-th row trained is saved in backup[j] and was_dirty[j]. Returns (hits, bad):
+        bad as _train's return, an index into keys, the rows written before it put back
+        (every key is still probed and touched, and ids filled, as if the pass had gone
+        on), or -1."""
+        n, dim = grads.shape
+        width = size * dim
+        saved = backup.shape[1]
+        new = np.empty(width, dtype=np.float32)
+        new_bits = new.view(np.uint32)
+        stream = saved * 4 >= TRAIN_STREAM_BYTES and _streams(backup, saved)
+        arena_at, arena_stride = np.int64(arena.ctypes.data), arena.strides[0]
+        backup_at, backup_stride = np.int64(backup.ctypes.data), backup.strides[0]
+        ring = np.empty(RING, dtype=np.int64)
+        hits = 0
+        bad = -1
+        for i in range(-2 * AHEAD, n):
+            ahead = i + 2 * AHEAD
+            if ahead < n:
+                home = home_slot(keys[ahead], mask)
+                _prefetch(table, _at(table, home))
+                _prefetch(table, _at(table, (home + PROBE_SPAN) & mask))
+                _prefetch_for_write(scores, _at(scores, home))
+            ahead = i + TRAIN_AHEAD
+            if 0 <= ahead < n:
+                slot = _probe(table, mask, keys[ahead])
+                ring[ahead & (RING - 1)] = slot
+                if slot >= 0:
+                    r = values[slot]
+                    _prefetch_row_for_write(arena, r)
+                    _prefetch_for_write(dirty, _at(dirty, r))
+            if i < 0:
+                continue
+            slot = ring[i & (RING - 1)]
+            if slot < 0:
+                ids[i] = -1
+                continue
+            if lfu:
+                scores[slot] += 1
+            elif scores[slot] != tick:  # a write only when it changes: a clean line stays so
+                scores[slot] = tick
+            r = values[slot]
+            ids[i] = r
+            _update_row(arena, r, grads, i, dim, p, new)  # noqa: F821 - each copy's global
+            carry = np.uint32(0)  # bit 31 set by a value whose exponent bits are all set
+            for c in range(width):
+                carry |= (new_bits[c] & EXPONENT) + EXPONENT_LOW_BIT
+            if carry & CARRY:  # inf or NaN; a thread reads its own streamed stores
+                bad = i
+                break
+            if stream:
+                _stream_row(
+                    backup_at + hits * backup_stride, arena_at + r * arena_stride, saved * 4
+                )
+            else:
+                for c in range(saved):
+                    backup[hits, c] = arena[r, c]
+            was_dirty[hits] = dirty[r]
+            for c in range(width):
+                arena[r, c] = new[c]
+            if has_stamp:
+                for c in range(stamp.shape[0]):
+                    arena[r, row_width + c] = stamp[c]
+            dirty[r] = True
+            hits += 1
+        if stream:
+            _store_fence()
+        if bad < 0:
+            return hits, bad
+        j = 0
+        for k in range(bad):  # put back the rows written before the refused one
+            if ids[k] >= 0:
+                for c in range(saved):
+                    arena[ids[k], c] = backup[j, c]
+                dirty[ids[k]] = was_dirty[j]
+                j += 1
+        hits += 1
+        for k in range(bad + 1, n):  # the rest probed and touched, as k_lookup would
+            slot = _probe(table, mask, keys[k])
+            ids[k] = -1 if slot < 0 else values[slot]
+            if slot >= 0:
+                hits += 1
+                if lfu:
+                    scores[slot] += 1
+                else:
+                    scores[slot] = tick
+        return hits, bad
+
+    def _training_loop(kernel: str, update: Callable, loop: Callable = _train) -> Callable:
+        """A training loop (_train, or _train_keys) compiled for one row update: a copy of
+        it whose global _update_row is `update`, so that the update is inlined with no
+        per-row dispatch. A copy and not a closure: numba keys a closure's disk cache on a
+        pickle of its cells, and a compiled function pickles with an id made afresh in each
+        process, so a closure would compile again in every process. The copy's own name
+        keeps its cache entries apart from the other copies'."""
+        name = f"k{loop.__name__}_{kernel.removeprefix('tierps_')}"
         copy = types.FunctionType(
-            _train.__code__, {**globals(), "_update_row": update}, name, None, None
+            loop.__code__, {**globals(), "_update_row": update}, name, None, None
         )
         copy.__qualname__ = name
-        copy.__doc__ = _train.__doc__
+        copy.__doc__ = loop.__doc__
         return jit_kernel(copy)
 
     TRAINERS: dict[str, Callable] = {
         kernel: _training_loop(kernel, update) for kernel, update in ROW_UPDATES.items()
     }
     """The compiled training loop of every optimizer kernel, by the CUDA kernel's name."""
+
+    KEY_TRAINERS: dict[str, Callable] = {
+        kernel: _training_loop(kernel, update, _train_keys)
+        for kernel, update in ROW_UPDATES.items()
+    }
+    """The compiled training loop that finds its rows by key (_train_keys), by kernel."""
 
     @jit_kernel
     def k_uniform_rows(keys, stream, span, low, below_high, out, fills, dim):
@@ -714,6 +832,17 @@ def fused_trainer(optimizer: Any, step: int) -> tuple[Callable, np.ndarray] | No
         return None
     kernel, hyper = found
     return _trainer(kernel), _float32(hyper)
+
+
+def fused_key_trainer(optimizer: Any, step: int) -> tuple[Callable, np.ndarray] | None:
+    """fused_trainer's, with the loop that finds its rows by key in the host index in the
+    same pass (_train_keys; call it as its docstring says)."""
+    found = kernels.optimizer_args(optimizer, step)
+    if found is None:
+        return None
+    kernel, hyper = found
+    _trainer(kernel)  # the same refusal of a kernel without a twin
+    return KEY_TRAINERS[kernel], _float32(hyper)
 
 
 def _trainer(kernel: str) -> Callable:

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from tierps.core.compiled import all_distinct
+from tierps.core.compiled import all_distinct, distinct_nonnegative
 from tierps.core.config import TableConfig, WritePolicy
 from tierps.core.errors import BackendError, InvalidArgumentError
 from tierps.core.validation import (
@@ -519,6 +519,8 @@ class EmbeddingTable:
     def _summed_by_key(self, keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Distinct keys >= 0 and their summed gradients (keys < 0 dropped). Keys that are
         already distinct (the client dedups) keep their order and gradients as given."""
+        if distinct_nonnegative(keys):  # the common case, told in one compiled call
+            return keys, grads
         valid = keys >= 0
         if not valid.all():
             keys, grads = keys[valid], grads[valid]

@@ -493,7 +493,7 @@ class CacheTier(Tier):
         (steps_to_live > 0), or None. Hits are counted; misses are left to the find the
         cascade runs next for the other keys, so each key counts once."""
         if self.compiled:
-            fused = host_kernels.fused_trainer(self.config.optimizer, step)
+            fused = host_kernels.fused_key_trainer(self.config.optimizer, step)
             if fused is not None:
                 return self._train_compiled(keys, grads, step, stamp, *fused)
         xp = self.xp
@@ -555,64 +555,72 @@ class CacheTier(Tier):
         grads: np.ndarray,
         step: int,
         stamp: int | None,
-        train: Callable[..., int],
+        train_keys: Callable[..., tuple[int, int]],
         hyper: np.ndarray,
     ) -> tuple[np.ndarray, Callable[[], None] | None, np.ndarray | None]:
-        """train_resident on the host in one compiled pass over the rows (`train`, the
-        optimizer's loop from host_kernels.fused_trainer): each row's new values are
-        checked finite before they are written, and only the values the update touches
-        (row_width floats per row, the step slots) are saved, so a non-finite one puts the
-        rows written before it back. The saved values and dirty flags make the undo: the
-        cascade's other keys, or another table of the same push, may still fail after the
-        pass."""
-        resident = self._touch_resident(keys)
-        if resident is None:
-            return np.empty(0, dtype=np.int64), None, None
-        hit, everything, ids = resident
-        resident_grads = np.ascontiguousarray(grads if everything else grads[hit], np.float32)
+        """train_resident on the host in one compiled pass that finds each key's row in
+        the index and trains it (`train_keys`, the optimizer's loop from
+        host_kernels.fused_key_trainer): each row's new values are checked finite before
+        they are written, and only the values the update touches (row_width floats per
+        row, the step slots) are saved, so a non-finite one puts the rows written before
+        it back. The saved values and dirty flags make the undo: the cascade's other keys,
+        or another table of the same push, may still fail after the pass."""
+        n = keys.shape[0]
+        keys = np.ascontiguousarray(keys, np.int64)
+        grads = np.ascontiguousarray(grads, np.float32)
         width = self.config.row_width
         size = self.config.optimizer.size_factor
         stamp_bits = step_bits(stamp) if stamp is not None else np.empty(0, np.float32)
         touched = width if stamp is None else self.width  # the step slots too
         # the saved values go to this tier's scratch (kept: fresh pages every push would
         # be zeroed by the kernel first); the undo that reads it runs within this push
-        backup = self._scratch_rows(ids.size, touched)
-        was_dirty = np.empty(ids.size, dtype=bool)
-        bad = train(
+        backup = self._scratch_rows(n, touched)
+        was_dirty = np.empty(n, dtype=bool)
+        ids = np.empty(n, dtype=np.int64)
+        hits, bad = train_keys(
+            *self.index.walk(),
+            keys,
             self.arena,
-            ids,
-            resident_grads,
+            grads,
             hyper,
             size,
-            True,
             backup,
             was_dirty,
             stamp_bits,
             stamp is not None,
             width,
             self.dirty,
+            ids,
         )
+        self.hits += hits
+        if hits == 0:
+            return np.empty(0, dtype=np.int64), None, None
+        everything = hits == n
+        hit = np.arange(n) if everything else np.flatnonzero(ids >= 0)
+        trained_ids = ids if everything else ids[hit]
         if bad >= 0:  # put back already; the trained rows, same arithmetic, for the refusal
-            trained = np.take(self.arena, ids, axis=0)
+            trained = np.take(self.arena, trained_ids, axis=0)
+            train, _ = host_kernels.fused_trainer(self.config.optimizer, step)  # type: ignore[misc]
             train(
                 trained,
-                np.arange(ids.size),
-                resident_grads,
+                np.arange(hits),
+                grads[hit],
                 hyper,
                 size,
                 False,
                 backup,
-                np.empty(ids.size, dtype=bool),
+                np.empty(hits, dtype=bool),
                 stamp_bits,
                 False,
                 width,
-                np.empty(ids.size, dtype=bool),
+                np.empty(hits, dtype=bool),
             )
             return hit, None, trained[:, :width]
+        saved, saved_dirty = backup[:hits], was_dirty[:hits]
 
         def undo() -> None:
-            self.arena[ids, :touched] = backup
-            self.dirty[ids] = was_dirty
+            self.arena[trained_ids, :touched] = saved
+            self.dirty[trained_ids] = saved_dirty
 
         return hit, undo, None
 

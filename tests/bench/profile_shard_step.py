@@ -3,6 +3,7 @@
 Adagrad, tierps' plain loop: one PushThenLookup call a shard a step):
 
     python -m tests.bench.profile_shard_step [--steps 200] [--no-profile] [--top 30] [--shards 2]
+    python -m tests.bench.profile_shard_step --replay [--rounds 5] [--no-profile]
     python -m tests.bench.profile_shard_step --replica [--seconds 10] [--rate 100000]
 
 The shards are subprocesses of this script (`--serve`), each an in-process ShardServer whose
@@ -12,6 +13,13 @@ chunk, the shards' profiles are reset, `--steps` steps run, and each shard print
 - its process CPU a step (from /proc), and its RPC threads' CPU a step (cProfile's total);
 - cProfile's top functions by own time and by cumulative time, per step.
 cProfile slows Python calls (each call costs it ~1 us): read its ranks and shares.
+
+--replay measures the shard's own work apart from gRPC and the other processes: the
+trainer's calls to shard 0 (in-process shards this time) are recorded over chunks of steps,
+then sent again, straight to the servicer of a new shard 0 holding the same rows, warm,
+--rounds times: the CPU of each call (decoding included) by round, median, and with
+cProfile (unless --no-profile) a round's top functions. A steadier figure than the loop's,
+which shares 2 cores with the trainer and the other shard: read it for the shard's code.
 
 --replica profiles a replica instead: a 1-shard replica (every thread named and profiled)
 following a 2-shard LocalCluster while bench_replica's trainer threads push at --rate; it
@@ -206,6 +214,136 @@ def profile_replica(args: argparse.Namespace) -> int:
     return 0
 
 
+def _deepfm_trainer(client: Any) -> tuple[Any, Any, Any]:
+    """bench_deepfm's tierps_adagrad_plain trainer on zipf_200k over `client`: (trainer,
+    dataset, case)."""
+    import torch
+
+    from tests.bench import bench_deepfm as bench
+    from tierps.demo.deepfm import initial_weights
+
+    torch.set_num_threads(1)  # as bench_deepfm trains
+    case = next(c for c in bench.CASES if c.name == "zipf_200k")
+    dataset = bench.case_dataset(case)
+    contender = next(c for c in bench.CONTENDERS if c.name == "tierps_adagrad_plain")
+    weights = initial_weights(dataset.tables, bench.EMBEDDING_DIM, bench.SEED)
+    return bench.Trainer(contender, bench.build(contender, dataset, weights, client)), dataset, case
+
+
+def replay(args: argparse.Namespace) -> int:
+    """Record shard 0's PushThenLookup calls (their bytes; at least --steps / 2 of them,
+    chunks of the DeepFM loop after a warm-up chunk) over 2 in-process shards; then send
+    them again to the servicer of a new shard 0 whose rows the calls made (one pass
+    unmeasured), --rounds times, each call's CPU measured in its thread. Each call gets a
+    push id of its own and the new tables' generations."""
+    from tierps.client import EmbeddingClient
+    from tierps.proto import wire
+    from tierps.server import servicers
+    from tierps.server.config import ServerConfig
+    from tierps.server.daemon import create_server
+    from tierps.server.ledger import GENERATIONS_HEADER, PUSH_ID_HEADER
+    from tierps.server.shard import Shard
+
+    recorded: list[bytes] = []
+    fused = servicers.EmbeddingServicer.PushThenLookup
+
+    def recording(servicer: Any, request: Any, context: Any) -> Any:
+        if servicer.shard.shard_id == 0:
+            recorded.append(bytes(request.data))
+        return fused(servicer, request, context)
+
+    root = Path(tempfile.mkdtemp(prefix="tierps-replay-"))
+    servicers.EmbeddingServicer.PushThenLookup = recording  # type: ignore[method-assign]
+    try:
+        servers = [
+            create_server(ServerConfig(shard_id=i, num_shards=2, data_dir=root / f"data-{i}"))
+            for i in range(2)
+        ]
+        for server, _ in servers:
+            server.start()
+        with EmbeddingClient([f"127.0.0.1:{port}" for _, port in servers]) as client:
+            trainer, dataset, case = _deepfm_trainer(client)
+            trainer.chunk(dataset, case.batch_size, args.steps, seed=0)  # rows made
+            recorded.clear()
+            for seed in range(1, 11):  # a call a step, but for steps the client sends apart
+                if len(recorded) >= args.steps // 2:
+                    break
+                trainer.chunk(dataset, case.batch_size, args.steps, seed=seed)
+        configs = list(servers[0][0].shard.store.tables())
+        for server, _ in servers:
+            server.stop(grace_s=0.5)
+    finally:
+        servicers.EmbeddingServicer.PushThenLookup = fused  # type: ignore[method-assign]
+    shard = Shard(
+        ServerConfig(shard_id=0, num_shards=2, data_dir=root / "replayed", tables=configs)
+    )
+    servicer = servicers.EmbeddingServicer(shard, lambda *_: None)
+    generations = {c.name: str(shard.store.table(c.name).generation.id) for c in configs}
+
+    class Context:
+        """The little of a gRPC context the call reads: its metadata."""
+
+        def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+            self.metadata = metadata
+
+        def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+            return self.metadata
+
+        def is_active(self) -> bool:
+            return True
+
+    sequence = 0
+
+    def context_of(data: bytes) -> Context:
+        nonlocal sequence
+        sequence += 1
+        tables = [batch.table for batch in wire.decode_push_then_lookup(data).push.batches]
+        return Context(
+            (
+                (PUSH_ID_HEADER, f"replay:{sequence}"),
+                (GENERATIONS_HEADER, ",".join(generations[table] for table in tables)),
+            )
+        )
+
+    def call(data: bytes, context: Context) -> None:
+        reply = servicer.PushThenLookup(wire.decode_push_then_lookup(data), context)
+        assert isinstance(reply, bytes), "a replayed call was refused"
+
+    for data in recorded:  # warm: the rows in the host tier, as in the loop
+        call(data, context_of(data))
+    profile = None if args.no_profile else cProfile.Profile(time.thread_time_ns, 1e-9)
+    rounds = []
+    for round_index in range(args.rounds):
+        spent = []
+        for data in recorded:
+            context = context_of(data)
+            if profile is not None and round_index == args.rounds - 1:
+                profile.enable()
+            started = time.thread_time_ns()
+            call(data, context)
+            spent.append((time.thread_time_ns() - started) / 1e6)
+            if profile is not None:
+                profile.disable()
+        rounds.append(statistics.median(spent))
+    shard.close()
+    summary = {
+        "calls": len(recorded),
+        "rounds": args.rounds,
+        # the last round runs under cProfile (unless --no-profile): left out of the best
+        "call_cpu_ms_by_round": [round(ms, 3) for ms in rounds],
+        "call_cpu_ms_best": round(min(rounds[:-1] if profile and len(rounds) > 1 else rounds), 3),
+    }
+    print(json.dumps(summary, indent=2))
+    if profile is not None:
+        text = io.StringIO()
+        stats = pstats.Stats(profile, stream=text)
+        for order in ("tottime", "cumulative"):
+            text.write(f"\n-- by {order} (seconds over {len(recorded)} calls, profiled) --\n")
+            stats.sort_stats(order).print_stats(args.top)
+        print(text.getvalue())
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=200)
@@ -219,6 +357,12 @@ def main() -> int:
         action="store_true",
         help="profile a replica following 2 training shards instead (bench_replica's pushes)",
     )
+    parser.add_argument(
+        "--replay",
+        action="store_true",
+        help="record shard 0's calls, then replay them to an in-process servicer: CPU a call",
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="--replay: passes over the calls")
     parser.add_argument("--seconds", type=float, default=10.0, help="--replica: of pushing")
     parser.add_argument("--rate", type=float, default=100_000, help="--replica: key-updates/s")
     parser.add_argument("--serve", nargs=2, metavar=("SHARD_ID", "ROOT"), help=argparse.SUPPRESS)
@@ -231,14 +375,11 @@ def main() -> int:
         return 0
     if args.replica:
         return profile_replica(args)
+    if args.replay:
+        return replay(args)
 
-    import torch
-
-    from tests.bench import bench_deepfm as bench
     from tierps.client import EmbeddingClient
-    from tierps.demo.deepfm import initial_weights
 
-    torch.set_num_threads(1)  # as bench_deepfm trains
     root = Path(tempfile.mkdtemp(prefix="tierps-profile-shard-"))
     shards = [
         subprocess.Popen(
@@ -251,11 +392,7 @@ def main() -> int:
     try:
         ports = [_wait_for(root / f"port-{i}") for i in range(args.shards)]
         client = EmbeddingClient([f"127.0.0.1:{port}" for port in ports])
-        case = next(c for c in bench.CASES if c.name == "zipf_200k")
-        dataset = bench.case_dataset(case)
-        contender = next(c for c in bench.CONTENDERS if c.name == "tierps_adagrad_plain")
-        weights = initial_weights(dataset.tables, bench.EMBEDDING_DIM, bench.SEED)
-        trainer = bench.Trainer(contender, bench.build(contender, dataset, weights, client))
+        trainer, dataset, case = _deepfm_trainer(client)
         trainer.chunk(dataset, case.batch_size, args.steps, seed=0)  # warm-up, rows made
         for shard in shards:
             shard.send_signal(signal.SIGUSR1)

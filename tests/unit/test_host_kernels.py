@@ -17,7 +17,13 @@ import pytest
 
 from tests.optimizers import each, kind_id
 from tierps.core import init, optim
-from tierps.core.compiled import ENV_SWITCH, all_distinct, first_non_finite_index, jit_kernel
+from tierps.core.compiled import (
+    ENV_SWITCH,
+    all_distinct,
+    distinct_nonnegative,
+    first_non_finite_index,
+    jit_kernel,
+)
 from tierps.core.config import TableConfig
 from tierps.core.errors import InvalidArgumentError
 from tierps.storage import EmbeddingStore, host_kernels
@@ -111,6 +117,25 @@ def test_all_distinct_matches_unique() -> None:
     assert not all_distinct(np.repeat(extremes[:1], 2))
 
 
+def test_distinct_nonnegative_is_distinct_and_no_key_below_zero() -> None:
+    """distinct_nonnegative: all_distinct's answer, and False for any key < 0, over dense
+    spans (the bitmap) and sparse ones (the hash set), up to int64's ends."""
+    rng = np.random.default_rng(2)
+    top = np.iinfo(np.int64).max
+    for keys in (
+        np.arange(1000, dtype=np.int64),
+        rng.choice(10**6, 1000, replace=False).astype(np.int64),
+        rng.integers(0, top, 1000, dtype=np.int64),
+        np.array([0, top], np.int64),
+        np.empty(0, np.int64),
+    ):
+        assert distinct_nonnegative(keys) is (np.unique(keys).size == keys.size)
+        if keys.size:
+            assert distinct_nonnegative(np.concatenate([keys, keys[-1:]])) is False
+            assert distinct_nonnegative(np.concatenate([keys, [-1]])) is False
+    assert distinct_nonnegative(np.array([np.iinfo(np.int64).min, top], np.int64)) is False
+
+
 @pytest.mark.parametrize("optimizer", each(), ids=kind_id)
 def test_uniform_initial_rows_are_the_numpy_bits(optimizer: optim.Optimizer) -> None:
     """Initial rows at compiled speed: bit for bit the numpy counter-hash reference (a pure
@@ -198,6 +223,34 @@ def test_refused_train_changes_nothing_and_undo_puts_rows_back() -> None:
     again = compiled.find(keys)
     np.testing.assert_array_equal(again[1].view(np.uint32), snapshot[1].view(np.uint32))
     np.testing.assert_array_equal(again[2], snapshot[2])
+
+
+def test_refused_train_among_missing_keys_counts_and_touches_every_hit() -> None:
+    """The compiled pass finds its rows by key: a refusal mid-pass among keys not held
+    names the hits in order (those after the refused one too), puts every row back, and
+    counts and touches each hit once (LFU: +1), as the array code's find-then-train does."""
+    dim = 4
+    config = TableConfig("t", dim, optimizer=optim.Adam(), eviction="lfu")
+    keys = np.arange(0, 100, 2, dtype=np.int64)
+    stored = config.initial_rows(keys)
+    tiers = _tiers(config, keys, stored)
+    push = np.array([1, 0, 2, 3, 4, 5, 6, 7, 8, 9], np.int64)  # odd keys are not held
+    grads = np.full((push.size, dim), 1e-3, np.float32)
+    grads[4, 1] = 1e20  # key 4: v = (1 - beta2) * g * g overflows float32
+    held = push[push % 2 == 0]
+    for tier in tiers:
+        snapshot = tier.find(keys)
+        scores = tier.index._scores[tier.index.find(held)].copy()
+        hits = tier.hits
+        hit, undo, refused = tier.train_resident(push, grads, 1, None)
+        assert hit.tolist() == [1, 2, 4, 6, 8] and undo is None and refused is not None
+        rows_left = np.flatnonzero(~np.isfinite(refused).all(axis=1))
+        assert rows_left.tolist() == [2]  # key 4, the third hit
+        assert tier.hits - hits == held.size
+        assert (tier.index._scores[tier.index.find(held)] - scores).tolist() == [1] * held.size
+        after = tier.find(keys)
+        np.testing.assert_array_equal(after[1].view(np.uint32), snapshot[1].view(np.uint32))
+        np.testing.assert_array_equal(after[2], snapshot[2])
 
 
 def _dim_beside_the_stream_threshold(optimizer: optim.Optimizer, streamed: bool) -> int:

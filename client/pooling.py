@@ -7,8 +7,10 @@ E [u, dim]:
     forward:   output = A @ E          [B, dim]
     backward:  grad_E = A.T @ grad_out [u, dim]   (gradients of repeated keys summed)
 
-Both run in scipy.sparse's compiled CSR kernels: no Python loop over bags, and the
-backward yields per-distinct-key gradients directly, ready to push. Coefficients, for a bag
+Both run over A's CSR arrays in compiled kernels: no Python loop over bags, and the
+backward yields per-distinct-key gradients directly, ready to push. A lookup keeps the
+arrays it builds (PoolingLayout) and gives them to the kernels as they are; a scipy CSR
+array of them is built only for scipy's kernels, the reference. Coefficients, for a bag
 b with keys i (keys < 0 are padding and take no part) and weights w_i (1 without
 per_sample_weights):
 
@@ -22,13 +24,17 @@ Kernels: numpy's sort (the dedup) and scipy.sparse (forward and backward) are th
 reference and always there. Where torch is installed (a trainer's usual case), the forward
 runs torch's embedding_bag over the same CSR arrays, 2.6x faster here
 (tests/bench/bench_pooling.py). Where the host kernels run (core.compiled), the dedup and
-the backward are compiled: the dedup of a call's keys up to HASHED_DEDUP_KEYS numbers the
-distinct keys as they first come in a hash set that stays in cache, then sorts only them
-(8,192 Zipf keys of 2,400 distinct: 0.06 ms against np.unique's 0.15-0.20 ms); more keys
-are argsorted by numpy and numbered in one compiled pass over that order (a hash set that
-outgrows the cache waits on memory: at 43,000 keys of 24,000 distinct it took 1.7 ms, the
-sort 0.95, np.unique 1.2); the backward is a compiled pass over the CSR arrays, in scipy's
-order (the same float32 sums, bit for bit). Every kernel gives the same results to float
+the backward are compiled. The dedup of keys that span at most SPAN_DEDUP_BITS_PER_KEY
+values a key (ids of a table of bounded size) marks them in a bitmap of their span and
+numbers each by the count of marked bits below it, with no hashing and no sort (8,192
+Zipf keys of 2,400 distinct over 200,000 ids: 0.02-0.05 ms, against the hash set's 0.06-0.11
+and np.unique's 0.15-0.22; 65,536 such keys: 0.2 ms against 2.2). Wider keys (hashed ids),
+up to HASHED_DEDUP_KEYS of them, are numbered as they first come in a hash set that stays
+in cache, then only the distinct ones are sorted; more are argsorted by numpy and numbered
+in one compiled pass over that order (a hash set that outgrows the cache waits on memory:
+at 43,000 keys of 24,000 distinct it took 1.7 ms, the sort 0.95, np.unique 1.2). The
+backward is a compiled pass over the CSR arrays, in scipy's order (the same float32 sums,
+bit for bit). Every kernel gives the same results to float
 rounding, and the tests run each against its reference and against a numpy oracle.
 """
 
@@ -38,6 +44,7 @@ import enum
 import functools
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -66,6 +73,37 @@ class Combiner(enum.StrEnum):
             ) from None
 
 
+@dataclass(frozen=True)
+class PoolingLayout:
+    """A pooling matrix A [rows, columns] as its CSR arrays, built by this module and so
+    valid by construction (scipy's csr_array checks them again at each construction):
+    bag r's entries are indices[indptr[r]:indptr[r + 1]] (distinct-key columns, int64)
+    with coefficients data[...] (float32). matrix() is the scipy matrix, for the
+    reference kernels."""
+
+    indptr: np.ndarray
+    indices: np.ndarray
+    data: np.ndarray
+    shape: tuple[int, int]
+
+    def matrix(self) -> sp.csr_array:
+        """The scipy CSR array (int32 indices where they fit)."""
+        index = np.int32 if max(self.shape[1], self.indices.size) < _INT32_MAX else np.int64
+        return sp.csr_array(
+            (
+                self.data,
+                self.indices.astype(index, copy=False),
+                self.indptr.astype(index, copy=False),
+            ),
+            shape=self.shape,
+        )
+
+
+_INT32_MAX = np.iinfo(np.int32).max
+# A pooling matrix as the kernels take it: the layout, or a scipy CSR array.
+PoolingMatrix = PoolingLayout | sp.csr_array
+
+
 def pooling_matrix(
     bags: Bags, inverse: np.ndarray, num_unique: int, combiner: Combiner
 ) -> sp.csr_array:
@@ -77,6 +115,13 @@ def pooling_matrix(
 def stacked_pooling_matrix(
     parts: Sequence[tuple[Bags, np.ndarray, Combiner]], num_unique: int
 ) -> sp.csr_array:
+    """stacked_pooling_layout's matrix as a scipy CSR array."""
+    return stacked_pooling_layout(parts, num_unique).matrix()
+
+
+def stacked_pooling_layout(
+    parts: Sequence[tuple[Bags, np.ndarray, Combiner]], num_unique: int
+) -> PoolingLayout:
     """The pooling matrices of several features over one table's distinct keys, stacked row
     block after row block ([sum of B_f, num_unique], fbgemm's table-batched layout): one
     forward and one backward kernel call serve every feature of the table."""
@@ -84,14 +129,20 @@ def stacked_pooling_matrix(
     # Every bag's bounds in the joined entries: each feature's offsets shifted to where its
     # entries start (its last offset is the next feature's first), then the end; written
     # into one array (a trainer's prefetch builds this every step, for a few features).
-    bag_starts = [0, *itertools.accumulate(bags.num_bags for bags, _, _ in parts)]
-    spans = list(zip(parts, bag_starts[:-1], bag_starts[1:], strict=True))
-    bounds = np.empty(bag_starts[-1] + 1, np.int64)
-    base = 0
-    for (bags, part_inverse, _), first, end in spans:
-        np.add(bags.offsets[:-1], base, out=bounds[first:end])
-        base += part_inverse.size
-    bounds[-1] = base
+    if len(parts) == 1:  # one feature: its offsets are the bounds
+        bags = parts[0][0]
+        bag_starts = [0, bags.num_bags]
+        bounds = bags.offsets
+    else:
+        bag_starts = [0, *itertools.accumulate(bags.num_bags for bags, _, _ in parts)]
+        bounds = np.empty(bag_starts[-1] + 1, np.int64)
+        base = 0
+        for (bags, part_inverse, _), first, end in zip(
+            parts, bag_starts[:-1], bag_starts[1:], strict=True
+        ):
+            np.add(bags.offsets[:-1], base, out=bounds[first:end])
+            base += part_inverse.size
+        bounds[-1] = base
     live = inverse >= 0
     if live.all():  # no padding (the usual batch): bags count their entries
         indptr, column = bounds, inverse
@@ -102,16 +153,12 @@ def stacked_pooling_matrix(
     # Coefficients: 1 for an unweighted sum; the other features write theirs into their
     # span of the live entries.
     data = np.ones(column.size, np.float32)
-    for (bags, _, combiner), first, end in spans:
+    for (bags, _, combiner), first, end in zip(parts, bag_starts[:-1], bag_starts[1:], strict=True):
         if combiner is not Combiner.SUM or bags.weights is not None:
             entries = live[bounds[first] : bounds[end]]  # the feature's, padding too
             counts = np.diff(indptr[first : end + 1])
             data[indptr[first] : indptr[end]] = _coefficients(bags, entries, counts, combiner)
-    index = np.int32 if max(num_unique, column.size) < np.iinfo(np.int32).max else np.int64
-    return sp.csr_array(
-        (data, column.astype(index, copy=False), indptr.astype(index)),
-        shape=(indptr.size - 1, num_unique),
-    )
+    return PoolingLayout(indptr, column, data, (indptr.size - 1, num_unique))
 
 
 def _joined(arrays: list[np.ndarray]) -> np.ndarray:
@@ -144,6 +191,15 @@ Kernel = Literal["auto", "scipy", "torch"]
 # The most keys the compiled dedup numbers in a hash set (2 int64 arrays of 2-4 slots a key:
 # 256-512 KiB, in cache); more are argsorted instead (the module docstring).
 HASHED_DEDUP_KEYS = 16_384
+# The widest span of keys, in bits a key, that the compiled dedup ranks in a bitmap of the
+# span (the bitmap and its words' ranks: at most 16 bytes a key, half the hash set's).
+SPAN_DEDUP_BITS_PER_KEY = 64
+# SWAR popcount's masks (numba has no popcount of its own): uint64 throughout, as numba
+# makes a float of a uint64 mixed with an int64.
+_ODD_BITS = np.uint64(0x5555555555555555)
+_PAIRS = np.uint64(0x3333333333333333)
+_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
+_BYTE_ONES = np.uint64(0x0101010101010101)
 
 
 @functools.cache
@@ -199,6 +255,62 @@ if numba is not None:
                     inverse[i] = number
                     break
                 pos = (pos + 1) & mask
+        return count
+
+    @jit_kernel
+    def popcount64(bits):
+        """The number of set bits of a uint64 (SWAR: a few ALU operations, no loop)."""
+        bits = bits - ((bits >> np.uint64(1)) & _ODD_BITS)
+        bits = (bits & _PAIRS) + ((bits >> np.uint64(2)) & _PAIRS)
+        bits = (bits + (bits >> np.uint64(4))) & _NIBBLES
+        return np.int64((bits * _BYTE_ONES) >> np.uint64(56))
+
+    @jit_kernel
+    def k_rank_in_span(keys, bits_per_key, unique, inverse):
+        """Number the distinct keys >= 0 in key order where they span fewer than
+        bits_per_key * len(keys) values: unique[:count] are they, ascending, inverse[i] the
+        number of keys[i] (-1: padding); returns count, or -1 (nothing written) where the
+        span is wider. A bitmap of the span marks the keys; a key's number is the count of
+        marked bits below its own (the running count of the words before it, and a popcount
+        within its word): no hashing and no sort, and the bitmap stays in cache."""
+        n = keys.shape[0]
+        low, high = np.int64(0), np.int64(-1)
+        for i in range(n):
+            key = keys[i]
+            if key >= 0:
+                if high < 0 or key < low:
+                    low = key
+                if key > high:
+                    high = key
+        if high < 0:  # padding only
+            inverse[:] = -1
+            return 0
+        if high - low >= bits_per_key * n:
+            return -1
+        words = ((high - low) >> 6) + 1
+        seen = np.zeros(words, np.uint64)
+        for i in range(n):
+            at = keys[i] - low
+            if at >= 0:  # a padding key is < 0 <= low
+                seen[at >> 6] |= np.uint64(1) << np.uint64(at & 63)
+        below_word = np.empty(words, np.int64)  # the marked bits of the words before
+        count = 0
+        for word in range(words):
+            below_word[word] = count
+            bits = seen[word]
+            while bits != 0:
+                lowest = bits & (~bits + np.uint64(1))
+                unique[count] = low + 64 * word + popcount64(lowest - np.uint64(1))
+                count += 1
+                bits ^= lowest
+        for i in range(n):
+            at = keys[i] - low
+            if at < 0:
+                inverse[i] = -1
+                continue
+            word = at >> 6
+            below = seen[word] & ((np.uint64(1) << np.uint64(at & 63)) - np.uint64(1))
+            inverse[i] = below_word[word] + popcount64(below)
         return count
 
     @jit_kernel
@@ -267,11 +379,11 @@ def distinct_keys(keys: np.ndarray, *, kernel: Kernel = "auto") -> tuple[np.ndar
     return unique, inverse
 
 
-def pool(matrix: Any, rows: np.ndarray, *, kernel: Kernel = "auto") -> np.ndarray:
+def pool(matrix: PoolingMatrix, rows: np.ndarray, *, kernel: Kernel = "auto") -> np.ndarray:
     """Forward: one pooled row per bag, [B, dim] float32."""
     torch = _use_torch(kernel)
     if torch is None or matrix.shape[0] == 0:
-        return np.asarray(matrix @ rows, dtype=np.float32)
+        return np.asarray(_scipy_matrix(matrix) @ rows, dtype=np.float32)
     as_tensor = torch.from_numpy
     pooled = torch.nn.functional.embedding_bag(
         as_tensor(matrix.indices.astype(np.int64, copy=False)),
@@ -285,11 +397,15 @@ def pool(matrix: Any, rows: np.ndarray, *, kernel: Kernel = "auto") -> np.ndarra
 
 
 def _distinct_keys_compiled(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """distinct_keys compiled: up to HASHED_DEDUP_KEYS keys, number the distinct keys as
-    they first come, sort only them and renumber; more, argsort them all and number them
-    in that order (the module docstring)."""
+    """distinct_keys compiled: keys of a narrow span ranked in a bitmap of it; else, up to
+    HASHED_DEDUP_KEYS keys, number the distinct keys as they first come, sort only them
+    and renumber; more, argsort them all and number them in that order (the module
+    docstring)."""
     unique = np.empty(keys.size, np.int64)
     inverse = np.empty(keys.size, np.int64)
+    count = k_rank_in_span(keys, SPAN_DEDUP_BITS_PER_KEY, unique, inverse)
+    if count >= 0:
+        return unique[:count], inverse
     if keys.size > HASHED_DEDUP_KEYS:
         count = k_number_sorted(keys, np.argsort(keys), unique, inverse)
         return unique[:count], inverse
@@ -299,13 +415,20 @@ def _distinct_keys_compiled(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return unique[order], inverse
 
 
-def unpool(matrix: Any, grad_output: np.ndarray, *, kernel: Kernel = "auto") -> np.ndarray:
+def unpool(
+    matrix: PoolingMatrix, grad_output: np.ndarray, *, kernel: Kernel = "auto"
+) -> np.ndarray:
     """Backward: the gradient of each distinct key's row, [u, dim] float32. "auto": the
     compiled pass where the host kernels run (no transposed matrix built), else scipy's
     A.T @ G, the reference ("scipy")."""
     if kernel == "scipy" or unavailable_reason() is not None:
-        return np.asarray(matrix.T @ grad_output, dtype=np.float32)
+        return np.asarray(_scipy_matrix(matrix).T @ grad_output, dtype=np.float32)
     grad_output = np.ascontiguousarray(grad_output, np.float32)
     out = np.empty((matrix.shape[1], grad_output.shape[1]), np.float32)
     k_unpool(matrix.indptr, matrix.indices, matrix.data, grad_output, out)
     return out
+
+
+def _scipy_matrix(matrix: PoolingMatrix) -> sp.csr_array:
+    """The scipy CSR array of a pooling matrix, for the reference kernels."""
+    return matrix.matrix() if isinstance(matrix, PoolingLayout) else matrix

@@ -16,13 +16,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tierps.client import pooling
 from tierps.client.formats import COO, Bags, to_bags
 from tierps.client.pooling import (
+    HASHED_DEDUP_KEYS,
+    SPAN_DEDUP_BITS_PER_KEY,
     Combiner,
     Kernel,
+    PoolingLayout,
     distinct_keys,
     pool,
     pooling_matrix,
+    stacked_pooling_layout,
     stacked_pooling_matrix,
     unpool,
 )
@@ -576,13 +581,15 @@ def test_a_stacked_matrix_is_bit_for_bit_the_previous_code(
     generator = np.random.default_rng(seed)
     lowest = [(sizes, c, weighted, -1 if padded else 0) for sizes, c, weighted, padded in features]
     stacked, unique = random_stacked(generator, lowest, 40)
-    got = stacked_pooling_matrix(stacked, unique.size)
     data, indices, indptr = previous_stacked_pooling_matrix(stacked, unique.size)
-    assert got.shape == (indptr.size - 1, unique.size)
-    assert got.data.dtype == np.float32
-    np.testing.assert_array_equal(got.data, data)
-    np.testing.assert_array_equal(got.indices, indices)
-    np.testing.assert_array_equal(got.indptr, indptr)
+    layout = stacked_pooling_layout(stacked, unique.size)
+    for got in (stacked_pooling_matrix(stacked, unique.size), layout):
+        assert got.shape == (indptr.size - 1, unique.size)
+        assert got.data.dtype == np.float32
+        np.testing.assert_array_equal(got.data, data)
+        np.testing.assert_array_equal(got.indices, indices)
+        np.testing.assert_array_equal(got.indptr, indptr)
+    assert layout.indices.dtype == np.int64 and layout.indptr.dtype == np.int64
 
 
 # -- the compiled dedup and backward against their references ----------------------------------
@@ -606,6 +613,59 @@ compiled = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unava
     ids=["empty", "all-padding", "extremes", "descending", "zipf", "zipf-large", "wide"],
 )
 def test_the_compiled_dedup_is_numpys(keys: np.ndarray) -> None:
+    check_compiled_dedup(keys)
+
+
+def spanning(size: int, span: int, seed: int, padding: float = 0.1) -> np.ndarray:
+    """`size` keys from Zipf(1.1) ranks scattered over [base, base + span), the first and
+    the last of the span among them, a `padding` share of the others -1."""
+    generator = np.random.default_rng(seed)
+    base = int(generator.integers(0, 2**40))
+    keys = base + (generator.zipf(1.1, size) * 7919) % span
+    keys[generator.random(size) < padding] = -1
+    keys[:2] = base, base + span - 1
+    return generator.permutation(keys).astype(np.int64)
+
+
+@compiled
+@pytest.mark.parametrize(
+    ("size", "span", "bitmap"),
+    [
+        (8192, 200_000, True),
+        (8192, SPAN_DEDUP_BITS_PER_KEY * 8192, True),  # the bitmap's widest span
+        (8192, SPAN_DEDUP_BITS_PER_KEY * 8192 + 1, False),  # the hash set
+        (8192, 2**50, False),
+        (HASHED_DEDUP_KEYS + 1, 2**50, False),  # argsorted, then numbered
+        (HASHED_DEDUP_KEYS + 1, 100_000, True),
+        (64, 64, True),  # one word
+        (3, 130, True),  # bits at the words' edges
+    ],
+)
+def test_each_compiled_dedup_path_is_numpys(size: int, span: int, bitmap: bool) -> None:
+    for padding in (0.1, 0.0):
+        keys = spanning(size, span, size + span, padding)
+        unique, inverse = np.empty(size, np.int64), np.empty(size, np.int64)
+        ranked = pooling.k_rank_in_span(keys, SPAN_DEDUP_BITS_PER_KEY, unique, inverse)
+        assert (ranked >= 0) == bitmap
+        check_compiled_dedup(keys)
+
+
+@compiled
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(-3, 200), max_size=40),
+    st.sampled_from([0, 1, 2**31, 2**62]),
+)
+def test_the_compiled_dedup_of_any_small_keys_is_numpys(values: list[int], base: int) -> None:
+    """Keys near each other (the bitmap, its words' edges among them) or shifted far apart
+    from the others (the hash set), padding anywhere."""
+    keys = np.array(values, np.int64)
+    if keys.size:
+        keys[::3] = np.where(keys[::3] >= 0, keys[::3] + base, keys[::3])
+    check_compiled_dedup(keys)
+
+
+def check_compiled_dedup(keys: np.ndarray) -> None:
     unique, inverse = distinct_keys(keys, kernel="auto")
     want_unique, want_inverse = distinct_keys(keys, kernel="scipy")
     assert unique.dtype == np.int64 and inverse.dtype == np.int64
@@ -641,5 +701,50 @@ def test_the_compiled_backward_is_scipys_bit_for_bit(
     grad = generator.standard_normal((matrix.shape[0], dim)).astype(np.float32)
     got = unpool(matrix, grad, kernel="auto")
     assert got.dtype == np.float32 and got.shape == (unique.size, dim)
-    np.testing.assert_array_equal(got, unpool(matrix, grad, kernel="scipy"))
+    want = unpool(matrix, grad, kernel="scipy")
+    np.testing.assert_array_equal(got, want)
     np.testing.assert_allclose(got, matrix.toarray().astype(np.float64).T @ grad, atol=1e-5)
+    layout = stacked_pooling_layout(stacked, unique.size)  # int64 arrays, no scipy matrix
+    for kernel in ("auto", "scipy"):
+        np.testing.assert_array_equal(unpool(layout, grad, kernel=kernel), want)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 6), min_size=0, max_size=30),  # bag sizes
+            st.sampled_from(list(Combiner)),
+            st.booleans(),  # weighted
+            st.booleans(),  # with padding
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    st.sampled_from([1, 4, 17]),
+    st.integers(0, 2**32 - 1),
+)
+def test_a_layout_pools_as_its_scipy_matrix_bit_for_bit(
+    features: list[tuple[list[int], Combiner, bool, bool]], dim: int, seed: int
+) -> None:
+    """The CSR arrays a trainer's lookup keeps (PoolingLayout) and the scipy matrix built
+    from them give the same forward and backward, bit for bit, with every kernel."""
+    generator = np.random.default_rng(seed)
+    lowest = [(sizes, c, weighted, -1 if padded else 0) for sizes, c, weighted, padded in features]
+    stacked, unique = random_stacked(generator, lowest, 50)
+    layout = stacked_pooling_layout(stacked, unique.size)
+    assert isinstance(layout, PoolingLayout)
+    matrix = layout.matrix()
+    np.testing.assert_array_equal(
+        matrix.toarray(), stacked_pooling_matrix(stacked, unique.size).toarray()
+    )
+    rows = generator.standard_normal((unique.size, dim)).astype(np.float32)
+    grad = generator.standard_normal((layout.shape[0], dim)).astype(np.float32)
+    for kernel in KERNELS:
+        np.testing.assert_array_equal(
+            pool(layout, rows, kernel=kernel), pool(matrix, rows, kernel=kernel), err_msg=kernel
+        )
+        if kernel != "torch":
+            np.testing.assert_array_equal(
+                unpool(layout, grad, kernel=kernel), unpool(matrix, grad, kernel=kernel)
+            )

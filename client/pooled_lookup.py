@@ -7,6 +7,7 @@ batch on a torch device is pooled there (tierps.client.device_pooling)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -14,7 +15,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tierps.client.formats import COO, Bags, array_device, batch_arrays, float_array, to_bags
-from tierps.client.pooling import Combiner, distinct_keys, pool, stacked_pooling_matrix, unpool
+from tierps.client.pooling import (
+    Combiner,
+    PoolingLayout,
+    distinct_keys,
+    pool,
+    stacked_pooling_layout,
+    unpool,
+)
 from tierps.core.errors import InvalidArgumentError
 
 if TYPE_CHECKING:  # torch is imported only by a call that pools on a torch device
@@ -68,7 +76,7 @@ class _TableKeys:
 class _TablePooling:
     """One table's stacked pooling matrix and each of its features' rows in it."""
 
-    matrix: Any
+    matrix: PoolingLayout
     rows: dict[str, slice]
 
 
@@ -316,19 +324,27 @@ def prepare(
     bags = {
         name: _as_bags(f"feature {name!r}", batch[name], include_last_offset) for name in by_name
     }
+    names_of: dict[str, list[str]] = {}  # each table's features, in the features' order
+    for feature in features:
+        names_of.setdefault(feature.table, []).append(feature.name)
     tables: dict[str, _TableKeys] = {}
     pooling: dict[str, _TablePooling] = {}
-    for table in dict.fromkeys(f.table for f in features):
-        names = [f.name for f in features if f.table == table]
-        keys = np.concatenate([bags[name].keys for name in names])
-        unique, inverse = distinct_keys(keys)
-        key_bounds = np.cumsum([0] + [bags[name].keys.size for name in names])
-        inverses = {n: inverse[key_bounds[i] : key_bounds[i + 1]] for i, n in enumerate(names)}
+    for table, names in names_of.items():
+        if len(names) == 1:  # a table of one feature (the usual): nothing to join or cut
+            unique, inverse = distinct_keys(bags[names[0]].keys)
+            inverses = {names[0]: inverse}
+            spans = {names[0]: slice(0, bags[names[0]].num_bags)}
+        else:
+            unique, inverse = distinct_keys(np.concatenate([bags[n].keys for n in names]))
+            key_bounds = [0, *itertools.accumulate(bags[n].keys.size for n in names)]
+            bag_bounds = [0, *itertools.accumulate(bags[n].num_bags for n in names)]
+            inverses, spans = {}, {}
+            for i, name in enumerate(names):
+                inverses[name] = inverse[key_bounds[i] : key_bounds[i + 1]]
+                spans[name] = slice(bag_bounds[i], bag_bounds[i + 1])
         tables[table] = _TableKeys(calls.dim(table), unique, inverses)
         parts = [(bags[n], inverses[n], by_name[n].combiner) for n in names]
-        bag_bounds = np.cumsum([0] + [bags[n].num_bags for n in names])
-        spans = {n: slice(bag_bounds[i], bag_bounds[i + 1]) for i, n in enumerate(names)}
-        pooling[table] = _TablePooling(stacked_pooling_matrix(parts, unique.size), spans)
+        pooling[table] = _TablePooling(stacked_pooling_layout(parts, unique.size), spans)
     shapes = {name: bags[name].shape for name in by_name}
     return PreparedHost(calls, by_name, tables, pooling, shapes)
 

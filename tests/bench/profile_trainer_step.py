@@ -58,7 +58,14 @@ from torch import nn
 
 from tests.bench import bench_deepfm as bench
 from tests.bench.cpu_time import process_cpu_s
-from tierps.client import EmbeddingClient, pooled_lookup, push_then_lookup, routing, transport
+from tierps.client import (
+    EmbeddingClient,
+    embedding,
+    pooled_lookup,
+    push_then_lookup,
+    routing,
+    transport,
+)
 from tierps.client import torch as client_torch
 from tierps.client.pushes import Pushes
 from tierps.demo import data, training
@@ -181,10 +188,10 @@ PHASES = [
     (client_torch.EmbeddingBagCollection, "_push_then_fetch", "pipeline thread glue"),
     (client_torch, "_fetch_on", "pipeline thread glue"),
     (client_torch, "jagged_features", "torch glue: forward"),
-    (pooled_lookup, "prepare", "prepare: checks, concatenation"),
+    (embedding, "prepare", "prepare: checks, concatenation"),
     (pooled_lookup, "_as_bags", "prepare: checks, concatenation"),
     (pooled_lookup, "distinct_keys", "dedup (distinct_keys)"),
-    (pooled_lookup, "stacked_pooling_matrix", "pooling layout (CSR matrix)"),
+    (pooled_lookup, "stacked_pooling_layout", "pooling layout (CSR arrays)"),
     (pooled_lookup, "pool", "pooling forward (embedding_bag)"),
     (pooled_lookup.PreparedHost, "fetch", "fetch: outputs"),
     (pooled_lookup.PooledLookup, "key_gradients", "backward: stack gradients"),

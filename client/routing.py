@@ -68,13 +68,18 @@ class Router:
                 if order[span].size:
                     per_shard[shard].append((name, dim, grouped[span], order[span]))
         for shard, batches in enumerate(per_shard):
+            if not batches:
+                continue
             limit = self.max_call_bytes
+            total = sum(keys.size * bytes_per_key(dim) for _, dim, keys, _ in batches)
             if pieces:
-                total = sum(keys.size * bytes_per_key(dim) for _, dim, keys, _ in batches)
                 count = min(LOOKUP_PIECES, total // LOOKUP_PIECE_BYTES)
-                widest = max(bytes_per_key(dim) for _, dim, _, _ in batches) if batches else 0
+                widest = max(bytes_per_key(dim) for _, dim, _, _ in batches)
                 if count > 1:  # rounded up to whole keys: count pieces, not one more
                     limit = min(limit, -(-total // count) + widest - 1)
+            if total <= limit:  # the usual: one call of the batches as they are
+                calls.append((shard, batches))
+                continue
             call: list[Batch] = []
             room = limit
             for name, dim, keys, at in batches:

@@ -100,6 +100,7 @@ class PoolingLayout:
 
 
 _INT32_MAX = np.iinfo(np.int32).max
+_INT64_MAX = np.int64(np.iinfo(np.int64).max)
 # A pooling matrix as the kernels take it: the layout, or a scipy CSR array.
 PoolingMatrix = PoolingLayout | sp.csr_array
 
@@ -194,12 +195,6 @@ HASHED_DEDUP_KEYS = 16_384
 # The widest span of keys, in bits a key, that the compiled dedup ranks in a bitmap of the
 # span (the bitmap and its words' ranks: at most 16 bytes a key, half the hash set's).
 SPAN_DEDUP_BITS_PER_KEY = 64
-# SWAR popcount's masks (numba has no popcount of its own): uint64 throughout, as numba
-# makes a float of a uint64 mixed with an int64.
-_ODD_BITS = np.uint64(0x5555555555555555)
-_PAIRS = np.uint64(0x3333333333333333)
-_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
-_BYTE_ONES = np.uint64(0x0101010101010101)
 
 
 @functools.cache
@@ -222,6 +217,9 @@ def _use_torch(kernel: Kernel) -> Any | None:
 
 
 if numba is not None:
+    from llvmlite import ir
+    from numba.core import types
+    from numba.core.extending import intrinsic
 
     @jit_kernel
     def k_first_seen(keys, unique, inverse):
@@ -257,13 +255,25 @@ if numba is not None:
                 pos = (pos + 1) & mask
         return count
 
-    @jit_kernel
-    def popcount64(bits):
-        """The number of set bits of a uint64 (SWAR: a few ALU operations, no loop)."""
-        bits = bits - ((bits >> np.uint64(1)) & _ODD_BITS)
-        bits = (bits & _PAIRS) + ((bits >> np.uint64(2)) & _PAIRS)
-        bits = (bits + (bits >> np.uint64(4))) & _NIBBLES
-        return np.int64((bits * _BYTE_ONES) >> np.uint64(56))
+    @intrinsic
+    def popcount64(typing_context, bits):
+        """The number of set bits of a uint64, as an int64: LLVM's ctpop (one popcnt
+        instruction on x86-64 with POPCNT)."""
+
+        def codegen(context, builder, signature, args):
+            return builder.ctpop(args[0])
+
+        return types.int64(types.uint64), codegen
+
+    @intrinsic
+    def trailing_zeros64(typing_context, bits):
+        """The number of zero bits below the lowest set bit of a nonzero uint64, as an
+        int64: LLVM's cttz (one tzcnt or bsf instruction)."""
+
+        def codegen(context, builder, signature, args):
+            return builder.cttz(args[0], ir.Constant(ir.IntType(1), 0))
+
+        return types.int64(types.uint64), codegen
 
     @jit_kernel
     def k_rank_in_span(keys, bits_per_key, unique, inverse):
@@ -274,14 +284,11 @@ if numba is not None:
         marked bits below its own (the running count of the words before it, and a popcount
         within its word): no hashing and no sort, and the bitmap stays in cache."""
         n = keys.shape[0]
-        low, high = np.int64(0), np.int64(-1)
+        low, high = _INT64_MAX, np.int64(-1)  # branch-free: LLVM vectorises the loop
         for i in range(n):
             key = keys[i]
-            if key >= 0:
-                if high < 0 or key < low:
-                    low = key
-                if key > high:
-                    high = key
+            high = max(high, key)
+            low = min(low, key if key >= 0 else _INT64_MAX)
         if high < 0:  # padding only
             inverse[:] = -1
             return 0
@@ -299,10 +306,9 @@ if numba is not None:
             below_word[word] = count
             bits = seen[word]
             while bits != 0:
-                lowest = bits & (~bits + np.uint64(1))
-                unique[count] = low + 64 * word + popcount64(lowest - np.uint64(1))
+                unique[count] = low + 64 * word + trailing_zeros64(bits)
                 count += 1
-                bits ^= lowest
+                bits &= bits - np.uint64(1)  # the lowest set bit cleared
         for i in range(n):
             at = keys[i] - low
             if at < 0:

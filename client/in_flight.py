@@ -31,18 +31,25 @@ class PushSender(Protocol):
 
 
 class PendingPushes:
-    """The senders that hold or send pushes of a client, by table (weakly: a sender that is
-    gone has sent its pushes, tierps.client.torch's finalizer)."""
+    """The senders that hold or send pushes of a client, and each one's tables (weakly: a
+    sender that is gone has sent its pushes, tierps.client.torch's finalizer). Kept by
+    sender, not by table: a client has a sender or two, and a call asks about every table
+    of a step (twice the tables of a push then lookup), so one pass over the senders costs
+    less than one over a set of senders for each table."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_table: dict[str, weakref.WeakSet[PushSender]] = {}
+        # id(sender) -> (a weak reference to it, its tables)
+        self._senders: dict[int, tuple[weakref.ref[PushSender], set[str]]] = {}
 
     def add(self, tables: Iterable[str], sender: PushSender) -> None:
         """`sender` holds or sends a push to `tables`."""
         with self._lock:
-            for table in tables:
-                self._by_table.setdefault(table, weakref.WeakSet()).add(sender)
+            known = self._senders.get(id(sender))
+            if known is not None and known[0]() is sender:
+                known[1].update(tables)
+            else:  # a new sender, or a new one at a gone sender's address
+                self._senders[id(sender)] = (weakref.ref(sender), set(tables))
 
     def wait(self, tables: Iterable[str] | None = None) -> None:
         """Have every sender of a push to `tables` (None: to any table) send and finish
@@ -50,9 +57,15 @@ class PendingPushes:
         if getattr(_SENDER, "sends", False):
             return
         with self._lock:
-            if not self._by_table:
+            if not self._senders:
                 return
-            names = list(self._by_table) if tables is None else tables
-            senders = {s for name in names for s in self._by_table.get(name, ())}
+            names = None if tables is None else set(tables)
+            senders = []
+            for key, (reference, sent_to) in list(self._senders.items()):
+                sender = reference()
+                if sender is None:  # gone, its pushes sent
+                    del self._senders[key]
+                elif sent_to and (names is None or not names.isdisjoint(sent_to)):
+                    senders.append(sender)
         for sender in senders:
             sender.wait_for_pushes()

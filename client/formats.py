@@ -161,13 +161,18 @@ def _offsets(where: str, value: Any, nnz: int, include_last_offset: bool) -> np.
         raise InvalidArgumentError(
             f"{where}: field 'offsets' expected offsets[0] = 0, got {int(offsets[0])}"
         )
-    beyond = offsets > nnz
-    if beyond.any():
-        i = int(np.argmax(beyond))
-        raise InvalidArgumentError(
-            f"{where}: field 'offsets' expected values <= len(values)={nnz}, got "
-            f"offsets[{i}]={int(offsets[i])}"
-        )
+    # One comparison pass for a good batch: offsets that never fall and end within the
+    # values are all within them; only other offsets are searched for one beyond.
+    falls = offsets[1:] < offsets[:-1]
+    rises = not falls.any()
+    if not rises or (offsets.size and offsets[-1] > nnz):
+        beyond = offsets > nnz
+        if beyond.any():
+            i = int(np.argmax(beyond))
+            raise InvalidArgumentError(
+                f"{where}: field 'offsets' expected values <= len(values)={nnz}, got "
+                f"offsets[{i}]={int(offsets[i])}"
+            )
     if include_last_offset:
         if offsets.size == 0 or offsets[-1] != nnz:
             last = int(offsets[-1]) if offsets.size else "none"
@@ -181,9 +186,11 @@ def _offsets(where: str, value: Any, nnz: int, include_last_offset: bool) -> np.
                 f"{where}: field 'offsets' expected at least one bag for {nnz} values, got "
                 f"no offsets"
             )
-        offsets = np.append(offsets, nnz)
-    falls = np.diff(offsets) < 0
-    if falls.any():
+        bounds = np.empty(offsets.size + 1, np.int64)
+        bounds[:-1] = offsets
+        bounds[-1] = nnz  # >= offsets[-1]: no offset is beyond nnz
+        offsets = bounds
+    if not rises:
         i = int(np.argmax(falls))
         raise InvalidArgumentError(
             f"{where}: offsets must not decrease, but offsets[{i + 1}]={int(offsets[i + 1])} "

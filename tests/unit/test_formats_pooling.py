@@ -247,6 +247,69 @@ def test_to_bags_refuses_bad_batches_naming_table_field_expected_and_got(
     assert message.startswith(WHERE + ":"), message
 
 
+def previous_offsets(nnz: int, offsets: np.ndarray, include_last_offset: bool) -> np.ndarray:
+    """formats' offsets check as it was before a good batch took one comparison pass, frozen
+    here as the reference (offsets[0] and the shape are checked alike, before these)."""
+    beyond = offsets > nnz
+    if beyond.any():
+        i = int(np.argmax(beyond))
+        raise InvalidArgumentError(
+            f"{WHERE}: field 'offsets' expected values <= len(values)={nnz}, got "
+            f"offsets[{i}]={int(offsets[i])}"
+        )
+    if include_last_offset:
+        if offsets.size == 0 or offsets[-1] != nnz:
+            last = int(offsets[-1]) if offsets.size else "none"
+            raise InvalidArgumentError(
+                f"{WHERE}: field 'offsets' with include_last_offset expected the last offset "
+                f"to equal len(values)={nnz}, got {last}"
+            )
+    else:
+        if offsets.size == 0 and nnz:
+            raise InvalidArgumentError(
+                f"{WHERE}: field 'offsets' expected at least one bag for {nnz} values, got "
+                f"no offsets"
+            )
+        offsets = np.append(offsets, nnz)
+    falls = np.diff(offsets) < 0
+    if falls.any():
+        i = int(np.argmax(falls))
+        raise InvalidArgumentError(
+            f"{WHERE}: offsets must not decrease, but offsets[{i + 1}]={int(offsets[i + 1])} "
+            f"< offsets[{i}]={int(offsets[i])}"
+        )
+    return offsets
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(0, 8),
+    st.lists(st.integers(0, 10), max_size=6).map(lambda rest: [0, *rest] if rest else []),
+    st.booleans(),
+)
+def test_offsets_are_checked_as_before(
+    nnz: int, offsets: list[int], include_last_offset: bool
+) -> None:
+    """Any offsets starting at 0 (or none): the same bounds, or the same refusal."""
+    keys = np.arange(nnz, dtype=np.int64)
+    given = np.array(offsets, np.int64)
+    try:
+        want: np.ndarray | str = previous_offsets(nnz, given, include_last_offset)
+    except InvalidArgumentError as error:
+        want = str(error)
+    try:
+        got: np.ndarray | str = to_bags(
+            WHERE, keys, given, include_last_offset=include_last_offset
+        ).offsets
+    except InvalidArgumentError as error:
+        got = str(error)
+    if isinstance(want, str):
+        assert got == want
+    else:
+        assert isinstance(got, np.ndarray) and got.dtype == np.int64
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize(
     ("batch", "offsets", "weights", "needles"),
     [

@@ -144,10 +144,11 @@ def stacked_pooling_layout(
             np.add(bags.offsets[:-1], base, out=bounds[first:end])
             base += part_inverse.size
         bounds[-1] = base
-    live = inverse >= 0
-    if live.all():  # no padding (the usual batch): bags count their entries
-        indptr, column = bounds, inverse
+    live: np.ndarray | None = None  # None: every entry is live
+    if inverse.size == 0 or inverse.min() >= 0:  # no padding (the usual batch): bags count
+        indptr, column = bounds, inverse  # their entries
     else:  # each bag's live entries: the running count of live entries before its bound
+        live = inverse >= 0
         running = np.zeros(live.size + 1, np.int64)
         np.cumsum(live, out=running[1:])
         indptr, column = running[bounds], inverse[live]
@@ -156,7 +157,8 @@ def stacked_pooling_layout(
     data = np.ones(column.size, np.float32)
     for (bags, _, combiner), first, end in zip(parts, bag_starts[:-1], bag_starts[1:], strict=True):
         if combiner is not Combiner.SUM or bags.weights is not None:
-            entries = live[bounds[first] : bounds[end]]  # the feature's, padding too
+            # the feature's entries, padding too
+            entries = slice(None) if live is None else live[bounds[first] : bounds[end]]
             counts = np.diff(indptr[first : end + 1])
             data[indptr[first] : indptr[end]] = _coefficients(bags, entries, counts, combiner)
     return PoolingLayout(indptr, column, data, (indptr.size - 1, num_unique))
@@ -168,9 +170,10 @@ def _joined(arrays: list[np.ndarray]) -> np.ndarray:
 
 
 def _coefficients(
-    bags: Bags, live: np.ndarray, counts: np.ndarray, combiner: Combiner
+    bags: Bags, live: np.ndarray | slice, counts: np.ndarray, combiner: Combiner
 ) -> np.ndarray:
-    """The float32 coefficient of each live key of the bags (the formulas above)."""
+    """The float32 coefficient of each live key of the bags (the formulas above); `live`
+    picks the bags' live entries (a mask, or every entry)."""
     weights = None if bags.weights is None else bags.weights[live]
     if combiner is Combiner.SUM:
         return np.ones(int(counts.sum()), np.float32) if weights is None else weights

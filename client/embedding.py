@@ -41,7 +41,7 @@ from tierps.client.pooled_lookup import (
     pooling_device,
     prepare,
 )
-from tierps.client.pooling import Combiner, distinct_keys, pooling_matrix, unpool
+from tierps.client.pooling import Combiner, distinct_keys, stacked_pooling_layout, unpool
 from tierps.client.push_then_lookup import PushThenLookup
 from tierps.client.pushes import Pushes
 from tierps.client.routing import Router, distinct_live, key_and_row_bytes
@@ -346,8 +346,8 @@ class EmbeddingClient(ClusterAdmin):
             return self.push_unique({table: (flat, grads)}, step)
         unique, inverse = distinct_keys(flat)
         bags = Bags(flat, np.arange(flat.size + 1, dtype=np.int64), None, (flat.size,))
-        matrix = pooling_matrix(bags, inverse, unique.size, Combiner.SUM)
-        return self.push_unique({table: (unique, unpool(matrix, grads))}, step)
+        layout = stacked_pooling_layout([(bags, inverse, Combiner.SUM)], unique.size)
+        return self.push_unique({table: (unique, unpool(layout, grads))}, step)
 
     def assign(self, table: str, keys: Any, values: Any) -> int:
         """Set the weights [*keys.shape, dim] of keys and reset their optimizer state.

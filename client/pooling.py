@@ -300,8 +300,9 @@ if numba is not None:
         words = ((high - low) >> 6) + 1
         seen = np.zeros(words, np.uint64)
         for i in range(n):
-            at = keys[i] - low
-            if at >= 0:  # a padding key is < 0 <= low
+            key = keys[i]
+            if key >= 0:  # (a padding key less low could wrap around to >= 0)
+                at = key - low
                 seen[at >> 6] |= np.uint64(1) << np.uint64(at & 63)
         below_word = np.empty(words, np.int64)  # the marked bits of the words before
         count = 0
@@ -313,10 +314,11 @@ if numba is not None:
                 count += 1
                 bits &= bits - np.uint64(1)  # the lowest set bit cleared
         for i in range(n):
-            at = keys[i] - low
-            if at < 0:
+            key = keys[i]
+            if key < 0:
                 inverse[i] = -1
                 continue
+            at = key - low
             word = at >> 6
             below = seen[word] & ((np.uint64(1) << np.uint64(at & 63)) - np.uint64(1))
             inverse[i] = below_word[word] + popcount64(below)

@@ -667,13 +667,26 @@ compiled = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unava
         np.zeros(0, np.int64),
         np.full(5, -1, np.int64),
         np.array([2**62, -(2**62), 0, 2**62, 7, 0, -1], np.int64),
+        # padding far below the keys (a key less the lowest would wrap around): the bitmap
+        np.array([5, -(2**63), 9, 5, -(2**63) + 1, 70, -1], np.int64),
+        np.array([2**63 - 1, -(2**63), 2**63 - 2, -1], np.int64),  # at the int64 edges
         np.arange(1000, 0, -1, dtype=np.int64),  # all distinct, descending
         np.random.default_rng(0).zipf(1.2, 8192) % 200_000 - 1,  # repeats, some padding
         # more than HASHED_DEDUP_KEYS: argsorted, then numbered
         np.random.default_rng(2).zipf(1.05, 43_000) % 100_000 - 1,
         np.random.default_rng(1).integers(0, 2**63 - 1, 65_536),  # wide, all but distinct
     ],
-    ids=["empty", "all-padding", "extremes", "descending", "zipf", "zipf-large", "wide"],
+    ids=[
+        "empty",
+        "all-padding",
+        "extremes",
+        "lowest-padding",
+        "int64-edges",
+        "descending",
+        "zipf",
+        "zipf-large",
+        "wide",
+    ],
 )
 def test_the_compiled_dedup_is_numpys(keys: np.ndarray) -> None:
     check_compiled_dedup(keys)

@@ -137,6 +137,7 @@ class EmbeddingClient(ClusterAdmin):
             self._lookup_unique,
             lambda pushes, step: self.push_unique(pushes, step),
             self._push_then_lookup,
+            self._router.spread,
         )
 
     def close(self) -> None:

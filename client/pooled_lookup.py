@@ -42,6 +42,9 @@ class RowCalls:
     push_unique: Callable[[dict[str, tuple[np.ndarray, np.ndarray]], int | None], int]
     # push_then_lookup(pushes, step, tables, create): a push, then a lookup that sees it
     push_then_lookup: Callable[..., dict[str, np.ndarray]]
+    # spread(table): over how many shards the table's keys spread (Router.spread); its
+    # distinct keys are ordered by shard, so that each shard's reply rows are one block
+    spread: Callable[[str], int]
 
 
 @dataclass(frozen=True)
@@ -64,8 +67,9 @@ FeatureBatch = Any
 
 @dataclass
 class _TableKeys:
-    """One table's part of a call: its distinct keys >= 0 and, per feature, the index of
-    each of its keys among them (-1 for padding)."""
+    """One table's part of a call: its distinct keys >= 0 (by shard, ascending within a
+    shard: RowCalls.spread) and, per feature, the index of each of its keys among them (-1
+    for padding)."""
 
     dim: int
     unique: np.ndarray
@@ -330,12 +334,14 @@ def prepare(
     tables: dict[str, _TableKeys] = {}
     pooling: dict[str, _TablePooling] = {}
     for table, names in names_of.items():
+        shards = calls.spread(table)
         if len(names) == 1:  # a table of one feature (the usual): nothing to join or cut
-            unique, inverse = distinct_keys(bags[names[0]].keys)
+            unique, inverse = distinct_keys(bags[names[0]].keys, shards=shards)
             inverses = {names[0]: inverse}
             spans = {names[0]: slice(0, bags[names[0]].num_bags)}
         else:
-            unique, inverse = distinct_keys(np.concatenate([bags[n].keys for n in names]))
+            joined = np.concatenate([bags[n].keys for n in names])
+            unique, inverse = distinct_keys(joined, shards=shards)
             key_bounds = [0, *itertools.accumulate(bags[n].keys.size for n in names)]
             bag_bounds = [0, *itertools.accumulate(bags[n].num_bags for n in names)]
             inverses, spans = {}, {}

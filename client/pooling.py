@@ -28,7 +28,12 @@ the backward are compiled. The dedup of keys that span at most SPAN_DEDUP_BITS_P
 values a key (ids of a table of bounded size) marks them in a bitmap of their span and
 numbers each by the count of marked bits below it, with no hashing and no sort (8,192
 Zipf keys of 2,400 distinct over 200,000 ids: 0.02-0.05 ms, against the hash set's 0.06-0.11
-and np.unique's 0.15-0.22; 65,536 such keys: 0.2 ms against 2.2). Wider keys (hashed ids),
+and np.unique's 0.15-0.22; 65,536 such keys: 0.2 ms against 2.2). A lookup asks for its
+distinct keys by shard (distinct_keys' `shards`: each shard's keys one span, ascending), so
+that a shard's reply rows land as one block, not scattered row by row; for a power of two
+of shards the bitmap keeps each shard's keys in a block of their own, which gives that
+order as it ranks (about 10% more than one block), and another number of shards is
+renumbered after, in a pass over the distinct keys. Wider keys (hashed ids),
 up to HASHED_DEDUP_KEYS of them, are numbered as they first come in a hash set that stays
 in cache, then only the distinct ones are sorted; more are argsorted by numpy and numbered
 in one compiled pass over that order (a hash set that outgrows the cache waits on memory:
@@ -279,13 +284,17 @@ if numba is not None:
         return types.int64(types.uint64), codegen
 
     @jit_kernel
-    def k_rank_in_span(keys, bits_per_key, unique, inverse):
-        """Number the distinct keys >= 0 in key order where they span fewer than
-        bits_per_key * len(keys) values: unique[:count] are they, ascending, inverse[i] the
-        number of keys[i] (-1: padding); returns count, or -1 (nothing written) where the
-        span is wider. A bitmap of the span marks the keys; a key's number is the count of
-        marked bits below its own (the running count of the words before it, and a popcount
-        within its word): no hashing and no sort, and the bitmap stays in cache."""
+    def k_rank_in_span(keys, bits_per_key, shards, unique, inverse):
+        """Number the distinct keys >= 0 in the order (key % shards, key) where they span
+        fewer than bits_per_key * len(keys) values: unique[:count] are they, in that order
+        (ascending for one shard), inverse[i] the number of keys[i] (-1: padding); returns
+        count, or -1 (nothing written) where the span is wider. A bitmap of the span marks
+        the keys; a key's number is the count of marked bits below its own (the running
+        count of the words before it, and a popcount within its word): no hashing and no
+        sort, and the bitmap stays in cache. For a power of two of shards the bitmap holds
+        each shard's keys in a block of their own, shard after shard (a key's bit: its
+        shard's block, then key >> log2(shards) within it), so that its order is already the
+        shards'; for another number of shards the ranks are renumbered shard by shard."""
         n = keys.shape[0]
         low, high = _INT64_MAX, np.int64(-1)  # branch-free: LLVM vectorises the loop
         for i in range(n):
@@ -297,32 +306,116 @@ if numba is not None:
             return 0
         if high - low >= bits_per_key * n:
             return -1
-        words = ((high - low) >> 6) + 1
+        mask = shards - 1
+        blocks = shards  # a block of the bitmap for each shard
+        if shards & mask != 0:  # not a power of two: one block, renumbered after
+            mask, blocks = 0, 1
+        shift = trailing_zeros64(np.uint64(mask + 1))  # log2 of a block's stride in keys
+        base = low >> shift
+        block_words = (((high >> shift) - base) >> 6) + 1
+        block_bits = 64 * block_words
+        words = blocks * block_words
         seen = np.zeros(words, np.uint64)
-        for i in range(n):
-            key = keys[i]
-            if key >= 0:  # (a padding key less low could wrap around to >= 0)
-                at = key - low
-                seen[at >> 6] |= np.uint64(1) << np.uint64(at & 63)
+        # A key's bit: (key & mask) * block_bits + (key >> shift) - base, which is key - low
+        # for one block (the loops apart: the shard's arithmetic costs ~10% of the pass).
+        if blocks == 1:
+            for i in range(n):
+                key = keys[i]
+                if key >= 0:  # (a padding key less low could wrap around to >= 0)
+                    at = key - low
+                    seen[at >> 6] |= np.uint64(1) << np.uint64(at & 63)
+        else:
+            for i in range(n):
+                key = keys[i]
+                if key >= 0:
+                    at = (key & mask) * block_bits + (key >> shift) - base
+                    seen[at >> 6] |= np.uint64(1) << np.uint64(at & 63)
         below_word = np.empty(words, np.int64)  # the marked bits of the words before
         count = 0
-        for word in range(words):
+        for shard in range(blocks):
+            count = _marked_keys(
+                seen,
+                below_word,
+                shard * block_words,
+                block_words,
+                base,
+                shift,
+                shard,
+                unique,
+                count,
+            )
+        if blocks == 1:
+            for i in range(n):
+                key = keys[i]
+                if key < 0:
+                    inverse[i] = -1
+                    continue
+                at = key - low
+                word = at >> 6
+                below = seen[word] & ((np.uint64(1) << np.uint64(at & 63)) - np.uint64(1))
+                inverse[i] = below_word[word] + popcount64(below)
+        else:
+            for i in range(n):
+                key = keys[i]
+                if key < 0:
+                    inverse[i] = -1
+                    continue
+                at = (key & mask) * block_bits + (key >> shift) - base
+                word = at >> 6
+                below = seen[word] & ((np.uint64(1) << np.uint64(at & 63)) - np.uint64(1))
+                inverse[i] = below_word[word] + popcount64(below)
+        if blocks != shards:  # renumbered by shard: number[rank] is a rank's new number
+            number = _shard_numbers(unique, count, shards)
+            for i in range(n):
+                if inverse[i] >= 0:
+                    inverse[i] = number[inverse[i]]
+        return count
+
+    @jit_kernel
+    def _marked_keys(seen, below_word, start, words, base, shift, shard, unique, count):
+        """The keys of a block of the bitmap (words from `start`; bit b of its word w is
+        the key ((base + 64 * w + b) << shift) | shard), written to unique from `count` in
+        bit order, and each word's count of the marked bits before it; returns the count
+        after the block."""
+        for in_block in range(words):
+            word = start + in_block
             below_word[word] = count
             bits = seen[word]
+            first = base + 64 * in_block
             while bits != 0:
-                unique[count] = low + 64 * word + trailing_zeros64(bits)
+                unique[count] = ((first + trailing_zeros64(bits)) << shift) | shard
                 count += 1
                 bits &= bits - np.uint64(1)  # the lowest set bit cleared
-        for i in range(n):
-            key = keys[i]
-            if key < 0:
-                inverse[i] = -1
-                continue
-            at = key - low
-            word = at >> 6
-            below = seen[word] & ((np.uint64(1) << np.uint64(at & 63)) - np.uint64(1))
-            inverse[i] = below_word[word] + popcount64(below)
         return count
+
+    @jit_kernel
+    def _shard_numbers(unique, count, shards):
+        """unique[:count], ascending, reordered by (key % shards, key) in place: returns
+        each key's new number by its ascending rank (an empty array for one shard, where
+        nothing moves). A stable counting sort by shard; a power of two of shards by a mask
+        (an integer division costs ~20 cycles)."""
+        if shards == 1:
+            return np.empty(0, np.int64)
+        mask = shards - 1
+        power_of_two = shards & mask == 0
+        starts = np.zeros(shards, np.int64)
+        for rank in range(count):
+            key = unique[rank]
+            starts[key & mask if power_of_two else key % shards] += 1
+        total = 0
+        for shard in range(shards):  # each shard's count -> where its keys start
+            keys_of_shard = starts[shard]
+            starts[shard] = total
+            total += keys_of_shard
+        ascending = unique[:count].copy()
+        number = np.empty(count, np.int64)
+        for rank in range(count):
+            key = ascending[rank]
+            shard = key & mask if power_of_two else key % shards
+            number[rank] = starts[shard]
+            unique[starts[shard]] = key
+            starts[shard] += 1
+        return number
 
     @jit_kernel
     def k_number_sorted(keys, order, unique, inverse):
@@ -368,13 +461,19 @@ if numba is not None:
                     out[row, d] += coefficient * grad_output[bag, d]
 
 
-def distinct_keys(keys: np.ndarray, *, kernel: Kernel = "auto") -> tuple[np.ndarray, np.ndarray]:
+def distinct_keys(
+    keys: np.ndarray, *, kernel: Kernel = "auto", shards: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
     """The distinct keys >= 0 (sorted), and each key's index among them (-1: padding).
-    "auto": the compiled pass where the host kernels run (the module docstring), else
-    numpy's sort; "scipy": numpy's sort, the reference; "torch": torch.unique, 2-10x slower
-    than numpy's sort here (65,536 keys: 27 ms against 2.8 ms on a loaded 2-core machine)."""
+    shards > 1: the distinct keys ordered by (key % shards, key) instead, so that the keys
+    of each shard of a table whose keys spread over `shards` (core.config.key_shards) are
+    one span of them, ascending: a lookup's reply rows of a shard land as one block. "auto":
+    the compiled pass where the host kernels run (the module docstring), else numpy's sort;
+    "scipy": numpy's sort, the reference; "torch": torch.unique, 2-10x slower than numpy's
+    sort here (65,536 keys: 27 ms against 2.8 ms on a loaded 2-core machine)."""
     if kernel == "auto" and unavailable_reason() is None:
-        return _distinct_keys_compiled(np.ascontiguousarray(keys, np.int64).reshape(-1))
+        flat = np.ascontiguousarray(keys, np.int64).reshape(-1)
+        return _distinct_keys_compiled(flat, shards)
     torch = _use_torch(kernel) if kernel == "torch" else None
     if torch is None:
         unique, inverse = np.unique(keys, return_inverse=True)
@@ -387,7 +486,21 @@ def distinct_keys(keys: np.ndarray, *, kernel: Kernel = "auto") -> tuple[np.ndar
         unique = unique[padding:]
         inverse = inverse - padding
         inverse[inverse < 0] = -1
-    return unique, inverse
+    return _by_shard(unique, inverse, shards)
+
+
+def _by_shard(
+    unique: np.ndarray, inverse: np.ndarray, shards: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Ascending distinct keys reordered by (key % shards, key), and the indices of the
+    keys among them renumbered to match (numpy: a stable argsort by shard)."""
+    if shards == 1 or unique.size == 0:
+        return unique, inverse
+    order = np.argsort(unique % shards, kind="stable")
+    number = np.empty(order.size, np.int64)
+    number[order] = np.arange(order.size)
+    live = inverse >= 0
+    return unique[order], np.where(live, number[np.where(live, inverse, 0)], -1)
 
 
 def pool(matrix: PoolingMatrix, rows: np.ndarray, *, kernel: Kernel = "auto") -> np.ndarray:
@@ -407,23 +520,23 @@ def pool(matrix: PoolingMatrix, rows: np.ndarray, *, kernel: Kernel = "auto") ->
     return pooled.numpy()
 
 
-def _distinct_keys_compiled(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """distinct_keys compiled: keys of a narrow span ranked in a bitmap of it; else, up to
-    HASHED_DEDUP_KEYS keys, number the distinct keys as they first come, sort only them
-    and renumber; more, argsort them all and number them in that order (the module
-    docstring)."""
+def _distinct_keys_compiled(keys: np.ndarray, shards: int) -> tuple[np.ndarray, np.ndarray]:
+    """distinct_keys compiled: keys of a narrow span ranked in a bitmap of it (and ordered
+    by shard there); else, up to HASHED_DEDUP_KEYS keys, number the distinct keys as they
+    first come, sort only them and renumber; more, argsort them all and number them in that
+    order (the module docstring); these two ordered by shard after, by numpy."""
     unique = np.empty(keys.size, np.int64)
     inverse = np.empty(keys.size, np.int64)
-    count = k_rank_in_span(keys, SPAN_DEDUP_BITS_PER_KEY, unique, inverse)
+    count = k_rank_in_span(keys, SPAN_DEDUP_BITS_PER_KEY, shards, unique, inverse)
     if count >= 0:
         return unique[:count], inverse
     if keys.size > HASHED_DEDUP_KEYS:
         count = k_number_sorted(keys, np.argsort(keys), unique, inverse)
-        return unique[:count], inverse
+        return _by_shard(unique[:count], inverse, shards)
     count = k_first_seen(keys, unique, inverse)
     order = np.argsort(unique[:count])
     k_renumber(inverse, order)
-    return unique[order], inverse
+    return _by_shard(unique[order], inverse, shards)
 
 
 def unpool(

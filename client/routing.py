@@ -36,6 +36,14 @@ class Router:
         self.num_shards = num_shards
         self.max_call_bytes = max_call_bytes
 
+    def spread(self, table: str) -> int:
+        """Over how many shards a table's keys spread: num_shards (key k on shard k % N),
+        or 1 for a table on one shard. Distinct keys ordered by (key % spread, key)
+        (pooling.distinct_keys' `shards`) reach each shard as one span of that order, so
+        that its reply's rows are placed as one block."""
+        on_one = single_shard(self.table_config(table), self.num_shards) is not None
+        return 1 if on_one else self.num_shards
+
     def route(
         self,
         tables: dict[str, tuple[int, np.ndarray]],

@@ -721,7 +721,7 @@ def test_each_compiled_dedup_path_is_numpys(size: int, span: int, bitmap: bool) 
     for padding in (0.1, 0.0):
         keys = spanning(size, span, size + span, padding)
         unique, inverse = np.empty(size, np.int64), np.empty(size, np.int64)
-        ranked = pooling.k_rank_in_span(keys, SPAN_DEDUP_BITS_PER_KEY, unique, inverse)
+        ranked = pooling.k_rank_in_span(keys, SPAN_DEDUP_BITS_PER_KEY, 1, unique, inverse)
         assert (ranked >= 0) == bitmap
         check_compiled_dedup(keys)
 
@@ -742,12 +742,22 @@ def test_the_compiled_dedup_of_any_small_keys_is_numpys(values: list[int], base:
 
 
 def check_compiled_dedup(keys: np.ndarray) -> None:
-    unique, inverse = distinct_keys(keys, kernel="auto")
-    want_unique, want_inverse = distinct_keys(keys, kernel="scipy")
-    assert unique.dtype == np.int64 and inverse.dtype == np.int64
-    np.testing.assert_array_equal(unique, want_unique)
-    np.testing.assert_array_equal(inverse, want_inverse)
-    np.testing.assert_array_equal(unique, distinct(keys)[0])  # and the oracle's
+    """The compiled dedup against numpy's and the oracle's, in key order and by shard."""
+    for shards in (1, 2, 3, 4):
+        unique, inverse = distinct_keys(keys, kernel="auto", shards=shards)
+        want_unique, want_inverse = distinct_keys(keys, kernel="scipy", shards=shards)
+        assert unique.dtype == np.int64 and inverse.dtype == np.int64
+        np.testing.assert_array_equal(unique, want_unique)
+        np.testing.assert_array_equal(inverse, want_inverse)
+        np.testing.assert_array_equal(unique, by_shard(distinct(keys)[0], shards))  # the oracle's
+        live = keys >= 0
+        np.testing.assert_array_equal(inverse < 0, ~live)
+        np.testing.assert_array_equal(unique[inverse[live]], keys[live])
+
+
+def by_shard(ascending: np.ndarray, shards: int) -> np.ndarray:
+    """Ascending distinct keys in the order (key % shards, key), by a sort of pairs."""
+    return np.array(sorted(ascending.tolist(), key=lambda key: (key % shards, key)), np.int64)
 
 
 @compiled

@@ -37,18 +37,27 @@ if numba is not None:
         """A stable counting sort of keys >= 0 by their shard k % num_shards (the row
         placement of core.config.key_shards): grouped[bounds[s]:bounds[s+1]] are shard
         s's keys in their order, positions their places in `keys`. Each key's shard is
-        computed once and kept for the second pass."""
+        computed once and kept for the second pass. Returns whether the keys came grouped
+        already (their shards never fall, as a lookup's distinct keys ordered by shard
+        do): then only bounds is written, grouped and positions are left as they were,
+        and the keys are grouped[...] themselves, at positions 0..n-1."""
         n = keys.shape[0]
         shard_of = np.empty(n, np.int32)
         bounds[:] = 0
         mask = num_shards - 1
         power_of_two = num_shards & mask == 0
+        rising = True
+        last = 0
         for i in range(n):
             s = _key_shard(keys[i], num_shards, mask, power_of_two)
             shard_of[i] = s
             bounds[s + 1] += 1
+            rising &= s >= last
+            last = s
         for s in range(num_shards):
             bounds[s + 1] += bounds[s]
+        if rising:
+            return True
         fill = bounds[:num_shards].copy()
         for i in range(n):
             s = shard_of[i]
@@ -56,6 +65,7 @@ if numba is not None:
             grouped[j] = keys[i]
             positions[j] = i
             fill[s] = j + 1
+        return False
 
     @jit_kernel
     def k_first_foreign_key(keys, num_shards, shard_id):
@@ -80,10 +90,12 @@ def group_by_shard(
     in its pass; else (and without the kernels) key_shards places them."""
     if unavailable_reason() is not None or single_shard(config, num_shards) is not None:
         return group_by_shard_reference(key_shards(config, keys, num_shards), keys, num_shards)
+    keys = np.ascontiguousarray(keys, np.int64)
     grouped = np.empty(keys.size, np.int64)
     positions = np.empty(keys.size, np.int64)
     bounds = np.empty(num_shards + 1, np.int64)
-    k_group_by_shard(np.ascontiguousarray(keys, np.int64), num_shards, grouped, positions, bounds)
+    if k_group_by_shard(keys, num_shards, grouped, positions, bounds):  # no copy to make
+        return keys, np.arange(keys.size), bounds
     return grouped, positions, bounds
 
 

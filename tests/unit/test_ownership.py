@@ -42,10 +42,44 @@ def test_group_by_shard_runs_compiled_where_the_host_kernels_do() -> None:
     grouped = np.empty(4, np.int64)
     positions = np.empty(4, np.int64)
     bounds = np.empty(3, np.int64)
-    ownership.k_group_by_shard(keys, 2, grouped, positions, bounds)
+    assert not ownership.k_group_by_shard(keys, 2, grouped, positions, bounds)
     assert grouped.tolist() == [2, 4, 5, 7]
     assert positions.tolist() == [1, 3, 0, 2]
     assert bounds.tolist() == [0, 2, 4]
+    assert ownership.k_group_by_shard(grouped, 2, keys, positions, bounds)  # grouped already
+    assert keys.tolist() == [5, 2, 7, 4] and bounds.tolist() == [0, 2, 4]  # only bounds
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 8])
+@pytest.mark.parametrize("within", ["ascending", "any order"])
+def test_keys_grouped_already_are_returned_as_they_are(num_shards: int, within: str) -> None:
+    """Keys whose shards never fall (a lookup's distinct keys ordered by shard) come back
+    as the same array at positions 0..n-1, with the reference's bounds; one key moved out
+    of its group is grouped by the counting sort again."""
+    config = TableConfig("t", 4)
+    rng = np.random.default_rng(num_shards)
+    keys = rng.choice(10**9, 3000, replace=False)
+    order = np.lexsort(
+        (keys if within == "ascending" else rng.random(keys.size), keys % num_shards)
+    )
+    keys = keys[order]
+    want = ownership.group_by_shard_reference(
+        key_shards(config, keys, num_shards), keys, num_shards
+    )
+    grouped, positions, bounds = ownership.group_by_shard(config, keys, num_shards)
+    assert np.array_equal(grouped, want[0]) and np.array_equal(positions, want[1])
+    assert np.array_equal(bounds, want[2])
+    if compiled.unavailable_reason() is None and num_shards > 1:  # one shard: no kernel
+        assert grouped is keys  # no copy
+    if num_shards > 1:
+        moved = np.concatenate([keys[-1:], keys[:-1]])  # the last shard's key first
+        want = ownership.group_by_shard_reference(
+            key_shards(config, moved, num_shards), moved, num_shards
+        )
+        for got_part, want_part in zip(
+            ownership.group_by_shard(config, moved, num_shards), want, strict=True
+        ):
+            assert np.array_equal(got_part, want_part)
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 4, 7])

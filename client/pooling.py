@@ -231,6 +231,8 @@ if numba is not None:
     from numba.core import types
     from numba.core.extending import intrinsic
 
+    from tierps.core.ownership import k_group_by_shard
+
     @jit_kernel
     def k_first_seen(keys, unique, inverse):
         """Number the distinct keys >= 0 in the order they first come: unique[:count] are
@@ -366,11 +368,18 @@ if numba is not None:
                 word = at >> 6
                 below = seen[word] & ((np.uint64(1) << np.uint64(at & 63)) - np.uint64(1))
                 inverse[i] = below_word[word] + popcount64(below)
-        if blocks != shards:  # renumbered by shard: number[rank] is a rank's new number
-            number = _shard_numbers(unique, count, shards)
-            for i in range(n):
-                if inverse[i] >= 0:
-                    inverse[i] = number[inverse[i]]
+        if blocks != shards and count:  # renumbered by shard, core.ownership's stable sort
+            grouped = np.empty(count, np.int64)
+            positions = np.empty(count, np.int64)
+            bounds = np.empty(shards + 1, np.int64)
+            if not k_group_by_shard(unique[:count], shards, grouped, positions, bounds):
+                number = np.empty(count, np.int64)  # a rank's new number
+                for j in range(count):
+                    number[positions[j]] = j
+                    unique[j] = grouped[j]
+                for i in range(n):
+                    if inverse[i] >= 0:
+                        inverse[i] = number[inverse[i]]
         return count
 
     @jit_kernel
@@ -389,35 +398,6 @@ if numba is not None:
                 count += 1
                 bits &= bits - np.uint64(1)  # the lowest set bit cleared
         return count
-
-    @jit_kernel
-    def _shard_numbers(unique, count, shards):
-        """unique[:count], ascending, reordered by (key % shards, key) in place: returns
-        each key's new number by its ascending rank (an empty array for one shard, where
-        nothing moves). A stable counting sort by shard; a power of two of shards by a mask
-        (an integer division costs ~20 cycles)."""
-        if shards == 1:
-            return np.empty(0, np.int64)
-        mask = shards - 1
-        power_of_two = shards & mask == 0
-        starts = np.zeros(shards, np.int64)
-        for rank in range(count):
-            key = unique[rank]
-            starts[key & mask if power_of_two else key % shards] += 1
-        total = 0
-        for shard in range(shards):  # each shard's count -> where its keys start
-            keys_of_shard = starts[shard]
-            starts[shard] = total
-            total += keys_of_shard
-        ascending = unique[:count].copy()
-        number = np.empty(count, np.int64)
-        for rank in range(count):
-            key = ascending[rank]
-            shard = key & mask if power_of_two else key % shards
-            number[rank] = starts[shard]
-            unique[starts[shard]] = key
-            starts[shard] += 1
-        return number
 
     @jit_kernel
     def k_number_sorted(keys, order, unique, inverse):

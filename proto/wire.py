@@ -389,25 +389,39 @@ def _read_varint(data: memoryview, at: int, end: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(data: memoryview, at: int, end: int) -> Iterator[tuple[int, int, Any]]:
-    """(field number, wire type, value) of a message's fields: an int for a varint, a
-    memoryview of the bytes for a length-delimited field, None for fixed-size ones."""
-    while at < end:
+def _field(data: memoryview, at: int, end: int) -> tuple[int, int, Any, int]:
+    """The field at byte `at` of a message ending at `end`: (field number, wire type,
+    value, the byte after it); the value an int for a varint, a memoryview of the bytes for
+    a length-delimited field, None for fixed-size ones. One-byte varints (tags, dims, most
+    lengths) are read inline: a call's batches are most of its decoding."""
+    key = data[at]
+    if key < 0x80:
+        at += 1
+    else:
         key, at = _read_varint(data, at, end)
-        number, wire_type = key >> 3, key & 7
-        if wire_type == _VARINT:
-            value, at = _read_varint(data, at, end)
-        elif wire_type == _LENGTH:
-            size, at = _read_varint(data, at, end)
-            if at + size > end:
-                raise WireError(f"field {number}: {size} bytes at byte {at} run past {end}")
-            value, at = data[at : at + size], at + size
-        elif wire_type in (_FIXED64, _FIXED32):
-            value, at = None, at + (8 if wire_type == _FIXED64 else 4)
+    number, wire_type = key >> 3, key & 7
+    if wire_type == _VARINT or wire_type == _LENGTH:
+        if at < end and data[at] < 0x80:
+            value, at = data[at], at + 1
         else:
-            raise WireError(f"field {number}: wire type {wire_type} is not protobuf's")
-        if number == 0 or at > end:
-            raise WireError(f"field {number} at byte {at}: not a valid field")
+            value, at = _read_varint(data, at, end)
+        if wire_type == _LENGTH:
+            if at + value > end:
+                raise WireError(f"field {number}: {value} bytes at byte {at} run past {end}")
+            value, at = data[at : at + value], at + value
+    elif wire_type == _FIXED64 or wire_type == _FIXED32:
+        value, at = None, at + (8 if wire_type == _FIXED64 else 4)
+    else:
+        raise WireError(f"field {number}: wire type {wire_type} is not protobuf's")
+    if number == 0 or at > end:
+        raise WireError(f"field {number} at byte {at}: not a valid field")
+    return number, wire_type, value, at
+
+
+def _fields(data: memoryview, at: int, end: int) -> Iterator[tuple[int, int, Any]]:
+    """(field number, wire type, value) of a message's fields, as _field reads each."""
+    while at < end:
+        number, wire_type, value, at = _field(data, at, end)
         yield number, wire_type, value
 
 
@@ -425,34 +439,13 @@ class WireBatch:
 
 
 def _read_batch(data: memoryview, push: bool) -> WireBatch:
-    """One LookupRequest (push: PushGradientsRequest) message's fields, read as _fields
-    reads them with its checks, its one-byte varints (a batch's tags, dim, and most
-    lengths and steps) read inline: a call's batches are most of its decoding. Fields
-    other than the batch's are skipped, as protobuf skips unknown ones."""
+    """One LookupRequest (push: PushGradientsRequest) message's fields, read by _field in
+    a loop (no generator, no setter a field). Fields other than the batch's are skipped, as
+    protobuf skips unknown ones."""
     batch = WireBatch()
     at, end = 0, len(data)
     while at < end:
-        key = data[at]
-        if key < 0x80:
-            at += 1
-        else:
-            key, at = _read_varint(data, at, end)
-        number, wire_type = key >> 3, key & 7
-        if wire_type == _VARINT or wire_type == _LENGTH:
-            if at < end and data[at] < 0x80:
-                value, at = data[at], at + 1
-            else:
-                value, at = _read_varint(data, at, end)
-            if wire_type == _LENGTH:
-                if at + value > end:
-                    raise WireError(f"field {number}: {value} bytes at byte {at} run past {end}")
-                value, at = data[at : at + value], at + value
-        elif wire_type == _FIXED64 or wire_type == _FIXED32:
-            value, at = None, at + (8 if wire_type == _FIXED64 else 4)
-        else:
-            raise WireError(f"field {number}: wire type {wire_type} is not protobuf's")
-        if number == 0 or at > end:
-            raise WireError(f"field {number} at byte {at}: not a valid field")
+        number, wire_type, value, at = _field(data, at, end)
         if wire_type == _LENGTH:
             if number == 4:
                 batch.keys = value

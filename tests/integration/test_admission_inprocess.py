@@ -105,6 +105,7 @@ def test_keys_train_only_from_their_admit_after_th_sighting(
         assert shard["lifecycle"]["admission.bytes"] > 0
 
 
+@pytest.mark.slow  # real subprocesses: seconds
 def test_describe_and_the_admin_command_show_the_filter(
     cluster: tuple[list[ShardServer], EmbeddingClient],
 ) -> None:

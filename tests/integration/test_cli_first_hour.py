@@ -105,6 +105,7 @@ def test_create_takes_the_tables_json_list_and_names_a_clashing_field(
     assert len(err) < 400, err  # not two whole configs
 
 
+@pytest.mark.slow  # real subprocesses: seconds
 def test_snapshot_progress_in_a_pipe_and_on_a_terminal(
     env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -154,6 +155,7 @@ def test_a_missing_snapshot_lists_what_exists(
     assert err.count("\n") == 1, err
 
 
+@pytest.mark.slow  # real subprocesses: seconds
 def test_a_reader_that_goes_away_ends_it_quietly(env: dict[str, str]) -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "tierps.server.cli", "admin", "stats", "--json"],
@@ -168,6 +170,7 @@ def test_a_reader_that_goes_away_ends_it_quietly(env: dict[str, str]) -> None:
     assert b"Broken pipe" not in stderr and b"Traceback" not in stderr, stderr
 
 
+@pytest.mark.slow  # real subprocesses: seconds
 def test_a_second_cluster_on_a_data_dir_in_use_is_refused_cleanly(cluster: LocalCluster) -> None:
     port_files = sorted(cluster.data_dir.glob("shard-*.port"))
     before = {path: path.read_text() for path in port_files}

@@ -121,6 +121,7 @@ def test_a_snapshot_of_a_table_with_evict_before_snapshot_lacks_the_evicted_rows
     np.testing.assert_array_equal(got[small], SMALL.initial_rows(np.array(small))[:, :DIM])
 
 
+@pytest.mark.slow  # real subprocesses: seconds
 def test_the_admin_command_evicts_a_table(
     cluster: tuple[list[ShardServer], EmbeddingClient],
 ) -> None:

@@ -131,6 +131,7 @@ def test_initial_rows_for_a_table_that_exists_are_refused_and_change_nothing(
     np.testing.assert_array_equal(client.lookup("t", np.array([1, 2]), create=False), matrix(2))
 
 
+@pytest.mark.slow  # real subprocesses: seconds
 def test_the_admin_command_creates_a_table_from_a_file_read_on_its_side(
     cluster: tuple[list[ShardServer], EmbeddingClient], tmp_path: Path
 ) -> None:

@@ -55,6 +55,7 @@ def under(modules: list[str], prefixes: tuple[str, ...]) -> list[str]:
     return [m for m in modules if any(m == p or m.startswith(p + ".") for p in prefixes)]
 
 
+@pytest.mark.slow  # real subprocesses: seconds
 def test_a_trainer_imports_no_storage_engine_server_or_cupy() -> None:
     modules = loaded_after("import tierps.client, tierps.client.torch, tierps.client.distributed")
     assert "tierps.client.distributed" in modules and "tierps.core.config" in modules
@@ -161,6 +162,7 @@ def test_a_command_that_runs_shards_names_the_missing_extra(
     assert not (tmp_path / "data").exists()
 
 
+@pytest.mark.slow  # real subprocesses: seconds
 def test_admin_runs_without_the_server_extra(tmp_path: Path) -> None:
     """A trainer's machine runs `tierps admin` (a client of the cluster) without rocksdict
     and the shard's gRPC services: against a real shard, it lists the shard's table."""

@@ -46,6 +46,7 @@ RECENT_CLIENTS = 1024  # clients remembered: the least recently pushing is forgo
 RECENT_TABLE_ENTRIES = 1 << 16
 KEY_PREFIX = b"tierps/pushes/"
 _MAX_CLIENT_ID = 64
+_NAMES_KEPT = 4096  # table names whose JSON form _encoded keeps; beyond, it starts over
 log = logging.getLogger("tierps.server")
 
 
@@ -85,12 +86,15 @@ Applied = dict[str, int]  # table -> distinct keys the call updated there
 
 
 class PushLedger:
-    """The recent pushes a shard applied (see the module docstring). `write(key, value)`
-    keeps a record durable (value None: removes it); `stored` is what was kept before."""
+    """The recent pushes a shard applied (see the module docstring). `write(writes)` keeps
+    records durable in one atomic write, (key, value) each (value None: removes it): a
+    call's record and the records it makes the ledger forget land together or not at all,
+    so the store never holds more than the bounds after a crash. `stored` is what was kept
+    before."""
 
     def __init__(
         self,
-        write: Callable[[bytes, bytes | None], None],
+        write: Callable[[list[tuple[bytes, bytes | None]]], None],
         stored: list[tuple[bytes, bytes]],
         where: str,
     ) -> None:
@@ -103,6 +107,7 @@ class PushLedger:
         )
         self._running: set[PushId] = set()
         self._entries = 0  # table entries over every record
+        self._names: dict[str, str] = {}  # table -> its name as a JSON string (_encoded)
         forgotten: list[PushId] = []
         for key, value in stored:
             try:
@@ -164,13 +169,27 @@ class PushLedger:
         return forgotten
 
     def _persist(self, push_id: PushId | None, applied: Applied, forgotten: list[PushId]) -> None:
+        writes: list[tuple[bytes, bytes | None]] = [(self.key(old), None) for old in forgotten]
+        if push_id is not None:
+            writes.append((self.key(push_id), self._encoded(applied)))
         try:
-            if push_id is not None:
-                self._write(self.key(push_id), json.dumps(applied).encode())
-            for old in forgotten:
-                self._write(self.key(old), None)
+            self._write(writes)
         except Exception as error:  # noqa: BLE001 - the rows are in; say it, do not fail
             log.warning("%s: could not keep the record of push %s: %s", self._where, push_id, error)
+
+    def _encoded(self, applied: Applied) -> bytes:
+        """A record's value: the JSON object {table: keys updated}, as json.dumps writes it,
+        each table's name encoded once (the same few tables are pushed every call)."""
+        names = self._names
+        parts = []
+        for table, count in applied.items():
+            name = names.get(table)
+            if name is None:
+                if len(names) >= _NAMES_KEPT:
+                    names.clear()
+                name = names[table] = json.dumps(table)
+            parts.append(f"{name}: {int(count)}")
+        return ("{" + ", ".join(parts) + "}").encode()
 
     @property
     def size(self) -> int:

@@ -150,7 +150,7 @@ class Shard:
                 self.store.create_table(table)
             self.lives = Lives(Path(config.data_dir), self.where, self.data_id)
             self.ledger = PushLedger(
-                self.store.write_metadata, self.store.metadata(PUSH_RECORDS), self.where
+                self.store.write_metadata_many, self.store.metadata(PUSH_RECORDS), self.where
             )
             # A replica's rows are a copy the training cluster sends again (a resync or the
             # changes since its saved cursors): an unclean end loses nothing of anyone's.

@@ -36,7 +36,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -265,6 +265,8 @@ class EmbeddingStore:
         self.max_step_leap = max_step_leap  # every table's (EmbeddingTable.max_step_leap)
         self.shard_id = shard_id
         self.sync_writes = sync_writes
+        self._metadata_options = WriteOptions()  # made once: a push writes metadata a call
+        self._metadata_options.sync = sync_writes
         self.write_state = WriteState()
         self.recoveries = 0  # times recover() made a failed store writable again
         self.gpu_cache_bytes = gpu_cache_bytes
@@ -354,20 +356,34 @@ class EmbeddingStore:
             )
         return dropped
 
-    def _write_options(self) -> WriteOptions:
-        options = WriteOptions()
-        options.sync = self.sync_writes
-        return options
-
     def _put(self, key: bytes, value: bytes | None) -> None:
         """Write (or delete, value None) one metadata key of the default column family, as
         the tiers write rows: refused while the store has failed, and a failure remembered."""
         self.write_state.check()
         try:
             if value is None:
-                self._db.delete(key, self._write_options())
+                self._db.delete(key, self._metadata_options)
             else:
-                self._db.put(key, value, self._write_options())
+                self._db.put(key, value, self._metadata_options)
+        except Exception as error:
+            where = f"shard {self.shard_id}"
+            raise self.write_state.failed(backend_error("write metadata", where, error)) from error
+
+    def _put_many(self, writes: Sequence[tuple[bytes, bytes | None]]) -> None:
+        """_put of several keys in one atomic RocksDB write (one WriteBatch: all of them land
+        or none), refused and remembered alike."""
+        if len(writes) == 1:
+            self._put(*writes[0])
+            return
+        batch = WriteBatch(raw_mode=True)
+        for key, value in writes:
+            if value is None:
+                batch.delete(key)
+            else:
+                batch.put(key, value)
+        self.write_state.check()
+        try:
+            self._db.write(batch, self._metadata_options)
         except Exception as error:
             where = f"shard {self.shard_id}"
             raise self.write_state.failed(backend_error("write metadata", where, error)) from error
@@ -486,6 +502,13 @@ class EmbeddingStore:
         """Write (value None: delete) one key of the shard's own records (not a table's
         rows), as durably as the rows: refused while the store cannot write."""
         self._put(key, value)
+
+    def write_metadata_many(self, writes: Sequence[tuple[bytes, bytes | None]]) -> None:
+        """write_metadata of several keys, (key, value or None) each, in one atomic write:
+        after a crash, all of them are there or none (the push ledger writes a call's record
+        and deletes the records it forgets so)."""
+        if writes:
+            self._put_many(writes)
 
     def metadata(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
         """The shard's own records whose key starts with prefix, in key order."""

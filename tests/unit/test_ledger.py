@@ -3,6 +3,11 @@ an id at a time."""
 
 from __future__ import annotations
 
+import json
+import random
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,7 +20,7 @@ from tierps.storage import EmbeddingStore, InvalidArgumentError
 
 
 def open_ledger(store: EmbeddingStore) -> PushLedger:
-    return PushLedger(store.write_metadata, store.metadata(KEY_PREFIX), "shard 0 of 1")
+    return PushLedger(store.write_metadata_many, store.metadata(KEY_PREFIX), "shard 0 of 1")
 
 
 def test_a_recorded_push_is_remembered_across_a_reopen(tmp_path: Path) -> None:
@@ -96,3 +101,66 @@ def test_records_of_many_tables_are_bounded_by_their_entries(
         book.end(PushId("old", 1), {})
         assert book.begin(PushId("new", 2)) == {f"t{i}": 1 for i in range(4)}
         book.end(PushId("new", 2), {f"t{i}": 1 for i in range(4)})
+
+
+def test_a_records_writes_land_together_in_one_write(tmp_path: Path) -> None:
+    """write_metadata_many: puts and deletes of the shard's records in one write, all there
+    after a reopen."""
+    with EmbeddingStore(tmp_path / "db") as store:
+        store.write_metadata_many([(KEY_PREFIX + b"a", b"1"), (KEY_PREFIX + b"b", b"2")])
+        store.write_metadata_many([(KEY_PREFIX + b"a", None), (KEY_PREFIX + b"c", b"3")])
+        store.write_metadata_many([])
+    with EmbeddingStore(tmp_path / "db") as store:
+        assert store.metadata(KEY_PREFIX) == [(KEY_PREFIX + b"b", b"2"), (KEY_PREFIX + b"c", b"3")]
+
+
+# A process that records pushes of one client as fast as it can, each call forgetting the
+# oldest (RECENT_PER_CLIENT 4), and prints each sequence once end() returned (acknowledged).
+_RECORDING = """
+import sys
+from tierps.server import ledger
+from tierps.server.ledger import KEY_PREFIX, PushId, PushLedger
+from tierps.storage import EmbeddingStore
+
+ledger.RECENT_PER_CLIENT = 4
+store = EmbeddingStore(sys.argv[1])
+book = PushLedger(store.write_metadata_many, store.metadata(KEY_PREFIX), "shard 0 of 1")
+sequence = int(sys.argv[2])
+while True:
+    sequence += 1
+    push = PushId("c", sequence)
+    book.begin(push)
+    book.end(push, {"t": sequence})
+    print(sequence, flush=True)
+"""
+
+
+def test_a_killed_shard_keeps_each_record_with_the_ones_it_forgot(tmp_path: Path) -> None:
+    """kill -9 while a shard records pushes (each record written with the deletes of the one
+    it makes the ledger forget): reopened, RocksDB holds the last acknowledged records (or
+    the one after them, written but not yet acknowledged), never more than the bound and
+    never with a gap: a record never lands without its deletes, nor they without it."""
+    path = tmp_path / "db"
+    acknowledged = 0
+    for _ in range(3):
+        with subprocess.Popen(
+            [sys.executable, "-c", _RECORDING, str(path), str(acknowledged)],
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as child:
+            assert child.stdout is not None
+            for _ in range(200 + random.randrange(200)):
+                line = child.stdout.readline()
+                assert line, "the recording process ended"
+                acknowledged = int(line)
+            child.send_signal(signal.SIGKILL)
+            child.wait(10)
+            acknowledged = max([acknowledged, *map(int, child.stdout.read().split())])
+        with EmbeddingStore(path) as store:
+            stored = store.metadata(KEY_PREFIX)
+        sequences = [int(key.rsplit(b"/", 1)[1]) for key, _ in stored]
+        last = sequences[-1]
+        assert last in (acknowledged, acknowledged + 1), (sequences, acknowledged)
+        assert sequences == list(range(last - 3, last + 1)), sequences
+        assert [json.loads(value) for _, value in stored] == [{"t": s} for s in sequences]
+        acknowledged = last

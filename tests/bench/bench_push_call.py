@@ -1,0 +1,96 @@
+"""One push call's server CPU at a bench_service shape, without gRPC: the request tierps'
+client would send (one table's keys and gradients, SGD, all rows in the host tier) handed
+straight to a shard's servicer with a new push id each call, against the raw numpy server's
+push (tests/bench/echo_server.py) of the same keys and gradients. Calls alternate; each
+one's CPU is measured in its thread; medians printed.
+
+    python -m tests.bench.bench_push_call [--dim 16] [--keys 16384] [--calls 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tests.bench.bench_service import LR, TABLE_KEYS
+from tests.bench.echo_server import RawNumpy, initial_rows
+from tierps.proto import wire
+from tierps.server import servicers
+from tierps.server.config import ServerConfig
+from tierps.server.ledger import PUSH_ID_HEADER
+from tierps.server.shard import Shard
+from tierps.storage import TableConfig, optim
+
+
+class _Context:
+    """The little of a gRPC context a push reads: its metadata."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.metadata = metadata
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--keys", type=int, default=16384)
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="tierps-push-call-"))
+    config = TableConfig(
+        "t", args.dim, optimizer=optim.SGD(lr=LR), host_cache_bytes=TABLE_KEYS * args.dim * 8
+    )
+    shard = Shard(ServerConfig(shard_id=0, num_shards=1, data_dir=root / "data", tables=[config]))
+    try:
+        every = np.arange(TABLE_KEYS, dtype=np.int64)
+        shard.store.table("t").assign(every, initial_rows(TABLE_KEYS, args.dim))
+        servicer = servicers.EmbeddingServicer(shard, lambda *_: None)
+        rng = np.random.default_rng(0)
+        keys = rng.choice(TABLE_KEYS, args.keys, replace=False).astype(np.int64)
+        grads = rng.standard_normal((args.keys, args.dim), dtype=np.float32) * 1e-3
+        request = wire.encode_batches([("t", args.dim, 1, (keys.tobytes(), grads.tobytes()))])
+        raw = RawNumpy()
+        shape = {"table_rows": TABLE_KEYS, "dim": args.dim, "lr": LR, "seed": 0}
+        raw.fill(json.dumps(shape).encode(), None)
+        raw_request = keys.tobytes() + grads.tobytes()
+        sequence = 0
+
+        def tierps() -> Any:
+            nonlocal sequence
+            sequence += 1
+            context = _Context(((PUSH_ID_HEADER, f"bench:{sequence}"),))
+            return servicer.PushGradientsUnary(wire.decode_push_batches(request), context)
+
+        calls = {"tierps": tierps, "raw": lambda: raw.push(raw_request, None)}
+        for call in calls.values():  # warm
+            for _ in range(20):
+                call()
+        spent: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(args.calls):
+            for name, call in calls.items():
+                started = time.thread_time_ns()
+                call()
+                spent[name].append((time.thread_time_ns() - started) / 1e3)
+        median = {name: statistics.median(times) for name, times in spent.items()}
+        print(
+            f"dim {args.dim}, {args.keys} keys a push: tierps {median['tierps']:.0f} us of CPU a "
+            f"call, raw numpy server {median['raw']:.0f} us "
+            f"({median['raw'] / median['tierps']:.2f}x tierps' time)"
+        )
+    finally:
+        shard.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -46,7 +46,6 @@ RECENT_CLIENTS = 1024  # clients remembered: the least recently pushing is forgo
 RECENT_TABLE_ENTRIES = 1 << 16
 KEY_PREFIX = b"tierps/pushes/"
 _MAX_CLIENT_ID = 64
-_NAMES_KEPT = 4096  # table names whose JSON form _encoded keeps; beyond, it starts over
 log = logging.getLogger("tierps.server")
 
 
@@ -107,7 +106,6 @@ class PushLedger:
         )
         self._running: set[PushId] = set()
         self._entries = 0  # table entries over every record
-        self._names: dict[str, str] = {}  # table -> its name as a JSON string (_encoded)
         forgotten: list[PushId] = []
         for key, value in stored:
             try:
@@ -171,25 +169,11 @@ class PushLedger:
     def _persist(self, push_id: PushId | None, applied: Applied, forgotten: list[PushId]) -> None:
         writes: list[tuple[bytes, bytes | None]] = [(self.key(old), None) for old in forgotten]
         if push_id is not None:
-            writes.append((self.key(push_id), self._encoded(applied)))
+            writes.append((self.key(push_id), json.dumps(applied).encode()))
         try:
             self._write(writes)
         except Exception as error:  # noqa: BLE001 - the rows are in; say it, do not fail
             log.warning("%s: could not keep the record of push %s: %s", self._where, push_id, error)
-
-    def _encoded(self, applied: Applied) -> bytes:
-        """A record's value: the JSON object {table: keys updated}, as json.dumps writes it,
-        each table's name encoded once (the same few tables are pushed every call)."""
-        names = self._names
-        parts = []
-        for table, count in applied.items():
-            name = names.get(table)
-            if name is None:
-                if len(names) >= _NAMES_KEPT:
-                    names.clear()
-                name = names[table] = json.dumps(table)
-            parts.append(f"{name}: {int(count)}")
-        return ("{" + ", ".join(parts) + "}").encode()
 
     @property
     def size(self) -> int:

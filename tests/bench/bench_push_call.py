@@ -4,13 +4,18 @@ straight to a shard's servicer with a new push id each call, against the raw num
 push (tests/bench/echo_server.py) of the same keys and gradients. Calls alternate; each
 one's CPU is measured in its thread; medians printed.
 
-    python -m tests.bench.bench_push_call [--dim 16] [--keys 16384] [--calls 200]
+    python -m tests.bench.bench_push_call [--dim 16] [--keys 16384] [--calls 200] [--profile]
+
+--profile then runs tierps' calls once more under cProfile (a CPU clock) and prints where
+their time goes by function: the compiled probe-and-train kernel against the glue.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import shutil
 import statistics
 import tempfile
@@ -45,6 +50,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--keys", type=int, default=16384)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--profile", action="store_true", help="cProfile tierps' calls after")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tierps-push-call-"))
     config = TableConfig(
@@ -87,6 +93,14 @@ def main() -> None:
             f"call, raw numpy server {median['raw']:.0f} us "
             f"({median['raw'] / median['tierps']:.2f}x tierps' time)"
         )
+        if args.profile:
+            profile = cProfile.Profile(time.thread_time_ns, 1e-9)
+            profile.enable()
+            for _ in range(args.calls):
+                tierps()
+            profile.disable()
+            print(f"-- tierps' {args.calls} calls by own CPU (profiled: slower) --")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(12)
     finally:
         shard.close()
         shutil.rmtree(root, ignore_errors=True)

@@ -69,7 +69,7 @@ def describe_table(
                 "hits": figures["hits"],
                 "misses": figures["misses"],
                 "hit_rate": _hit_rate(figures["hits"], figures["misses"]),
-                "scratch_bytes": figures.get("scratch_bytes", 0),  # the host tier's
+                "scratch_bytes": figures.get("scratch_bytes", 0),  # a tier that trains in place
             }
             for tier, figures in stats["tiers"].items()
         ],

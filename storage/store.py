@@ -463,11 +463,11 @@ class EmbeddingStore:
         rows_family, buckets_family = self._families(config.name)
         family = self._family(rows_family)
         tiers: list[Tier] = []
+        # with the compiled host kernels, a push trains resident rows where they lie
+        compiled = host_kernels.host_launcher() is not None
         if not config.use_hashtable:
-            tiers.append(DirectTier(config))
+            tiers.append(DirectTier(config, trains_in_place=compiled))
         elif host_rows_for_budget(config.host_cache_bytes, config.stored_bytes) > 0:
-            # with the compiled host kernels, a push trains resident rows where they lie
-            compiled = host_kernels.host_launcher() is not None
             tiers.append(CacheTier(config, config.host_cache_bytes, trains_in_place=compiled))
         tiers.append(self._rocksdb_tier(family, config.codec, where))
         gpu = self._gpu_tier(config)

@@ -58,7 +58,7 @@ _INITIAL_ROWS = 1024
 ARENA_GROWTH = 4  # a host arena's capacity grows this many times at a step (see _grow)
 _DIRTY_FLAG_BYTES = 1
 _FREE_LIST_BYTES = 8
-SCRATCH_SHRINK_CALLS = 64  # see CacheTier._scratch_rows
+SCRATCH_SHRINK_CALLS = 64  # see Scratch
 # Linux's madvise advice to fault pages in for writing (5.14+); Python's mmap module names
 # it only where it was built against headers that have it.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
@@ -245,6 +245,41 @@ class MappedArena:
         self.rows = rows
 
 
+class Scratch:
+    """A tier's working rows for a push (train_resident's saved values; its contents are
+    the caller's until its push ends), kept between pushes: fresh pages every push would be
+    zeroed by the kernel first. Grown geometrically, never beyond `limit` floats but to a
+    push's need; shrunk to twice the need after SCRATCH_SHRINK_CALLS calls in a row that use
+    under a quarter of it. Working memory beside a tier's budget, as a numpy update's
+    temporaries are (a tier's stats()["scratch_bytes"])."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.buffer = np.empty(0, dtype=np.float32)  # cache-line aligned once grown
+        self._small_calls = 0
+
+    def rows(self, rows: int, width: int) -> np.ndarray:
+        """A float32 [rows, width] view of the scratch."""
+        need = rows * width
+        have = self.buffer.size
+        if need > have:
+            grown = max(need, min(2 * have, self.limit))
+            self.buffer = host_kernels.aligned_empty(grown, 1)[:, 0]
+            self._small_calls = 0
+        elif 4 * need < have:
+            self._small_calls += 1
+            if self._small_calls >= SCRATCH_SHRINK_CALLS:
+                self.buffer = host_kernels.aligned_empty(2 * need, 1)[:, 0]
+                self._small_calls = 0
+        else:
+            self._small_calls = 0
+        return self.buffer[:need].reshape(rows, width)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.nbytes)
+
+
 class CacheTier(Tier):
     """Rows in one arena [rows, row_width], addressed through a HashTable, within a byte
     budget: the host tier (numpy, host_cache_bytes) and the GPU tier (cupy, gpu_cache_bytes)
@@ -296,8 +331,7 @@ class CacheTier(Tier):
         self.dirty = xp.zeros(start, dtype=bool)
         self._free = xp.empty(0, dtype=xp.int64)  # row ids released by eviction
         self._high = 0  # row ids >= _high were never used
-        self._scratch = np.empty(0, dtype=np.float32)  # see _scratch_rows (cache-line aligned)
-        self._scratch_small_calls = 0
+        self._scratch = Scratch(self.max_rows * self.width)  # see _scratch_rows
         self.hits = 0
         self.misses = 0
 
@@ -625,26 +659,9 @@ class CacheTier(Tier):
         return hit, undo, None
 
     def _scratch_rows(self, rows: int, width: int) -> np.ndarray:
-        """A float32 [rows, width] view of this tier's scratch (train_resident's saved
-        values; its contents are the caller's until its push ends). Grown geometrically
-        and kept, up to the arena's size; shrunk to twice the need after SCRATCH_SHRINK_CALLS
-        calls in a row that use under a quarter of it; dropped by close. Working memory
-        of a push beside the cache's budget, as a numpy update's temporaries are: shown
-        as stats()["scratch_bytes"]."""
-        need = rows * width
-        have = self._scratch.size
-        if need > have:
-            limit = self.max_rows * self.width
-            self._scratch = host_kernels.aligned_empty(max(need, min(2 * have, limit)), 1)[:, 0]
-            self._scratch_small_calls = 0
-        elif 4 * need < have:
-            self._scratch_small_calls += 1
-            if self._scratch_small_calls >= SCRATCH_SHRINK_CALLS:
-                self._scratch = host_kernels.aligned_empty(2 * need, 1)[:, 0]
-                self._scratch_small_calls = 0
-        else:
-            self._scratch_small_calls = 0
-        return self._scratch[:need].reshape(rows, width)
+        """A float32 [rows, width] view of this tier's Scratch, up to the arena's size;
+        dropped by close."""
+        return self._scratch.rows(rows, width)
 
     def _fused_apply(self, ids: Any, grads: Any, step: int) -> bool:
         """The optimizer as one CuPy RawKernel over the rows `ids`, where there is one for
@@ -700,7 +717,7 @@ class CacheTier(Tier):
             "capacity_rows": self.max_rows,
             "bytes": self._arena_bytes() + int(self._free.nbytes) + self.index.nbytes,
             # working memory of pushes, beside the budget: at most the arena's size again
-            "scratch_bytes": int(self._scratch.nbytes),
+            "scratch_bytes": self._scratch.nbytes,
             "dirty_rows": int(self.xp.count_nonzero(self.dirty[: self._high])),
             "hits": self.hits,
             "misses": self.misses,
@@ -739,16 +756,23 @@ class DirectTier(Tier):
 
     Keys are not checked here: EmbeddingTable refuses keys outside [0, capacity) before a
     call reaches any tier.
+
+    With the compiled host kernels (trains_in_place), a push trains the present rows where
+    they lie in one compiled pass (host_kernels' training loop of the optimizer, a key
+    being its own row id): no gather into a copy, no scatter back.
     """
 
     name = "direct"
 
-    def __init__(self, config: TableConfig) -> None:
+    def __init__(self, config: TableConfig, *, trains_in_place: bool = False) -> None:
+        self.config = config
+        self._trains_in_place = trains_in_place
         self.width = config.stored_width
         self.capacity = config.capacity
         self.arena = np.zeros((self.capacity, self.width), dtype=np.float32)
         self.present = np.zeros(self.capacity, dtype=bool)
         self.dirty = np.zeros(self.capacity, dtype=bool)
+        self._scratch = Scratch(self.capacity * self.width)  # train_resident's saved values
         self.rows = 0  # present rows
         self.hits = 0
         self.misses = 0
@@ -763,6 +787,78 @@ class DirectTier(Tier):
         self.hits += hit.size
         self.misses += keys.size - hit.size
         return hit, np.take(self.arena, ids, axis=0), self.dirty[ids]
+
+    @property
+    def trains_in_place(self) -> bool:
+        return self._trains_in_place
+
+    def train_resident(
+        self, keys: np.ndarray, grads: np.ndarray, step: int, stamp: int | None
+    ) -> tuple[np.ndarray, Callable[[], None] | None, np.ndarray | None]:
+        """CacheTier.train_resident for the present rows of (unique) keys, a key being its
+        own row id: the optimizer's compiled loop trains them in place, each row checked
+        finite before it is written (a non-finite value puts back the rows written before
+        it), the values it touches saved for the undo. An optimizer without a compiled
+        loop trains none here: the cascade's array code takes every key."""
+        nothing = np.empty(0, dtype=np.int64), None, None
+        fused = host_kernels.fused_trainer(self.config.optimizer, step)
+        if fused is None or keys.size == 0:
+            return nothing
+        train, hyper = fused
+        present = self.present[keys]
+        if present.all():  # the common case once warm: no masked copies
+            hit, ids = np.arange(keys.size), keys
+        else:
+            hit = np.flatnonzero(present)
+            if hit.size == 0:
+                return nothing
+            ids, grads = keys[hit], grads[hit]
+        self.hits += hit.size
+        n = hit.size
+        ids = np.ascontiguousarray(ids, np.int64)
+        grads = np.ascontiguousarray(grads, np.float32)
+        width, size = self.config.row_width, self.config.optimizer.size_factor
+        stamp_bits = step_bits(stamp) if stamp is not None else np.empty(0, np.float32)
+        touched = width if stamp is None else self.width  # the step slots too
+        backup = self._scratch.rows(n, touched)
+        was_dirty = np.empty(n, dtype=bool)
+        bad = train(
+            self.arena,
+            ids,
+            grads,
+            hyper,
+            size,
+            True,
+            backup,
+            was_dirty,
+            stamp_bits,
+            stamp is not None,
+            width,
+            self.dirty,
+        )
+        if bad >= 0:  # put back already; the trained rows, same arithmetic, for the refusal
+            trained = np.take(self.arena, ids, axis=0)
+            train(
+                trained,
+                np.arange(n),
+                grads,
+                hyper,
+                size,
+                False,
+                np.empty((n, touched), dtype=np.float32),
+                np.empty(n, dtype=bool),
+                stamp_bits,
+                False,
+                width,
+                np.empty(n, dtype=bool),
+            )
+            return hit, None, trained[:, :width]
+
+        def undo() -> None:
+            self.arena[ids, :touched] = backup
+            self.dirty[ids] = was_dirty
+
+        return hit, undo, None
 
     def insert(
         self, keys: np.ndarray, rows: np.ndarray, dirty: np.ndarray, below: HandDown
@@ -800,6 +896,8 @@ class DirectTier(Tier):
             "rows": self.rows,
             "capacity_rows": self.capacity,
             "bytes": int(self.arena.nbytes + self.present.nbytes + self.dirty.nbytes),
+            # working memory of pushes, beside the arena: at most its size again
+            "scratch_bytes": self._scratch.nbytes,
             "dirty_rows": int(np.count_nonzero(self.dirty)),
             "hits": self.hits,
             "misses": self.misses,

@@ -60,16 +60,19 @@ def rows_of(client: EmbeddingClient, table: str, keys: np.ndarray) -> np.ndarray
 # -- a push is one unit on each shard ------------------------------------------------------
 
 
+@pytest.mark.parametrize("x_index", ["hashed", "direct"])
 @pytest.mark.parametrize("transport", ["one-message", "stream", "push-then-lookup"])
 def test_a_refused_table_changes_no_other_table_of_the_push(
-    shard_server: Any, transport: str
+    shard_server: Any, transport: str, x_index: str
 ) -> None:
-    """Table x (SGD) and table y (Adam) in one push; y's gradient 1e20 makes Adam's second
-    moment inf in float32: the shard refuses the whole push, and x keeps every bit."""
+    """Table x (SGD; hashed, or direct: both train their rows in place) and table y (Adam)
+    in one push; y's gradient 1e20 makes Adam's second moment inf in float32: the shard
+    refuses the whole push, and x keeps every bit."""
     server = shard_server()
     options = {"one_message_bytes": 0} if transport == "stream" else {}
+    direct = {"use_hashtable": False, "capacity": 16} if x_index == "direct" else {}
     with EmbeddingClient([f"127.0.0.1:{server.port}"], **options) as client:
-        client.create_table(counting("x"))
+        client.create_table(counting("x", **direct))
         client.create_table(TableConfig("y", DIM, optimizer=optim.Adam(lr=0.1)))
         keys = np.array([[1, 2], [3, 4]])
         features = [Feature("fx", "x"), Feature("fy", "y")]

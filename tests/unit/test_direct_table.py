@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import export_dict
+from tests.optimizers import each, kind_id
+from tierps.core.codec import step_bits
 from tierps.storage import (
     EmbeddingStore,
     EmbeddingTable,
@@ -272,3 +274,98 @@ def test_the_size_bound_is_half_the_given_memory() -> None:
     with pytest.raises(ResourceExhaustedError, match=re.escape("expected at most 499 bytes")):
         check_direct_size(config, "t", memory_bytes=999)
     check_direct_size(TableConfig("h", DIM), "t", memory_bytes=1)  # hashed: not bounded here
+
+
+def _present_tier(config: TableConfig, rows: np.ndarray) -> Any:
+    """A direct tier that trains in place, holding rows for keys 0, 2, 4, ... (odd keys
+    absent: the cascade's)."""
+    from tierps.storage.tiers import DirectTier
+
+    tier = DirectTier(config, trains_in_place=True)
+    keys = np.arange(0, config.capacity, 2, dtype=np.int64)
+    tier.insert(keys, rows[keys], np.arange(keys.size) % 3 == 0, lambda *_: None)
+    return tier
+
+
+@pytest.mark.parametrize("optimizer", [*each(), optim.FTRL(lr=0.05, l2=0.1)], ids=kind_id)
+def test_a_direct_tier_trains_its_present_rows_in_place_as_the_array_code_does(
+    optimizer: optim.Optimizer,
+) -> None:
+    """train_resident: the present keys' rows trained where they lie, within the derived
+    float64 bound of the update that the array code (gather, apply, scatter) also meets,
+    stamped and marked dirty, hits counted; absent keys left to the cascade, other rows
+    untouched; the undo puts back every bit."""
+    from tests.unit.test_kernels import _float64_step, assert_within
+
+    rng = np.random.default_rng(5)
+    config = direct_config(optimizer=optimizer, capacity=200, steps_to_live=10)
+    rows = np.zeros((200, config.stored_width), np.float32)
+    rows[:, : config.row_width] = config.initial_rows(np.arange(200, dtype=np.int64))
+    rows[:, :DIM] = rng.standard_normal((200, DIM), dtype=np.float32)
+    tier = _present_tier(config, rows)
+    before = tier.arena.copy(), tier.dirty.copy()
+    push = rng.permutation(200)[:80].astype(np.int64)  # about half of them present
+    grads = rng.standard_normal((80, DIM), dtype=np.float32)
+    hits = tier.hits
+    hit, undo, refused = tier.train_resident(push, grads, 3, 5)
+    present = np.flatnonzero(push % 2 == 0)
+    np.testing.assert_array_equal(hit, present)
+    assert refused is None and undo is not None and tier.hits == hits + present.size
+    trained = push[present]
+    width = config.row_width
+    expected = _float64_step(optimizer, rows[trained, :width], grads[present], 3)
+    assert_within(f"direct {optimizer.kind}", tier.arena[trained, :width], expected)
+    gathered = rows[trained].copy()  # the array code the cascade runs otherwise
+    optimizer.apply(gathered, grads[present], 3)
+    assert_within(f"numpy {optimizer.kind}", gathered[:, :width], expected)
+    stamps = np.broadcast_to(step_bits(5), (trained.size, config.stored_width - width))
+    np.testing.assert_array_equal(tier.arena[trained, width:], stamps)
+    assert tier.dirty[trained].all()
+    others = np.setdiff1d(np.arange(200), trained)
+    np.testing.assert_array_equal(tier.arena[others], before[0][others])
+    np.testing.assert_array_equal(tier.dirty[others], before[1][others])
+    undo()
+    np.testing.assert_array_equal(tier.arena.view(np.uint32), before[0].view(np.uint32))
+    np.testing.assert_array_equal(tier.dirty, before[1])
+
+
+def test_a_direct_tier_refusing_a_non_finite_update_changes_nothing() -> None:
+    """An update made non-finite in a late row: every row and dirty flag as it was (the
+    rows trained before it put back), the trained rows handed back for the refusal."""
+    config = direct_config(capacity=100, steps_to_live=10)
+    rows = np.zeros((100, config.stored_width), np.float32)
+    rows[:, : config.row_width] = config.initial_rows(np.arange(100, dtype=np.int64))
+    tier = _present_tier(config, rows)
+    before = tier.arena.copy(), tier.dirty.copy()
+    push = np.arange(0, 100, 2, dtype=np.int64)
+    grads = np.full((push.size, DIM), 1e-3, np.float32)
+    grads[40, 1] = 1e20  # Adam's v = (1 - beta2) * g * g overflows float32
+    hit, undo, refused = tier.train_resident(push, grads, 1, 1)
+    assert undo is None and refused is not None and hit.size == push.size
+    assert not np.isfinite(refused[40]).all() and np.isfinite(refused[:40]).all()
+    np.testing.assert_array_equal(tier.arena.view(np.uint32), before[0].view(np.uint32))
+    np.testing.assert_array_equal(tier.dirty, before[1])
+
+
+def test_a_refused_push_on_a_warm_direct_table_changes_no_row(store: EmbeddingStore) -> None:
+    """Through the table: rows trained in place (the second push of the same keys), then a
+    push that one key's gradient makes non-finite: refused naming the table, and no row,
+    dirty flag or count of rows moved (hits count rows found, refused or not, as on a
+    hashed table)."""
+    table = store.create_table(direct_config())
+    keys = np.array([1, 4, 7], np.int64)
+    table.apply_gradients(keys, ones(3), step=1)  # made: the cascade's array code
+    table.apply_gradients(keys, ones(3) * 0.5, step=2)  # present: trained in place
+    assert table.tiers[0].trains_in_place
+    tier = table.tiers[0]
+    arena, dirty, stats = tier.arena.copy(), tier.dirty.copy(), table.stats()
+    grads = ones(3)
+    grads[2, 3] = 1e20
+    with pytest.raises(InvalidArgumentError, match="items"):
+        table.apply_gradients(keys, grads, step=3)
+    np.testing.assert_array_equal(tier.arena.view(np.uint32), arena.view(np.uint32))
+    np.testing.assert_array_equal(tier.dirty, dirty)
+    after = table.stats()
+    for field in ("initialized", "created"):
+        assert after[field] == stats[field]
+    assert after["tiers"]["direct"]["rows"] == stats["tiers"]["direct"]["rows"]

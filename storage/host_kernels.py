@@ -450,6 +450,46 @@ if numba is not None:
             else:
                 scores[slots[i]] = tick
 
+    @jit_kernel
+    def k_take_rows(arena, present, keys, out, missed):
+        """A direct tier's find in one pass, a key being its own row id: out[i] = the first
+        out.shape[1] columns of arena row keys[i] where present[keys[i]], zeros where
+        keys[i] < 0 (padding), left as it was for the others, whose indices go to
+        missed[:count]. Keys are < arena.shape[0] (the table refuses others). Each row and
+        its flag are prefetched AHEAD keys before use; a large out is written by
+        non-temporal stores (as k_lookup). Returns (hits, count)."""
+        n = keys.shape[0]
+        width = out.shape[1]
+        size = width * 4  # bytes copied from a row
+        stream = _streams(out, width)
+        arena_at, arena_stride = np.int64(arena.ctypes.data), arena.strides[0]
+        out_at, out_stride = np.int64(out.ctypes.data), out.strides[0]
+        hits = 0
+        listed = 0
+        for i in range(n):
+            if i + AHEAD < n:
+                ahead = keys[i + AHEAD]
+                if ahead >= 0:
+                    _prefetch_span(arena_at + ahead * arena_stride, size)
+                    _prefetch(present, _at(present, ahead))
+            key = keys[i]
+            if key < 0:
+                for c in range(width):
+                    out[i, c] = 0.0
+            elif not present[key]:
+                missed[listed] = i
+                listed += 1
+            else:
+                hits += 1
+                if stream:
+                    _stream_row(out_at + i * out_stride, arena_at + key * arena_stride, size)
+                else:
+                    for c in range(width):
+                        out[i, c] = arena[key, c]
+        if stream:
+            _store_fence()
+        return hits, listed
+
     # ---------------------------------------------------------------- optimizers
     # The numba twin of each optimizer kernel of kernels.SOURCE, registered under the CUDA
     # kernel's name: the new [weights | state] of row r (gradient row i) into

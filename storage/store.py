@@ -466,7 +466,7 @@ class EmbeddingStore:
         # with the compiled host kernels, a push trains resident rows where they lie
         compiled = host_kernels.host_launcher() is not None
         if not config.use_hashtable:
-            tiers.append(DirectTier(config, trains_in_place=compiled))
+            tiers.append(DirectTier(config, compiled=compiled))
         elif host_rows_for_budget(config.host_cache_bytes, config.stored_bytes) > 0:
             tiers.append(CacheTier(config, config.host_cache_bytes, trains_in_place=compiled))
         tiers.append(self._rocksdb_tier(family, config.codec, where))

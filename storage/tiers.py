@@ -757,16 +757,17 @@ class DirectTier(Tier):
     Keys are not checked here: EmbeddingTable refuses keys outside [0, capacity) before a
     call reaches any tier.
 
-    With the compiled host kernels (trains_in_place), a push trains the present rows where
-    they lie in one compiled pass (host_kernels' training loop of the optimizer, a key
-    being its own row id): no gather into a copy, no scatter back.
+    With the compiled host kernels (`compiled`), a key being its own row id, a push trains
+    the present rows where they lie in one pass (host_kernels' training loop of the
+    optimizer): no gather into a copy, no scatter back; and a lookup copies them straight
+    into the reply (k_take_rows).
     """
 
     name = "direct"
 
-    def __init__(self, config: TableConfig, *, trains_in_place: bool = False) -> None:
+    def __init__(self, config: TableConfig, *, compiled: bool = False) -> None:
         self.config = config
-        self._trains_in_place = trains_in_place
+        self.compiled = compiled
         self.width = config.stored_width
         self.capacity = config.capacity
         self.arena = np.zeros((self.capacity, self.width), dtype=np.float32)
@@ -788,9 +789,25 @@ class DirectTier(Tier):
         self.misses += keys.size - hit.size
         return hit, np.take(self.arena, ids, axis=0), self.dirty[ids]
 
+    def find_into(
+        self, keys: np.ndarray, out: np.ndarray | None, width: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Tier.find_into; compiled, in one pass that writes the present rows' first
+        `width` columns straight into out (no row array, no dirty flags read)."""
+        if not self.compiled:
+            return super().find_into(keys, out, width)
+        if out is None:
+            out = host_kernels.aligned_empty(keys.size, width)
+        missed = np.empty(keys.size, dtype=np.int64)
+        keys = np.ascontiguousarray(keys, np.int64)
+        hits, listed = host_kernels.k_take_rows(self.arena, self.present, keys, out, missed)
+        self.hits += hits
+        self.misses += listed
+        return out, missed[:listed]
+
     @property
     def trains_in_place(self) -> bool:
-        return self._trains_in_place
+        return self.compiled
 
     def train_resident(
         self, keys: np.ndarray, grads: np.ndarray, step: int, stamp: int | None

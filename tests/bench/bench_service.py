@@ -179,12 +179,20 @@ class Redis:
         self.process.wait(10)
 
 
-def populate(client: EmbeddingClient, dim: int) -> str:
+def populate(client: EmbeddingClient, dim: int, direct: bool = False) -> str:
     """A table of TABLE_KEYS rows (initial_rows, as the raw numpy server holds), all in the
-    host tier (SGD keeps dim floats a row)."""
-    table = f"bench{dim}"
+    host tier (SGD keeps dim floats a row): hashed, or direct (use_hashtable=False, row k
+    of an arena holds key k: the raw numpy server's layout)."""
+    table = f"bench{dim}{'_direct' if direct else ''}"
+    index = {"use_hashtable": False, "capacity": TABLE_KEYS} if direct else {}
     client.create_table(
-        TableConfig(table, dim, optimizer=optim.SGD(lr=LR), host_cache_bytes=TABLE_KEYS * dim * 8)
+        TableConfig(
+            table,
+            dim,
+            optimizer=optim.SGD(lr=LR),
+            host_cache_bytes=TABLE_KEYS * dim * 8,
+            **index,
+        )
     )
     keys = np.arange(TABLE_KEYS, dtype=np.int64)
     client.assign(table, keys, initial_rows(TABLE_KEYS, dim, ROW_SEED))
@@ -192,11 +200,11 @@ def populate(client: EmbeddingClient, dim: int) -> str:
 
 
 def check_raw_server(
-    client: EmbeddingClient, echo: EchoServers, table: str, shards: int, dim: int
+    client: EmbeddingClient, echo: EchoServers, tables: tuple[str, ...], shards: int, dim: int
 ) -> None:
-    """Outside the timing: the raw numpy servers answer a lookup with the rows tierps
-    returns for the same keys (both hold initial_rows), and after one SGD push of the same
-    gradients on both, still. Raises AssertionError where a baseline is wrong."""
+    """Outside the timing: the raw numpy servers answer a lookup with the rows each of
+    tierps' tables returns for the same keys (all hold initial_rows), and after one SGD push
+    of the same gradients on each, still. Raises AssertionError where a baseline is wrong."""
     rng = np.random.default_rng(1)
     keys = rng.choice(TABLE_KEYS, 4096, replace=False).astype(np.int64)
     grads = rng.standard_normal((keys.size, dim), dtype=np.float32)
@@ -209,16 +217,19 @@ def check_raw_server(
             rows[i] = np.frombuffer(reply, np.float32).reshape(i.size, dim)
         return rows
 
-    before = client.lookup(table, keys)
-    if not np.array_equal(raw_rows(), before):
-        raise AssertionError(f"raw numpy server: lookup rows differ from tierps' (dim {dim})")
-    client.push_gradients(table, keys, grads)
+    before = raw_rows()
+    for table in tables:
+        if not np.array_equal(client.lookup(table, keys), before):
+            raise AssertionError(f"raw numpy server: lookup rows differ from {table!r}'s")
+        client.push_gradients(table, keys, grads)
     echo.raw_call("push", [keys[i].tobytes() + grads[i].tobytes() for i in at])
     # each side rounds lr * grad and the difference once in float32 (2**-24 relative each),
     # and one side may round lr to float32 first: at most 2**-23 * (|row| + 3 lr |grad|)
     bound = 2.0**-23 * (np.abs(before) + 3 * LR * np.abs(grads))
-    if not (np.abs(raw_rows() - client.lookup(table, keys)) <= bound).all():
-        raise AssertionError(f"raw numpy server: rows after a push differ from tierps' (dim {dim})")
+    after = raw_rows()
+    for table in tables:
+        if not (np.abs(after - client.lookup(table, keys)) <= bound).all():
+            raise AssertionError(f"raw numpy server: rows after a push differ from {table!r}'s")
 
 
 def redis_mget(redis_server: Redis, batches: tuple[int, ...], dim: int) -> dict[int, float]:
@@ -264,6 +275,9 @@ def sweep(
         "client neither routes nor reassembles (requests built outside the "
         "timing, as for the echo). "
         "Checked once per dim to answer tierps' rows, before and after a push",
+        "direct": "lookup_direct and push_direct: tierps on a direct table of the same rows "
+        "(use_hashtable=False, capacity=table_keys: row k holds key k, the raw numpy server's "
+        "layout, no hash index); the plain tierps figures are a hashed table's",
         "lookup": "EmbeddingClient.lookup: a writable array in the keys' order; lookup_view: "
         "copy=False (a read-only view of the reply where one reply holds every row "
         "in order). A shard's reply of 8 MiB or more goes as 2-4 calls of 4 MiB or "
@@ -285,13 +299,15 @@ def sweep(
         print("redis-server is not installed (apt-get install redis-server): no Redis baseline")
     for shards, client, echo in clusters(root / "data", shard_counts):
         for dim in dims:
-            table = populate(client, dim)
+            table, direct = populate(client, dim), populate(client, dim, direct=True)
             echo.fill_raw(dim)
-            check_raw_server(client, echo, table, shards, dim)
+            check_raw_server(client, echo, (table, direct), shards, dim)
             for batch in batches:
-                row = measure_shape(client, echo, table, shards, dim, batch, rng)
+                row = measure_shape(client, echo, (table, direct), shards, dim, batch, rng)
                 results["rows"].append(row)
                 print(_line(row), flush=True)
+            client.drop_table(table)
+            client.drop_table(direct)
     return results
 
 
@@ -321,12 +337,15 @@ def shard_positions(keys: np.ndarray, shards: int) -> list[np.ndarray]:
 def measure_shape(
     client: EmbeddingClient,
     echo: EchoServers,
-    table: str,
+    tables: tuple[str, str],
     shards: int,
     dim: int,
     batch: int,
     rng: np.random.Generator,
 ) -> dict[str, Any]:
+    """One shape's calls, alternated: tierps on the hashed table and on the direct one
+    (tables), the echo and the raw numpy server; seconds a call and the ratios."""
+    table, direct = tables
     keys = rng.choice(TABLE_KEYS, batch, replace=False).astype(np.int64)
     grads = rng.standard_normal((batch, dim), dtype=np.float32) * 1e-3
     mine = shard_positions(keys, shards)
@@ -341,7 +360,9 @@ def measure_shape(
             "lookup_view_tierps": lambda: client.lookup(table, keys, copy=False),
             "lookup_echo": lambda: echo.round_trip(key_bytes, rows_back),
             "lookup_raw": lambda: echo.raw_call("lookup", key_bytes),
+            "lookup_direct": lambda: client.lookup(direct, keys),
             "push_tierps": lambda: client.push_gradients(table, keys, grads),
+            "push_direct": lambda: client.push_gradients(direct, keys, grads),
             "push_echo": lambda: echo.round_trip(push_bytes, [8] * shards),
             "push_raw": lambda: echo.raw_call("push", push_bytes),
         }
@@ -354,6 +375,7 @@ def measure_shape(
         row[f"{op}_vs_echo"] = seconds[f"{op}_echo"] / seconds[f"{op}_tierps"]
         row[f"{op}_vs_raw"] = seconds[f"{op}_raw"] / seconds[f"{op}_tierps"]
         row[f"{op}_raw_vs_echo"] = seconds[f"{op}_echo"] / seconds[f"{op}_raw"]
+        row[f"{op}_direct_vs_raw"] = seconds[f"{op}_raw"] / seconds[f"{op}_direct"]
     row["lookup_view_vs_echo"] = seconds["lookup_echo"] / seconds["lookup_view_tierps"]
     return row
 
@@ -365,7 +387,8 @@ def _line(row: dict[str, Any]) -> str:
             f"{op} {row[f'{op}_tierps_s'] * 1e3:6.1f} ms vs echo {row[f'{op}_echo_s'] * 1e3:6.1f}"
             f" ms, raw numpy {row[f'{op}_raw_s'] * 1e3:6.1f} ms "
             f"({row[f'{op}_tierps_keys_per_s'] / 1e6:5.2f}M keys/s, "
-            f"{row[f'{op}_vs_echo']:.2f}x echo, {row[f'{op}_vs_raw']:.2f}x raw)"
+            f"{row[f'{op}_vs_echo']:.2f}x echo, {row[f'{op}_vs_raw']:.2f}x raw; direct "
+            f"{row[f'{op}_direct_vs_raw']:.2f}x raw)"
         )
     parts.append(f"copy=False {row['lookup_view_vs_echo']:.2f}x")
     return " | ".join(parts)
@@ -389,13 +412,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
             ("lookup_echo", "raw unary echo, lookup bytes (ceiling)", "C0", "--"),
             ("lookup_raw", "raw numpy server, lookup (np.take)", "C0", ":"),
             ("lookup_tierps", "tierps lookup", "C0", "-"),
+            ("lookup_direct", "tierps lookup, direct table", "C0", "-."),
             ("push_echo", "raw unary echo, push bytes (ceiling)", "C1", "--"),
             ("push_raw", "raw numpy server, push (numpy SGD)", "C1", ":"),
             ("push_tierps", "tierps push (SGD)", "C1", "-"),
+            ("push_direct", "tierps push (SGD), direct table", "C1", "-."),
         )
         for key, label, color, style in lines:
             if f"{key}_keys_per_s" not in (rows[0] if rows else {}):
-                continue  # a JSON written before the raw numpy server
+                continue  # a JSON written before this contender
             values = [r[f"{key}_keys_per_s"] for r in rows]
             marker = "^" if style == ":" else "o"
             ax.plot(batches, values, style, color=color, marker=marker, label=label)

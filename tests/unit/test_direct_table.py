@@ -281,7 +281,7 @@ def _present_tier(config: TableConfig, rows: np.ndarray) -> Any:
     absent: the cascade's)."""
     from tierps.storage.tiers import DirectTier
 
-    tier = DirectTier(config, trains_in_place=True)
+    tier = DirectTier(config, compiled=True)
     keys = np.arange(0, config.capacity, 2, dtype=np.int64)
     tier.insert(keys, rows[keys], np.arange(keys.size) % 3 == 0, lambda *_: None)
     return tier
@@ -369,3 +369,30 @@ def test_a_refused_push_on_a_warm_direct_table_changes_no_row(store: EmbeddingSt
     for field in ("initialized", "created"):
         assert after[field] == stats[field]
     assert after["tiers"]["direct"]["rows"] == stats["tiers"]["direct"]["rows"]
+
+
+@pytest.mark.parametrize("dim", [4, 16])  # 16: rows of whole cache lines, streamed when large
+def test_a_compiled_direct_find_writes_what_the_array_code_writes(dim: int) -> None:
+    """find_into compiled (k_take_rows) against the array code's find and copy: the same
+    rows (the first `width` columns), zeros for padding, the misses listed and left as they
+    were, the same hits and misses counted; into a given out and a new one."""
+    from tierps.storage.tiers import DirectTier
+
+    rng = np.random.default_rng(11)
+    config = TableConfig("d", dim, optimizer=optim.Adam(), use_hashtable=False, capacity=5000)
+    tiers = [DirectTier(config, compiled=compiled) for compiled in (True, False)]
+    held = rng.choice(5000, 3000, replace=False).astype(np.int64)
+    rows = rng.standard_normal((held.size, config.stored_width), dtype=np.float32)
+    for tier in tiers:
+        tier.insert(held, rows, np.zeros(held.size, dtype=bool), lambda *_: None)
+    for n in (7, 20000):  # 20000 rows of 64 bytes: past STREAM_BYTES
+        keys = rng.integers(-3, 5000, n).astype(np.int64)
+        outs = [np.full((n, dim), np.nan, np.float32) for _ in tiers]
+        found = [t.find_into(keys, out, dim) for t, out in zip(tiers, outs, strict=True)]
+        np.testing.assert_array_equal(found[0][1], found[1][1])
+        np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+        assert np.isnan(outs[0][found[0][1]]).all() and (outs[0][keys < 0] == 0).all()
+        new = [t.find_into(keys, None, dim) for t in tiers]
+        live = np.setdiff1d(np.arange(n), new[1][1])
+        np.testing.assert_array_equal(new[0][0][live], new[1][0][live])
+        assert (tiers[0].hits, tiers[0].misses) == (tiers[1].hits, tiers[1].misses)

@@ -186,9 +186,13 @@ class TierpsEmbeddings(nn.Module):
         *,
         seed: int = 0,
         host_cache_bytes: int = 256 << 20,
+        direct: Mapping[str, int] | None = None,
     ) -> list[TableConfig]:
         """The configs of the tables the features use: rows dim + 1 wide, N(0, INIT_STD**2)
-        for keys never assigned, the sparse optimizer."""
+        for keys never assigned, the sparse optimizer. direct: table -> capacity, for
+        tables whose keys are the ids 0..capacity-1 that are to be direct tables (row k of
+        an arena holds key k, no hash index); the others are hashed, host_cache_bytes each."""
+        direct = direct or {}
         return [
             TableConfig(
                 name,
@@ -197,6 +201,7 @@ class TierpsEmbeddings(nn.Module):
                 optimizer=optimizer.for_tierps(),
                 seed=seed,
                 host_cache_bytes=host_cache_bytes,
+                **({"use_hashtable": False, "capacity": direct[name]} if name in direct else {}),
             )
             for name in _table_names(features)
         ]

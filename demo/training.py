@@ -98,16 +98,26 @@ def create_tables(
     optimizer: SparseOptimizer | None = None,
     host_cache_bytes: int = 64 << 20,
     drop_others: bool = False,
+    direct: bool = False,
 ) -> list[str]:
     """Create the dataset's tables on the cluster, dropping any left by an earlier run
     (whatever their config). drop_others: drop every other table too (the demo's own
-    cluster: a table of another dataset's run would fill every snapshot). Returns their
-    names."""
+    cluster: a table of another dataset's run would fill every snapshot). direct: a table
+    whose keys are the ids 0..n-1 (TableSpec.dense_keys) is a direct table of n rows
+    (use_hashtable=False: no hash index), the others hashed. Returns their names."""
     from tierps.demo.deepfm import SparseOptimizer, TierpsEmbeddings
 
     optimizer = optimizer or SparseOptimizer(lr=DEFAULT_LR)
+    capacities = {
+        name: spec.num_keys for name, spec in dataset.tables.items() if direct and spec.dense_keys
+    }
     configs = TierpsEmbeddings.table_configs(
-        dataset.features, dim, optimizer, seed=seed, host_cache_bytes=host_cache_bytes
+        dataset.features,
+        dim,
+        optimizer,
+        seed=seed,
+        host_cache_bytes=host_cache_bytes,
+        direct=capacities,
     )
     existing = {config.name for config in client.list_tables()}
     names = [config.name for config in configs]

@@ -24,7 +24,10 @@ sparse optimizer's update, the dense Adam step):
 - tierps_{adagrad,adam}_{plain,s0,s1}: tierps.client.torch.EmbeddingBagCollection, the
   shards applying Adagrad / Adam as the pushes arrive; plain: `out = ebc(features);
   loss.backward(); opt.step()`, no pipeline; s0 / s1: through its pipeline() (the next batch
-  looked up while one trains) at staleness 0 / 1. Each has its own tables.
+  looked up while one trains) at staleness 0 / 1. Each has its own tables, hashed.
+- tierps_{adagrad,adam}_direct_*: the same over direct tables (use_hashtable=False, capacity
+  the table's ids: row k of an arena holds id k, as TorchRec's and FBGEMM's tables do),
+  where the dataset's ids are 0..n-1 (in every case here).
 The Adagrad contenders share one learning rate (ADAGRAD_LR, eps 1e-10, torch's Adagrad), the
 Adam ones another (ADAM_LR); the dense part trains with torch.optim.Adam (lr 1e-3) in all.
 Local torch, TorchRec and FBGEMM start from the same initial rows; tierps from its
@@ -136,6 +139,7 @@ class Contender:
     optimizer: str  # adagrad, adam (SparseOptimizer's kinds)
     loop: str  # plain: out = model(batch) ... ; pipeline: through the embeddings' pipeline()
     staleness: int = 0  # tierps' pipeline
+    direct: bool = False  # tierps: direct tables (row k holds id k), not hashed ones
 
     @property
     def sparse_optimizer(self) -> SparseOptimizer:
@@ -152,7 +156,8 @@ class Contender:
             "tierps": f"tierps, {optimizer}",
         }[self.kind]
         loop = "plain loop" if self.loop == "plain" else f"pipeline staleness {self.staleness}"
-        return what if self.kind != "tierps" else f"{what}, {loop}"
+        index = ", direct tables" if self.direct else ""
+        return what if self.kind != "tierps" else f"{what}{index}, {loop}"
 
 
 CONTENDERS = (
@@ -166,6 +171,9 @@ CONTENDERS = (
     Contender("tierps_adam_plain", "tierps", "adam", "plain"),
     Contender("tierps_adam_s0", "tierps", "adam", "pipeline", 0),
     Contender("tierps_adam_s1", "tierps", "adam", "pipeline", 1),
+    Contender("tierps_adagrad_direct_plain", "tierps", "adagrad", "plain", direct=True),
+    Contender("tierps_adagrad_direct_s1", "tierps", "adagrad", "pipeline", 1, direct=True),
+    Contender("tierps_adam_direct_plain", "tierps", "adam", "plain", direct=True),
 )
 
 
@@ -469,7 +477,14 @@ def build(
         )
     if contender.kind == "tierps":
         own = own_tables(dataset, contender.name)
-        training.create_tables(client, own, dim=EMBEDDING_DIM, seed=SEED, optimizer=optimizer)
+        training.create_tables(
+            client,
+            own,
+            dim=EMBEDDING_DIM,
+            seed=SEED,
+            optimizer=optimizer,
+            direct=contender.direct,
+        )
         return training.build_tierps_model(
             client, own, dim=EMBEDDING_DIM, seed=SEED, staleness=contender.staleness
         )
@@ -616,7 +631,7 @@ def _table(row: dict[str, Any]) -> str:
         f"{row['case']}: {row['dataset']}, batch {row['batch_size']}, {row['chunks']} chunks "
         f"of {row['steps_per_chunk']} steps, {row['seconds']:.0f} s, load average "
         f"{' -> '.join(f'{load[0]:.1f}' for load in row['load_average_at_start_and_end'])}\n"
-        f"  {'contender':22} {'samples/s':>10} {'xTorchRec':>9} {'xlocal':>7}  "
+        f"  {'contender':27} {'samples/s':>10} {'xTorchRec':>9} {'xlocal':>7}  "
         f"{'CPU ms/step main+other+shards':>30}  loss first -> last (trains)"
     )
     lines = [head]
@@ -626,7 +641,7 @@ def _table(row: dict[str, Any]) -> str:
         cpu = "+".join(f"{ms[part]:.1f}" for part in CPU_PARTS)
         loss = c["loss_each_chunk"]
         lines.append(
-            f"  {name:22} {c['samples_per_s']:>10,.0f} "
+            f"  {name:27} {c['samples_per_s']:>10,.0f} "
             f"{'-' if x_trec is None else f'{x_trec:.2f}x':>9} "
             f"{c['ratio_to_local_same_optimizer']:>6.2f}x  {cpu:>30}  "
             f"{loss[0]:.4f} -> {loss[-1]:.4f} ({'yes' if c['trains'] else 'NO'})"
@@ -648,7 +663,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         "adagrad": ("#08519c", "#3182bd", "#9ecae1"),
         "adam": ("#a63603", "#e6550d", "#fdae6b"),
     }
-    fig, ax = plt.subplots(figsize=(11, 6))
+    fig, ax = plt.subplots(figsize=(11, 6.6))
     width = 0.8 / len(names)
     for index, name in enumerate(names):
         contender = next(c for c in CONTENDERS if c.name == name)
@@ -658,6 +673,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         else:
             color = colors[contender.kind]
         hatch = "//" if contender.kind == "local" and contender.optimizer == "adam" else None
+        hatch = ".." if contender.direct else hatch
         xs = [
             i + (index - (len(names) - 1) / 2) * width
             for i, r in enumerate(rows)
@@ -679,7 +695,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         f"({results['shards']} shards) vs TorchRec / FBGEMM fused kernels vs local torch",
         fontsize=10,
     )
-    fig.tight_layout(rect=(0, 0.16, 1, 1))
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
 

@@ -3,12 +3,13 @@
 Adagrad, tierps' plain loop: one PushThenLookup call a shard a step):
 
     python -m tests.bench.profile_shard_step [--steps 200] [--no-profile] [--top 30] [--shards 2]
-    python -m tests.bench.profile_shard_step --replay [--rounds 5] [--no-profile]
+    python -m tests.bench.profile_shard_step --replay [--rounds 5] [--no-profile] [--direct]
     python -m tests.bench.profile_shard_step --replica [--seconds 10] [--rate 100000]
 
 The shards are subprocesses of this script (`--serve`), each an in-process ShardServer whose
 RPC threads run under cProfile with `time.thread_time_ns` as its clock (CPU, not waiting);
-the trainer is bench_deepfm's tierps_adagrad_plain contender in this process. After a warm-up
+the trainer is bench_deepfm's tierps_adagrad_plain contender in this process (--direct:
+tierps_adagrad_direct_plain's, over direct tables). After a warm-up
 chunk, the shards' profiles are reset, `--steps` steps run, and each shard prints:
 - its process CPU a step (from /proc), and its RPC threads' CPU a step (cProfile's total);
 - cProfile's top functions by own time and by cumulative time, per step.
@@ -214,9 +215,9 @@ def profile_replica(args: argparse.Namespace) -> int:
     return 0
 
 
-def _deepfm_trainer(client: Any) -> tuple[Any, Any, Any]:
-    """bench_deepfm's tierps_adagrad_plain trainer on zipf_200k over `client`: (trainer,
-    dataset, case)."""
+def _deepfm_trainer(client: Any, direct: bool = False) -> tuple[Any, Any, Any]:
+    """bench_deepfm's tierps_adagrad_plain trainer (direct: tierps_adagrad_direct_plain's,
+    over direct tables) on zipf_200k over `client`: (trainer, dataset, case)."""
     import torch
 
     from tests.bench import bench_deepfm as bench
@@ -225,7 +226,8 @@ def _deepfm_trainer(client: Any) -> tuple[Any, Any, Any]:
     torch.set_num_threads(1)  # as bench_deepfm trains
     case = next(c for c in bench.CASES if c.name == "zipf_200k")
     dataset = bench.case_dataset(case)
-    contender = next(c for c in bench.CONTENDERS if c.name == "tierps_adagrad_plain")
+    name = "tierps_adagrad_direct_plain" if direct else "tierps_adagrad_plain"
+    contender = next(c for c in bench.CONTENDERS if c.name == name)
     weights = initial_weights(dataset.tables, bench.EMBEDDING_DIM, bench.SEED)
     return bench.Trainer(contender, bench.build(contender, dataset, weights, client)), dataset, case
 
@@ -262,7 +264,7 @@ def replay(args: argparse.Namespace) -> int:
         for server, _ in servers:
             server.start()
         with EmbeddingClient([f"127.0.0.1:{port}" for _, port in servers]) as client:
-            trainer, dataset, case = _deepfm_trainer(client)
+            trainer, dataset, case = _deepfm_trainer(client, args.direct)
             trainer.chunk(dataset, case.batch_size, args.steps, seed=0)  # rows made
             recorded.clear()
             for seed in range(1, 11):  # a call a step, but for steps the client sends apart
@@ -352,6 +354,7 @@ def main() -> int:
     parser.add_argument(
         "--no-profile", action="store_true", help="no cProfile: the threads' CPU alone"
     )
+    parser.add_argument("--direct", action="store_true", help="direct tables, not hashed")
     parser.add_argument(
         "--replica",
         action="store_true",
@@ -392,7 +395,7 @@ def main() -> int:
     try:
         ports = [_wait_for(root / f"port-{i}") for i in range(args.shards)]
         client = EmbeddingClient([f"127.0.0.1:{port}" for port in ports])
-        trainer, dataset, case = _deepfm_trainer(client)
+        trainer, dataset, case = _deepfm_trainer(client, args.direct)
         trainer.chunk(dataset, case.batch_size, args.steps, seed=0)  # warm-up, rows made
         for shard in shards:
             shard.send_signal(signal.SIGUSR1)

@@ -261,8 +261,8 @@ class EmbeddingTable:
         use_hashtable=False, naming the first such key and its index; keys < 0 are padding
         and pass. Every public call runs this before anything changes; a caller checking
         several tables' batches before serving any may run it first."""
-        if self.key_limit is None or keys.size == 0:
-            return
+        if self.key_limit is None or keys.size == 0 or keys.max() < self.key_limit:
+            return  # one pass in the usual case: every key in range
         beyond = keys >= self.key_limit
         if beyond.any():
             index = int(np.argmax(beyond))

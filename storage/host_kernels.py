@@ -800,6 +800,35 @@ if numba is not None:
                 for c in range(dim):
                     out[i, (k + 1) * dim + c] = fills[k]
 
+    @jit_kernel
+    def k_uniform_rows_into(
+        keys, stream, span, low, below_high, fills, zero_fill, dim, arena, ids, fresh, stamp, out
+    ):
+        """k_uniform_rows's rows written where they are stored: row i into arena row
+        ids[i] (its weights, each state slot k filled with fills[k], then the step slots
+        `stamp` when given) and its weights into out[i] too (a lookup's answer: a copy).
+        A row id >= `fresh` was never used, so its memory is still the zero pages of a
+        fresh mapping: a state slot whose fill is +0.0 (zero_fill[k]) is not written
+        there again. The same arithmetic as k_uniform_rows, statement by statement."""
+        row_width = dim * (fills.shape[0] + 1)
+        for i in range(keys.shape[0]):
+            r = ids[i]
+            base = mix64_scalar(np.uint64(keys[i]) ^ stream)
+            for c in range(dim):
+                bits = mix64_scalar(base + np.uint64(c + 1) * GOLDEN)
+                u = np.float64(np.int32(bits >> _S40)) * _TWO_POW_M24  # < 2**24: exact
+                value = np.float32(low + span * u)
+                value = value if value < below_high else below_high
+                arena[r, c] = value
+                out[i, c] = value
+            for k in range(fills.shape[0]):
+                if r >= fresh and zero_fill[k]:
+                    continue
+                for c in range(dim):
+                    arena[r, (k + 1) * dim + c] = fills[k]
+            for s in range(stamp.shape[0]):
+                arena[r, row_width + s] = stamp[s]
+
 
 def _null(array: Any, dtype: Any) -> tuple[Any, bool]:
     """An array argument that may be None (a null pointer on the GPU): (array, given)."""
@@ -910,6 +939,58 @@ def host_launcher() -> NumbaLauncher | None:
     return _launcher
 
 
+def _uniform_args(config: TableConfig) -> tuple[Any, ...]:
+    """The compiled initializer's arguments of a table whose weights come from init.Uniform
+    (see k_uniform_rows): the key stream, span, low, the largest value below high, fills."""
+    initializer = config.initializer
+    return (
+        seed_stream(config.seed, 0),
+        float(initializer.high - initializer.low),
+        float(initializer.low),
+        np.nextafter(np.float32(initializer.high), np.float32(initializer.low)),
+        np.asarray(config.optimizer.state_fill(), dtype=np.float32),
+    )
+
+
+def initializes_in_place(config: TableConfig) -> bool:
+    """Whether initial_rows_into can make this table's rows: its weights come from
+    init.Uniform and the compiled host kernels run."""
+    return type(config.initializer) is init.Uniform and host_launcher() is not None
+
+
+def initial_rows_into(
+    config: TableConfig,
+    keys: np.ndarray,
+    arena: np.ndarray,
+    ids: np.ndarray,
+    fresh: int,
+    stamp: np.ndarray | None,
+    out: np.ndarray,
+) -> None:
+    """config.initial_rows(keys) (then the step slots `stamp`, float32 [STEP_SLOTS], when
+    given) written straight into arena rows ids, and their weights into out [n, dim], in
+    one compiled pass: no rows array, no copy (k_uniform_rows_into). Row ids >= `fresh`
+    must never have been written (zero): their zero state slots are left as they are.
+    Only where initializes_in_place(config); the same bits as initial_rows."""
+    stream, span, low, below_high, fills = _uniform_args(config)
+    zero_fill = fills.view(np.uint32) == 0  # +0.0 only: -0.0 is written
+    k_uniform_rows_into(
+        np.ascontiguousarray(keys, np.int64),
+        stream,
+        span,
+        low,
+        below_high,
+        fills,
+        zero_fill,
+        config.dim,
+        arena,
+        np.ascontiguousarray(ids, np.int64),
+        fresh,
+        np.empty(0, np.float32) if stamp is None else np.asarray(stamp, np.float32),
+        out,
+    )
+
+
 def initial_rows(config: TableConfig, keys: Any, weights: Any = None) -> Any:
     """config.initial_rows(keys, weights), compiled where it can be: numpy keys of a table
     whose weights come from init.Uniform, with the same bits as the numpy code (a pure
@@ -919,17 +1000,7 @@ def initial_rows(config: TableConfig, keys: Any, weights: Any = None) -> Any:
         return config.initial_rows(keys, weights)
     if host_launcher() is None:  # numba missing or TIERPS_HOST_KERNELS=0
         return config.initial_rows(keys, weights)
-    initializer = config.initializer
+    stream, span, low, below_high, fills = _uniform_args(config)
     out = np.empty((keys.shape[0], config.row_width), dtype=np.float32)
-    below_high = np.nextafter(np.float32(initializer.high), np.float32(initializer.low))
-    k_uniform_rows(
-        keys,
-        seed_stream(config.seed, 0),
-        float(initializer.high - initializer.low),
-        float(initializer.low),
-        below_high,
-        out,
-        np.asarray(config.optimizer.state_fill(), dtype=np.float32),
-        config.dim,
-    )
+    k_uniform_rows(keys, stream, span, low, below_high, out, fills, config.dim)
     return out

@@ -149,6 +149,14 @@ class RocksDBTier(DurableTier):
             return None
         return (keys >= low) & (keys <= high)
 
+    def holds_none(self, keys: np.ndarray) -> bool:
+        """Tier.holds_none from may_hold: no key within the range of keys ever written (a
+        new table's family holds none). False while the database is closed."""
+        if self._cf is None:
+            return False
+        maybe = self.may_hold(keys)
+        return maybe is not None and not maybe.any()
+
     def _fail(self, action: str, error: Exception) -> BackendError:
         return backend_error(action, self.where, error)
 

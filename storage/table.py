@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from tierps.core.codec import step_bits
 from tierps.core.compiled import all_distinct, distinct_nonnegative
 from tierps.core.config import TableConfig, WritePolicy
 from tierps.core.errors import BackendError, InvalidArgumentError
@@ -309,11 +310,48 @@ class EmbeddingTable:
             if missed.size == 0:
                 return out
             everything = missed.size == keys.size
+            if everything and create and self._first_touch(keys, out):
+                return out
             rows = self._lookup_rows(keys if everything else keys[missed], create, first=1)
         if everything and not given and rows.shape[1] == dim:  # e.g. a first touch: no copy
             return rows
         out[missed] = rows[:, :dim]
         return out
+
+    def _first_touch(self, keys: np.ndarray, out: np.ndarray) -> bool:
+        """A training lookup of keys >= 0 that the top tier holds none of (its find_into
+        missed them all), done as _lookup_rows would do it without its rows array: the top
+        tier makes the keys' initial rows where it stores them and writes their weights
+        into out (Tier.insert_initial: no copy of a first touch's rows). Only when nothing
+        but the initializer can answer and nothing evicts: the initializer is the only
+        fallback (no admission, no buckets), write-back (write-through writes rows to
+        RocksDB first), the keys are distinct, no tier below holds any of them
+        (Tier.holds_none), and the top tier has room for every new row. Those tiers are
+        then asked (find) as the cascade asks them, for their miss counts. False: it did
+        not apply and nothing was done (the cascade then runs)."""
+        top = self.tiers[0]
+        if (
+            len(self.fallbacks) != 1
+            or type(self.fallbacks[0]) is not fallbacks.Initializer
+            or self.config.write_policy is WritePolicy.WRITE_THROUGH
+            or not top.can_insert_initial(keys.size)
+            or not all(tier.holds_none(keys) for tier in self.tiers[1:])
+            or not all_distinct(keys)
+        ):
+            return False
+        for tier in self.tiers[1:]:
+            hit, _, _ = tier.find(keys)
+            if hit.size:  # holds_none said none: a tier that breaks its contract
+                raise RuntimeError(
+                    f"{self.where}: the {tier.name} tier holds {hit.size} of a first touch's "
+                    f"keys after saying it held none (a bookkeeping error; nothing stored)"
+                )
+        stamp = step_bits(self.current_step) if self.step_slots else None
+        top.insert_initial(keys, out, stamp)
+        self.initialized += keys.size
+        self.created += keys.size
+        self.changes.record(keys)
+        return True
 
     def peek(self, keys: Any) -> Gathered:
         """Full rows float32 [n, stored_width] of keys >= 0 (int64 [n]) as the tiers hold

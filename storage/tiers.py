@@ -27,10 +27,15 @@ tiers move rows as opaque float32 slots and never look inside.
 - stats() -> dict; close().
 
 Calls take and return numpy arrays whatever a tier keeps its rows in: the GPU tier moves keys
-and rows across itself. The interface is declared (the ABC Tier); its one optional capability
-is a property: a tier whose trains_in_place is True implements train_resident (keys, grads,
-step, stamp) -> (indices of the keys whose rows it trained where they lie, an undo of that,
-the trained rows if a value went non-finite).
+and rows across itself. The interface is declared (the ABC Tier); its optional capabilities:
+- a tier whose trains_in_place is True implements train_resident (keys, grads, step, stamp)
+  -> (indices of the keys whose rows it trained where they lie, an undo of that, the trained
+  rows if a value went non-finite);
+- a tier whose can_insert_initial(n) is True implements insert_initial(keys, out, stamp): a
+  first touch's initial rows made where it stores them, their weights copied into out (the
+  compiled host tier; see EmbeddingTable._first_touch);
+- holds_none(keys) -> bool: True only if it knows, reading no row, that it holds none of
+  keys (RocksDB from the range of keys it was ever written); False by default.
 
 The last tier is durable (DurableTier): it also writes rows directly and exports them all.
 
@@ -148,6 +153,23 @@ class Tier(ABC):
         """Whether train_resident runs the optimizer on rows where they lie (a capability:
         False unless a tier overrides both)."""
         return False
+
+    def holds_none(self, keys: np.ndarray) -> bool:
+        """True only if none of keys is held here, known without reading a row and
+        touching nothing (a first touch asks the tiers below this way: see
+        EmbeddingTable.lookup). False: some may be; this one does not know."""
+        return False
+
+    def can_insert_initial(self, count: int) -> bool:
+        """Whether insert_initial can store `count` new keys' rows now, with no eviction
+        (a capability: False unless a tier overrides both)."""
+        return False
+
+    def insert_initial(self, keys: np.ndarray, out: np.ndarray, stamp: np.ndarray | None) -> None:
+        """Store the initial rows of distinct keys none of which is held here, made where
+        they are stored, as dirty; their weights also into out [n, dim] (a copy). See
+        CacheTier.insert_initial; only where can_insert_initial(keys.size)."""
+        raise NotImplementedError(f"the {self.name} tier does not make rows in place")
 
     def train_resident(
         self, keys: np.ndarray, grads: np.ndarray, step: int, stamp: int | None
@@ -485,6 +507,47 @@ class CacheTier(Tier):
             self._mapped.populate(at.start, at.stop)
         self.arena[at] = placed_rows
         self.dirty[at] = placed_dirty
+
+    def can_insert_initial(self, count: int) -> bool:
+        return (
+            self.compiled
+            and self._mapped is not None
+            and count <= self.max_rows - self.index.size
+            and host_kernels.initializes_in_place(self.config)
+        )
+
+    def insert_initial(self, keys: np.ndarray, out: np.ndarray, stamp: np.ndarray | None) -> None:
+        """insert(keys, initial rows, dirty) of keys that are distinct and not held here (a
+        find since the last change said so), without the rows array: the compiled
+        initializer writes each row straight into the arena row it gets (freed rows first,
+        then never used ones, as insert) and its weights into out [n, dim]. A never used
+        row is still zero, so its zero state slots are not written again; a freed one is
+        written whole. `stamp`: the step slots' values (steps_to_live > 0), else None.
+        Nothing is evicted (only where can_insert_initial), so nothing is handed down; if
+        an allocation fails (the index's rebuild, the arena's growth), the tier is as it
+        was. The rows, dirty flags and index end as insert would leave them."""
+        count = keys.shape[0]
+        nothing = np.empty(0, dtype=np.int64)
+        rebuilt = self.index.prepare_room(count, leaving=nothing)
+        before = self.index.saved()
+        try:
+            if rebuilt is not None:
+                self.index.install(rebuilt)
+            ids, at, free_after, high_after = self._take_rows(count, nothing)
+            new_slots = self.index.insert_absent(keys, room_made=True)
+        except BaseException:
+            if rebuilt is not None:
+                self.index.restore(before)
+            raise
+        self.index.values[new_slots] = ids
+        self.index.touch(nothing)  # insert's touch of the keys present (none): same ticks
+        self.index.touch(new_slots)
+        fresh = self._high
+        self._free, self._high = free_after, high_after
+        if high_after > fresh:  # the never used rows, one block after the freed ones
+            self._mapped.populate(fresh, high_after)
+        host_kernels.initial_rows_into(self.config, keys, self.arena, ids, fresh, stamp, out)
+        self.dirty[at] = True
 
     def _take_rows(self, count: int, freeing: Any) -> tuple[Any, Any, Any, int]:
         """Row ids for `count` new rows - freed ones first, then those of `freeing` (rows

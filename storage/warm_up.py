@@ -44,6 +44,8 @@ def warm_up() -> float:
                 raise AssertionError("warm-up: nothing spills")
 
             tier.insert(keys, rows, np.ones(8, bool), below)
+            stamp = np.zeros(2, np.float32) if steps else None  # a first touch's rows
+            tier.insert_initial(keys + 8, np.empty((8, 4), np.float32), stamp)
             tier.find(keys)
             tier.train_resident(keys[:4], np.ones((4, 4), np.float32), 1, 1 if steps else None)
             # a refused push: its trained rows are made again by the loop over row ids

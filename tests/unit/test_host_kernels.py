@@ -17,6 +17,7 @@ import pytest
 
 from tests.optimizers import each, kind_id
 from tierps.core import init, optim
+from tierps.core.codec import step_bits
 from tierps.core.compiled import (
     ENV_SWITCH,
     all_distinct,
@@ -151,6 +152,58 @@ def test_uniform_initial_rows_are_the_numpy_bits(optimizer: optim.Optimizer) -> 
         for slot, fill in enumerate(optimizer.state_fill(), start=1):
             np.testing.assert_array_equal(got[:, slot * 12 : (slot + 1) * 12], np.float32(fill))
         assert got.shape == (keys.size, config.row_width)
+
+
+def _same_tier(made: CacheTier, reference: CacheTier) -> None:
+    """Two host tiers hold the same rows (bit for bit), flags, free rows and index."""
+    assert made._high == reference._high
+    high = made._high
+    assert made.arena[:high].tobytes() == reference.arena[:high].tobytes()
+    np.testing.assert_array_equal(made.dirty[:high], reference.dirty[:high])
+    np.testing.assert_array_equal(made._free, reference._free)
+    for ours, theirs in zip(made.index.saved(), reference.index.saved(), strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("steps", [0, 4])
+@pytest.mark.parametrize("optimizer", each(), ids=kind_id)
+def test_insert_initial_stores_what_insert_of_the_initial_rows_stores(
+    optimizer: optim.Optimizer, steps: int
+) -> None:
+    """CacheTier.insert_initial (the compiled initializer writing each row straight into
+    the arena) against insert of the numpy initial rows on a twin tier: the same arena
+    bits, dirty flags, free rows, index (keys, row ids, scores) and weights handed back,
+    both into never used rows (whose zero state slots it leaves unwritten) and into rows
+    freed after training (non-zero state, which it must write over), in one call."""
+    config = TableConfig("t", 16, optimizer=optimizer, steps_to_live=steps, seed=5)
+    stamp = step_bits(7) if steps else None
+
+    def initial(keys: np.ndarray) -> np.ndarray:  # the reference: as the cascade makes them
+        return config.codec.widen(config.initial_rows(keys), 7 if steps else None)
+
+    rng = np.random.default_rng(6)
+    keys = rng.choice(10**12, 450, replace=False).astype(np.int64)
+    first, second = keys[:300], keys[300:]
+    made, reference = (CacheTier(config, 1 << 22, trains_in_place=True) for _ in range(2))
+    assert made.can_insert_initial(first.size) and made.compiled
+    out = np.full((first.size, 16), np.nan, np.float32)
+    made.insert_initial(first, out, stamp)
+    reference.insert(first, initial(first), np.ones(first.size, bool), _no_spill)
+    assert out.tobytes() == initial(first)[:, :16].tobytes()  # a copy, not the arena's
+    _same_tier(made, reference)
+    grads = rng.standard_normal((first.size, 16), dtype=np.float32)
+    for tier in (made, reference):  # every state slot moves off its fill
+        hit, _, refused = tier.train_resident(first, grads, 1, 9 if steps else None)
+        assert hit.size == first.size and refused is None
+        assert tier.remove(first[::3]) == 100  # freed: reused before never used rows
+    out = np.full((second.size, 16), np.nan, np.float32)  # 100 freed rows and 50 new
+    made.insert_initial(second, out, stamp)
+    reference.insert(second, initial(second), np.ones(second.size, bool), _no_spill)
+    assert out.tobytes() == initial(second)[:, :16].tobytes()
+    _same_tier(made, reference)
+    hit, rows, dirty = made.find(second)
+    assert hit.size == second.size and dirty.all()
+    assert rows.tobytes() == initial(second).tobytes()  # the reused rows' state is fresh
 
 
 def _float64_bound(opt: optim.Optimizer, rows: np.ndarray, grads: np.ndarray) -> list:

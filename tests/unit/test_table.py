@@ -191,3 +191,74 @@ def test_lookup_out_is_refused_unless_a_writable_contiguous_float32_array_of_the
         assert "'items'" in message and "field 'out'" in message, message
         assert f"shape (3, {DIM})" in message and f"got {got}" in message, message
     assert table.stats()["created"] == 0 and export_dict(table) == {}  # refused: nothing stored
+
+
+def _cascade_only(table) -> None:
+    """The reference: this table's top tier makes no rows in place, so its first touches
+    run the cascade (initial rows made, then inserted)."""
+    table.tiers[0].can_insert_initial = lambda count: False
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        TableConfig("t", 8, optimizer=optim.Adam(), host_cache_bytes=1 << 20),
+        TableConfig("t", 8, optimizer=optim.SGD(), host_cache_bytes=1 << 20),  # rows: dim wide
+        TableConfig("t", 8, optimizer=optim.Adagrad(), host_cache_bytes=1 << 20, steps_to_live=5),
+    ],
+    ids=["adam", "sgd", "adagrad-steps"],
+)
+def test_a_first_touch_made_in_place_is_the_cascades(tmp_path, config: TableConfig) -> None:
+    """A first touch whose rows the host tier makes where it stores them (insert_initial)
+    against the cascade on a twin store: the same answers, stored rows (state and step
+    stamp too), counts and changed keys, through a push, a removal whose freed rows (their
+    state trained off its fill) the next first touch reuses, a flush, and keys RocksDB may
+    then hold (the cascade's, both) or not (in place again). An answer is a copy: training
+    its rows afterwards leaves it as it was."""
+    rng = np.random.default_rng(1)
+    keys = 10**9 + rng.choice(10**9, 400, replace=False).astype(np.int64)
+    first, second = keys[:300], keys[300:]
+    within = np.arange(keys.min() + 1, keys.min() + 40, dtype=np.int64)  # none of them stored
+    outside = np.arange(1, 50, dtype=np.int64)  # below every key RocksDB holds
+    grads = rng.standard_normal((first.size, 8), dtype=np.float32)
+    with EmbeddingStore(tmp_path / "made") as one, EmbeddingStore(tmp_path / "cascade") as two:
+        made, reference = one.create_table(config), two.create_table(config)
+        _cascade_only(reference)
+        cursors = made.cursor(), reference.cursor()
+        tier, made_in_place = made.tiers[0], []
+        insert_initial = tier.insert_initial
+        tier.insert_initial = lambda *args: (
+            made_in_place.append(args[0].size),
+            insert_initial(*args),
+        )[-1]
+
+        def both(call):
+            answers = call(made), call(reference)
+            if isinstance(answers[0], np.ndarray):
+                assert answers[0].tobytes() == answers[1].tobytes()
+            else:
+                assert answers[0] == answers[1]
+            return answers[0]
+
+        answer = both(lambda t: t.lookup(first))
+        kept = answer.copy()
+        both(lambda t: t.apply_gradients(first, grads, 1))
+        assert answer.tobytes() == kept.tobytes()  # not a view of the rows just trained
+        assert not np.array_equal(both(lambda t: t.lookup(first)), kept)
+        both(lambda t: t.remove(first[::2]))  # 150 rows freed, their state trained
+        high = tier._high
+        _, out = _reply_buffer(second.size, 8)
+        assert both(lambda t: t.lookup(second, out=out.copy())).shape == (second.size, 8)
+        assert tier._high == high  # the 100 new rows took freed ones
+        both(lambda t: t.flush())
+        both(lambda t: t.lookup(within))  # RocksDB may hold them: the cascade
+        both(lambda t: t.lookup(outside))
+        assert made_in_place == [first.size, second.size, outside.size]
+        every = np.concatenate([keys, within, outside])
+        assert made.peek(every).rows.tobytes() == reference.peek(every).rows.tobytes()
+        stored, wanted = export_dict(made), export_dict(reference)
+        assert sorted(stored) == sorted(wanted)
+        assert all(stored[k].tobytes() == wanted[k].tobytes() for k in stored)
+        assert made.stats() == reference.stats()
+        changed = made.changed_since(cursors[0]), reference.changed_since(cursors[1])
+        np.testing.assert_array_equal(changed[0][0], changed[1][0])

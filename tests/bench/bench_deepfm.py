@@ -25,9 +25,9 @@ sparse optimizer's update, the dense Adam step):
   shards applying Adagrad / Adam as the pushes arrive; plain: `out = ebc(features);
   loss.backward(); opt.step()`, no pipeline; s0 / s1: through its pipeline() (the next batch
   looked up while one trains) at staleness 0 / 1. Each has its own tables, hashed.
-- tierps_{adagrad,adam}_direct_*: the same over direct tables (use_hashtable=False, capacity
-  the table's ids: row k of an arena holds id k, as TorchRec's and FBGEMM's tables do),
-  where the dataset's ids are 0..n-1 (in every case here).
+- tierps_adagrad_direct_plain: tierps_adagrad_plain over direct tables (use_hashtable=False,
+  capacity the table's ids: row k of an arena holds id k, as TorchRec's and FBGEMM's tables
+  do), where the dataset's ids are 0..n-1 (in every case here).
 The Adagrad contenders share one learning rate (ADAGRAD_LR, eps 1e-10, torch's Adagrad), the
 Adam ones another (ADAM_LR); the dense part trains with torch.optim.Adam (lr 1e-3) in all.
 Local torch, TorchRec and FBGEMM start from the same initial rows; tierps from its
@@ -172,8 +172,6 @@ CONTENDERS = (
     Contender("tierps_adam_s0", "tierps", "adam", "pipeline", 0),
     Contender("tierps_adam_s1", "tierps", "adam", "pipeline", 1),
     Contender("tierps_adagrad_direct_plain", "tierps", "adagrad", "plain", direct=True),
-    Contender("tierps_adagrad_direct_s1", "tierps", "adagrad", "pipeline", 1, direct=True),
-    Contender("tierps_adam_direct_plain", "tierps", "adam", "plain", direct=True),
 )
 
 

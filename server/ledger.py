@@ -88,8 +88,9 @@ class PushLedger:
     """The recent pushes a shard applied (see the module docstring). `write(writes)` keeps
     records durable in one atomic write, (key, value) each (value None: removes it): a
     call's record and the records it makes the ledger forget land together or not at all,
-    so the store never holds more than the bounds after a crash. `stored` is what was kept
-    before."""
+    so a crash never leaves a record without its deletes (records of calls running at once
+    may land out of order; the next start trims the store to the bounds again). `stored` is
+    what was kept before."""
 
     def __init__(
         self,

@@ -359,6 +359,7 @@ class EmbeddingTable:
         evaluation lookup would read, storing, promoting and sighting nothing (a tier's find
         still counts its hits and refreshes recency): read_stored, tests and debugging."""
         keys = as_keys(f"{self.where}: peek", keys)
+        self.check_key_range(keys, "peek")
         with self._lock:
             initialized = self.initialized
             try:
@@ -878,6 +879,7 @@ class EmbeddingTable:
         every tier: they read their initial row again, as keys never seen. A replica's
         resync removes this way the rows its training shard no longer holds."""
         keys = as_keys(f"{self.where}: remove", keys)
+        self.check_key_range(keys, "remove")
         keys = np.unique(keys[keys >= 0])
         if keys.size == 0:
             return

@@ -836,7 +836,10 @@ class DirectTier(Tier):
         self.compiled = compiled
         self.width = config.stored_width
         self.capacity = config.capacity
-        self._mapped = MappedArena(self.capacity, self.width)  # zero, page-aligned rows
+        try:
+            self._mapped = MappedArena(self.capacity, self.width)  # zero, page-aligned rows
+        except MemoryError as error:
+            raise MemoryError(f"table {config.name!r}: direct tier: {error}") from None
         self.arena = self._mapped.view()
         self.present = np.zeros(self.capacity, dtype=bool)
         self.dirty = np.zeros(self.capacity, dtype=bool)

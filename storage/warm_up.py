@@ -6,6 +6,7 @@ time, so that a container starts with the cache filled."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -15,7 +16,7 @@ from tierps.core import compiled, optim, ownership
 from tierps.core.config import TableConfig
 from tierps.storage import host_kernels
 from tierps.storage.hash_table import HashTable
-from tierps.storage.tiers import CacheTier, Spill
+from tierps.storage.tiers import CacheTier, DirectTier, Spill
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,13 @@ def warm_up() -> float:
             tier.train_resident(keys[:4], np.ones((4, 4), np.float32), 1, 1 if steps else None)
             # a refused push: its trained rows are made again by the loop over row ids
             tier.train_resident(keys[4:], np.full((4, 4), np.inf, np.float32), 1, None)
+            direct = DirectTier(
+                dataclasses.replace(config, use_hashtable=False, capacity=16), compiled=True
+            )  # a direct table's find and its training loop over row ids
+            direct.insert(keys, rows, np.ones(8, bool), below)
+            direct.find_into(keys, None, 4)
+            direct.train_resident(keys[:4], np.ones((4, 4), np.float32), 1, 1 if steps else None)
+            direct.close()
     compiled.warm_up()
     ownership.warm_up()
     seconds = time.perf_counter() - started

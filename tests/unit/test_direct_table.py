@@ -78,6 +78,8 @@ OUT_OF_RANGE: dict[str, tuple[str, Callable[[EmbeddingTable, np.ndarray], Any]]]
     "eval lookup": ("lookup", lambda t, k: t.lookup(k, create=False)),
     "apply_gradients": ("apply_gradients", lambda t, k: t.apply_gradients(k, ones(k.size), 2)),
     "assign": ("assign", lambda t, k: t.assign(k, ones(k.size))),
+    "remove": ("remove", lambda t, k: t.remove(k)),
+    "peek": ("peek", lambda t, k: t.peek(k)),
     "restore": (
         "restore",
         lambda t, k: t.restore(k, np.zeros((k.size, t.config.row_width), np.float32)),
@@ -357,8 +359,10 @@ def test_a_refused_push_on_a_warm_direct_table_changes_no_row(store: EmbeddingSt
     table.apply_gradients(keys, ones(3), step=1)  # made: the cascade's array code
     table.apply_gradients(keys, ones(3) * 0.5, step=2)  # present: trained in place
     assert table.tiers[0].trains_in_place
+    table.flush()  # clean: a lost restore of the dirty flags shows
     tier = table.tiers[0]
     arena, dirty, stats = tier.arena.copy(), tier.dirty.copy(), table.stats()
+    assert not dirty.any()
     grads = ones(3)
     grads[2, 3] = 1e20
     with pytest.raises(InvalidArgumentError, match="items"):
@@ -385,7 +389,7 @@ def test_a_compiled_direct_find_writes_what_the_array_code_writes(dim: int) -> N
     rows = rng.standard_normal((held.size, config.stored_width), dtype=np.float32)
     for tier in tiers:
         tier.insert(held, rows, np.zeros(held.size, dtype=bool), lambda *_: None)
-    for n in (7, 20000):  # 20000 rows of 64 bytes: past STREAM_BYTES
+    for n in (7, 70000):  # 70000 rows of 64 bytes (dim 16): past STREAM_BYTES, streamed
         keys = rng.integers(-3, 5000, n).astype(np.int64)
         outs = [np.full((n, dim), np.nan, np.float32) for _ in tiers]
         found = [t.find_into(keys, out, dim) for t, out in zip(tiers, outs, strict=True)]

@@ -135,6 +135,25 @@ while True:
 """
 
 
+def test_a_call_writes_its_record_and_the_deletes_it_makes_in_one_write() -> None:
+    """What makes the record and its deletes atomic: end() hands both to ONE write (the
+    store's write_metadata_many, a RocksDB WriteBatch), never a write each."""
+    writes: list[list[tuple[bytes, bytes | None]]] = []
+    book = PushLedger(writes.append, [], "shard 0 of 1")
+    bound = ledger.RECENT_PER_CLIENT
+    for sequence in range(1, bound + 3):
+        book.begin(PushId("c", sequence))
+        book.end(PushId("c", sequence), {"t": sequence})
+    assert len(writes) == bound + 2  # one write a call
+    assert writes[0] == [(PushLedger.key(PushId("c", 1)), b'{"t": 1}')]
+    # the last call forgets the oldest record beyond the bound, in the same write
+    assert writes[-1] == [
+        (PushLedger.key(PushId("c", 2)), None),
+        (PushLedger.key(PushId("c", bound + 2)), json.dumps({"t": bound + 2}).encode()),
+    ]
+
+
+@pytest.mark.slow  # real subprocesses killed: seconds
 def test_a_killed_shard_keeps_each_record_with_the_ones_it_forgot(tmp_path: Path) -> None:
     """kill -9 while a shard records pushes (each record written with the deletes of the one
     it makes the ledger forget): reopened, RocksDB holds the last acknowledged records (or

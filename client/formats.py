@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from tierps.core.errors import InvalidArgumentError
+from tierps.core.validation import first_non_finite
 
 
 class COO(NamedTuple):
@@ -133,9 +134,8 @@ def float_array(
             f"{where}: field '{field}' expected a float array, got dtype {array.dtype}"
         )
     array = np.ascontiguousarray(array, dtype=np.float32)
-    finite = np.isfinite(array)
-    if not finite.all():
-        index = tuple(int(i) for i in np.argwhere(~finite)[0])
+    index = first_non_finite(array)
+    if index is not None:
         at = index[0] if len(index) == 1 else list(index)
         raise InvalidArgumentError(
             f"{where}: field '{field}' expected finite values, got {array[index]} at "

@@ -161,15 +161,17 @@ def as_out(where: str, out: Any, n: int, dim: int) -> np.ndarray:
     raise InvalidArgumentError(f"{where}: field 'out' expected {expected}, got {got}")
 
 
-def first_non_finite(values: np.ndarray) -> tuple[int, int] | None:
-    """(row, column) of the first inf or NaN in a 2-D array, None if every value is finite:
-    what every finiteness refusal names."""
+def first_non_finite(values: np.ndarray) -> tuple[int, ...] | None:
+    """The index of the first inf or NaN in an array, in C order ((row, column) of a 2-D
+    one), None if every value is finite: what every finiteness refusal names. Compiled for
+    a C-contiguous float32 array (no [n] temporary), numpy's isfinite otherwise."""
     from tierps.core.compiled import first_non_finite_index  # imports numba
 
-    if values.ndim == 2 and (flat := first_non_finite_index(values)) is not None:
-        return None if flat < 0 else divmod(flat, values.shape[1])
+    if values.ndim and (flat := first_non_finite_index(values)) is not None:
+        if flat < 0:
+            return None
+        return tuple(int(i) for i in np.unravel_index(flat, values.shape))
     finite = np.isfinite(values)
     if finite.all():
         return None
-    row, column = np.argwhere(~finite)[0]
-    return int(row), int(column)
+    return tuple(int(i) for i in np.argwhere(~finite)[0])

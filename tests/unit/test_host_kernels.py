@@ -540,19 +540,21 @@ def test_large_lookups_stream_the_same_rows_as_the_array_code() -> None:
 
 def test_first_non_finite_matches_numpy() -> None:
     """validation.first_non_finite at compiled speed: the first inf or NaN in row-major
-    order, as numpy's isfinite and argwhere find it, for any shape and placement."""
+    order, as numpy's isfinite and argwhere find it, for any shape and placement (and
+    another dtype, which numpy checks)."""
     from tierps.core.validation import first_non_finite
 
     rng = np.random.default_rng(6)
-    for shape in [(0, 4), (1, 1), (3, 5), (100, 64), (999, 7)]:
-        values = rng.uniform(-3e38, 3e38, shape).astype(np.float32)  # x - x stays 0
+    shapes = [(0, 4), (1, 1), (3, 5), (100, 64), (999, 7), (300,), (7, 3, 2)]
+    for shape, dtype in [*((shape, np.float32) for shape in shapes), ((9, 4), np.float64)]:
+        values = rng.uniform(-3e38, 3e38, shape).astype(dtype)  # x - x stays 0
         assert first_non_finite(values) is None
         for bad in (np.inf, -np.inf, np.nan) if values.size else ():
             for _ in range(10):
                 spoiled = values.copy()
                 spoiled.flat[rng.integers(values.size, size=2)] = bad
                 want = np.argwhere(~np.isfinite(spoiled))[0]
-                assert first_non_finite(spoiled) == (int(want[0]), int(want[1]))
+                assert first_non_finite(spoiled) == tuple(int(i) for i in want)
     assert first_non_finite_index(np.ones((2, 2), np.float32)) == -1
 
 

@@ -6,6 +6,7 @@ median over the rounds.
 
     python -m tests.bench.bench_deepfm [--out docs/perf/deepfm.json]
         [--png docs/perf/deepfm.png] [--quick] [--case zipf_200k|zipf_2m|movielens]... [--replot]
+        [--contender NAME]...
 
 Contenders, each a full training step (lookup and pooling, DeepFM forward, backward with the
 sparse optimizer's update, the dense Adam step):
@@ -491,14 +492,28 @@ def build(
     return DeepFM(embeddings, dim=EMBEDDING_DIM, num_dense=dataset.num_dense, seed=SEED)
 
 
+def chosen(names: Sequence[str]) -> list[Contender]:
+    """The contenders named (all when none is), with what their ratios need: TorchRec DMP
+    and local torch with the same optimizer."""
+    if not names:
+        return list(CONTENDERS)
+    by_name = {c.name: c for c in CONTENDERS}
+    wanted = {BASELINE, *names, *(f"local_{by_name[n].optimizer}" for n in names)}
+    return [c for c in CONTENDERS if c.name in wanted]
+
+
 def run_case(
-    case: Case, client: EmbeddingClient, rounds: int, skipped: Mapping[str, str]
+    case: Case,
+    client: EmbeddingClient,
+    rounds: int,
+    skipped: Mapping[str, str],
+    contenders: Sequence[Contender] = CONTENDERS,
 ) -> dict[str, Any]:
     dataset = case_dataset(case)
     weights = initial_weights(dataset.tables, EMBEDDING_DIM, SEED)
     made = {
         c.name: Trainer(c, build(c, dataset, weights, client))
-        for c in CONTENDERS
+        for c in contenders
         if c.kind not in skipped
     }
     del weights  # each contender holds its own copy
@@ -514,13 +529,13 @@ def run_case(
             if round_index:
                 rates[name].append(rate)
                 cpu[name].append(step_cpu)
-    for contender in CONTENDERS:
+    for contender in contenders:
         if contender.kind == "tierps":
             for table in own_tables(dataset, contender.name).tables:
                 client.drop_table(table)
-    contenders: dict[str, dict[str, Any]] = {}
+    rows: dict[str, dict[str, Any]] = {}
     for name, trainer in made.items():
-        contenders[name] = {
+        rows[name] = {
             "what": trainer.contender.describe,
             "optimizer": trainer.contender.optimizer,
             "samples_per_s": statistics.median(rates[name]),
@@ -530,9 +545,9 @@ def run_case(
             "samples_per_s_each_chunk": rates[name],
             "loss_each_chunk": losses[name],  # round 0's first
         }
-    for row in contenders.values():
-        same = contenders.get(f"local_{row['optimizer']}")
-        baseline = contenders.get(BASELINE)
+    for row in rows.values():
+        same = rows.get(f"local_{row['optimizer']}")
+        baseline = rows.get(BASELINE)
         row["ratio_to_torchrec_dmp"] = (
             None if baseline is None else row["samples_per_s"] / baseline["samples_per_s"]
         )
@@ -548,11 +563,11 @@ def run_case(
         "steps_per_chunk": case.steps,
         "chunks": rounds,
         "click_rate": float(dataset.labels.mean()),
-        "contenders": contenders,
+        "contenders": rows,
     }
 
 
-def run(quick: bool, only: Sequence[str] = ()) -> dict[str, Any]:
+def run(quick: bool, only: Sequence[str] = (), names: Sequence[str] = ()) -> dict[str, Any]:
     cases = [c for c in (QUICK_CASES if quick else CASES) if not only or c.name in only]
     rounds = 2 if quick else 7
     skipped = {kind: why for kind in ("torchrec", "fbgemm") if (why := kernel_missing(kind))}
@@ -581,6 +596,7 @@ def run(quick: bool, only: Sequence[str] = ()) -> dict[str, Any]:
             "dense": f"torch.optim.Adam lr {DENSE_LR}",
         },
         "shards": SHARDS,
+        "contenders_chosen": list(names),  # none: every contender
         "skipped": skipped,
         "rows": [],
     }
@@ -600,7 +616,7 @@ def run(quick: bool, only: Sequence[str] = ()) -> dict[str, Any]:
             for case in cases:
                 started, load = time.perf_counter(), os.getloadavg()
                 try:
-                    row = run_case(case, client, rounds, skipped)
+                    row = run_case(case, client, rounds, skipped, chosen(names))
                 except data.DatasetUnavailableError as error:
                     print(f"skipping {case.name}: {error}", flush=True)
                     continue
@@ -711,11 +727,19 @@ def main() -> int:
         choices=[case.name for case in CASES],
         help="run only this shape (repeatable; default: all)",
     )
+    parser.add_argument(
+        "--contender",
+        action="append",
+        default=[],
+        choices=[c.name for c in CONTENDERS],
+        help="race only this contender (repeatable; TorchRec DMP and local torch with the "
+        "same optimizer always run, for the ratios; default: all)",
+    )
     args = parser.parse_args()
     if args.replot:
         plot(json.loads(args.out.read_text()), args.png)
         return 0
-    results = run(args.quick, args.case)
+    results = run(args.quick, args.case, args.contender)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     plot(results, args.png)

@@ -267,6 +267,38 @@ class MappedArena:
         self.rows = rows
 
 
+def refused_rows(
+    train: Callable[..., int],
+    arena: np.ndarray,
+    ids: np.ndarray,
+    grads: np.ndarray,
+    hyper: np.ndarray,
+    size: int,
+    width: int,
+) -> np.ndarray:
+    """A refused push's trained rows [n, width] for its refusal to name: the rows `ids` of
+    the arena (put back already by the training loop) trained again on a copy by the same
+    loop (`train`, host_kernels.fused_trainer's), so the same arithmetic, unchecked."""
+    n = ids.shape[0]
+    trained = np.take(arena, ids, axis=0)
+    unused = np.empty(n, dtype=bool)
+    train(
+        trained,
+        np.arange(n),
+        grads,
+        hyper,
+        size,
+        False,
+        np.empty((n, width), dtype=np.float32),
+        unused,
+        np.empty(0, np.float32),
+        False,
+        width,
+        np.empty(n, dtype=bool),
+    )
+    return trained[:, :width]
+
+
 class Scratch:
     """A tier's working rows for a push (train_resident's saved values; its contents are
     the caller's until its push ends), kept between pushes: fresh pages every push would be
@@ -696,23 +728,9 @@ class CacheTier(Tier):
         hit = np.arange(n) if everything else np.flatnonzero(ids >= 0)
         trained_ids = ids if everything else ids[hit]
         if bad >= 0:  # put back already; the trained rows, same arithmetic, for the refusal
-            trained = np.take(self.arena, trained_ids, axis=0)
             train, _ = host_kernels.fused_trainer(self.config.optimizer, step)  # type: ignore[misc]
-            train(
-                trained,
-                np.arange(hits),
-                grads[hit],
-                hyper,
-                size,
-                False,
-                backup,
-                np.empty(hits, dtype=bool),
-                stamp_bits,
-                False,
-                width,
-                np.empty(hits, dtype=bool),
-            )
-            return hit, None, trained[:, :width]
+            refused = refused_rows(train, self.arena, trained_ids, grads[hit], hyper, size, width)
+            return hit, None, refused
         saved, saved_dirty = backup[:hits], was_dirty[:hits]
 
         def undo() -> None:
@@ -924,22 +942,7 @@ class DirectTier(Tier):
             self.dirty,
         )
         if bad >= 0:  # put back already; the trained rows, same arithmetic, for the refusal
-            trained = np.take(self.arena, ids, axis=0)
-            train(
-                trained,
-                np.arange(n),
-                grads,
-                hyper,
-                size,
-                False,
-                np.empty((n, touched), dtype=np.float32),
-                np.empty(n, dtype=bool),
-                stamp_bits,
-                False,
-                width,
-                np.empty(n, dtype=bool),
-            )
-            return hit, None, trained[:, :width]
+            return hit, None, refused_rows(train, self.arena, ids, grads, hyper, size, width)
 
         def undo() -> None:
             self.arena[ids, :touched] = backup

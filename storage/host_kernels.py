@@ -785,17 +785,23 @@ if numba is not None:
     """The compiled training loop that finds its rows by key (_train_keys), by kernel."""
 
     @jit_kernel
+    def _uniform_weight(base, c, span, low, below_high):
+        """init.Uniform's weight of column c of the key whose counter base is `base` (bit
+        for bit the numpy code: counter_bits, top 24 bits, low + span * u in float64,
+        rounded to float32, capped below high): the one copy both initializers use."""
+        bits = mix64_scalar(base + np.uint64(c + 1) * GOLDEN)
+        u = np.float64(np.int32(bits >> _S40)) * _TWO_POW_M24  # < 2**24: exact
+        value = np.float32(low + span * u)
+        return value if value < below_high else below_high
+
+    @jit_kernel
     def k_uniform_rows(keys, stream, span, low, below_high, out, fills, dim):
-        """init.Uniform's weights into out[:, :dim] (bit for bit the numpy code:
-        counter_bits, top 24 bits, low + span * u in float64, rounded to float32, capped
-        below high) and each state slot k filled with fills[k]."""
+        """init.Uniform's weights into out[:, :dim] (_uniform_weight) and each state slot k
+        filled with fills[k]."""
         for i in range(keys.shape[0]):
             base = mix64_scalar(np.uint64(keys[i]) ^ stream)
             for c in range(dim):
-                bits = mix64_scalar(base + np.uint64(c + 1) * GOLDEN)
-                u = np.float64(np.int32(bits >> _S40)) * _TWO_POW_M24  # < 2**24: exact
-                value = np.float32(low + span * u)
-                out[i, c] = value if value < below_high else below_high
+                out[i, c] = _uniform_weight(base, c, span, low, below_high)
             for k in range(fills.shape[0]):
                 for c in range(dim):
                     out[i, (k + 1) * dim + c] = fills[k]
@@ -809,16 +815,13 @@ if numba is not None:
         `stamp` when given) and its weights into out[i] too (a lookup's answer: a copy).
         A row id >= `fresh` was never used, so its memory is still the zero pages of a
         fresh mapping: a state slot whose fill is +0.0 (zero_fill[k]) is not written
-        there again. The same arithmetic as k_uniform_rows, statement by statement."""
+        there again. The same weights as k_uniform_rows (_uniform_weight)."""
         row_width = dim * (fills.shape[0] + 1)
         for i in range(keys.shape[0]):
             r = ids[i]
             base = mix64_scalar(np.uint64(keys[i]) ^ stream)
             for c in range(dim):
-                bits = mix64_scalar(base + np.uint64(c + 1) * GOLDEN)
-                u = np.float64(np.int32(bits >> _S40)) * _TWO_POW_M24  # < 2**24: exact
-                value = np.float32(low + span * u)
-                value = value if value < below_high else below_high
+                value = _uniform_weight(base, c, span, low, below_high)
                 arena[r, c] = value
                 out[i, c] = value
             for k in range(fills.shape[0]):

@@ -281,7 +281,6 @@ def refused_rows(
     loop (`train`, host_kernels.fused_trainer's), so the same arithmetic, unchecked."""
     n = ids.shape[0]
     trained = np.take(arena, ids, axis=0)
-    unused = np.empty(n, dtype=bool)
     train(
         trained,
         np.arange(n),
@@ -289,8 +288,8 @@ def refused_rows(
         hyper,
         size,
         False,
-        np.empty((n, width), dtype=np.float32),
-        unused,
+        np.empty((n, width), dtype=np.float32),  # the loop's saved values and flags: unused
+        np.empty(n, dtype=bool),
         np.empty(0, np.float32),
         False,
         width,
